@@ -1,0 +1,15 @@
+"""graphc: a static-graph compiler for distributed training on PyTorch.
+
+Public API (see README and ../shared/API.md): Graph, placement, sbp, to_global,
+GlobalTensor, GraphcError, ExecutionPlan.
+"""
+from .errors import GraphcError, PlanError, RankFailedError
+from .global_tensor import GlobalTensor, to_global
+from .graph import Graph
+from .placement import placement, sbp
+from .plan.plan import ExecutionPlan
+
+__version__ = "0.1.0"
+
+__all__ = ["Graph", "GlobalTensor", "GraphcError", "PlanError", "RankFailedError",
+           "ExecutionPlan", "placement", "sbp", "to_global", "__version__"]

@@ -1,0 +1,152 @@
+"""compile(): the pass order, written once.
+
+Each step records its output and time in the compilation history (GRAPHC_DEBUG=2 prints
+the timings, 4 prints each pass's fx graph).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Sequence
+
+import torch
+import torch.fx as fx
+
+from .errors import GraphcError
+from .meta import BACKWARD_TARGET
+from .passes.annotate_stages import annotate_stages
+from .passes.lower_plan import lower_plan
+from .passes.propagate_shapes import propagate_shapes
+from .passes.split_stages import split_stages
+from .passes.trace_build import trace_build
+from .passes.verify_graph import verify_annotated, verify_traced
+from .plan.plan import ExecutionPlan, StageInfo
+from .plan.program import StageProgram
+from .plan.verify import verify_plans
+
+
+@dataclass
+class PassRecord:
+    name: str
+    seconds: float
+    text: str
+
+
+@dataclass
+class CompiledGraph:
+    """Everything compile() produced: the annotated graph, stage programs, every rank's plan."""
+
+    gm: fx.GraphModule
+    stages: List[StageInfo]
+    programs: List[StageProgram]
+    plans: List[ExecutionPlan]
+    training: bool
+    num_microbatches: int
+    input_meta: List[tuple]
+    history: List[PassRecord] = field(default_factory=list)
+
+    def plan_for(self, rank: int) -> ExecutionPlan:
+        return self.plans[rank]
+
+
+def debug_level() -> int:
+    try:
+        return int(os.environ.get("GRAPHC_DEBUG", "0"))
+    except ValueError:
+        return 0
+
+
+def _step(history: List[PassRecord], name: str, fn: Callable, *args) -> Any:
+    start = time.perf_counter()
+    out = fn(*args)
+    took = time.perf_counter() - start
+    text = out.graph.python_code("self").src if isinstance(out, fx.GraphModule) else ""
+    history.append(PassRecord(name, took, f"# Constructed by {name} (took {took * 1e3:.1f} ms)\n{text}"))
+    if debug_level() >= 2:
+        print(f"[graphc] pass {name}: {took * 1e3:.1f} ms", flush=True)
+    if debug_level() >= 4 and text:
+        print(history[-1].text, flush=True)
+    return out
+
+
+def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int) -> CompiledGraph:
+    """Compiles graph_obj.build() for every rank of a world of `world_size`."""
+    h: List[PassRecord] = []
+    cfg = graph_obj.config
+    m = cfg.gradient_accumulation_steps
+    stages, stage_of_module = collect_stages(graph_obj, world_size)
+    # 1. trace build() into one fx graph: the whole step, backward() as a node
+    gm = _step(h, "trace_build", trace_build, graph_obj)
+    # 2. reject what a static graph cannot hold (host syncs, several backward())
+    _step(h, "verify_traced", verify_traced, gm)
+    training = any(n.op == "call_method" and n.target == BACKWARD_TARGET for n in gm.graph.nodes)
+    # 3. a pipeline stage for every node, from set_stage and data flow
+    gm = _step(h, "annotate_stages", annotate_stages, gm, stage_of_module)
+    # 4. per-micro-batch shapes, so every transfer's buffer is known before running
+    gm = _step(h, "propagate_shapes", propagate_shapes, gm, example_inputs, m)
+    # 5. check data flows forward through stages and the loss is a scalar
+    _step(h, "verify_annotated", verify_annotated, gm, stage_of_module, len(stages))
+    # 6. one fx program per stage, with its sends and receives
+    programs = _step(h, "split_stages", split_stages, gm, len(stages))
+    # 7. schedule + point-to-point lowering into every rank's execution plan
+    plans = _step(h, "lower_plan", lower_plan, programs, stages, cfg.pipeline_schedule, m,
+                  training, world_size)
+    # 8. all plans together must pair up and be free of deadlock
+    _step(h, "verify_plans", verify_plans, plans)
+    input_meta = [(tuple(t.shape), t.dtype) for t in example_inputs]
+    compiled = CompiledGraph(gm, stages, programs, plans, training, m, input_meta, h)
+    if debug_level() >= 1:
+        total = sum(r.seconds for r in h)
+        print(f"[graphc] compiled {type(graph_obj).__name__}: {len(stages)} stage(s), "
+              f"{m} micro-batch(es), schedule={cfg.pipeline_schedule}, "
+              f"{'training' if training else 'inference'}, {total * 1e3:.0f} ms", flush=True)
+    return compiled
+
+
+def collect_stages(graph_obj, world_size: int):
+    """The StageInfo list from the modules' set_stage calls, checked for the common mistakes."""
+    configured = {name: c for name, c in graph_obj._module_configs.items() if c.stage_id is not None}
+    if not configured:
+        ranks = tuple(range(world_size))
+        return [StageInfo(0, ranks, _default_device_type(graph_obj))], {}
+    by_id: Dict[int, Any] = {}
+    for name, c in sorted(configured.items(), key=lambda kv: kv[1].stage_id):
+        _check_ranks(name, c.placement, world_size)
+        prev = by_id.setdefault(c.stage_id, (name, c.placement))
+        if prev[1] != c.placement:
+            raise GraphcError(
+                f"stage {c.stage_id} is given two placements: module '{prev[0]}' has {prev[1]} and "
+                f"module '{name}' has {c.placement}. Fix: give every module of one stage the same "
+                "placement, or different stage ids.")
+    ids = sorted(by_id)
+    if ids != list(range(len(ids))):
+        missing = sorted(set(range(max(ids) + 1)) - set(ids))
+        raise GraphcError(f"stage ids must be 0, 1, ..., p-1 without gaps; found {ids} "
+                          f"(missing {missing}). Fix: renumber the set_stage calls.")
+    seen: Dict[int, int] = {}
+    for sid in ids:
+        for r in by_id[sid][1].flat_ranks:
+            if r in seen:
+                raise GraphcError(
+                    f"rank {r} is in the placement of stage {seen[r]} and of stage {sid} "
+                    f"(module '{by_id[sid][0]}'); each rank runs at most one stage. Fix: give the "
+                    "stages disjoint placements.")
+            seen[r] = sid
+    stages = [StageInfo(sid, by_id[sid][1].flat_ranks, by_id[sid][1].type) for sid in ids]
+    return stages, {name: c.stage_id for name, c in configured.items()}
+
+
+def _check_ranks(name: str, placement, world_size: int) -> None:
+    bad = [r for r in placement.flat_ranks if r >= world_size]
+    if bad:
+        raise GraphcError(
+            f"module '{name}': placement {placement} names rank(s) {bad}, but the world has "
+            f"{world_size} rank(s) (0..{world_size - 1}). Fix: launch with torchrun "
+            f"--nproc_per_node {max(placement.flat_ranks) + 1}, or use ranks below {world_size}.")
+
+
+def _default_device_type(graph_obj) -> str:
+    for p in graph_obj._root.parameters():
+        return "cuda" if p.is_cuda else "cpu"
+    return "cpu"

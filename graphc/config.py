@@ -1,0 +1,74 @@
+"""Per-module and per-graph configuration, set by the user in Graph.__init__."""
+from __future__ import annotations
+
+from typing import Optional
+
+from .errors import GraphcError
+from .placement import placement as Placement
+
+
+class ModuleConfig:
+    """`graph.<module>.config`: the pipeline stage of one module.
+
+    Example:
+        self.model.stage0.config.set_stage(stage_id=0, placement=P0)
+    """
+
+    def __init__(self, qualname: str, graph):
+        self._qualname = qualname
+        self._graph = graph
+        self.stage_id: Optional[int] = None
+        self.placement: Optional[Placement] = None
+
+    def set_stage(self, stage_id: int, placement: Placement) -> None:
+        """Runs this module (and everything inside it) as pipeline stage `stage_id` on `placement`."""
+        if self._graph._compiled is not None:
+            raise GraphcError(
+                f"module '{self._qualname}': set_stage was called after the graph was compiled; "
+                "stages are fixed at the first call. Call set_stage in the Graph's __init__.")
+        if not isinstance(stage_id, int) or isinstance(stage_id, bool) or stage_id < 0:
+            raise GraphcError(f"module '{self._qualname}': stage_id must be an int >= 0, found {stage_id!r}")
+        if not isinstance(placement, Placement):
+            raise GraphcError(f"module '{self._qualname}': set_stage needs a graphc.placement, "
+                              f"found {placement!r}; use graphc.placement(\"cpu\", ranks=[...])")
+        self.stage_id = stage_id
+        self.placement = placement
+
+    def __repr__(self) -> str:
+        return f"ModuleConfig({self._qualname!r}, stage_id={self.stage_id}, placement={self.placement})"
+
+
+class GraphConfig:
+    """`graph.config`: options of the whole graph."""
+
+    def __init__(self, graph):
+        self._graph = graph
+        self.gradient_accumulation_steps = 1
+        self.pipeline_schedule = "1f1b"
+        self.recv_window = 2
+
+    def _check_open(self, what: str) -> None:
+        if self._graph._compiled is not None:
+            raise GraphcError(f"graph.config.{what} was called after the graph was compiled; "
+                              "set options in the Graph's __init__")
+
+    def set_gradient_accumulation_steps(self, steps: int) -> None:
+        """Splits each batch into `steps` micro-batches; the optimizer steps once per call."""
+        self._check_open("set_gradient_accumulation_steps")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise GraphcError(f"gradient accumulation steps must be an int >= 1, found {steps!r}")
+        self.gradient_accumulation_steps = steps
+
+    def set_pipeline_schedule(self, name: str) -> None:
+        """"1f1b" (default: least activation memory) or "gpipe"."""
+        from .plan.schedules import SCHEDULES
+        self._check_open("set_pipeline_schedule")
+        if name not in SCHEDULES:
+            raise GraphcError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+        self.pipeline_schedule = name
+
+    def set_recv_window(self, n: int) -> None:
+        """How many receives per peer the runtime posts ahead of the compute that needs them."""
+        if not isinstance(n, int) or n < 1:
+            raise GraphcError(f"recv window must be an int >= 1, found {n!r}")
+        self.recv_window = n

@@ -1,0 +1,116 @@
+"""GlobalTensor and graphc.to_global."""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .errors import GraphcError
+from .placement import Broadcast, PartialSum, Split, normalize_sbp
+from .placement import placement as Placement
+
+
+class GlobalTensor:
+    """A tensor laid out over a placement with an SBP; this rank holds `to_local()`.
+
+    Example:
+        x = graphc.to_global(torch.randn(8, 4), placement=P01, sbp=sbp.split(0))
+        x.shape        # global shape, (16, 4) on 2 ranks
+        x.to_local()   # this rank's (8, 4) shard
+    """
+
+    def __init__(self, local: torch.Tensor, placement: Placement, sbp, shape: Tuple[int, ...]):
+        self._local = local
+        self.placement = placement
+        self.sbp = sbp if isinstance(sbp, tuple) else (sbp,)
+        self.shape = torch.Size(shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._local.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's component; an empty tensor on a rank outside the placement."""
+        return self._local
+
+    def __repr__(self) -> str:
+        sbp = self.sbp[0] if len(self.sbp) == 1 else self.sbp
+        return (f"GlobalTensor(shape={list(self.shape)}, placement={self.placement}, sbp={sbp}, "
+                f"local={self._local!r})")
+
+
+def to_global(obj, placement: Placement, sbp):
+    """Declares where a module, parameter or tensor lives and how it is laid out.
+
+    On an nn.Module: placement/sbp for all its parameters and buffers; returns the module.
+    On an nn.Parameter or buffer: that tensor's placement/sbp; returns it unchanged.
+    On a tensor outside build(): a GlobalTensor whose local component is the tensor.
+    On a tensor inside build(): a conversion point in the traced graph.
+    """
+    if not isinstance(placement, Placement):
+        raise GraphcError(f"to_global needs placement=graphc.placement(...), found {placement!r}")
+    if isinstance(obj, fx.Proxy):
+        sbp_t = normalize_sbp(sbp, where="to_global inside build()")
+        return obj.tracer.create_proxy("call_function", to_global_op, (obj,),
+                                       {"placement": placement, "sbp": sbp_t})
+    if isinstance(obj, nn.Module):
+        for t in list(obj.parameters()) + list(obj.buffers()):
+            _declare(t, placement, normalize_sbp(sbp, t.dim(), f"to_global on {type(obj).__name__}"),
+                     override=False)
+        return obj
+    if isinstance(obj, nn.Parameter):
+        _declare(obj, placement, normalize_sbp(sbp, obj.dim(), "to_global on a parameter"), override=True)
+        return obj
+    if isinstance(obj, GlobalTensor):
+        obj = obj.to_local()
+    if isinstance(obj, torch.Tensor):
+        return _global_from_local(obj, placement, normalize_sbp(sbp, obj.dim(), "to_global"))
+    raise GraphcError(f"to_global expects an nn.Module, a parameter or a tensor, found {type(obj).__name__}")
+
+
+# id(tensor) -> (placement, sbp tuple, tensor); holding the tensor keeps the id valid.
+_DECLARED: dict = {}
+
+
+def _declare(t: torch.Tensor, placement: Placement, sbp: tuple, override: bool) -> None:
+    if override or id(t) not in _DECLARED or not _DECLARED[id(t)][3]:
+        _DECLARED[id(t)] = (placement, sbp, t, override)
+
+
+def declared_layout(t: torch.Tensor):
+    """(placement, sbp) given by to_global for a parameter or buffer, or None."""
+    entry = _DECLARED.get(id(t))
+    if entry is None or entry[2] is not t:
+        return None
+    return entry[0], entry[1]
+
+
+def _global_from_local(local: torch.Tensor, placement: Placement, sbp: tuple) -> GlobalTensor:
+    if len(sbp) != placement.ndim:
+        raise GraphcError(f"to_global: a {placement.ndim}-D placement needs {placement.ndim} sbp "
+                          f"values, found {len(sbp)}: {sbp}")
+    shape = list(local.shape)
+    mesh = [len(placement.ranks)] if placement.ndim == 1 else [len(placement.ranks), len(placement.ranks[0])]
+    for axis, s in enumerate(sbp):
+        if isinstance(s, Split):
+            shape[s.dim] *= mesh[axis]
+    return GlobalTensor(local, placement, sbp, tuple(shape))
+
+
+def to_global_op(t: torch.Tensor, placement: Placement, sbp: tuple) -> torch.Tensor:
+    """The traced form of to_global inside build(); lowered by the compiler."""
+    return t
+
+
+def is_broadcast(sbp: tuple) -> bool:
+    return all(isinstance(s, Broadcast) for s in sbp)
+
+
+__all__ = ["GlobalTensor", "to_global", "declared_layout", "to_global_op", "is_broadcast",
+           "Split", "Broadcast", "PartialSum"]

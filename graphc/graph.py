@@ -1,0 +1,293 @@
+"""graphc.Graph: the user's entry point (see ../shared/API.md)."""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import compiler
+from .block import ModuleBlock
+from .config import GraphConfig
+from .errors import GraphcError
+from .global_tensor import GlobalTensor, is_broadcast
+from .meta import META_STAGE
+from .placement import placement as Placement
+from .plan.plan import ExecutionPlan
+from .runtime.actors import Runtime, StepStats
+from .runtime.comm import P2P
+from .runtime.dist_env import device_for, ensure_process_group
+from .state import GraphState
+
+
+class _BuildRoot(nn.Module):
+    """The nn.Module traced for build(): holds the user's modules under their names.
+
+    Attribute lookups that are not modules fall back to the Graph, so build() can use
+    the Graph's other attributes and helper methods.
+    """
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            graph = self.__dict__.get("_graphc_graph")
+            if graph is None:
+                raise
+            return getattr(graph, name)
+
+
+class Graph:
+    """A static training (or inference) step compiled from `build()`.
+
+    Subclass it, assign modules in `__init__`, optionally mark pipeline stages and
+    accumulation, add an optimizer, and write `build()`; each call runs one step.
+
+    Example:
+        class TrainGraph(graphc.Graph):
+            def __init__(self, model, opt):
+                super().__init__()
+                self.model = model
+                self.model.stage0.config.set_stage(0, graphc.placement("cpu", [0]))
+                self.model.stage1.config.set_stage(1, graphc.placement("cpu", [1]))
+                self.config.set_gradient_accumulation_steps(4)
+                self.add_optimizer(opt)
+
+            def build(self, x, y):
+                loss = F.cross_entropy(self.model(x), y)
+                loss.backward()
+                return loss
+
+        loss = TrainGraph(model, opt)(x, y).to_local()
+    """
+
+    def __init__(self):
+        root_cls = type(f"{type(self).__name__}Build", (_BuildRoot,), {"forward": type(self).build})
+        root = root_cls()
+        object.__setattr__(root, "_graphc_graph", self)
+        object.__setattr__(self, "_root", root)
+        object.__setattr__(self, "_module_configs", {})
+        object.__setattr__(self, "_compiled", None)
+        object.__setattr__(self, "config", GraphConfig(self))
+        object.__setattr__(self, "_optimizer", None)
+        object.__setattr__(self, "_lr_scheduler", None)
+        object.__setattr__(self, "_runtime", None)
+        object.__setattr__(self, "_state", None)
+        object.__setattr__(self, "_pending_state", None)
+        object.__setattr__(self, "_rank", 0)
+        object.__setattr__(self, "last_stats", None)
+
+    # -- modules ---------------------------------------------------------------------
+    def __setattr__(self, name: str, value) -> None:
+        if "_root" not in self.__dict__:
+            raise GraphcError(f"{type(self).__name__}.__init__ must call super().__init__() "
+                              f"before assigning '{name}'")
+        if isinstance(value, ModuleBlock):
+            value = value.origin
+        if isinstance(value, nn.Module):
+            if self._compiled is not None:
+                raise GraphcError(f"module '{name}' was assigned after the graph was compiled; "
+                                  "assign modules in __init__")
+            self._root.add_module(name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str):
+        root = self.__dict__.get("_root")
+        if root is not None and name in root._modules:
+            return ModuleBlock(root._modules[name], name, self)
+        raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
+
+    def build(self, *args):
+        """Override: the step, written as eager PyTorch on whole (global) tensors."""
+        raise GraphcError(f"{type(self).__name__} must define build(self, ...)")
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer, lr_sch=None) -> None:
+        """The graph calls optimizer.step(), zero_grad() and lr_sch.step() once per call."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise GraphcError(f"add_optimizer expects a torch.optim.Optimizer, found {type(optimizer).__name__}")
+        if self._optimizer is not None:
+            raise GraphcError("add_optimizer was called twice; graphc supports one optimizer per graph")
+        object.__setattr__(self, "_optimizer", optimizer)
+        object.__setattr__(self, "_lr_scheduler", lr_sch)
+
+    # -- compile and run -------------------------------------------------------------
+    def compile(self, *inputs) -> ExecutionPlan:
+        """Compiles for these example inputs without running a step; returns this rank's plan."""
+        if self._compiled is None:
+            self._compile(_local_and_global(inputs))
+        return self.plan
+
+    def __call__(self, *inputs):
+        args = _local_and_global(inputs)
+        if self._compiled is None:
+            self._compile(args)
+        else:
+            self._check_inputs(args)
+        results, stats = self._runtime.step([local for local, _ in args])
+        object.__setattr__(self, "last_stats", stats)
+        self._state.steps += 1 if self._compiled.training else 0
+        return self._outputs(results)
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        """This rank's compiled ExecutionPlan."""
+        if self._compiled is None:
+            raise GraphcError("the graph is not compiled yet; call graph(*inputs) or "
+                              "graph.compile(*inputs) first")
+        return self._compiled.plan_for(self._rank)
+
+    @property
+    def compiled(self) -> compiler.CompiledGraph:
+        if self._compiled is None:
+            raise GraphcError("the graph is not compiled yet; call graph.compile(*inputs) first")
+        return self._compiled
+
+    def _compile(self, args) -> None:
+        device_types = {c.placement.type for c in self._module_configs.values() if c.placement}
+        rank, world = ensure_process_group(device_types or {"cpu"})
+        example = [torch.empty(g_shape, dtype=local.dtype) for local, g_shape in
+                   ((a[0], a[1][0]) for a in args)]
+        compiled = compiler.compile(self, example, world)
+        _check_input_placements(compiled, args)
+        object.__setattr__(self, "_rank", rank)
+        object.__setattr__(self, "_compiled", compiled)
+        self._setup_runtime(compiled, rank)
+
+    def _setup_runtime(self, compiled: compiler.CompiledGraph, rank: int) -> None:
+        plan = compiled.plan_for(rank)
+        local = plan.local_stages
+        program = compiled.programs[local[0]] if local else None
+        stage = compiled.stages[local[0]] if local else None
+        device = device_for(stage.device_type) if stage else torch.device("cpu")
+        state = GraphState(self._root, compiled, rank, self._optimizer, self._lr_scheduler)
+        state.take_ownership(device)
+        object.__setattr__(self, "_state", state)
+        if self._pending_state is not None:
+            state.load(self._pending_state)
+            object.__setattr__(self, "_pending_state", None)
+        p2p = P2P(rank, _pairs(compiled.plans), use_nccl=any(s.device_type == "cuda" for s in compiled.stages))
+        trace = bool(int(os.environ.get("GRAPHC_TRACE", "0") or 0))
+        object.__setattr__(self, "_runtime", Runtime(plan, program, p2p, device, self._optimizer,
+                                                     self._lr_scheduler, self.config.recv_window, trace))
+
+    def _check_inputs(self, args) -> None:
+        want = self._compiled.input_meta
+        if len(args) != len(want):
+            raise GraphcError(f"{type(self).__name__} was compiled for {len(want)} inputs, "
+                              f"called with {len(args)}")
+        for i, ((local, (shape, _, _)), (w_shape, w_dtype)) in enumerate(zip(args, want)):
+            if tuple(shape) != tuple(w_shape) or local.dtype != w_dtype:
+                raise GraphcError(
+                    f"input {i} of {type(self).__name__} has shape {list(shape)} and dtype "
+                    f"{local.dtype}, but the graph was compiled for {list(w_shape)} {w_dtype}. "
+                    "A compiled graph keeps its shapes (every buffer is sized at compile time). "
+                    "Fix: pad or drop the last batch, or build a second Graph for the new shape.")
+
+    def _outputs(self, results: Dict[str, List[torch.Tensor]]):
+        gm = self._compiled.gm
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+
+        def wrap(node: fx.Node):
+            stage = self._compiled.stages[node.meta[META_STAGE]]
+            where = Placement(stage.device_type, list(stage.ranks))
+            if node.name in results:
+                local = _merge(results[node.name])
+            else:
+                local = torch.empty(0)
+            meta_shape = local.shape if node.name in results else ()
+            return GlobalTensor(local, where, (_broadcast(),), tuple(meta_shape))
+
+        return fx.node.map_arg(out_node.args[0], wrap)
+
+    # -- state -----------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's parameters, buffers, optimizer and step state (a sharded checkpoint)."""
+        if self._state is None:
+            raise GraphcError("state_dict() needs a compiled graph: run one step or call "
+                              "graph.compile(*inputs) first")
+        return self._state.local_state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Loads what state_dict() saved on this rank; before compiling, it is applied at compile."""
+        if self._state is None:
+            object.__setattr__(self, "_pending_state", state)
+        else:
+            self._state.load(state)
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Collective: the complete model state dict on every rank, loadable into the eager model."""
+        if self._state is None:
+            return _unprefixed(self._root, {k: v.detach().clone() for k, v in self._root.state_dict().items()})
+        return _unprefixed(self._root, self._state.full_state_dict())
+
+    def __repr__(self) -> str:
+        name = type(self).__name__
+        if self._compiled is None:
+            mods = ", ".join(f"{k}: {type(v).__name__}" for k, v in self._root._modules.items())
+            return f"{name}(not compiled; modules: {mods})"
+        parts = [f"{name} (compiled)"] + [str(p) for p in self._compiled.programs] + [str(self.plan)]
+        return "\n\n".join(parts)
+
+
+def _broadcast():
+    from .placement import sbp
+    return sbp.broadcast
+
+
+def _merge(per_mb: List[torch.Tensor]) -> torch.Tensor:
+    if len(per_mb) == 1:
+        return per_mb[0]
+    if per_mb[0].dim() == 0:
+        return torch.stack(per_mb).mean()
+    return torch.cat(per_mb, 0)
+
+
+def _local_and_global(inputs) -> list:
+    """[(local tensor, (global shape, sbp or None, placement or None))] for each input."""
+    out = []
+    for i, x in enumerate(inputs):
+        if isinstance(x, GlobalTensor):
+            if not is_broadcast(x.sbp):
+                raise GraphcError(
+                    f"input {i} is a GlobalTensor with sbp {x.sbp}; this version of the pipeline "
+                    "runtime takes broadcast inputs. Fix: pass the full tensor (sbp.broadcast).")
+            out.append((x.to_local(), (tuple(x.shape), x.sbp, x.placement)))
+        elif isinstance(x, torch.Tensor):
+            out.append((x, (tuple(x.shape), None, None)))
+        else:
+            raise GraphcError(f"input {i} of the graph is a {type(x).__name__}; graph inputs must be "
+                              "tensors or graphc.GlobalTensor. Fix: pass constants as module "
+                              "attributes or Graph attributes instead.")
+    return out
+
+
+def _check_input_placements(compiled, args) -> None:
+    placeholders = [n for n in compiled.gm.graph.nodes if n.op == "placeholder"]
+    for node, (_, (_, _, where)) in zip(placeholders, args):
+        if where is None:
+            continue
+        stage = compiled.stages[node.meta[META_STAGE]]
+        outside = [r for r in stage.ranks if r not in where.flat_ranks]
+        if outside:
+            raise GraphcError(
+                f"input '{node.name}' is placed on {where} but is first used on stage "
+                f"{stage.stage_id}, which runs on ranks {list(stage.ranks)}. Fix: create it with "
+                f"graphc.to_global(t, placement=graphc.placement(\"{stage.device_type}\", "
+                f"ranks={list(stage.ranks)}), sbp=graphc.sbp.broadcast).")
+
+
+def _pairs(plans) -> set:
+    from .plan.instructions import Send
+    return {(p.rank, ins.peer) for p in plans for ins in p.instructions if isinstance(ins, Send)}
+
+
+def _unprefixed(root: nn.Module, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Drops the attribute prefix when a single assigned module holds all the state."""
+    holders = [name for name, m in root._modules.items() if m.state_dict()]
+    if len(holders) != 1:
+        return sd
+    prefix = holders[0] + "."
+    return {k[len(prefix):]: v for k, v in sd.items()}

@@ -1,0 +1,75 @@
+"""propagate_shapes: records every node's per-micro-batch shape, dtype and requires_grad.
+
+Invariant: every node producing a tensor has node.meta[META_TENSOR] (a TensorMeta for
+one micro-batch); other nodes have None. Placeholders split into micro-batches carry
+META_BATCHED. Runs on fake tensors, so no real compute or memory is spent, and every
+receive buffer's shape is known at compile time (no step ever exchanges shapes).
+Requires: trace_build.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..errors import GraphcError
+from ..meta import BACKWARD_TARGET, META_BATCHED, META_TENSOR, TensorMeta
+
+
+def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
+                     num_microbatches: int) -> fx.GraphModule:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        raise GraphcError(f"{type(gm).__name__}.build() takes {len(placeholders)} inputs "
+                          f"({', '.join(p.name for p in placeholders)}), found {len(example_inputs)}")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    env = {}
+    with mode:
+        for node, value in zip(placeholders, example_inputs):
+            env[node] = _microbatch_fake(node, value, num_microbatches)
+        interp = fx.Interpreter(gm)
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                pass
+            elif node.op == "call_method" and node.target == BACKWARD_TARGET:
+                env[node] = None
+            elif node.op == "output":
+                continue
+            else:
+                env[node] = _run_node(interp, node, env)
+            node.meta[META_TENSOR] = TensorMeta.of(env[node]) if isinstance(env[node], torch.Tensor) else None
+    return gm
+
+
+def _microbatch_fake(node, value: torch.Tensor, m: int):
+    batched = value.dim() >= 1
+    node.meta[META_BATCHED] = batched
+    shape = list(value.shape)
+    if batched:
+        if shape[0] % m:
+            raise GraphcError(
+                f"input '{node.name}' has batch size {shape[0]} along dim 0, which is not divisible "
+                f"by the {m} gradient accumulation steps; use a batch size that is a multiple of {m} "
+                "or change config.set_gradient_accumulation_steps")
+        shape[0] //= m
+    return torch.empty(shape, dtype=value.dtype)  # fake: created under the FakeTensorMode
+
+
+def _run_node(interp: fx.Interpreter, node: fx.Node, env):
+    args = fx.node.map_arg(node.args, lambda n: env[n])
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+    try:
+        return getattr(interp, node.op)(node.target, args, kwargs)
+    except GraphcError:
+        raise
+    except Exception as e:
+        where = node.meta.get("stack_trace", "").strip().splitlines()
+        line = where[-2].strip() + " " + where[-1].strip() if len(where) >= 2 else node.format_node()
+        shapes = [f"{a.name}: {a.meta.get(META_TENSOR)}" for a in node.all_input_nodes]
+        raise GraphcError(
+            f"node '{node.name}' ({node.op} {node.target}) fails on one micro-batch's shapes "
+            f"[{'; '.join(shapes)}]\n  at {line}\n  found: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}\n  Fix: check the shapes the module "
+            "expects; with gradient accumulation each call of build() sees batch / steps rows.") from e

@@ -1,0 +1,95 @@
+"""split_stages: cuts the annotated graph into one fx program per pipeline stage.
+
+Invariant: stage s's program computes exactly the nodes annotated with stage s; every
+value it reads from another stage (or a user input placed on another stage) is one of
+its inputs, listed in recv_from under the producing stage; every value a later stage
+reads is one of its outputs, listed in send_to under each consuming stage, so a skip
+connection goes straight from its producer's stage to its consumer's stage.
+Requires: annotate_stages, propagate_shapes, verify_annotated.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List
+
+import torch.fx as fx
+
+from ..errors import GraphcError
+from ..meta import BACKWARD_TARGET, META_STAGE, META_TENSOR
+from ..plan.instructions import TensorSpec
+from ..plan.program import StageProgram
+
+
+def split_stages(gm: fx.GraphModule, num_stages: int) -> List[StageProgram]:
+    nodes = [n for n in gm.graph.nodes if n.op != "output" and not _is_backward(n)]
+    backward = next((n for n in gm.graph.nodes if _is_backward(n)), None)
+    loss = backward.args[0] if backward is not None else None
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    results = set(output.all_input_nodes)
+    arg_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    return [_stage_program(gm, s, nodes, loss, results, arg_index) for s in range(num_stages)]
+
+
+def _is_backward(node: fx.Node) -> bool:
+    return node.op == "call_method" and node.target == BACKWARD_TARGET
+
+
+def _spec(node: fx.Node, stage: int, other: int) -> TensorSpec:
+    meta = node.meta.get(META_TENSOR)
+    if meta is None:
+        raise GraphcError(
+            f"value '{node.name}' ({node.format_node()}) crosses from stage {stage} to stage "
+            f"{other} but is not a tensor; only tensors can be sent between stages. Fix: compute "
+            "it on the stage that uses it (e.g. call .size() there).")
+    return TensorSpec(node.name, meta.shape, meta.dtype)
+
+
+def _stage_program(gm, s: int, nodes, loss, results, arg_index) -> StageProgram:
+    g = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    inputs: List[str] = []
+    user_inputs: Dict[str, int] = {}
+    recv_from: Dict[int, List[TensorSpec]] = defaultdict(list)
+    requires_grad: Dict[str, bool] = {}
+
+    def value(n: fx.Node) -> fx.Node:
+        if n not in env:  # produced on another stage: received
+            producer = n.meta[META_STAGE]
+            recv_from[producer].append(_spec(n, producer, s))
+            requires_grad[n.name] = n.meta[META_TENSOR].requires_grad
+            env[n] = _placeholder(g, n)
+            inputs.append(n.name)
+        return env[n]
+
+    mine = [n for n in nodes if n.meta[META_STAGE] == s]
+    for n in mine:
+        if n.op == "placeholder":
+            env[n] = _placeholder(g, n)
+            inputs.append(n.name)
+            user_inputs[n.name] = arg_index[n]
+        else:
+            env[n] = g.node_copy(n, value)
+
+    outputs: List[str] = []
+    send_to: Dict[int, List[TensorSpec]] = defaultdict(list)
+    for n in mine:
+        consumers = sorted({u.meta[META_STAGE] for u in n.users
+                            if u.op != "output" and not _is_backward(u) and u.meta[META_STAGE] != s})
+        for c in consumers:
+            send_to[c].append(_spec(n, s, c))
+            requires_grad[n.name] = n.meta[META_TENSOR].requires_grad
+        if consumers or n is loss or n in results:
+            outputs.append(n.name)
+    g.output(tuple(env[next(n for n in mine if n.name == name)] for name in outputs))
+    module = fx.GraphModule(gm, g, class_name=f"Stage{s}")
+    return StageProgram(
+        stage=s, module=module, inputs=inputs, outputs=outputs, user_inputs=user_inputs,
+        recv_from=dict(recv_from), send_to=dict(send_to), requires_grad=requires_grad,
+        loss=loss.name if loss is not None and loss in env and loss.meta[META_STAGE] == s else None,
+        results=[n.name for n in mine if n in results])
+
+
+def _placeholder(g: fx.Graph, n: fx.Node) -> fx.Node:
+    ph = g.placeholder(n.name)
+    ph.meta.update({k: v for k, v in n.meta.items() if k in (META_TENSOR, META_STAGE)})
+    return ph

@@ -1,0 +1,78 @@
+"""verify_traced / verify_annotated: the checks of the traced and the annotated fx graph.
+
+A failure is a GraphcError naming the node, the user's line where known, and the fix.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch.fx as fx
+
+from ..errors import GraphcError
+from ..meta import BACKWARD_TARGET, META_STAGE, META_TENSOR
+
+_HOST_SYNC = {"item", "tolist", "numpy", "cpu_numpy"}
+
+
+def _line(node: fx.Node) -> str:
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    return f"{trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else node.format_node()
+
+
+def verify_traced(gm: fx.GraphModule) -> None:
+    """Checked right after tracing: host syncs and backward() use."""
+    backwards = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == BACKWARD_TARGET]
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target in _HOST_SYNC:
+            raise GraphcError(
+                f"build() calls .{node.target}() at {_line(node)}; inside build() tensors are "
+                f"symbolic, so their values are not known while the graph is compiled. Fix: return "
+                f"the tensor from build() and call .to_local().{node.target}() on the result.")
+    if len(backwards) > 1:
+        raise GraphcError(
+            f"build() calls backward() {len(backwards)} times (at {_line(backwards[1])}); "
+            "graphc runs one backward per step. Fix: sum the losses and call backward() once.")
+    for node in backwards:
+        if len(node.args) > 1 or node.kwargs:
+            raise GraphcError(f"backward() at {_line(node)} takes no arguments in build(); "
+                              "graphc scales the loss for gradient accumulation itself")
+
+
+def verify_annotated(gm: fx.GraphModule, stage_modules: Dict[str, int], num_stages: int) -> None:
+    """Checked after stages and shapes are annotated."""
+    used_stages = set()
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        if META_STAGE not in node.meta:
+            raise GraphcError(f"internal: annotate_stages left node '{node.name}' without a stage")
+        stage = node.meta[META_STAGE]
+        used_stages.add(stage)
+        for arg in node.all_input_nodes:
+            if arg.meta[META_STAGE] > stage:
+                raise GraphcError(
+                    f"node '{node.name}' runs on stage {stage} but uses '{arg.name}' computed on "
+                    f"the later stage {arg.meta[META_STAGE]} (at {_line(node)}); values may only "
+                    "flow from a stage to a later one. Fix: give the stages ids in the order "
+                    "build() calls them.")
+        if node.op == "call_method" and node.target == BACKWARD_TARGET:
+            _check_loss(node)
+    for name, stage in stage_modules.items():
+        if stage not in used_stages:
+            raise GraphcError(
+                f"module '{name}' is set to stage {stage} but build() never runs anything on "
+                "that stage. Fix: call the module in build(), or remove its set_stage.")
+
+
+def _check_loss(node: fx.Node) -> None:
+    loss = node.args[0]
+    meta = loss.meta.get(META_TENSOR)
+    if meta is None or meta.shape != ():
+        raise GraphcError(
+            f"backward() is called on '{loss.name}' with shape {list(meta.shape) if meta else None} "
+            f"at {_line(node)}; it must be a scalar loss. Fix: reduce it first, e.g. "
+            "loss.mean() or loss.sum().")
+    if not meta.requires_grad:
+        raise GraphcError(
+            f"backward() is called on '{loss.name}' at {_line(node)}, which does not depend on any "
+            "parameter that requires grad. Fix: check that the loss is computed from the model's output.")

@@ -1,0 +1,149 @@
+"""Placements (which ranks hold a tensor) and SBP values (how it is laid out on them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Tuple, Union
+
+from .errors import GraphcError
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class placement:
+    """The ranks a tensor or a stage lives on.
+
+    Args:
+        type: "cpu" or "cuda".
+        ranks: global ranks, a flat list (1-D) or a list of equal-length lists (2-D mesh).
+
+    Example:
+        >>> graphc.placement("cpu", ranks=[0, 1])
+        placement(type="cpu", ranks=[0, 1])
+    """
+
+    type: str
+    ranks: tuple
+
+    def __init__(self, type: str = "cpu", ranks: Sequence = (0,)):
+        if type not in DEVICE_TYPES:
+            raise GraphcError(
+                f"placement type must be one of {DEVICE_TYPES}, found {type!r}; "
+                "use graphc.placement(\"cpu\", ranks=[...]) or \"cuda\"")
+        object.__setattr__(self, "type", type)
+        object.__setattr__(self, "ranks", _freeze_ranks(ranks))
+
+    @property
+    def flat_ranks(self) -> Tuple[int, ...]:
+        """All ranks in mesh order."""
+        if self.ranks and isinstance(self.ranks[0], tuple):
+            return tuple(r for row in self.ranks for r in row)
+        return self.ranks
+
+    @property
+    def ndim(self) -> int:
+        return 2 if self.ranks and isinstance(self.ranks[0], tuple) else 1
+
+    @property
+    def size(self) -> int:
+        return len(self.flat_ranks)
+
+    def __repr__(self) -> str:
+        return f'placement(type="{self.type}", ranks={_ranks_list(self.ranks)})'
+
+
+def _freeze_ranks(ranks) -> tuple:
+    if isinstance(ranks, int):
+        ranks = [ranks]
+    ranks = list(ranks)
+    if not ranks:
+        raise GraphcError("placement needs at least one rank, found ranks=[]")
+    if all(isinstance(r, (list, tuple)) for r in ranks):
+        rows = [tuple(int(r) for r in row) for row in ranks]
+        if len({len(row) for row in rows}) != 1:
+            raise GraphcError(f"a 2-D placement needs rows of equal length, found {ranks}")
+        flat = [r for row in rows for r in row]
+        frozen = tuple(rows)
+    else:
+        flat = [int(r) for r in ranks]
+        frozen = tuple(flat)
+    if len(set(flat)) != len(flat):
+        raise GraphcError(f"placement ranks must be distinct, found {ranks}")
+    if any(r < 0 for r in flat):
+        raise GraphcError(f"placement ranks must be >= 0, found {ranks}")
+    return frozen
+
+
+def _ranks_list(ranks: tuple):
+    return [list(r) if isinstance(r, tuple) else r for r in ranks]
+
+
+class _SbpBase:
+    __slots__ = ()
+
+
+@dataclass(frozen=True, repr=False)
+class Split(_SbpBase):
+    """The tensor is cut into equal pieces along `dim`, one per rank."""
+
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"split({self.dim})"
+
+
+@dataclass(frozen=True, repr=False)
+class Broadcast(_SbpBase):
+    """Every rank holds the full tensor."""
+
+    def __repr__(self) -> str:
+        return "broadcast"
+
+
+@dataclass(frozen=True, repr=False)
+class PartialSum(_SbpBase):
+    """The full tensor is the sum of the ranks' components."""
+
+    def __repr__(self) -> str:
+        return "partial_sum"
+
+
+SbpValue = Union[Split, Broadcast, PartialSum]
+
+
+class _SbpNamespace:
+    """`graphc.sbp`: split(dim), broadcast, partial_sum."""
+
+    Split = Split
+    Broadcast = Broadcast
+    PartialSum = PartialSum
+    broadcast = Broadcast()
+    partial_sum = PartialSum()
+
+    @staticmethod
+    def split(dim: int = 0) -> Split:
+        if not isinstance(dim, int):
+            raise GraphcError(f"sbp.split(dim) needs an int dim, found {dim!r}")
+        return Split(dim)
+
+
+sbp = _SbpNamespace()
+
+
+def normalize_sbp(value, ndim: int | None = None, where: str = "tensor") -> tuple:
+    """Returns a tuple of SBP values (one per mesh axis), negative split dims normalised."""
+    values = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    out = []
+    for v in values:
+        if not isinstance(v, _SbpBase):
+            raise GraphcError(
+                f"{where}: sbp must be graphc.sbp.split(d), sbp.broadcast or sbp.partial_sum, "
+                f"found {v!r}")
+        if isinstance(v, Split) and ndim is not None:
+            if not -ndim <= v.dim < max(ndim, 1):
+                raise GraphcError(
+                    f"{where}: split({v.dim}) is out of range for a tensor with {ndim} dims; "
+                    f"use a dim in [{-ndim}, {ndim - 1}]")
+            v = Split(v.dim % ndim) if ndim else v
+        out.append(v)
+    return tuple(out)

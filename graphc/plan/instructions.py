@@ -1,0 +1,197 @@
+"""The execution-plan IR: small frozen instructions that print as one line and parse back.
+
+Compute instructions print like torch.distributed.pipelining actions: `1F3` is stage 1's
+forward of micro-batch 3, `1B3` its backward. Communication prints with its peer and
+payload: `0SEND_F3 to=1 [relu0:f32[4,512]]`, `1RECV_B3 from=2 [...]`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import ClassVar, Tuple
+
+from ..errors import GraphcError
+
+ACT = "F"   # activations flow forward
+GRAD = "B"  # gradients flow backward
+
+_DTYPE_SHORT = {
+    "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
+    "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "b1",
+}
+_DTYPE_LONG = {v: k for k, v in _DTYPE_SHORT.items()}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a transfer: the fx value it carries, its shape and dtype (torch name)."""
+
+    name: str
+    shape: Tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        import torch
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * getattr(torch, self.dtype).itemsize
+
+    def __str__(self) -> str:
+        return f"{self.name}:{_DTYPE_SHORT.get(self.dtype, self.dtype)}[{','.join(map(str, self.shape))}]"
+
+    @staticmethod
+    def parse(text: str) -> "TensorSpec":
+        m = re.fullmatch(r"([\w.]+):(\w+)\[([\d,]*)\]", text.strip())
+        if not m:
+            raise GraphcError(f"cannot parse tensor spec {text!r}; expected name:dtype[d0,d1]")
+        shape = tuple(int(d) for d in m.group(3).split(",") if d)
+        return TensorSpec(m.group(1), shape, _DTYPE_LONG.get(m.group(2), m.group(2)))
+
+
+@dataclass(frozen=True)
+class Instruction:
+    op: ClassVar[str] = ""
+
+    def to_json(self) -> dict:
+        return {"op": self.op}
+
+
+@dataclass(frozen=True)
+class Forward(Instruction):
+    op: ClassVar[str] = "forward"
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}F{self.microbatch}"
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "stage": self.stage, "microbatch": self.microbatch}
+
+
+@dataclass(frozen=True)
+class Backward(Instruction):
+    """Backward of one micro-batch through one stage: input and weight gradients together."""
+
+    op: ClassVar[str] = "backward"
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}B{self.microbatch}"
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "stage": self.stage, "microbatch": self.microbatch}
+
+
+@dataclass(frozen=True)
+class _P2P(Instruction):
+    stage: int
+    microbatch: int
+    peer: int
+    direction: str                      # ACT or GRAD
+    peer_stage: int
+    tensors: Tuple[TensorSpec, ...] = field(default=())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "stage": self.stage, "microbatch": self.microbatch,
+                "peer": self.peer, "direction": self.direction, "peer_stage": self.peer_stage,
+                "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype}
+                            for t in self.tensors],
+                "bytes": self.nbytes}
+
+
+@dataclass(frozen=True)
+class Send(_P2P):
+    op: ClassVar[str] = "send"
+
+    def __str__(self) -> str:
+        specs = " ".join(map(str, self.tensors))
+        return (f"{self.stage}SEND_{self.direction}{self.microbatch} to={self.peer}"
+                f" stage={self.peer_stage} [{specs}]")
+
+
+@dataclass(frozen=True)
+class Recv(_P2P):
+    op: ClassVar[str] = "recv"
+
+    def __str__(self) -> str:
+        specs = " ".join(map(str, self.tensors))
+        return (f"{self.stage}RECV_{self.direction}{self.microbatch} from={self.peer}"
+                f" stage={self.peer_stage} [{specs}]")
+
+
+@dataclass(frozen=True)
+class AllReduce(Instruction):
+    """Sums the named tensors (gradients, by parameter name) over `ranks`."""
+
+    op: ClassVar[str] = "all_reduce"
+    ranks: Tuple[int, ...]
+    tensors: Tuple[TensorSpec, ...] = field(default=())
+
+    def __str__(self) -> str:
+        return f"ALL_REDUCE ranks={list(self.ranks)} [{' '.join(map(str, self.tensors))}]"
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "ranks": list(self.ranks),
+                "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype}
+                            for t in self.tensors],
+                "bytes": sum(t.nbytes for t in self.tensors)}
+
+
+@dataclass(frozen=True)
+class OptimizerStep(Instruction):
+    op: ClassVar[str] = "optimizer_step"
+
+    def __str__(self) -> str:
+        return "OPTIMIZER_STEP"
+
+
+COMPUTE = (Forward, Backward)
+P2P = (Send, Recv)
+
+_COMPUTE_RE = re.compile(r"(\d+)([FB])(\d+)")
+_P2P_RE = re.compile(r"(\d+)(SEND|RECV)_([FB])(\d+) (to|from)=(\d+) stage=(\d+) \[(.*)\]")
+_AR_RE = re.compile(r"ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\]")
+
+
+def parse_instruction(text: str) -> Instruction:
+    """Parses one line of `str(instruction)` back into the instruction."""
+    text = text.strip()
+    if text == "OPTIMIZER_STEP":
+        return OptimizerStep()
+    if m := _COMPUTE_RE.fullmatch(text):
+        cls = Forward if m.group(2) == "F" else Backward
+        return cls(int(m.group(1)), int(m.group(3)))
+    if m := _P2P_RE.fullmatch(text):
+        cls = Send if m.group(2) == "SEND" else Recv
+        specs = tuple(TensorSpec.parse(s) for s in m.group(8).split())
+        return cls(int(m.group(1)), int(m.group(4)), int(m.group(6)), m.group(3),
+                   int(m.group(7)), specs)
+    if m := _AR_RE.fullmatch(text):
+        ranks = tuple(int(r) for r in m.group(1).split(",") if r.strip())
+        return AllReduce(ranks, tuple(TensorSpec.parse(s) for s in m.group(2).split()))
+    raise GraphcError(f"cannot parse plan instruction {text!r}")
+
+
+def instruction_from_json(d: dict) -> Instruction:
+    op = d["op"]
+    specs = tuple(TensorSpec(t["name"], tuple(t["shape"]), t["dtype"]) for t in d.get("tensors", ()))
+    if op == "forward":
+        return Forward(d["stage"], d["microbatch"])
+    if op == "backward":
+        return Backward(d["stage"], d["microbatch"])
+    if op in ("send", "recv"):
+        cls = Send if op == "send" else Recv
+        return cls(d["stage"], d["microbatch"], d["peer"], d["direction"], d["peer_stage"], specs)
+    if op == "all_reduce":
+        return AllReduce(tuple(d["ranks"]), specs)
+    if op == "optimizer_step":
+        return OptimizerStep()
+    raise GraphcError(f"unknown plan instruction op {op!r}")

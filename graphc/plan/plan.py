@@ -1,0 +1,86 @@
+"""ExecutionPlan: one rank's ordered instructions plus what the runtime needs to run them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from .instructions import Instruction, instruction_from_json, parse_instruction
+
+PLAN_FORMAT = "graphc.plan/1"
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """One pipeline stage: its id, the ranks that run it and their device type."""
+
+    stage_id: int
+    ranks: Tuple[int, ...]
+    device_type: str = "cpu"
+
+
+@dataclass
+class ExecutionPlan:
+    """This rank's compiled step: instructions in issue order.
+
+    `str(plan)` lists one instruction a line; `to_json()` / `from_json()` round-trip.
+    """
+
+    rank: int
+    world_size: int
+    instructions: List[Instruction]
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    stages: Tuple[StageInfo, ...] = ()
+    training: bool = True
+    notes: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def local_stages(self) -> List[int]:
+        return [s.stage_id for s in self.stages if self.rank in s.ranks]
+
+    def __str__(self) -> str:
+        head = (f"# graphc plan: rank {self.rank} of {self.world_size}, schedule={self.schedule}, "
+                f"microbatches={self.num_microbatches}, stages={self.local_stages}, "
+                f"{'training' if self.training else 'inference'}")
+        lines = [head] + [f"{i:4d}  {ins}" for i, ins in enumerate(self.instructions)]
+        return "\n".join(lines)
+
+    def format(self, mark: Optional[int] = None, note: str = "") -> str:
+        """The listing with instruction `mark` flagged `<-- ERROR HERE`."""
+        lines = str(self).splitlines()
+        if mark is not None:
+            lines[mark + 1] += f"   <-- ERROR HERE{': ' + note if note else ''}"
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "format": PLAN_FORMAT,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "schedule": self.schedule,
+            "num_microbatches": self.num_microbatches,
+            "training": self.training,
+            "stages": [{"stage": s.stage_id, "ranks": list(s.ranks), "device_type": s.device_type}
+                       for s in self.stages],
+            "instructions": [ins.to_json() for ins in self.instructions],
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> "ExecutionPlan":
+        stages = tuple(StageInfo(s["stage"], tuple(s["ranks"]), s.get("device_type", "cpu"))
+                       for s in d.get("stages", ()))
+        return ExecutionPlan(d["rank"], d["world_size"],
+                             [instruction_from_json(i) for i in d["instructions"]],
+                             d.get("num_microbatches", 1), d.get("schedule", "1f1b"),
+                             stages, d.get("training", True))
+
+    @staticmethod
+    def parse(text: str) -> "ExecutionPlan":
+        """Parses `str(plan)` back (header fields rank/world/schedule/microbatches)."""
+        lines = text.strip().splitlines()
+        head = lines[0]
+        fields = dict(kv.split("=", 1) for kv in head.replace(",", " ").split() if "=" in kv)
+        rank = int(head.split("rank ")[1].split()[0])
+        world = int(head.split(" of ")[1].split(",")[0])
+        instrs = [parse_instruction(line.split(None, 1)[1]) for line in lines[1:]]
+        return ExecutionPlan(rank, world, instrs, int(fields["microbatches"]), fields["schedule"])

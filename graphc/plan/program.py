@@ -1,0 +1,43 @@
+"""StageProgram: the fx program one stage runs for one micro-batch, and its interface."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch.fx as fx
+
+from .instructions import TensorSpec
+
+
+@dataclass
+class StageProgram:
+    """One stage's forward for one micro-batch.
+
+    `module(*inputs)` takes the values named in `inputs` (user inputs and values received
+    from earlier stages) and returns a tuple of the values named in `outputs`.
+    """
+
+    stage: int
+    module: fx.GraphModule
+    inputs: List[str]
+    outputs: List[str]
+    user_inputs: Dict[str, int]                      # input name -> index of build()'s argument
+    recv_from: Dict[int, List[TensorSpec]]           # producer stage -> values received (forward)
+    send_to: Dict[int, List[TensorSpec]]             # consumer stage -> values sent (forward)
+    requires_grad: Dict[str, bool] = field(default_factory=dict)
+    loss: Optional[str] = None                       # value whose backward starts on this stage
+    results: List[str] = field(default_factory=list)  # build() outputs computed here
+
+    def grad_specs(self, specs: List[TensorSpec]) -> List[TensorSpec]:
+        """The subset of transferred values whose gradients flow back."""
+        return [s for s in specs if self.requires_grad.get(s.name, False)]
+
+    @property
+    def code(self) -> str:
+        return self.module.code
+
+    def __str__(self) -> str:
+        recv = {s: [str(t) for t in v] for s, v in self.recv_from.items()}
+        send = {s: [str(t) for t in v] for s, v in self.send_to.items()}
+        return (f"# stage {self.stage}: inputs={self.inputs} recv_from={recv} send_to={send} "
+                f"loss={self.loss} results={self.results}\n{self.module.code.strip()}")

@@ -1,0 +1,183 @@
+"""The actor runtime.
+
+One compute actor walks the plan's compute instructions in order; one receive actor and
+one send actor per peer move tensors. Receive actors run ahead of compute: each keeps up
+to `window` receives posted (its buffers), so a transfer overlaps the compute before the
+one that needs it. Send actors post a send as soon as compute has produced its tensors
+and hold them until the transfer completes. Compute fires when its received inputs have
+arrived. The plan verifier has proven the send/recv pairing deadlock-free, so waiting
+on a receive always ends (or the process group's timeout fires).
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..plan.instructions import ACT, AllReduce, Backward, Forward, OptimizerStep, Recv, Send
+from ..plan.plan import ExecutionPlan
+from ..plan.program import StageProgram
+from .executor import StageExecutor
+
+
+@dataclass
+class StepStats:
+    """What one step did: peak live activations per stage, wall time, optional timeline."""
+
+    max_live_activations: Dict[int, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    events: List[Tuple[str, float, float]] = field(default_factory=list)
+
+
+class RecvActor:
+    """Posts the receives from one peer in plan order, at most `window` ahead of use."""
+
+    def __init__(self, peer: int, recvs: List[Recv], p2p, device, window: int):
+        self.peer, self.queue, self.p2p, self.device, self.window = peer, recvs, p2p, device, window
+        self.posted: Dict[int, Tuple[Dict[str, torch.Tensor], list]] = {}
+        self.next_post = self.next_take = self.tag = 0
+
+    def pump(self) -> None:
+        while self.next_post < len(self.queue) and self.next_post - self.next_take < self.window:
+            ins = self.queue[self.next_post]
+            bufs, works = {}, []
+            for spec in ins.tensors:
+                buf = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=self.device)
+                works.append(self.p2p.irecv(buf, self.peer, self.tag))
+                self.tag += 1
+                bufs[spec.name] = buf
+            self.posted[self.next_post] = (bufs, works)
+            self.next_post += 1
+
+    def take(self, ins: Recv) -> Dict[str, torch.Tensor]:
+        k = self.next_take
+        assert self.queue[k] == ins, f"receive actor for peer {self.peer} out of plan order"
+        self.pump()
+        bufs, works = self.posted.pop(k)
+        for w in works:
+            w.wait()
+        self.next_take += 1
+        self.pump()
+        return bufs
+
+
+class SendActor:
+    """Posts the sends to one peer in plan order and keeps their tensors until done."""
+
+    def __init__(self, peer: int, p2p):
+        self.peer, self.p2p = peer, p2p
+        self.inflight: List[Tuple[object, torch.Tensor]] = []
+        self.tag = 0
+
+    def post(self, ins: Send, tensors: Dict[str, torch.Tensor]) -> None:
+        for spec in ins.tensors:
+            t = tensors[spec.name].detach().contiguous()
+            self.inflight.append((self.p2p.isend(t, self.peer, self.tag), t))
+            self.tag += 1
+        self.inflight = [(w, t) for w, t in self.inflight if not w.is_completed()]
+
+    def drain(self) -> None:
+        for w, _ in self.inflight:
+            w.wait()
+        self.inflight = []
+
+
+class Runtime:
+    """Runs one rank's plan, one call of `step` per training (or inference) step."""
+
+    def __init__(self, plan: ExecutionPlan, program: Optional[StageProgram], p2p, device,
+                 optimizer=None, lr_scheduler=None, window: int = 2, trace: bool = False):
+        self.plan, self.p2p, self.device = plan, p2p, device
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.window, self.trace = window, trace
+        m = plan.num_microbatches
+        self.executor = StageExecutor(program, plan.training, 1.0 / m) if program else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def step(self, user_inputs: List[torch.Tensor]) -> Tuple[Dict[str, List[torch.Tensor]], StepStats]:
+        """Runs the plan once. Returns each build() result computed here, per micro-batch."""
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                out = self._run(user_inputs)
+            torch.cuda.current_stream().wait_stream(self.stream)
+            return out
+        return self._run(user_inputs)
+
+    def _actors(self):
+        recvs: Dict[int, List[Recv]] = defaultdict(list)
+        for ins in self.plan.instructions:
+            if isinstance(ins, Recv):
+                recvs[ins.peer].append(ins)
+        recv_actors = {p: RecvActor(p, q, self.p2p, self.device, self.window) for p, q in recvs.items()}
+        send_actors = {ins.peer: SendActor(ins.peer, self.p2p)
+                       for ins in self.plan.instructions if isinstance(ins, Send)}
+        return recv_actors, send_actors
+
+    def _microbatches(self, user_inputs: List[torch.Tensor]) -> List[Dict[str, torch.Tensor]]:
+        m = self.plan.num_microbatches
+        per_mb: List[Dict[str, torch.Tensor]] = [dict() for _ in range(m)]
+        if self.executor is None:
+            return per_mb
+        for name, idx in self.executor.program.user_inputs.items():
+            t = user_inputs[idx].to(self.device, non_blocking=True)
+            pieces = t.tensor_split(m) if t.dim() >= 1 else [t] * m
+            for mb in range(m):
+                per_mb[mb][name] = pieces[mb]
+        return per_mb
+
+    def _run(self, user_inputs):
+        start = time.perf_counter()
+        stats = StepStats()
+        recv_actors, send_actors = self._actors()
+        for actor in recv_actors.values():
+            actor.pump()
+        values = dict(enumerate(self._microbatches(user_inputs)))
+        grads: Dict[int, List[Tuple[str, torch.Tensor]]] = defaultdict(list)
+        produced: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
+        results: Dict[str, List[torch.Tensor]] = defaultdict(list)
+        ex = self.executor
+        for ins in self.plan.instructions:
+            t0 = time.perf_counter() if self.trace else 0.0
+            if isinstance(ins, Recv):
+                got = recv_actors[ins.peer].take(ins)
+                if ins.direction == ACT:
+                    values[ins.microbatch].update(got)
+                else:
+                    grads[ins.microbatch].extend(got.items())
+            elif isinstance(ins, Forward):
+                outs = ex.forward(ins.microbatch, values.pop(ins.microbatch))
+                produced[(ins.microbatch, ACT)] = outs
+                for name in ex.program.results:
+                    results[name].append(outs[name].detach())
+            elif isinstance(ins, Backward):
+                produced[(ins.microbatch, "B")] = ex.backward(ins.microbatch, grads.pop(ins.microbatch, []))
+                produced.pop((ins.microbatch, ACT), None)
+            elif isinstance(ins, Send):
+                key = (ins.microbatch, ACT if ins.direction == ACT else "B")
+                send_actors[ins.peer].post(ins, produced[key])
+            elif isinstance(ins, OptimizerStep):
+                for actor in send_actors.values():
+                    actor.drain()
+                self._optimizer_step()
+            elif isinstance(ins, AllReduce):
+                raise NotImplementedError("all_reduce lowering arrives with SBP (data parallel)")
+            if self.trace:
+                stats.events.append((str(ins), t0, time.perf_counter()))
+        for actor in send_actors.values():
+            actor.drain()
+        if ex is not None:
+            stats.max_live_activations[ex.program.stage] = ex.max_live
+            ex.max_live = 0
+        stats.seconds = time.perf_counter() - start
+        return dict(results), stats
+
+    def _optimizer_step(self) -> None:
+        if self.optimizer is None:
+            return
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()

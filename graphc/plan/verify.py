@@ -53,26 +53,27 @@ def _pair_p2p(by_rank) -> List[Tuple[Tuple[int, int], Tuple[int, int]]]:
     for (src, dst), q in sorted(_p2p_queues(by_rank).items()):
         sends, recvs = q["send"], q["recv"]
         for k in range(max(len(sends), len(recvs))):
-            if k >= len(recvs):
-                i, s = sends[k]
-                _fail(by_rank[src], i, f"no matching recv on rank {dst} "
-                      f"(rank {dst} posts {len(recvs)} recvs from rank {src}, rank {src} "
-                      f"sends {len(sends)})")
-            if k >= len(sends):
-                j, r = recvs[k]
-                _fail(by_rank[dst], j, f"no matching send on rank {src} "
-                      f"(rank {src} sends {len(sends)} to rank {dst}, rank {dst} posts {len(recvs)} recvs)")
+            if k < len(sends) and k < len(recvs) and _same_transfer(sends[k][1], recvs[k][1]):
+                (i, s), (j, r) = sends[k], recvs[k]
+                if s.tensors != r.tensors:
+                    _fail(by_rank[dst], j, f"payload mismatch with rank {src} #{i}: sent "
+                          f"[{' '.join(map(str, s.tensors))}], expected [{' '.join(map(str, r.tensors))}]")
+                pairs.append(((src, i), (dst, j)))
+                continue
+            counts = f"rank {src} sends {len(sends)} to rank {dst}, which posts {len(recvs)} recvs"
+            if len(sends) > len(recvs):
+                _fail(by_rank[src], sends[k][0], f"no matching recv on rank {dst} ({counts})")
+            if len(recvs) > len(sends):
+                _fail(by_rank[dst], recvs[k][0], f"no matching send on rank {src} ({counts})")
             (i, s), (j, r) = sends[k], recvs[k]
-            same = (s.microbatch == r.microbatch and s.direction == r.direction
-                    and s.stage == r.peer_stage and s.peer_stage == r.stage)
-            if not same:
-                _fail(by_rank[dst], j, f"out of order: the {k}-th transfer from rank {src} is "
-                      f"`{s}` (rank {src} #{i}) but rank {dst} expects `{r}`")
-            if s.tensors != r.tensors:
-                _fail(by_rank[dst], j, f"payload mismatch with rank {src} #{i}: sent "
-                      f"[{' '.join(map(str, s.tensors))}], expected [{' '.join(map(str, r.tensors))}]")
-            pairs.append(((src, i), (dst, j)))
+            _fail(by_rank[dst], j, f"out of order: the {k}-th transfer from rank {src} is "
+                  f"`{s}` (rank {src} #{i}) but rank {dst} expects `{r}`")
     return pairs
+
+
+def _same_transfer(s: Send, r: Recv) -> bool:
+    return (s.microbatch == r.microbatch and s.direction == r.direction
+            and s.stage == r.peer_stage and s.peer_stage == r.stage)
 
 
 def _pair_collectives(by_rank) -> List[List[Tuple[int, int]]]:

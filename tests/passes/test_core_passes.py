@@ -1,0 +1,102 @@
+"""trace_build, annotate_stages, propagate_shapes, split_stages and lower_plan in one process."""
+import pytest
+import torch
+import torch.nn as nn
+
+import graphc
+from graphc import compiler
+from graphc.errors import GraphcError
+from graphc.meta import META_STAGE, META_STAGE_WHY, META_TENSOR
+from graphc.plan.instructions import Recv, Send
+from models import PipelineGraph, SkipNet
+
+X, Y = torch.randn(16, 16), torch.randint(0, 5, (16,))
+
+
+def compiled(p=4, m=4, schedule="1f1b"):
+    return compiler.compile(PipelineGraph(SkipNet(p), None, accumulation=m, schedule=schedule), [X, Y], p)
+
+
+def test_trace_keeps_backward_and_user_module_names():
+    gm = compiled().gm
+    targets = [n.target for n in gm.graph.nodes]
+    assert "backward" in targets
+    assert "model.blocks.0.linear" in targets and "model.head" in targets
+
+
+def test_stages_follow_set_stage_and_data_flow():
+    nodes = {n.name: n for n in compiled().gm.graph.nodes}
+    assert nodes["model_blocks_2_linear"].meta[META_STAGE] == 2
+    assert nodes["model_blocks_2_linear"].meta[META_STAGE_WHY] == "module"
+    # the skip add in SkipNet.forward is outside any staged module: forward rule, latest input
+    add = next(n for n in nodes.values() if n.op == "call_function" and "add" in n.name)
+    assert add.meta[META_STAGE] == 3 and add.meta[META_STAGE_WHY] == "forward"
+    # the loss runs on the last stage; inputs run where they are first used
+    assert nodes["loss_fn"].meta[META_STAGE] == 3
+    assert nodes["x"].meta[META_STAGE] == 0 and nodes["y"].meta[META_STAGE] == 3
+
+
+def test_shapes_are_per_microbatch():
+    nodes = {n.name: n for n in compiled(m=4).gm.graph.nodes}
+    assert nodes["x"].meta[META_TENSOR].shape == (4, 16)
+    assert nodes["model_head"].meta[META_TENSOR].shape == (4, 5)
+    assert nodes["loss_fn"].meta[META_TENSOR].shape == ()
+
+
+def test_skip_connection_goes_straight_to_its_consumer():
+    c = compiled(p=4)
+    assert sorted(c.programs[0].send_to) == [1, 3]
+    assert sorted(c.programs[3].recv_from) == [0, 2]
+    sends = [i for i in c.plans[0].instructions if isinstance(i, Send)]
+    assert {i.peer for i in sends} == {1, 3}
+    assert not any(isinstance(i, Recv) and i.peer == 0 for i in c.plans[2].instructions)
+
+
+def test_stage_program_is_runnable_python():
+    c = compiled(p=2)
+    prog = c.programs[0]
+    out = prog.module(*[torch.randn(4, 16) for _ in prog.inputs])
+    assert out[0].shape == (4, 16) and "def forward" in prog.code
+
+
+def test_no_set_stage_gives_one_stage_on_every_rank():
+    class G(graphc.Graph):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(16, 5)
+
+        def build(self, x):
+            return self.net(x)
+
+    c = compiler.compile(G(), [X], 3)
+    assert len(c.stages) == 1 and c.stages[0].ranks == (0, 1, 2)
+    assert not c.training and [str(i) for i in c.plans[2].instructions] == ["0F0"]
+
+
+def test_values_flowing_backwards_through_stages_are_rejected():
+    class Back(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(self.b(x))
+
+    class G(graphc.Graph):
+        def __init__(self):
+            super().__init__()
+            self.m = Back()
+            self.m.a.config.set_stage(0, graphc.placement("cpu", [0]))
+            self.m.b.config.set_stage(1, graphc.placement("cpu", [1]))
+
+        def build(self, x):
+            return self.m(x)
+
+    with pytest.raises(GraphcError, match="runs on stage 0 but uses 'm_b' computed on the later stage 1"):
+        compiler.compile(G(), [torch.randn(2, 4)], 2)
+
+
+def test_history_records_every_pass():
+    names = [r.name for r in compiled(p=2).history]
+    assert names == ["trace_build", "verify_traced", "annotate_stages", "propagate_shapes",
+                     "verify_annotated", "split_stages", "lower_plan", "verify_plans"]

@@ -1,7 +1,8 @@
 """compile(): the pass order, written once.
 
-Each step records its output and time in the compilation history (GRAPHC_DEBUG=2 prints
-the timings, 4 prints each pass's fx graph).
+Each step records its output and time in the compilation history. GRAPHC_DEBUG levels:
+1 a summary line, 2 adds each pass's time, 3 adds every rank's final plan, 4 adds each
+pass's fx graph (the whole compilation history).
 """
 from __future__ import annotations
 
@@ -101,6 +102,9 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int) 
         print(f"[graphc] compiled {type(graph_obj).__name__}: {len(stages)} stage(s), "
               f"{m} micro-batch(es), schedule={cfg.pipeline_schedule}, "
               f"{'training' if training else 'inference'}, {total * 1e3:.0f} ms", flush=True)
+    if debug_level() >= 3:
+        for plan in plans:
+            print(plan, flush=True)
     return compiled
 
 

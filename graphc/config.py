@@ -46,6 +46,8 @@ class GraphConfig:
         self.gradient_accumulation_steps = 1
         self.pipeline_schedule = "1f1b"
         self.recv_window = 2
+        self.trace_path: Optional[str] = None
+        self.trace_steps = 5
 
     def _check_open(self, what: str) -> None:
         if self._graph._compiled is not None:
@@ -66,6 +68,19 @@ class GraphConfig:
         if name not in SCHEDULES:
             raise GraphcError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULES)}")
         self.pipeline_schedule = name
+
+    def set_trace(self, path: str, steps: int = 5) -> None:
+        """Writes the first `steps` steps of every rank's instruction timeline to `path`.
+
+        One Chrome-trace / Perfetto JSON file, merged on rank 0 (see graphc/tools/trace.py);
+        the environment variable GRAPHC_TRACE=path does the same without code changes.
+        """
+        self._check_open("set_trace")
+        if not isinstance(path, str) or not path or path in ("0", "1"):
+            raise GraphcError(f"set_trace needs a file path such as \"trace.json\", found {path!r}")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise GraphcError(f"set_trace: steps must be an int >= 1, found {steps!r}")
+        self.trace_path, self.trace_steps = path, steps
 
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""

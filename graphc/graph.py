@@ -20,6 +20,8 @@ from .runtime.actors import Runtime, StepStats
 from .runtime.comm import P2P
 from .runtime.dist_env import device_for, ensure_process_group
 from .state import GraphState
+from .tools import plan_mode
+from .tools.trace import Tracer
 
 
 class _BuildRoot(nn.Module):
@@ -78,6 +80,7 @@ class Graph:
         object.__setattr__(self, "_pending_state", None)
         object.__setattr__(self, "_rank", 0)
         object.__setattr__(self, "last_stats", None)
+        object.__setattr__(self, "_tracer", None)
 
     # -- modules ---------------------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:
@@ -126,8 +129,11 @@ class Graph:
             self._compile(args)
         else:
             self._check_inputs(args)
+        if self._runtime is None:  # plan mode (graphc plan): plans written, no training
+            plan_mode.stop_before_step(self)
         results, stats = self._runtime.step([local for local, _ in args])
         object.__setattr__(self, "last_stats", stats)
+        self._tracer.after_step(stats)
         self._state.steps += 1 if self._compiled.training else 0
         return self._outputs(results)
 
@@ -146,6 +152,9 @@ class Graph:
         return self._compiled
 
     def _compile(self, args) -> None:
+        if plan_mode.active():  # graphc plan: compile for N ranks here, write, no process group
+            object.__setattr__(self, "_compiled", plan_mode.compile_graph(self, args))
+            return
         device_types = {c.placement.type for c in self._module_configs.values() if c.placement}
         rank, world = ensure_process_group(device_types or {"cpu"})
         example = [torch.empty(g_shape, dtype=local.dtype) for local, g_shape in
@@ -169,9 +178,11 @@ class Graph:
             state.load(self._pending_state)
             object.__setattr__(self, "_pending_state", None)
         p2p = P2P(rank, _pairs(compiled.plans), use_nccl=any(s.device_type == "cuda" for s in compiled.stages))
-        trace = bool(int(os.environ.get("GRAPHC_TRACE", "0") or 0))
+        tracer = Tracer.from_config(self.config, rank)
+        object.__setattr__(self, "_tracer", tracer)
         object.__setattr__(self, "_runtime", Runtime(plan, program, p2p, device, self._optimizer,
-                                                     self._lr_scheduler, self.config.recv_window, trace))
+                                                     self._lr_scheduler, self.config.recv_window,
+                                                     tracer.record))
 
     def _check_inputs(self, args) -> None:
         want = self._compiled.input_meta

@@ -1,0 +1,289 @@
+"""Per-instruction costs for the simulator: unit, measured on this machine, or modelled.
+
+Three ways to get a CostModel:
+  * `CostModel.uniform(p)`: forward 1, backward 2, free communication (schedule charts,
+    bubble arithmetic);
+  * `measure_costs(compiled)`: runs each stage's program forward and backward on random
+    inputs of the planned shapes, here, with the runtime's own StageExecutor;
+  * `device_costs(compiled, "h100")`: FLOPs (counted on fake tensors) over a preset's
+    peak rate, bytes over its memory bandwidth, links from the preset.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional
+
+import torch
+
+from ..errors import GraphcError
+from ..plan.instructions import AllReduce, Backward, Forward, Instruction, OptimizerStep
+
+
+@dataclass(frozen=True)
+class DevicePreset:
+    """Peak rates of one accelerator and its links (per direction)."""
+
+    name: str
+    tflops: float            # dense bf16 tensor-core TFLOP/s
+    hbm_gbps: float          # memory bandwidth, GB/s
+    link_gbps: float         # point-to-point bandwidth between two devices, GB/s
+    latency_us: float        # per-transfer latency, microseconds
+    efficiency: float = 0.5  # fraction of peak FLOP/s a real kernel mix reaches
+
+
+DEVICES: Dict[str, DevicePreset] = {
+    "h100": DevicePreset("h100", tflops=989, hbm_gbps=3350, link_gbps=450, latency_us=5),
+    "h200": DevicePreset("h200", tflops=989, hbm_gbps=4800, link_gbps=450, latency_us=5),
+    "a100": DevicePreset("a100", tflops=312, hbm_gbps=2039, link_gbps=300, latency_us=5),
+}
+
+# gloo over loopback on one machine: the defaults measured costs use for links
+CPU_LINK_LATENCY_S = 100e-6
+CPU_LINK_BANDWIDTH = 2e9
+
+
+@dataclass
+class CostModel:
+    """Seconds per instruction and link parameters (see simulate.py for how they are used)."""
+
+    forward: Dict[int, float]                       # stage -> seconds per micro-batch
+    backward: Dict[int, float]
+    optimizer: Dict[int, float] = field(default_factory=dict)
+    activation_bytes: Dict[int, int] = field(default_factory=dict)  # stage -> per micro-batch
+    latency: float = 0.0                            # seconds per transfer
+    bandwidth: float = float("inf")                 # bytes per second
+    send_overhead: float = 0.0                      # seconds a send occupies the sender
+    recv_overhead: float = 0.0
+    overhead: float = 0.0                           # seconds the runtime adds per compute
+    source: str = "uniform"
+    stage_of_rank: Dict[int, int] = field(default_factory=dict)  # for the optimizer's cost
+
+    @staticmethod
+    def uniform(num_stages: int, forward: float = 1.0, backward: float = 2.0) -> "CostModel":
+        """Equal stages, free communication: the textbook setting of bubble formulas."""
+        return CostModel({s: forward for s in range(num_stages)},
+                         {s: backward for s in range(num_stages)})
+
+    def compute(self, ins: Instruction, rank: int) -> float:
+        if isinstance(ins, Forward):
+            return self.forward.get(ins.stage, 0.0) + self.overhead
+        if isinstance(ins, Backward):
+            return self.backward.get(ins.stage, 0.0) + self.overhead
+        if isinstance(ins, OptimizerStep):
+            return self.optimizer.get(self.stage_of_rank.get(rank, -1), 0.0)
+        return 0.0
+
+    def all_reduce(self, ins: AllReduce) -> float:
+        """Ring all-reduce: 2(n-1)/n of the bytes over each link, 2(n-1) latencies."""
+        n = len(ins.ranks)
+        nbytes = sum(t.nbytes for t in ins.tensors)
+        return 2 * (n - 1) * (nbytes / n / self.bandwidth + self.latency)
+
+
+def _for_ranks(costs: CostModel, compiled) -> CostModel:
+    return replace(costs, stage_of_rank={r: s.stage_id for s in compiled.stages for r in s.ranks})
+
+
+# -- measured ------------------------------------------------------------------------------
+def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[int] = 1,
+                  latency: float = CPU_LINK_LATENCY_S, bandwidth: float = CPU_LINK_BANDWIDTH,
+                  overhead: float = 0.0) -> CostModel:
+    """Times each stage's forward and backward here, on random inputs of the planned shapes.
+
+    Args:
+        compiled: a CompiledGraph (graph.compiled, or from graphc.compiler.compile).
+        optimizer: the graph's optimizer; a copy of its type steps copies of each stage's
+            parameters to time optimizer_step (None: optimizer_step is free).
+        repeats: timed runs per stage after one warm-up; the median is used.
+        threads: torch threads while timing (torchrun sets OMP_NUM_THREADS=1 for several
+            processes per machine, so 1 matches a multi-rank CPU run); None keeps the current.
+        latency, bandwidth: link model (defaults: gloo over loopback).
+    Returns:
+        A CostModel whose parameters' gradients are left as they were.
+    """
+    from ..runtime.executor import StageExecutor
+    saved_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        fwd, bwd, act, opt = {}, {}, {}, {}
+        for prog in compiled.programs:
+            ex = StageExecutor(prog, compiled.training, 1.0 / compiled.num_microbatches)
+            with _grads_restored(prog.module):
+                fwd[prog.stage], bwd[prog.stage], act[prog.stage] = _time_stage(ex, compiled, repeats)
+            opt[prog.stage] = _time_optimizer(prog.module, optimizer) if compiled.training else 0.0
+    finally:
+        torch.set_num_threads(saved_threads)
+    costs = CostModel(fwd, bwd, opt, act, latency, bandwidth, overhead=overhead,
+                      source=f"measured on this machine, {threads or saved_threads} thread(s)")
+    return _for_ranks(costs, compiled)
+
+
+class _grads_restored:
+    """Measuring backward accumulates into .grad; put the user's gradients back afterwards."""
+
+    def __init__(self, module):
+        self.params = list(module.parameters())
+
+    def __enter__(self):
+        self.saved = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    def __exit__(self, *exc):
+        for p, g in zip(self.params, self.saved):
+            p.grad = g
+
+
+def stage_inputs(prog, compiled, fake: bool = False) -> Dict[str, torch.Tensor]:
+    """Random values for every input of one stage's program, one micro-batch's shapes."""
+    from ..meta import META_TENSOR
+    nodes = {n.name: n for n in compiled.gm.graph.nodes}
+    received = {t.name: t for specs in prog.recv_from.values() for t in specs}
+    values = {}
+    for name in prog.inputs:
+        if name in received:
+            shape, dtype = received[name].shape, received[name].dtype
+        else:
+            meta = nodes[name].meta[META_TENSOR]
+            shape, dtype = meta.shape, meta.dtype
+        values[name] = _random(tuple(shape), getattr(torch, dtype))
+    return values
+
+
+def _random(shape, dtype: torch.dtype) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype)     # a valid class index / mask for any consumer
+
+
+def _time_stage(ex, compiled, repeats: int):
+    prog = ex.program
+    inputs = stage_inputs(prog, compiled)
+    f_times, b_times, act = [], [], 0
+    for k in range(repeats + 1):
+        t0 = time.perf_counter()
+        with _SavedBytes(prog.module) as saved:
+            outs = ex.forward(0, dict(inputs))
+        t1 = time.perf_counter()
+        if compiled.training:
+            grads = _output_grads(prog, outs)
+            t2 = time.perf_counter()
+            ex.backward(0, grads)
+            b_times.append(time.perf_counter() - t2)
+        f_times.append(t1 - t0)
+        act = saved.nbytes + sum(t.nbytes for t in outs.values() if isinstance(t, torch.Tensor))
+    # the first run warms caches and allocators; it is not counted
+    fwd = statistics.median(f_times[1:])
+    bwd = statistics.median(b_times[1:]) if b_times else 0.0
+    return fwd, bwd, act
+
+
+def _output_grads(prog, outs) -> List:
+    sent = {t.name for specs in prog.send_to.values() for t in prog.grad_specs(specs)}
+    return [(name, torch.randn_like(outs[name])) for name in sorted(sent)
+            if outs[name].requires_grad]
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward: a stage's activation memory.
+
+    Parameters saved for backward (a linear's weight, or a view of it) are weights, not
+    activations, and are skipped.
+    """
+
+    def __init__(self, module, fake_params=()):
+        self.param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.fake_params = {id(p) for p in fake_params}
+
+    def _key(self, t):
+        from torch._subclasses.fake_tensor import FakeTensor
+        if isinstance(t, FakeTensor):       # fake tensors have no storage address
+            base = t._base if t._base is not None else t
+            return None if id(base) in self.fake_params else id(t)
+        ptr = t.untyped_storage().data_ptr()
+        return None if ptr in self.param_storages else (ptr, t.dtype, tuple(t.shape), t.stride())
+
+    def __enter__(self):
+        self.nbytes = 0
+        seen = set()
+
+        def pack(t):
+            key = self._key(t)
+            if key is not None and key not in seen:
+                seen.add(key)
+                self.nbytes += t.numel() * t.element_size()
+            return t
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+
+def _time_optimizer(module, graph_opt, repeats: int = 3) -> float:
+    """One optimizer step over copies of this stage's parameters (same optimizer type)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if graph_opt is None or not params:
+        return 0.0
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for c in copies:
+        c.grad = torch.randn_like(c)
+    try:
+        opt = type(graph_opt)(copies, **copy.deepcopy(graph_opt.defaults))
+    except Exception:   # an optimizer that cannot be rebuilt from its defaults: not timed
+        return 0.0
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+# -- modelled from FLOPs and bytes --------------------------------------------------------
+def device_costs(compiled, device: str = "h100", **overrides) -> CostModel:
+    """Costs on a named accelerator from counted FLOPs and bytes (no accelerator needed).
+
+    forward = max(FLOPs / (peak * efficiency), bytes / HBM bandwidth), where bytes are the
+    stage's parameters plus its saved activations; backward is twice forward (input and
+    weight gradients). `overrides` replace preset fields, e.g. tflops=400, link_gbps=50.
+    """
+    if device not in DEVICES:
+        raise GraphcError(f"unknown device preset {device!r}; choose one of {sorted(DEVICES)} "
+                          "or pass tflops=..., hbm_gbps=..., link_gbps=..., latency_us=...")
+    dev = replace(DEVICES[device], **overrides)
+    fwd, bwd, act = {}, {}, {}
+    for prog in compiled.programs:
+        flops, saved = _count_stage(prog, compiled)
+        params = sum(p.numel() * p.element_size() for p in prog.module.parameters())
+        t = max(flops / (dev.tflops * 1e12 * dev.efficiency), (params + saved) / (dev.hbm_gbps * 1e9))
+        fwd[prog.stage], bwd[prog.stage], act[prog.stage] = t, 2 * t, saved
+    costs = CostModel(fwd, bwd, {}, act, dev.latency_us * 1e-6, dev.link_gbps * 1e9,
+                      source=f"modelled for {dev.name}: {dev.tflops} TFLOP/s x {dev.efficiency}, "
+                             f"HBM {dev.hbm_gbps} GB/s, link {dev.link_gbps} GB/s")
+    return _for_ranks(costs, compiled)
+
+
+def _count_stage(prog, compiled):
+    """Forward FLOPs and saved-activation bytes of one micro-batch, on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+    from torch.utils.flop_counter import FlopCounterMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    params = {k: mode.from_tensor(v) for k, v in
+              list(prog.module.named_parameters()) + list(prog.module.named_buffers())}
+    with mode:
+        inputs = stage_inputs(prog, compiled)
+        args = [inputs[n].requires_grad_(inputs[n].is_floating_point() and compiled.training)
+                for n in prog.inputs]
+        counter = FlopCounterMode(display=False)
+        with counter, _SavedBytes(prog.module, params.values()) as saved, \
+                torch.set_grad_enabled(compiled.training):
+            functional_call(prog.module, params, tuple(args))
+    return counter.get_total_flops(), saved.nbytes

@@ -1,0 +1,102 @@
+"""write_all(): the files `graphc plan` writes for one compiled graph.
+
+  rank<r>.json / rank<r>.txt   every rank's plan (plan.to_json(), str(plan))
+  stage<s>.py                  each stage's fx program as Python, with its interface
+  passes.txt                   the compilation history: every pass's output and time
+  schedule.png / .svg          the schedule with unit costs (forward 1, backward 2)
+  simulation.txt, simulated.png / .svg, simulated_trace.json   with --simulate
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import List
+
+from .chart import draw_timeline
+from .costs import CostModel, device_costs, measure_costs
+from .simulate import simulate
+from .trace import timeline_to_chrome
+
+
+def write_all(graph, compiled, folder: str, mode) -> List[str]:
+    os.makedirs(folder, exist_ok=True)
+    name = type(graph).__name__
+    written = write_plans(compiled.plans, folder) + write_programs(compiled, folder)
+    written.append(_write(os.path.join(folder, "passes.txt"),
+                          "\n\n".join(r.text for r in compiled.history)))
+    if mode.chart:
+        written += write_schedule_chart(compiled, folder, name)
+    if mode.simulate:
+        written += write_simulation(graph, compiled, folder, mode.simulate)
+    print(f"graphc plan: {name}: {len(compiled.plans)} rank(s), {len(compiled.stages)} stage(s), "
+          f"{compiled.num_microbatches} micro-batch(es); plans verified; wrote {len(written)} "
+          f"files to {folder}", flush=True)
+    return written
+
+
+def _write(path: str, text: str) -> str:
+    with open(path, "w") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+    return path
+
+
+def write_plans(plans, folder: str) -> List[str]:
+    out = []
+    for plan in plans:
+        base = os.path.join(folder, f"rank{plan.rank}")
+        out.append(_write(base + ".json", json.dumps(plan.to_json(), indent=1)))
+        out.append(_write(base + ".txt", str(plan)))
+    return out
+
+
+def write_programs(compiled, folder: str) -> List[str]:
+    out = []
+    for prog in compiled.programs:
+        ranks = list(compiled.stages[prog.stage].ranks)
+        head = (f"# graphc stage {prog.stage} on ranks {ranks}: the program one micro-batch runs.\n"
+                f"# Readable, not standalone: `self` is the user's model (its sub-modules and\n"
+                f"# parameters keep their names). Interface below; sends and receives are in\n"
+                f"# the rank<r>.txt plans.\n")
+        body = "\n".join("# " + line if i == 0 else line for i, line in enumerate(str(prog).splitlines()))
+        out.append(_write(os.path.join(folder, f"stage{prog.stage}.py"), head + body))
+    return out
+
+
+def row_labels(compiled):
+    stage_of = {r: s.stage_id for s in compiled.stages for r in s.ranks}
+    return {r: f"rank {r}" + (f" (stage {stage_of[r]})" if r in stage_of else " (idle)")
+            for r in range(len(compiled.plans))}
+
+
+def write_schedule_chart(compiled, folder: str, name: str) -> List[str]:
+    plan = compiled.plans[0]
+    result = simulate(compiled.plans, CostModel.uniform(len(compiled.stages)))
+    title = (f"{name}: schedule {plan.schedule}, {len(compiled.stages)} stage(s), "
+             f"{compiled.num_microbatches} micro-batch(es), {len(compiled.plans)} rank(s)\n"
+             f"unit costs (forward 1, backward 2, communication free): "
+             f"bubble {result.bubble_fraction:.1%}")
+    return draw_timeline(result.timeline, os.path.join(folder, "schedule"), title,
+                         time_unit="cost units", scale=1.0, row_labels=row_labels(compiled))
+
+
+def costs_for(graph, compiled, how: str) -> CostModel:
+    """`how`: "measure" (time the stages here) or a device preset name (see costs.DEVICES)."""
+    if how == "measure":
+        return measure_costs(compiled, optimizer=getattr(graph, "_optimizer", None))
+    return device_costs(compiled, how)
+
+
+def write_simulation(graph, compiled, folder: str, how: str) -> List[str]:
+    costs = costs_for(graph, compiled, how)
+    result = simulate(compiled.plans, costs)
+    name = type(graph).__name__
+    table = f"# {name}: simulated step, costs {costs.source}\n{result.table()}"
+    print(table, flush=True)
+    title = (f"{name}: simulated step ({costs.source})\nstep {result.step_time * 1e3:.3f} ms, "
+             f"mean bubble {result.bubble_fraction:.1%}")
+    out = [_write(os.path.join(folder, "simulation.txt"), table)]
+    out += draw_timeline(result.timeline, os.path.join(folder, "simulated"), title,
+                         row_labels=row_labels(compiled))
+    trace = timeline_to_chrome(result.timeline, process_prefix="simulated rank")
+    out.append(_write(os.path.join(folder, "simulated_trace.json"), json.dumps(trace)))
+    return out

@@ -1,0 +1,111 @@
+"""`graphc plan SCRIPT [SCRIPT_ARGS...] --nproc N --out DIR [--simulate [HOW]]`.
+
+Runs SCRIPT in this process (runpy, sys.argv = [SCRIPT, *SCRIPT_ARGS]) in plan mode (see
+plan_mode.py): every Graph it compiles is compiled for N ranks and written to DIR, and
+its first training step ends the script. graphc's own options may stand before or after
+the script's; a script option spelled like one of them goes after `--`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from typing import List, Tuple
+
+from ..errors import GraphcError
+
+# graphc plan's options -> whether each takes a value (for splitting them from the script's)
+OPTIONS = {"--nproc": True, "--out": True, "--simulate": None, "--no-chart": False}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="compile a training script's graphs for N ranks; write plans",
+                       description=__doc__.split("\n\n")[1] if __doc__ else None,
+                       usage="graphc plan SCRIPT [SCRIPT_ARGS...] --nproc N --out DIR "
+                             "[--simulate [measure|h100|h200|a100]] [--no-chart] [-- SCRIPT_ARGS]")
+    p.add_argument("script", help="the training script, as you would run it under torchrun")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=run_plan_command)
+
+
+def split_argv(argv: List[str]) -> Tuple[List[str], str, List[str]]:
+    """(graphc options, script, script args) from what follows `graphc plan`."""
+    mine, script, theirs = [], None, []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--" and script is not None:
+            theirs += argv[i + 1:]
+            break
+        name = tok.split("=", 1)[0]
+        if name in OPTIONS:
+            mine.append(tok)
+            takes = OPTIONS[name]
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if "=" not in tok and nxt is not None and (takes or (takes is None and not nxt.startswith("-")
+                                                                  and not nxt.endswith(".py"))):
+                mine.append(nxt)
+                i += 1
+        elif script is None and not tok.startswith("-"):
+            script = tok
+        elif script is None:
+            mine.append(tok)          # e.g. -h, reported by the parser
+        else:
+            theirs.append(tok)
+        i += 1
+    return mine, script, theirs
+
+
+def parse(argv: List[str]) -> argparse.Namespace:
+    mine, script, theirs = split_argv(argv)
+    p = argparse.ArgumentParser(prog="graphc plan", usage="graphc plan SCRIPT [SCRIPT_ARGS...] "
+                                "--nproc N --out DIR [--simulate [measure|h100|h200|a100]] [--no-chart]")
+    p.add_argument("--nproc", type=int, required=True, help="number of ranks to compile for")
+    p.add_argument("--out", required=True, help="folder for rank<r>.json/.txt, stage<s>.py, charts")
+    p.add_argument("--simulate", nargs="?", const="measure", default=None,
+                   help="predict the step: 'measure' (time the stages on this machine, default) "
+                        "or a device preset (h100, h200, a100)")
+    p.add_argument("--no-chart", action="store_true", help="skip the PNG/SVG charts")
+    args = p.parse_args(mine)
+    if script is None:
+        p.error("missing SCRIPT: graphc plan train.py --nproc 4 --out plans")
+    args.script, args.script_args = script, theirs
+    return args
+
+
+def run_plan_command(args: argparse.Namespace) -> int:
+    """`graphc plan`, from parse()'s namespace (cli.main sends `plan` argv here directly)."""
+    return run_plan(args.script, args.script_args, args.nproc, args.out, args.simulate,
+                    not args.no_chart)
+
+
+def run_plan(script: str, script_args: List[str], nproc: int, out: str,
+             simulate: str = None, chart: bool = True) -> int:
+    """Runs `script` in plan mode; returns 0 once at least one graph's plans are written."""
+    from .costs import DEVICES
+    from .plan_mode import PlanModeExit, plan_mode
+    if not os.path.isfile(script):
+        raise GraphcError(f"graphc plan: script {script!r} not found")
+    if simulate not in (None, "measure", *DEVICES):
+        raise GraphcError(f"graphc plan --simulate {simulate!r}: choose 'measure' or one of "
+                          f"{sorted(DEVICES)}")
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [script] + list(script_args)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        with plan_mode(nproc, out, simulate, chart) as mode:
+            try:
+                runpy.run_path(script, run_name="__main__")
+            except PlanModeExit as stop:
+                print(stop, flush=True)
+            except SystemExit as e:
+                if e.code not in (None, 0):
+                    raise
+    finally:
+        sys.argv, sys.path = saved_argv, saved_path
+    if not mode.written:
+        raise GraphcError(f"graphc plan: {script} finished without compiling a graphc.Graph. "
+                          "Fix: make sure the script calls graph(...) or graph.compile(...) "
+                          "(and that its arguments reach that point).")
+    return 0

@@ -1,0 +1,1 @@
+print("this script builds no graphc.Graph")

@@ -1,0 +1,134 @@
+"""`graphc plan`: compiles a script's graphs for N ranks in one process and writes them."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from graphc.cli import main
+from graphc.plan.instructions import Backward, Forward, Recv, Send
+from graphc.plan.plan import ExecutionPlan
+from graphc.plan.schedules import compute_order
+from graphc.plan.verify import verify_plans
+from graphc.tools.plan_cli import split_argv
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+SCRIPT = os.path.join(HERE, "scripts", "skipnet_train.py")
+EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def load_plans(folder, n):
+    plans = []
+    for r in range(n):
+        with open(os.path.join(folder, f"rank{r}.json")) as f:
+            d = json.load(f)
+        assert d["format"] == "graphc.plan/1" and d["rank"] == r and d["world_size"] == n
+        plan = ExecutionPlan.from_json(d)
+        with open(os.path.join(folder, f"rank{r}.txt")) as f:
+            assert ExecutionPlan.parse(f.read()).instructions == plan.instructions
+        plans.append(plan)
+    return plans
+
+
+def check_pairing(plans):
+    """The k-th send from a to b carries what the k-th recv on b from a expects."""
+    for p in plans:
+        for q in plans:
+            sends = [i for i in p.instructions if isinstance(i, Send) and i.peer == q.rank]
+            recvs = [i for i in q.instructions if isinstance(i, Recv) and i.peer == p.rank]
+            assert len(sends) == len(recvs), (p.rank, q.rank)
+            for s, r in zip(sends, recvs):
+                assert (s.microbatch, s.direction, s.tensors) == (r.microbatch, r.direction, r.tensors)
+
+
+def check_files(folder, n, stages, chart=True):
+    for r in range(n):
+        for ext in ("json", "txt"):
+            assert os.path.getsize(os.path.join(folder, f"rank{r}.{ext}")) > 0
+    for s in range(stages):
+        with open(os.path.join(folder, f"stage{s}.py")) as f:
+            assert "def forward(self" in f.read()
+    if not chart:
+        return
+    with open(os.path.join(folder, "schedule.png"), "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    with open(os.path.join(folder, "schedule.svg")) as f:
+        assert "<svg" in f.read()
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_plan_writes_every_rank_with_the_schedule(tmp_path, n, schedule):
+    out = str(tmp_path / "plans")
+    # graphc's options after the script's; the script's own --out goes after `--`
+    chart = [] if n == 4 else ["--no-chart"]     # charts cost seconds: draw one size
+    rc = main(["plan", SCRIPT, "--stages", str(n), "--schedule", schedule, "--nproc", str(n),
+               "--out", out, *chart, "--", "--out", "mine"])
+    assert rc == 0
+    check_files(out, n, n, chart=not chart)
+    plans = load_plans(out, n)
+    verify_plans(plans)
+    check_pairing(plans)
+    for p in plans:
+        compute = [i for i in p.instructions if isinstance(i, (Forward, Backward))]
+        assert compute == compute_order(schedule, p.rank, n, 4), f"rank {p.rank}"
+        assert p.schedule == schedule and p.num_microbatches == 4
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=os.path.basename)
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_plan_on_every_example(tmp_path, example, n):
+    out = str(tmp_path / "plans")
+    assert main(["plan", example, "--nproc", str(n), "--out", out]) == 0
+    plans = load_plans(out, n)
+    stages = len(glob.glob(os.path.join(out, "stage*.py")))
+    check_files(out, n, stages)
+    verify_plans(plans)
+    check_pairing(plans)
+
+
+def test_cuda_placements_compile_without_a_gpu(tmp_path):
+    out = str(tmp_path / "plans")
+    assert main(["plan", SCRIPT, "--stages", "2", "--device", "cuda", "--nproc", "2", "--out", out]) == 0
+    plans = load_plans(out, 2)
+    assert {s.device_type for s in plans[0].stages} == {"cuda"}
+
+
+def test_each_graph_of_a_script_gets_its_folder(tmp_path):
+    out = str(tmp_path / "plans")
+    assert main(["plan", SCRIPT, "--eval-graph", "--nproc", "2", "--out", out]) == 0
+    train = load_plans(out, 2)
+    (second,) = glob.glob(os.path.join(out, "graph1_EvalGraph"))
+    evals = load_plans(second, 2)
+    assert train[0].training and not evals[0].training
+    assert all(isinstance(i, (Forward, Send, Recv)) for p in evals for i in p.instructions)
+
+
+def test_script_without_graph_is_an_error(tmp_path, capsys):
+    rc = main(["plan", os.path.join(HERE, "scripts", "no_graph.py"), "--nproc", "2", "--out",
+               str(tmp_path)])
+    assert rc == 1
+    assert "without compiling a graphc.Graph" in capsys.readouterr().err
+
+
+def test_split_argv_keeps_script_options_in_order():
+    mine, script, theirs = split_argv(["--nproc", "2", "t.py", "--lr", "3", "--out", "d",
+                                       "--simulate", "--steps", "5", "--", "--out", "x"])
+    assert script == "t.py"
+    assert mine == ["--nproc", "2", "--out", "d", "--simulate"]
+    assert theirs == ["--lr", "3", "--steps", "5", "--out", "x"]
+
+
+def test_python_dash_m_graphc_plan(tmp_path):
+    out = str(tmp_path / "plans")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-m", "graphc", "plan", SCRIPT, "--nproc", "2", "--out",
+                          out, "--no-chart"], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "plans verified" in res.stdout
+    load_plans(out, 2)
+    assert not os.path.exists(os.path.join(out, "schedule.png"))

@@ -21,7 +21,7 @@ from .passes.lower_plan import lower_plan
 from .passes.propagate_shapes import propagate_shapes
 from .passes.split_stages import split_stages
 from .passes.trace_build import trace_build
-from .passes.verify_graph import verify_annotated, verify_traced
+from .passes.verify_graph import verify_annotated, verify_traced, warn_unused_parameters
 from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
 from .plan.verify import verify_plans
@@ -81,6 +81,7 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int) 
     gm = _step(h, "trace_build", trace_build, graph_obj)
     # 2. reject what a static graph cannot hold (host syncs, several backward())
     _step(h, "verify_traced", verify_traced, gm)
+    warn_unused_parameters(graph_obj._root, gm)
     training = any(n.op == "call_method" and n.target == BACKWARD_TARGET for n in gm.graph.nodes)
     # 3. a pipeline stage for every node, from set_stage and data flow
     gm = _step(h, "annotate_stages", annotate_stages, gm, stage_of_module)

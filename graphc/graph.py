@@ -19,6 +19,7 @@ from .plan.plan import ExecutionPlan
 from .runtime.actors import Runtime, StepStats
 from .runtime.comm import P2P
 from .runtime.dist_env import device_for, ensure_process_group
+from .runtime.watchdog import run_step
 from .state import GraphState
 from .tools import plan_mode
 from .tools.trace import Tracer
@@ -105,7 +106,8 @@ class Graph:
 
     def build(self, *args):
         """Override: the step, written as eager PyTorch on whole (global) tensors."""
-        raise GraphcError(f"{type(self).__name__} must define build(self, ...)")
+        graph = self.__dict__.get("_graphc_graph", self)  # build() runs with the traced root as self
+        raise GraphcError(f"{type(graph).__name__} must define build(self, ...)")
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer, lr_sch=None) -> None:
         """The graph calls optimizer.step(), zero_grad() and lr_sch.step() once per call."""
@@ -131,7 +133,7 @@ class Graph:
             self._check_inputs(args)
         if self._runtime is None:  # plan mode (graphc plan): plans written, no training
             plan_mode.stop_before_step(self)
-        results, stats = self._runtime.step([local for local, _ in args])
+        results, stats = run_step(self._runtime.step, [local for local, _ in args])
         object.__setattr__(self, "last_stats", stats)
         self._tracer.after_step(stats)
         self._state.steps += 1 if self._compiled.training else 0

@@ -1,6 +1,7 @@
 """GraphState: which rank owns which parameters, the optimizer's view of them, checkpoints."""
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict
 
 import torch
@@ -63,10 +64,11 @@ class GraphState:
             "format": STATE_FORMAT, "rank": self.rank, "steps": self.steps,
             "model": {k: tensors[k].detach().clone() for k in self.local_keys},
         }
-        if self.optimizer is not None:
-            sd["optimizer"] = self.optimizer.state_dict()
+        if self.optimizer is not None:  # a copy: the live state keeps changing in place
+            sd["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
         if self.lr_scheduler is not None:
-            sd["lr_scheduler"] = self.lr_scheduler.state_dict()
+            sd["lr_scheduler"] = copy.deepcopy(self.lr_scheduler.state_dict())
+        sd["rng"] = torch.get_rng_state()  # dropout and friends resume on the same stream
         return sd
 
     def load(self, sd: Dict[str, Any]) -> None:
@@ -89,6 +91,8 @@ class GraphState:
             self.optimizer.load_state_dict(sd["optimizer"])
         if self.lr_scheduler is not None and "lr_scheduler" in sd:
             self.lr_scheduler.load_state_dict(sd["lr_scheduler"])
+        if "rng" in sd:
+            torch.set_rng_state(sd["rng"])
         self.steps = sd.get("steps", 0)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:

@@ -8,17 +8,35 @@ Requires: every module build() calls was assigned to the Graph in __init__.
 from __future__ import annotations
 
 import inspect
+import os
 import traceback
+
+import torch
 
 import torch.fx as fx
 
 from ..errors import GraphcError
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_GRAPHC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 class _BuildTracer(fx.Tracer):
     def __init__(self):
         super().__init__()
         self.record_stack_traces = True
+
+    def _filter_traceback_frames(self, summary: traceback.StackSummary) -> traceback.StackSummary:
+        """The user's frames from build() down, so errors can point at the user's line.
+
+        fx's own filter keeps frames from the first `forward` on, which drops build() itself.
+        """
+        starts = [i for i, f in enumerate(summary) if f.filename.startswith(_TORCH_DIR + "fx" + os.sep)
+                  and f.name == "trace"]
+        frames = summary[starts[-1] + 1:] if starts else summary
+        return traceback.StackSummary.from_list(
+            [f for f in frames if not f.filename.startswith((_TORCH_DIR, _GRAPHC_DIR))])
 
 
 def trace_build(graph_obj) -> fx.GraphModule:

@@ -4,6 +4,7 @@ A failure is a GraphcError naming the node, the user's line where known, and the
 """
 from __future__ import annotations
 
+import warnings
 from typing import Dict
 
 import torch.fx as fx
@@ -36,6 +37,24 @@ def verify_traced(gm: fx.GraphModule) -> None:
         if len(node.args) > 1 or node.kwargs:
             raise GraphcError(f"backward() at {_line(node)} takes no arguments in build(); "
                               "graphc scales the loss for gradient accumulation itself")
+
+
+def warn_unused_parameters(root, gm: fx.GraphModule) -> None:
+    """Warns about modules with parameters that build() never uses.
+
+    The rule (docs/errors.md): a module build() calls runs on a stage even without
+    set_stage (the forward rule places it after its inputs), so only a parameterised module
+    that build() never touches is suspicious: no rank owns it, so it is neither trained
+    nor checkpointed. It is a warning, not an error: frozen or spare modules are legal.
+    """
+    used = {id(p) for p in gm.parameters()}
+    unused = sorted({name.rsplit(".", 1)[0] for name, p in root.named_parameters() if id(p) not in used})
+    if unused:
+        warnings.warn(
+            f"graphc: module(s) {unused} of {type(root).__name__[:-len('Build')]} have parameters "
+            "but build() never uses them; no rank owns them, so they are neither trained nor saved "
+            "by graph.state_dict(). Fix: call them in build(), or do not assign them to the Graph.",
+            UserWarning, stacklevel=2)
 
 
 def verify_annotated(gm: fx.GraphModule, stage_modules: Dict[str, int], num_stages: int) -> None:

@@ -58,7 +58,7 @@ class RecvActor:
         self.pump()
         bufs, works = self.posted.pop(k)
         for w in works:
-            w.wait()
+            _wait(w, self.peer)
         self.next_take += 1
         self.pump()
         return bufs
@@ -81,8 +81,17 @@ class SendActor:
 
     def drain(self) -> None:
         for w, _ in self.inflight:
-            w.wait()
+            _wait(w, self.peer)
         self.inflight = []
+
+
+def _wait(work, peer: int) -> None:
+    """Waits for a transfer; a transport error records the peer (see NOTE: Failure propagation)."""
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        exc.graphc_peer = peer
+        raise
 
 
 class Runtime:

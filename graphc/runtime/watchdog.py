@@ -1,0 +1,145 @@
+"""Failure propagation: a rank that fails mid-step takes the whole world down, promptly.
+
+NOTE: Failure propagation
+  - A rank whose step raises writes FAILED_KEY = "rank R: <error>" into the default
+    torch.distributed store (the c10d TCPStore every rank already shares), waits a
+    moment for the others to acknowledge (so the store, hosted by rank 0, outlives the
+    message), then re-raises.
+  - Every rank runs a daemon thread (started by its first step) that polls the store. On
+    seeing another rank's failure it prints "graphc: rank R failed: ...; exiting rank r"
+    to stderr and exits the process non-zero (os._exit: the main thread may be blocked
+    in a collective that will never complete).
+  - A rank that dies without raising (SIGKILL, OOM kill) cannot write the key. A transfer
+    from it then fails in gloo ("connection closed"), which run_step turns into a
+    RankFailedError naming that peer; anything else is bounded by GRAPHC_TIMEOUT, the
+    process-group timeout (see dist_env.timeout_seconds).
+  - A lost connection to the store is not taken as a failure: rank 0 legitimately exits
+    first at the end of a run.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from ..errors import GraphcError, RankFailedError
+
+FAILED_KEY = "graphc/failed"
+ACK_KEY = "graphc/failed_acks"
+POLL_SECONDS = 0.1
+ACK_WAIT_SECONDS = 3.0
+
+_PEER_RE = re.compile(r"rank (\d+)")
+
+
+class Watchdog:
+    """Polls the store for another rank's failure."""
+
+    def __init__(self, store, rank: int, world_size: int):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="graphc-watchdog", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            try:
+                failed = self.store.check([FAILED_KEY])
+                message = self.store.get(FAILED_KEY).decode() if failed else None
+            except Exception:  # store gone: see NOTE, let gloo or the timeout decide
+                return
+            if message and not message.startswith(f"rank {self.rank}:"):
+                self._exit_for(message)
+            time.sleep(POLL_SECONDS)
+
+    def stop(self) -> None:
+        """Ends the polling thread (before interpreter shutdown: a daemon thread caught inside
+        a store call while Python finalizes aborts the process)."""
+        self._stopped = True
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * POLL_SECONDS + 1)
+
+    def _exit_for(self, message: str) -> None:
+        sys.stderr.write(f"graphc: {_failed_rank_text(message)} failed: {message}; "
+                         f"exiting rank {self.rank}\n")
+        sys.stderr.flush()
+        try:
+            self.store.add(ACK_KEY, 1)
+        except Exception:
+            pass
+        os._exit(1)
+
+    def report(self, exc: BaseException) -> None:
+        """Tells the other ranks this rank failed, and gives them time to read it."""
+        text = f"rank {self.rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        try:
+            self.store.set(FAILED_KEY, text)
+            deadline = time.monotonic() + ACK_WAIT_SECONDS
+            while time.monotonic() < deadline and self.store.add(ACK_KEY, 0) < self.world_size - 1:
+                time.sleep(POLL_SECONDS / 2)
+        except Exception:
+            pass
+
+
+def _failed_rank_text(message: str) -> str:
+    m = _PEER_RE.match(message)
+    return f"rank {m.group(1)}" if m else "another rank"
+
+
+_WATCHDOG: Optional[Watchdog] = None
+
+
+def _watchdog() -> Optional[Watchdog]:
+    """The process's watchdog, started on the first step of a multi-rank world."""
+    global _WATCHDOG
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    if _WATCHDOG is not None and _WATCHDOG.store is not store:  # a new process group
+        _WATCHDOG.stop()
+        _WATCHDOG = None
+    if _WATCHDOG is None:
+        _WATCHDOG = Watchdog(store, dist.get_rank(), dist.get_world_size())
+    return _WATCHDOG
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    if _WATCHDOG is not None:
+        _WATCHDOG.stop()
+
+
+def run_step(step: Callable, *args):
+    """Runs one runtime step under the watchdog; a failure here is announced to every rank."""
+    dog = _watchdog()
+    if dog is None:
+        return step(*args)
+    try:
+        return step(*args)
+    except BaseException as exc:
+        error = _as_rank_error(exc, dog.rank)
+        dog.report(error)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def _as_rank_error(exc: BaseException, rank: int) -> BaseException:
+    """A transport error from a dead peer becomes a RankFailedError naming that peer."""
+    if isinstance(exc, GraphcError) or not isinstance(exc, RuntimeError):
+        return exc
+    peer = getattr(exc, "graphc_peer", None)
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if peer is None and "timed out" not in text.lower() and "closed" not in text.lower():
+        return exc
+    who = f"rank {peer}" if peer is not None else "a peer rank"
+    return RankFailedError(
+        f"rank {rank}: a transfer with {who} failed mid-step ({text}). Expected: {who} alive "
+        f"and answering within GRAPHC_TIMEOUT; found: it died, failed or stalled. Fix: look at "
+        f"{who}'s own error output above; raise GRAPHC_TIMEOUT if a step legitimately takes longer.")

@@ -1,0 +1,452 @@
+"""The misuse catalogue (docs/errors.md): each mistake raises GraphcError at compile time.
+
+Compile-time checks depend only on the program and the inputs' shapes, which every rank
+shares, so every rank raises the same error before any communication (no rank is left
+waiting). Multi-rank layouts are compiled for a world size without processes through
+graphc.compiler.compile; single-rank ones simply call the graph in this process.
+"""
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphc
+from graphc import GraphcError, compiler
+from graphc import sbp as S
+from graphc.state import GraphState
+from models import PipelineGraph, SkipNet
+
+P = graphc.placement
+
+
+def raises(*fragments):
+    """Expects a GraphcError whose message holds every fragment (in any order)."""
+    class _Ctx:
+        def __enter__(self):
+            self.cm = pytest.raises(GraphcError)
+            self.info = self.cm.__enter__()
+            return self.info
+
+        def __exit__(self, *exc):
+            handled = self.cm.__exit__(*exc)
+            msg = str(self.info.value)
+            for f in fragments:
+                assert f in msg, f"{f!r} not in message:\n{msg}"
+            return handled
+    return _Ctx()
+
+
+class TwoStage(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class Train(graphc.Graph):
+    """A configurable training graph: stages maps submodule name -> (stage id, ranks)."""
+
+    def __init__(self, model=None, stages=None, acc=1, opt=True, body=None):
+        super().__init__()
+        self.model = model if model is not None else TwoStage()
+        for name, (sid, ranks) in (stages or {}).items():
+            getattr(self.model, name).config.set_stage(sid, P("cpu", ranks=ranks))
+        self.config.set_gradient_accumulation_steps(acc)
+        if opt:
+            self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.1))
+        self._body = body
+
+    def build(self, x):
+        if self._body is not None:
+            return self._body(self, x)
+        loss = self.model(x).sum()
+        loss.backward()
+        return loss
+
+
+def compile_for(graph, world, *inputs):
+    return compiler.compile(graph, list(inputs) or [torch.randn(4, 8)], world)
+
+
+X = torch.randn(4, 8)
+
+
+# -- stages and placements ---------------------------------------------------------------
+def test_stage_ids_with_a_gap():
+    g = Train(stages={"a": (0, [0]), "b": (2, [1])})
+    with raises("stage ids must be 0, 1, ..., p-1", "found [0, 2]", "missing [1]", "Fix"):
+        compile_for(g, 2)
+
+
+def test_same_stage_id_with_two_placements():
+    g = Train(stages={"a": (0, [0]), "b": (0, [1])})
+    with raises("stage 0 is given two placements", "module 'model.a'", "module 'model.b'", "Fix"):
+        compile_for(g, 2)
+
+
+def test_rank_in_two_stages():
+    g = Train(stages={"a": (0, [0]), "b": (1, [0])})
+    with raises("rank 0 is in the placement of stage 0 and of stage 1", "module 'model.b'", "Fix"):
+        compile_for(g, 2)
+
+
+def test_placement_rank_outside_the_world():
+    g = Train(stages={"a": (0, [0]), "b": (1, [3])})
+    with raises("module 'model.b'", "names rank(s) [3]", "the world has 2 rank(s)",
+                "--nproc_per_node 4"):
+        compile_for(g, 2)
+
+
+def test_negative_stage_id():
+    g = Train()
+    with raises("module 'model.a'", "stage_id must be an int >= 0", "found -1"):
+        g.model.a.config.set_stage(-1, P("cpu", ranks=[0]))
+
+
+def test_set_stage_without_a_placement():
+    g = Train()
+    with raises("module 'model.a'", "set_stage needs a graphc.placement", "found [0]"):
+        g.model.a.config.set_stage(0, [0])
+
+
+def test_set_stage_after_the_first_call():
+    g = Train()
+    g(X)
+    with raises("module 'model.a'", "set_stage was called after the graph was compiled",
+                "Call set_stage in the Graph's __init__"):
+        g.model.a.config.set_stage(0, P("cpu", ranks=[0]))
+
+
+def test_staged_module_never_called():
+    def body(self, x):
+        loss = self.model.a(x).sum()
+        loss.backward()
+        return loss
+    g = Train(stages={"a": (0, [0]), "b": (1, [1])}, body=body)
+    with raises("module 'model.b' is set to stage 1", "never runs anything on that stage", "Fix"):
+        compile_for(g, 2)
+
+
+def test_stages_in_reverse_order_of_use():
+    g = Train(stages={"a": (1, [1]), "b": (0, [0])})
+    with raises("runs on stage 0 but uses", "later stage 1", "Fix: give the stages ids in the order"):
+        compile_for(g, 2)
+
+
+def test_stages_of_different_sizes_exchanging_values():
+    g = Train(stages={"a": (0, [0]), "b": (1, [1, 2])})
+    with raises("stage 0 (ranks [0]) sends", "stage 1 (ranks [1, 2])", "same number of ranks", "Fix"):
+        compile_for(g, 3)
+
+
+def test_parameter_shared_across_stages():
+    model = TwoStage()
+    model.b.weight = model.a.weight
+    g = Train(model, stages={"a": (0, [0]), "b": (1, [1])})
+    compiled = compile_for(g, 2)
+    with raises("weight' is used by stage 0 and by stage 1", "shared across pipeline stages",
+                "Fix"):
+        GraphState(g._root, compiled, 0, None, None)  # what every rank builds before its first step
+
+
+# -- accumulation and batches -------------------------------------------------------------
+def test_accumulation_steps_below_one():
+    g = Train()
+    with raises("gradient accumulation steps must be an int >= 1", "found 0"):
+        g.config.set_gradient_accumulation_steps(0)
+
+
+def test_batch_not_divisible_by_accumulation_steps():
+    g = Train(acc=3)
+    with raises("input 'x' has batch size 4", "not divisible by the 3 gradient accumulation steps",
+                "multiple of 3"):
+        g(X)
+
+
+def test_unknown_pipeline_schedule():
+    g = Train()
+    with raises("unknown pipeline schedule 'zb'", "'1f1b'", "'gpipe'"):
+        g.config.set_pipeline_schedule("zb")
+
+
+def test_config_after_the_first_call():
+    g = Train()
+    g(X)
+    with raises("set_gradient_accumulation_steps was called after the graph was compiled", "__init__"):
+        g.config.set_gradient_accumulation_steps(2)
+
+
+# -- backward() ---------------------------------------------------------------------------
+def test_backward_on_a_non_scalar():
+    def body(self, x):
+        out = self.model(x)
+        out.backward()
+        return out
+    with raises("backward() is called on", "with shape [4, 8]", "must be a scalar loss",
+                "test_misuse.py", "out.backward()", "loss.mean()"):
+        Train(body=body)(X)
+
+
+def test_backward_called_twice():
+    def body(self, x):
+        a = self.model(x).sum()
+        a.backward()
+        b = self.model(x).mean()
+        b.backward()
+        return a
+    with raises("calls backward() 2 times", "b.backward()", "call backward() once"):
+        Train(body=body)(X)
+
+
+def test_backward_with_arguments():
+    def body(self, x):
+        loss = self.model(x).sum()
+        loss.backward(torch.ones(()))
+        return loss
+    with raises("takes no arguments", "scales the loss"):
+        Train(body=body)(X)
+
+
+def test_backward_on_a_loss_without_parameters():
+    def body(self, x):
+        loss = (x * 2).sum()
+        loss.backward()
+        return loss
+    with raises("does not depend on any parameter that requires grad", "Fix"):
+        Train(body=body)(X)
+
+
+# -- what build() may do ------------------------------------------------------------------
+def test_item_inside_build_points_at_the_users_line():
+    def body(self, x):
+        loss = self.model(x).sum()
+        print(loss.item())
+        return loss
+    with raises("build() calls .item()", "test_misuse.py", "print(loss.item())",
+                ".to_local().item()"):
+        Train(body=body, opt=False)(X)
+
+
+def test_python_control_flow_on_a_tensor_points_at_the_users_line():
+    def body(self, x):
+        h = self.model(x)
+        if h.sum() > 0:
+            h = h * 2
+        return h.sum()
+    with raises("could not trace", "test_misuse.py", "if h.sum() > 0:", "torch.where"):
+        Train(body=body, opt=False)(X)
+
+
+def test_shape_error_inside_build_names_node_and_line():
+    def body(self, x):
+        loss = self.model(x[:, :5]).sum()
+        loss.backward()
+        return loss
+    with raises("node 'model_a'", "fails on one micro-batch's shapes", "found: RuntimeError",
+                "Fix: check the shapes"):
+        Train(body=body)(X)
+
+
+def test_build_not_defined():
+    class NoBuild(graphc.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = TwoStage()
+    with raises("NoBuild must define build(self, ...)"):
+        NoBuild()(X)
+
+
+def test_missing_super_init():
+    class NoSuper(graphc.Graph):
+        def __init__(self):
+            self.model = TwoStage()
+
+        def build(self, x):
+            return self.model(x)
+    with raises("NoSuper.__init__ must call super().__init__() before assigning 'model'"):
+        NoSuper()
+
+
+def test_module_assigned_after_compiling():
+    g = Train()
+    g(X)
+    with raises("module 'extra' was assigned after the graph was compiled"):
+        g.extra = nn.Linear(2, 2)
+
+
+# -- inputs -------------------------------------------------------------------------------
+def test_input_shape_changes_on_a_later_call():
+    g = Train()
+    g(X)
+    with raises("input 0 of Train has shape [2, 8]", "compiled for [4, 8]", "Fix"):
+        g(torch.randn(2, 8))
+
+
+def test_input_dtype_changes_on_a_later_call():
+    g = Train()
+    g(X)
+    with raises("dtype torch.float64", "compiled for [4, 8] torch.float32"):
+        g(X.double())
+
+
+def test_wrong_number_of_inputs_on_a_later_call():
+    g = Train()
+    g(X)
+    with raises("compiled for 1 inputs, called with 2"):
+        g(X, X)
+
+
+def test_wrong_number_of_inputs_at_compile():
+    with raises("build() takes 1 inputs (x), found 2"):
+        Train()(X, X)
+
+
+def test_non_tensor_input():
+    with raises("input 0 of the graph is a float", "Fix"):
+        Train()(1.5)
+
+
+def test_input_placed_away_from_its_stage():
+    g = Train(stages={"a": (0, [0])})
+    x = graphc.to_global(X, placement=P("cpu", ranks=[1]), sbp=S.broadcast)
+    with raises("input 'x' is placed on", "first used on stage 0, which runs on ranks [0]",
+                "graphc.to_global(t, placement=graphc.placement(\"cpu\", ranks=[0])"):
+        compiled = compile_for(g, 2)
+        from graphc.graph import _check_input_placements, _local_and_global
+        _check_input_placements(compiled, _local_and_global([x]))
+
+
+# -- optimizer ----------------------------------------------------------------------------
+def test_optimizer_over_parameters_the_graph_does_not_own():
+    g = Train(opt=False)
+    stray = nn.Linear(3, 3)
+    g.add_optimizer(torch.optim.SGD(stray.parameters(), lr=0.1))
+    with raises("the optimizer holds a parameter of shape [3, 3]", "no module of the graph owns",
+                "Fix"):
+        g(X)
+
+
+def test_add_optimizer_twice():
+    g = Train()
+    with raises("add_optimizer was called twice"):
+        g.add_optimizer(torch.optim.SGD(g.model.parameters(), lr=0.1))
+
+
+def test_add_optimizer_with_a_non_optimizer():
+    with raises("add_optimizer expects a torch.optim.Optimizer, found list"):
+        Train(opt=False).add_optimizer([1])
+
+
+# -- placements, sbp, to_global -----------------------------------------------------------
+def test_placement_with_unknown_device_type():
+    with raises("placement type must be one of", "found 'tpu'"):
+        P("tpu", ranks=[0])
+
+
+def test_placement_with_repeated_ranks():
+    with raises("placement ranks must be distinct, found [0, 0]"):
+        P("cpu", ranks=[0, 0])
+
+
+def test_split_dim_out_of_range():
+    with raises("split(2) is out of range for a tensor with 2 dims", "[-2, 1]"):
+        graphc.to_global(X, placement=P("cpu", ranks=[0]), sbp=S.split(2))
+
+
+def test_to_global_of_an_unsupported_object():
+    with raises("to_global expects an nn.Module, a parameter or a tensor, found str"):
+        graphc.to_global("x", placement=P("cpu", ranks=[0]), sbp=S.broadcast)
+
+
+def test_to_global_without_a_placement():
+    with raises("to_global needs placement=graphc.placement(...)", "found [0, 1]"):
+        graphc.to_global(X, placement=[0, 1], sbp=S.broadcast)
+
+
+# -- state ----------------------------------------------------------------------------------
+def test_state_dict_before_compiling():
+    with raises("state_dict() needs a compiled graph", "graph.compile(*inputs)"):
+        Train().state_dict()
+
+
+def test_loading_a_plain_model_state_dict():
+    g = Train()
+    g(X)
+    with raises("load_state_dict expects a graph.state_dict()", "load a plain model state dict"):
+        g.load_state_dict(g.model.state_dict())
+
+
+def test_loading_another_ranks_checkpoint():
+    g = Train()
+    g(X)
+    sd = g.state_dict()
+    sd["rank"] = 1
+    with raises("saved by rank 1, but is loaded on rank 0", "load the file each rank saved"):
+        g.load_state_dict(sd)
+
+
+def test_bad_graphc_timeout(monkeypatch):
+    from graphc.runtime.dist_env import timeout_seconds
+    monkeypatch.setenv("GRAPHC_TIMEOUT", "soon")
+    with raises("GRAPHC_TIMEOUT must be a number of seconds, found 'soon'"):
+        timeout_seconds()
+
+
+# -- modules outside any stage --------------------------------------------------------------
+def test_unstaged_module_used_in_build_follows_its_inputs():
+    """The rule: with set_stage on some modules, a module build() calls outside them runs
+    where the forward rule puts it (after its inputs): no error, and it is owned."""
+    g = Train(stages={"a": (0, [0])})
+    compiled = compile_for(g, 1)
+    state = GraphState(g._root, compiled, 0, None, None)
+    assert state.owner["model.b.weight"] == 0
+
+
+def test_unused_module_with_parameters_warns():
+    def body(self, x):
+        loss = self.model.a(x).sum()
+        loss.backward()
+        return loss
+    with pytest.warns(UserWarning, match=r"\['model.b'\] of Train have parameters but build\(\) "
+                                         r"never uses them"):
+        Train(body=body)(X)
+
+
+def test_split_parameter_dim_not_divisible_by_the_ranks():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 5)
+
+        def forward(self, x):
+            return self.a(x)
+    model = Odd()
+    graphc.to_global(model, placement=P("cpu", ranks=[0, 1]), sbp=S.split(0))
+    with raises("dim 0 of size 5 does not split evenly over 2 ranks", "multiple of 2"):
+        compile_for(Train(model), 2)
+
+
+def test_to_global_inside_build_to_no_stages_placement():
+    def body(self, x):
+        h = graphc.to_global(self.model.a(x), placement=P("cpu", ranks=[0, 1]), sbp=S.broadcast)
+        loss = self.model.b(h).sum()
+        loss.backward()
+        return loss
+    g = Train(stages={"a": (0, [0]), "b": (1, [1])}, body=body)
+    with raises("to_global at", "from stage 0 (ranks [0])", "no pipeline stage's placement", "Fix"):
+        compile_for(g, 2)
+
+
+def test_to_global_inside_build_with_sbp_for_another_mesh():
+    def body(self, x):
+        h = graphc.to_global(self.model(x), placement=P("cpu", ranks=[0, 1]),
+                             sbp=(S.split(0), S.broadcast))
+        loss = h.sum()
+        loss.backward()
+        return loss
+    with raises("to_global at", "with sbp (split(0), broadcast)", "Fix"):
+        compile_for(Train(body=body), 2)

@@ -1,0 +1,55 @@
+"""A 2-stage pipeline training script for torchrun in which one rank fails mid-step.
+
+    torchrun --nproc_per_node 2 faulty_train.py --fail-rank 1 --mode raise --at-step 3
+
+--mode raise: the rank's stage raises inside its backward at step --at-step;
+--mode kill:  the rank sends itself SIGKILL there (no chance to report anything);
+--mode hang:  the rank stalls there forever (alive, silent: only the timeout can tell).
+Every other rank must then exit non-zero promptly instead of waiting forever.
+"""
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from models import PipelineGraph, SkipNet, make_batches  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fail-rank", type=int, required=True)
+    parser.add_argument("--mode", choices=["raise", "kill", "hang"], required=True)
+    parser.add_argument("--at-step", type=int, default=3)
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = SkipNet(int(os.environ["WORLD_SIZE"]))
+    graph = PipelineGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation=2)
+    batches = make_batches()
+    for step in range(args.at_step + 100):
+        if step == args.at_step and rank == args.fail_rank:
+            _inject(graph, args.mode)
+        x, y = batches[step % len(batches)]
+        graph(x, y)
+        print(f"rank {rank} finished step {step}", flush=True)
+
+
+def _inject(graph, mode):
+    executor = graph._runtime.executor
+
+    def failing_backward(mb, grads):
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "hang":
+            time.sleep(3600)
+        raise ValueError("injected failure in backward")
+
+    executor.backward = failing_backward
+
+
+if __name__ == "__main__":
+    main()

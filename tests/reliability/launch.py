@@ -1,0 +1,63 @@
+"""Launchers for the reliability tests: torchrun, or bare processes with no supervisor.
+
+Bare processes show what graphc itself guarantees: nothing kills the survivors of a
+failed rank except graphc. Every launch has a hard timeout so a hang fails the test.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import List
+
+from helpers import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class Exit:
+    returncode: int
+    output: str
+    seconds: float
+
+
+def env(**extra) -> dict:
+    e = dict(os.environ, **{"OMP_NUM_THREADS": "1", "GRAPHC_TIMEOUT": "60", **extra})
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def torchrun(script: str, args: List[str], nproc: int, timeout: float, torchrun_args=(), **extra) -> Exit:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), *torchrun_args, script, *args]
+    start = time.monotonic()
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=timeout, env=env(**extra))
+    return Exit(out.returncode, out.stdout, time.monotonic() - start)
+
+
+def bare_world(script: str, args: List[str], nproc: int, timeout: float, **extra) -> List[Exit]:
+    """One process per rank with torchrun's environment variables, and no supervisor."""
+    port = str(free_port())
+    procs, start = [], time.monotonic()
+    for rank in range(nproc):
+        rank_env = env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                       **extra)
+        procs.append(subprocess.Popen([sys.executable, script, *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, env=rank_env))
+    exits = []
+    try:
+        for p in procs:
+            left = max(1.0, timeout - (time.monotonic() - start))
+            out, _ = p.communicate(timeout=left)
+            exits.append(Exit(p.returncode, out, time.monotonic() - start))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return exits

@@ -1,0 +1,82 @@
+"""graphc.save / graphc.load: a crash while saving keeps the last good checkpoint."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import graphc
+from graphc import GraphcError
+from launch import env
+
+OLD = {"w": torch.arange(10.0), "steps": 3}
+
+
+def test_round_trip(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    graphc.save(OLD, path)
+    got = graphc.load(path)
+    assert got["steps"] == 3 and torch.equal(got["w"], OLD["w"])
+    assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left behind
+
+
+def test_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt.pt")
+    graphc.save(OLD, path)
+
+    def torn_save(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(OSError, match="disk full"):
+        graphc.save({"w": torch.zeros(10), "steps": 4}, path)
+    monkeypatch.undo()
+    got = graphc.load(path)
+    assert got["steps"] == 3 and torch.equal(got["w"], OLD["w"])
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+_WRITER = """
+import sys, torch, graphc
+big = {"w": torch.ones(64, 2 ** 20), "steps": 4}   # 256 MiB: the kill lands mid-write
+print("saving", flush=True)
+while True:
+    graphc.save(big, sys.argv[1])
+"""
+
+
+def test_killed_writer_keeps_a_complete_file(tmp_path):
+    """SIGKILL a process in the middle of saving: the file is the old or the new one, whole."""
+    path = str(tmp_path / "ckpt.pt")
+    graphc.save(OLD, path)
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, path], stdout=subprocess.PIPE,
+                            text=True, env=env())
+    try:
+        assert proc.stdout.readline().strip() == "saving"
+        time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    got = graphc.load(path)
+    assert got["steps"] in (3, 4)
+    if got["steps"] == 3:
+        assert torch.equal(got["w"], OLD["w"])
+    else:
+        assert got["w"].shape == (64, 2 ** 20) and bool((got["w"] == 1).all())
+
+
+def test_loading_a_torn_file_is_a_clear_error(tmp_path):
+    path = str(tmp_path / "torn.pt")
+    with open(path, "wb") as f:
+        f.write(b"PK\x03\x04 not really a checkpoint")
+    with pytest.raises(GraphcError, match="is not a readable checkpoint"):
+        graphc.load(path)
+
+
+def test_loading_a_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(GraphcError, match="no checkpoint at"):
+        graphc.load(str(tmp_path / "nope.pt"))

@@ -17,6 +17,11 @@ import torch.fx as fx
 from .errors import GraphcError
 from .meta import BACKWARD_TARGET
 from .passes.annotate_stages import annotate_stages
+from .passes.decompose_modules import decompose_modules
+from .passes.infer_sbp import infer_sbp
+from .passes.insert_boxing import insert_boxing
+from .passes.insert_grad_sync import insert_grad_sync
+from .passes.localize_ops import localize_ops
 from .passes.lower_plan import lower_plan
 from .passes.propagate_shapes import propagate_shapes
 from .passes.split_stages import split_stages
@@ -25,6 +30,7 @@ from .passes.verify_graph import verify_annotated, verify_traced, warn_unused_pa
 from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
 from .plan.verify import verify_plans
+from .sbp.meshes import stage_meshes
 
 
 @dataclass
@@ -46,6 +52,7 @@ class CompiledGraph:
     num_microbatches: int
     input_meta: List[tuple]
     history: List[PassRecord] = field(default_factory=list)
+    meshes: List[tuple] = field(default_factory=list)  # per stage: placement ranks (2-D nested)
 
     def plan_for(self, rank: int) -> ExecutionPlan:
         return self.plans[rank]
@@ -71,8 +78,12 @@ def _step(history: List[PassRecord], name: str, fn: Callable, *args) -> Any:
     return out
 
 
-def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int) -> CompiledGraph:
-    """Compiles graph_obj.build() for every rank of a world of `world_size`."""
+def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
+            input_layouts: Sequence = ()) -> CompiledGraph:
+    """Compiles graph_obj.build() for every rank of a world of `world_size`.
+
+    input_layouts: per input, None (broadcast) or (placement, sbp) of a GlobalTensor input.
+    """
     h: List[PassRecord] = []
     cfg = graph_obj.config
     m = cfg.gradient_accumulation_steps
@@ -89,15 +100,27 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int) 
     gm = _step(h, "propagate_shapes", propagate_shapes, gm, example_inputs, m)
     # 5. check data flows forward through stages and the loss is a scalar
     _step(h, "verify_annotated", verify_annotated, gm, stage_of_module, len(stages))
+    meshes = stage_meshes(stages, _declared_placements(graph_obj, gm, input_layouts))
+    # 5a. nn layers as functional ops on get_attr parameters, so SBP rules see parameters
+    gm = _step(h, "decompose_modules", decompose_modules, gm, meshes)
+    # 5b. an SBP signature per node, cheapest by bytes moved, honouring the user's layouts
+    gm = _step(h, "infer_sbp", infer_sbp, gm, meshes, [l[1] if l else None for l in input_layouts])
+    # 5c. every SBP mismatch becomes a collective (with its dual in backward)
+    gm = _step(h, "insert_boxing", insert_boxing, gm)
+    # 5d. ops reading global sizes (mean over a split dim, reshape) get their local form
+    gm = _step(h, "localize_ops", localize_ops, gm)
     # 6. one fx program per stage, with its sends and receives
     programs = _step(h, "split_stages", split_stages, gm, len(stages))
     # 7. schedule + point-to-point lowering into every rank's execution plan
     plans = _step(h, "lower_plan", lower_plan, programs, stages, cfg.pipeline_schedule, m,
                   training, world_size)
+    # 7b. all-reduce of partial_sum gradients (data parallel), bucketed, before the step
+    plans = _step(h, "insert_grad_sync", insert_grad_sync, plans, gm,
+                  getattr(cfg, "gradient_bucket_bytes", 25 * 2 ** 20))
     # 8. all plans together must pair up and be free of deadlock
     _step(h, "verify_plans", verify_plans, plans)
     input_meta = [(tuple(t.shape), t.dtype) for t in example_inputs]
-    compiled = CompiledGraph(gm, stages, programs, plans, training, m, input_meta, h)
+    compiled = CompiledGraph(gm, stages, programs, plans, training, m, input_meta, h, meshes)
     if debug_level() >= 1:
         total = sum(r.seconds for r in h)
         print(f"[graphc] compiled {type(graph_obj).__name__}: {len(stages)} stage(s), "
@@ -155,3 +178,15 @@ def _default_device_type(graph_obj) -> str:
     for p in graph_obj._root.parameters():
         return "cuda" if p.is_cuda else "cpu"
     return "cpu"
+
+
+def _declared_placements(graph_obj, gm, input_layouts):
+    """Every placement the user named: set_stage, to_global on parameters, inputs, build()."""
+    from .global_tensor import conversion_target, declared_layout, to_global_op
+    found = [c.placement for c in graph_obj._module_configs.values() if c.placement]
+    for t in list(graph_obj._root.parameters()) + list(graph_obj._root.buffers()):
+        layout = declared_layout(t)
+        found += [layout[0]] if layout else []
+    found += [l[0] for l in input_layouts if l]
+    found += [conversion_target(n)[0] for n in gm.graph.nodes if n.target is to_global_op]
+    return found

@@ -57,8 +57,10 @@ def to_global(obj, placement: Placement, sbp):
         raise GraphcError(f"to_global needs placement=graphc.placement(...), found {placement!r}")
     if isinstance(obj, fx.Proxy):
         sbp_t = normalize_sbp(sbp, where="to_global inside build()")
+        # plain data only: fx would turn dataclass arguments into constructor nodes
         return obj.tracer.create_proxy("call_function", to_global_op, (obj,),
-                                       {"placement": placement, "sbp": sbp_t})
+                                       {"placement": (placement.type, placement.ranks),
+                                        "sbp": tuple(_encode(s) for s in sbp_t)})
     if isinstance(obj, nn.Module):
         for t in list(obj.parameters()) + list(obj.buffers()):
             _declare(t, placement, normalize_sbp(sbp, t.dim(), f"to_global on {type(obj).__name__}"),
@@ -70,7 +72,7 @@ def to_global(obj, placement: Placement, sbp):
     if isinstance(obj, GlobalTensor):
         obj = obj.to_local()
     if isinstance(obj, torch.Tensor):
-        return _global_from_local(obj, placement, normalize_sbp(sbp, obj.dim(), "to_global"))
+        return global_from_local(obj, placement, normalize_sbp(sbp, obj.dim(), "to_global"))
     raise GraphcError(f"to_global expects an nn.Module, a parameter or a tensor, found {type(obj).__name__}")
 
 
@@ -91,7 +93,7 @@ def declared_layout(t: torch.Tensor):
     return entry[0], entry[1]
 
 
-def _global_from_local(local: torch.Tensor, placement: Placement, sbp: tuple) -> GlobalTensor:
+def global_from_local(local: torch.Tensor, placement: Placement, sbp: tuple) -> GlobalTensor:
     if len(sbp) != placement.ndim:
         raise GraphcError(f"to_global: a {placement.ndim}-D placement needs {placement.ndim} sbp "
                           f"values, found {len(sbp)}: {sbp}")
@@ -103,9 +105,23 @@ def _global_from_local(local: torch.Tensor, placement: Placement, sbp: tuple) ->
     return GlobalTensor(local, placement, sbp, tuple(shape))
 
 
-def to_global_op(t: torch.Tensor, placement: Placement, sbp: tuple) -> torch.Tensor:
-    """The traced form of to_global inside build(); lowered by the compiler."""
+def to_global_op(t: torch.Tensor, placement: tuple, sbp: tuple) -> torch.Tensor:
+    """The traced form of to_global inside build(); lowered by the compiler (insert_boxing).
+
+    placement is (type, ranks); sbp holds one code per mesh axis (see conversion_target).
+    """
     return t
+
+
+def _encode(s) -> int:
+    return s.dim if isinstance(s, Split) else (-1 if isinstance(s, Broadcast) else -2)
+
+
+def conversion_target(node) -> tuple:
+    """(placement, sbp tuple) of a traced to_global_op node."""
+    kind, ranks = node.kwargs["placement"]
+    decode = {-1: Broadcast(), -2: PartialSum()}
+    return Placement(kind, ranks), tuple(decode.get(c) or Split(c) for c in node.kwargs["sbp"])
 
 
 def is_broadcast(sbp: tuple) -> bool:
@@ -113,4 +129,5 @@ def is_broadcast(sbp: tuple) -> bool:
 
 
 __all__ = ["GlobalTensor", "to_global", "declared_layout", "to_global_op", "is_broadcast",
+           "global_from_local",
            "Split", "Broadcast", "PartialSum"]

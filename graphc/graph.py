@@ -12,11 +12,12 @@ from . import compiler
 from .block import ModuleBlock
 from .config import GraphConfig
 from .errors import GraphcError
-from .global_tensor import GlobalTensor, is_broadcast
-from .meta import META_STAGE
+from .global_tensor import GlobalTensor, global_from_local
+from .meta import META_SBP, META_STAGE
 from .placement import placement as Placement
 from .plan.plan import ExecutionPlan
 from .runtime.actors import Runtime, StepStats
+from .runtime.collectives import compiled_groups, create_groups
 from .runtime.comm import P2P
 from .runtime.dist_env import device_for, ensure_process_group
 from .runtime.watchdog import run_step
@@ -161,7 +162,8 @@ class Graph:
         rank, world = ensure_process_group(device_types or {"cpu"})
         example = [torch.empty(g_shape, dtype=local.dtype) for local, g_shape in
                    ((a[0], a[1][0]) for a in args)]
-        compiled = compiler.compile(self, example, world)
+        layouts = [(a[1][2], a[1][1]) if a[1][1] is not None else None for a in args]
+        compiled = compiler.compile(self, example, world, layouts)
         _check_input_placements(compiled, args)
         object.__setattr__(self, "_rank", rank)
         object.__setattr__(self, "_compiled", compiled)
@@ -180,6 +182,7 @@ class Graph:
             state.load(self._pending_state)
             object.__setattr__(self, "_pending_state", None)
         p2p = P2P(rank, _pairs(compiled.plans), use_nccl=any(s.device_type == "cuda" for s in compiled.stages))
+        create_groups(compiled_groups(compiled))  # collective: every rank, same order
         tracer = Tracer.from_config(self.config, rank)
         object.__setattr__(self, "_tracer", tracer)
         object.__setattr__(self, "_runtime", Runtime(plan, program, p2p, device, self._optimizer,
@@ -205,13 +208,13 @@ class Graph:
 
         def wrap(node: fx.Node):
             stage = self._compiled.stages[node.meta[META_STAGE]]
-            where = Placement(stage.device_type, list(stage.ranks))
-            if node.name in results:
-                local = _merge(results[node.name])
-            else:
-                local = torch.empty(0)
-            meta_shape = local.shape if node.name in results else ()
-            return GlobalTensor(local, where, (_broadcast(),), tuple(meta_shape))
+            sig = node.meta.get(META_SBP)
+            mesh = sig.mesh if sig else tuple(stage.ranks)
+            where = Placement(stage.device_type, [list(r) if isinstance(r, tuple) else r for r in mesh])
+            sbp = sig.out if sig else (_broadcast(),)
+            if node.name not in results:
+                return GlobalTensor(torch.empty(0), where, sbp, ())
+            return global_from_local(_merge(results[node.name]), where, sbp)
 
         return fx.node.map_arg(out_node.args[0], wrap)
 
@@ -263,10 +266,6 @@ def _local_and_global(inputs) -> list:
     out = []
     for i, x in enumerate(inputs):
         if isinstance(x, GlobalTensor):
-            if not is_broadcast(x.sbp):
-                raise GraphcError(
-                    f"input {i} is a GlobalTensor with sbp {x.sbp}; this version of the pipeline "
-                    "runtime takes broadcast inputs. Fix: pass the full tensor (sbp.broadcast).")
             out.append((x.to_local(), (tuple(x.shape), x.sbp, x.placement)))
         elif isinstance(x, torch.Tensor):
             out.append((x, (tuple(x.shape), None, None)))

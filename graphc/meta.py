@@ -30,3 +30,37 @@ class TensorMeta:
 
 def tensor_meta(node) -> Optional[TensorMeta]:
     return node.meta.get(META_TENSOR)
+
+
+# -- SBP (infer_sbp, insert_boxing); see docs/sbp.md ---------------------------------------
+META_SBP = "graphc_sbp"              # SbpSignature: the node's layout and what it needs of its inputs
+META_GRAD_PARTIAL = "graphc_grad_partial"  # tuple[int]: mesh axes where a parameter's grad is partial_sum
+META_BOXING = "graphc_boxing"        # BoxingInfo on a conversion node inserted by insert_boxing
+
+
+@dataclass(frozen=True)
+class SbpSignature:
+    """Where a node runs (mesh: placement ranks, nested for 2-D) and how its value is laid out.
+
+    `out` has one SBP per mesh axis; `ins` maps each tensor input's name to the SBP the op
+    needs it in; `fallback` marks an op without a rule, run on gathered (broadcast) inputs.
+    """
+
+    mesh: tuple
+    out: tuple
+    ins: Tuple[Tuple[str, tuple], ...] = ()
+    fallback: bool = False
+
+    def needs(self, name: str) -> Optional[tuple]:
+        return dict(self.ins).get(name)
+
+
+@dataclass(frozen=True)
+class BoxingInfo:
+    """One conversion on one mesh axis: a collective (or local op) and its backward."""
+
+    kind: str                  # all_reduce, reduce_scatter, all_gather, all_to_all, slice, ...
+    src: tuple                 # nd-SBP before
+    dst: tuple                 # nd-SBP after
+    groups: tuple              # the rank groups along the axis
+    nbytes: int                # bytes each rank sends per micro-batch (forward + backward)

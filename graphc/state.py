@@ -9,6 +9,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .errors import GraphcError
+from .global_tensor import declared_layout
+from .placement import Split
+from .sbp.layout import coord, local_component, shard_slices
 
 STATE_FORMAT = "graphc.state/1"
 
@@ -42,6 +45,7 @@ class GraphState:
         """Moves this rank's parameters to its device; the optimizer keeps only them."""
         tensors = self.root.state_dict(keep_vars=True)
         owned = {id(tensors[k]) for k in self.local_keys}
+        self.shards = self._shard_split_tensors(tensors)
         if device.type != "cpu":
             for k in self.local_keys:
                 tensors[k].data = tensors[k].data.to(device)
@@ -95,14 +99,45 @@ class GraphState:
             torch.set_rng_state(sd["rng"])
         self.steps = sd.get("steps", 0)
 
+    def _shard_split_tensors(self, tensors) -> Dict[str, tuple]:
+        """Keeps only this rank's shard of every split parameter or buffer it owns.
+
+        Returns key -> (global shape, sbp, mesh) for every split one on any stage: all ranks
+        know them, so full_state_dict issues the same collectives everywhere.
+        """
+        shards = {}
+        for k in self.owner:
+            t = tensors[k]
+            layout = declared_layout(t)
+            if layout is None or not any(isinstance(s, Split) for s in layout[1]):
+                continue
+            mesh = self.compiled.meshes[self.owner[k]]
+            shards[k] = (tuple(t.shape), layout[1], mesh)
+            if k in self.local_keys:
+                t.data = local_component(t.data, layout[1], mesh, self.rank).clone()
+        return shards
+
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Collective over the world: every tensor comes from the first rank of its stage."""
         out: Dict[str, torch.Tensor] = {}
         live = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         for k, t in self.root.state_dict().items():
             value = t.detach().cpu().clone()
-            if live and k in self.owner:
+            if live and k in getattr(self, "shards", {}):
+                value = self._gather_shards(k, value)
+            elif live and k in self.owner:
                 src = self.compiled.stages[self.owner[k]].ranks[0]
                 dist.broadcast(value, src)
             out[k] = value
         return out
+
+    def _gather_shards(self, k: str, value: torch.Tensor) -> torch.Tensor:
+        """Collective: the full tensor from its shards (each written once, then summed)."""
+        shape, sbp, mesh = self.shards[k]
+        full = torch.zeros(shape, dtype=value.dtype)
+        where = [d for d, s in zip(coord(mesh, self.rank), sbp) if not isinstance(s, Split)] \
+            if self.owner[k] in self.compiled.plan_for(self.rank).local_stages else [1]
+        if all(d == 0 for d in where):  # one copy of each shard: the first rank on B axes
+            full[shard_slices(shape, sbp, mesh, self.rank)] = value
+        dist.all_reduce(full)
+        return full

@@ -15,9 +15,10 @@ from typing import Dict, List
 import torch.fx as fx
 
 from ..errors import GraphcError
-from ..meta import BACKWARD_TARGET, META_STAGE, META_TENSOR
+from ..meta import BACKWARD_TARGET, META_SBP, META_STAGE, META_TENSOR
 from ..plan.instructions import TensorSpec
 from ..plan.program import StageProgram
+from ..sbp.layout import local_shape
 
 
 def split_stages(gm: fx.GraphModule, num_stages: int) -> List[StageProgram]:
@@ -41,7 +42,9 @@ def _spec(node: fx.Node, stage: int, other: int) -> TensorSpec:
             f"value '{node.name}' ({node.format_node()}) crosses from stage {stage} to stage "
             f"{other} but is not a tensor; only tensors can be sent between stages. Fix: compute "
             "it on the stage that uses it (e.g. call .size() there).")
-    return TensorSpec(node.name, meta.shape, meta.dtype)
+    sig = node.meta.get(META_SBP)  # a split value travels as its local shard
+    shape = local_shape(meta.shape, sig.out, sig.mesh) if sig else meta.shape
+    return TensorSpec(node.name, shape, meta.dtype)
 
 
 def _stage_program(gm, s: int, nodes, loss, results, arg_index) -> StageProgram:

@@ -20,6 +20,7 @@ import torch
 from ..plan.instructions import ACT, AllReduce, Backward, Forward, OptimizerStep, Recv, Send
 from ..plan.plan import ExecutionPlan
 from ..plan.program import StageProgram
+from .collectives import GradSync
 from .executor import StageExecutor
 
 
@@ -104,6 +105,7 @@ class Runtime:
         self.window, self.trace = window, trace
         m = plan.num_microbatches
         self.executor = StageExecutor(program, plan.training, 1.0 / m) if program else None
+        self.grad_sync = GradSync.from_plan(plan, program)  # None without partial_sum grads
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def step(self, user_inputs: List[torch.Tensor]) -> Tuple[Dict[str, List[torch.Tensor]], StepStats]:
@@ -162,6 +164,8 @@ class Runtime:
                 for name in ex.program.results:
                     results[name].append(outs[name].detach())
             elif isinstance(ins, Backward):
+                if self.grad_sync and ins.microbatch == self.plan.num_microbatches - 1:
+                    self.grad_sync.arm()  # buckets start during the last backward
                 produced[(ins.microbatch, "B")] = ex.backward(ins.microbatch, grads.pop(ins.microbatch, []))
                 produced.pop((ins.microbatch, ACT), None)
             elif isinstance(ins, Send):
@@ -172,7 +176,7 @@ class Runtime:
                     actor.drain()
                 self._optimizer_step()
             elif isinstance(ins, AllReduce):
-                raise NotImplementedError("all_reduce lowering arrives with SBP (data parallel)")
+                self.grad_sync.wait(ins)
             if self.trace:
                 stats.events.append((str(ins), t0, time.perf_counter()))
         for actor in send_actors.values():

@@ -99,4 +99,6 @@ def test_values_flowing_backwards_through_stages_are_rejected():
 def test_history_records_every_pass():
     names = [r.name for r in compiled(p=2).history]
     assert names == ["trace_build", "verify_traced", "annotate_stages", "propagate_shapes",
-                     "verify_annotated", "split_stages", "lower_plan", "verify_plans"]
+                     "verify_annotated", "decompose_modules", "infer_sbp", "insert_boxing",
+                     "localize_ops", "split_stages", "lower_plan", "insert_grad_sync",
+                     "verify_plans"]

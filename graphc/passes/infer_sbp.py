@@ -1,0 +1,219 @@
+"""infer_sbp: gives every node an SBP signature, choosing among valid ones by boxing cost.
+
+Invariant: every node but the output and backward() has node.meta[META_SBP], an
+SbpSignature whose mesh is its stage's mesh, whose `out` has one SBP per mesh axis, and
+whose `ins` names the SBP each tensor input must arrive in. User constraints are fixed:
+an input's sbp, a parameter's to_global declaration, a to_global() inside build(). Per
+mesh axis the rule table (graphc/sbp/rules.py, docs/sbp.md) lists valid signatures; the
+one moving the fewest bytes wins, ties going to the rule's order. An op without a rule
+gathers its inputs to broadcast and is marked `fallback`. Parameters whose gradient comes
+out partial_sum on an axis get META_GRAD_PARTIAL (see NOTE: gradient layouts, docs/sbp.md).
+Requires: decompose_modules (parameters as get_attr nodes), propagate_shapes.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..errors import GraphcError
+from ..global_tensor import conversion_target, declared_layout, to_global_op
+from ..meta import (BACKWARD_TARGET, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
+                    SbpSignature)
+from ..placement import Broadcast, Split, normalize_sbp
+from ..sbp.cost import boxing_cost
+from ..sbp.layout import B, flat, fmt, mesh_shape
+from ..sbp.rules import RuleCtx, rule_for
+
+
+def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence) -> fx.GraphModule:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    given = dict(zip(placeholders, list(input_sbp) + [None] * len(placeholders)))
+    for node in gm.graph.nodes:
+        if node.op == "output" or _is_backward(node):
+            continue
+        if node.op == "call_function" and node.target is to_global_op:
+            _move_to_target_stage(node, meshes)
+        mesh = meshes[node.meta[META_STAGE]]
+        if node.op == "placeholder":
+            sig = SbpSignature(mesh, _input_sbp(node, given[node], mesh))
+        elif node.op == "get_attr":
+            sig = SbpSignature(mesh, _param_sbp(gm, node, mesh))
+        elif node.op == "call_function" and node.target is to_global_op:
+            sig = _conversion(node, mesh)
+        else:
+            sig = _choose(node, mesh)
+        node.meta[META_SBP] = _single_rank_axes_broadcast(sig)
+    _mark_grad_partial(gm)
+    return gm
+
+
+def _single_rank_axes_broadcast(sig: SbpSignature) -> SbpSignature:
+    """On a mesh axis of one rank every layout is the whole tensor: write it broadcast."""
+    sizes = mesh_shape(sig.mesh)
+
+    def canon(sbp: tuple) -> tuple:
+        return tuple(B if n == 1 else s for n, s in zip(sizes, sbp))
+    return SbpSignature(sig.mesh, canon(sig.out), tuple((k, canon(v)) for k, v in sig.ins),
+                        sig.fallback)
+
+
+def _is_backward(node: fx.Node) -> bool:
+    return node.op == "call_method" and node.target == BACKWARD_TARGET
+
+
+def _all_b(mesh: tuple) -> tuple:
+    return (B,) * len(mesh_shape(mesh))
+
+
+def _input_sbp(node: fx.Node, given, mesh: tuple) -> tuple:
+    if given is None:
+        return _all_b(mesh)
+    meta = node.meta.get(META_TENSOR)
+    sbp = normalize_sbp(given, len(meta.shape) if meta else None, f"input '{node.name}'")
+    if len(sbp) != len(mesh_shape(mesh)):
+        raise GraphcError(
+            f"input '{node.name}' has sbp {fmt(sbp)} ({len(sbp)} value(s)) but runs on stage "
+            f"{node.meta[META_STAGE]} whose mesh {mesh} has {len(mesh_shape(mesh))} axis(es). Fix: "
+            "give one sbp per mesh axis, e.g. sbp=(split(0), broadcast) on a 2-D placement.")
+    return sbp
+
+
+def _param_sbp(gm: fx.GraphModule, node: fx.Node, mesh: tuple) -> tuple:
+    t = _fetch(gm, str(node.target))
+    layout = declared_layout(t) if isinstance(t, torch.Tensor) else None
+    if layout is None:
+        return _all_b(mesh)
+    where, sbp = layout
+    if sorted(where.flat_ranks) != sorted(flat(mesh)) or len(sbp) != len(mesh_shape(mesh)):
+        raise GraphcError(
+            f"parameter '{node.target}' is declared on {where} with sbp {fmt(sbp)}, but its module "
+            f"runs on stage {node.meta[META_STAGE]} with mesh {mesh}. Fix: declare it with "
+            f"to_global on the stage's placement (ranks {list(flat(mesh))}), one sbp per mesh axis.")
+    return sbp
+
+
+def _fetch(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _move_to_target_stage(node: fx.Node, meshes: Sequence[tuple]) -> None:
+    """to_global onto another stage's placement converts there, after the transfer."""
+    where = conversion_target(node)[0]
+    here = node.meta[META_STAGE]
+    if sorted(where.flat_ranks) == sorted(flat(meshes[here])):
+        return
+    target = [s for s, m in enumerate(meshes) if sorted(flat(m)) == sorted(where.flat_ranks)]
+    late = [u.name for u in node.users if u.op != "output" and target and
+            u.meta.get(META_STAGE, target[0]) < target[0]]
+    if not target or target[0] < here or late:
+        raise GraphcError(
+            f"to_global at '{node.name}' moves a value from stage {here} (ranks "
+            f"{list(flat(meshes[here]))}) to {where}, which is "
+            + ("no pipeline stage's placement" if not target else
+               f"stage {target[0]}, but it is used on earlier stages by {late}") +
+            ". Fix: convert only to the placement of a stage that runs after it "
+            "(set_stage on the modules that use the result).")
+    node.meta[META_STAGE] = target[0]
+
+
+def _conversion(node: fx.Node, mesh: tuple) -> SbpSignature:
+    """to_global inside build(): the value arrives in the declared sbp (boxed on this stage)."""
+    where, sbp = conversion_target(node)
+    meta = node.args[0].meta.get(META_TENSOR)
+    sbp = normalize_sbp(sbp, len(meta.shape) if meta else None, f"to_global at '{node.name}'")
+    if len(where.flat_ranks) != len(flat(mesh)) or len(sbp) != len(mesh_shape(mesh)):
+        raise GraphcError(
+            f"to_global at '{node.name}' moves a value from mesh {mesh} to {where} with sbp "
+            f"{fmt(sbp)}; graphc moves values between placements of equal shape only (n-to-m "
+            "transfers are not supported yet). Fix: use placements with the same number of ranks.")
+    return SbpSignature(mesh, sbp, ((node.args[0].name, sbp),))
+
+
+def _choose(node: fx.Node, mesh: tuple) -> SbpSignature:
+    inputs = [a for a in node.all_input_nodes if META_SBP in a.meta]
+    tensors = [a for a in inputs if a.meta.get(META_TENSOR) is not None]
+    rule = rule_for(node)
+    if rule is None:
+        return _fallback(node, mesh, tensors)
+    outs, need = [], {a: [] for a in tensors}
+    for axis, n in enumerate(mesh_shape(mesh)):
+        prod = {a: _producer(a, node, axis) for a in inputs}
+        cands = rule(RuleCtx(node, n, prod)) + [({a: B for a in tensors}, B)]
+        best = min(cands, key=lambda c: _cost(c, prod, n))
+        outs.append(best[1])
+        for a in tensors:
+            need[a].append(best[0].get(a, prod[a]))
+    ins = tuple((a.name, tuple(v)) for a, v in need.items())
+    return SbpSignature(mesh, tuple(outs), ins)
+
+
+def _fallback(node: fx.Node, mesh: tuple, tensors: List[fx.Node]) -> SbpSignature:
+    if node.op == "call_module":
+        _check_module_params(node, mesh)
+    b = _all_b(mesh)
+    return SbpSignature(mesh, b, tuple((a.name, b) for a in tensors), fallback=True)
+
+
+def _check_module_params(node: fx.Node, mesh: tuple) -> None:
+    mod = node.graph.owning_module.get_submodule(node.target)
+    for name, p in list(mod.named_parameters()) + list(mod.named_buffers()):
+        layout = declared_layout(p)
+        if layout and not all(isinstance(s, Broadcast) for s in layout[1]):
+            raise GraphcError(
+                f"module '{node.target}' ({type(mod).__name__}) has parameter '{name}' declared "
+                f"{fmt(layout[1])}, but graphc has no SBP rule for {type(mod).__name__}, so it runs "
+                "on whole tensors. Fix: declare its parameters sbp.broadcast, or write it with "
+                "functional ops that have rules (see docs/sbp.md).")
+
+
+def _producer(a: fx.Node, node: fx.Node, axis: int):
+    sbp = a.meta[META_SBP].out
+    if axis >= len(sbp):
+        raise GraphcError(
+            f"'{node.name}' (stage {node.meta[META_STAGE]}, mesh {node.meta.get(META_STAGE)}) reads "
+            f"'{a.name}' laid out as {fmt(sbp)} on a mesh with fewer axes. Fix: convert it with "
+            "graphc.to_global(x, placement=..., sbp=...) to the consumer's mesh first.")
+    return sbp[axis]
+
+
+def _nbytes(a: fx.Node) -> int:
+    meta = a.meta[META_TENSOR]
+    numel = 1
+    for d in meta.shape:
+        numel *= d
+    return numel * getattr(torch, meta.dtype).itemsize
+
+
+def _cost(cand, prod: Dict[fx.Node, object], n: int) -> float:
+    req, _ = cand
+    return sum(boxing_cost(prod[a], r, _nbytes(a), n) for a, r in req.items()
+               if a.meta.get(META_TENSOR) is not None)
+
+
+def _mark_grad_partial(gm: fx.GraphModule) -> None:
+    """A broadcast parameter read only by ops whose output is sharded (S or P) on an axis has
+    a partial_sum gradient there: the data-parallel case, synchronised after backward."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or META_SBP not in node.meta:
+            continue
+        sig = node.meta[META_SBP]
+        axes = []
+        for axis, s in enumerate(sig.out):
+            users = [u for u in node.users if META_SBP in u.meta]
+            if (isinstance(s, Broadcast) and users and all(sharded_use(u, node, axis) for u in users)):
+                axes.append(axis)
+        node.meta[META_GRAD_PARTIAL] = tuple(axes)
+
+
+def sharded_use(user: fx.Node, a: fx.Node, axis: int) -> bool:
+    """Does `user` read `a` whole (broadcast) on `axis` while computing a sharded output?
+    Then a's gradient from this use is partial_sum on that axis."""
+    sig: SbpSignature = user.meta[META_SBP]
+    need: Optional[tuple] = sig.needs(a.name)
+    return (need is not None and isinstance(need[axis], Broadcast)
+            and not isinstance(sig.out[axis], Broadcast))

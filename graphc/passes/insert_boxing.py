@@ -1,0 +1,134 @@
+"""insert_boxing: turns every SBP mismatch into explicit conversion nodes.
+
+Invariant: every tensor input of a node arrives in the SBP its signature needs: where
+the producer's layout differs, a chain of `collectives.box` nodes (one per mismatched
+mesh axis, each carrying META_BOXING) converts it on the consumer's stage; a broadcast
+value read by an op with a sharded output gets a `grad_all_reduce` box (identity forward,
+all-reduce of its partial_sum gradient backward) unless it is a parameter whose gradient
+is synchronised after backward; partial_sum results of build() are reduced to broadcast.
+A to_global() conversion point stays an identity node after its boxes, on the stage of its
+target placement (so a value moved to another placement is returned from there).
+Requires: infer_sbp.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..errors import GraphcError
+from ..meta import (META_BOXING, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
+                    BoxingInfo, SbpSignature)
+from ..placement import Broadcast, PartialSum, Split
+from ..runtime.collectives import box
+from ..sbp.cost import moved_bytes
+from ..sbp.layout import B, axis_groups, fmt, mesh_shape
+from .infer_sbp import sharded_use
+
+
+def insert_boxing(gm: fx.GraphModule) -> fx.GraphModule:
+    for node in list(gm.graph.nodes):
+        if node.op == "output":
+            _reduce_outputs(gm, node)
+            continue
+        sig = node.meta.get(META_SBP)
+        if sig is None or node.op in ("placeholder", "get_attr"):
+            continue
+        for a in list(node.all_input_nodes):
+            need = sig.needs(a.name)
+            if need is None or a.meta.get(META_TENSOR) is None:
+                continue
+            converted = _convert(gm, a, need, node)
+            converted = _grad_reduce(gm, a, converted, node)
+            if converted is not a:
+                node.replace_input_with(a, converted)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def kind_of(src, dst) -> str:
+    """The conversion of one mesh axis from `src` to `dst` SBP (see collectives.py)."""
+    if isinstance(src, PartialSum):
+        return "all_reduce" if isinstance(dst, Broadcast) else "reduce_scatter"
+    if isinstance(src, Split):
+        if isinstance(dst, Broadcast):
+            return "all_gather"
+        return "all_to_all" if isinstance(dst, Split) else "split_partial"
+    return "slice" if isinstance(dst, Split) else "to_partial"
+
+
+def _convert(gm, a: fx.Node, need: tuple, consumer: fx.Node) -> fx.Node:
+    cur = a.meta[META_SBP].out
+    mesh = consumer.meta[META_SBP].mesh
+    value = a
+    for axis, (s, d) in enumerate(zip(cur, need)):
+        if s == d:
+            continue
+        after = cur[:axis] + (d,) + cur[axis + 1:]
+        value = _box_node(gm, value, consumer, mesh, axis, kind_of(s, d), cur, after)
+        cur = after
+    return value
+
+
+def _grad_reduce(gm, a: fx.Node, value: fx.Node, consumer: fx.Node) -> fx.Node:
+    meta = a.meta[META_TENSOR]
+    if not meta.requires_grad:
+        return value
+    sig: SbpSignature = consumer.meta[META_SBP]
+    synced = a.meta.get(META_GRAD_PARTIAL, ()) if a.op == "get_attr" else ()
+    cur = value.meta[META_SBP].out
+    for axis in range(len(cur)):
+        if sharded_use(consumer, a, axis) and axis not in synced:
+            value = _box_node(gm, value, consumer, sig.mesh, axis, "grad_all_reduce", cur, cur)
+    return value
+
+
+def _box_node(gm, value: fx.Node, consumer: fx.Node, mesh: tuple, axis: int, kind: str,
+              src: tuple, dst: tuple) -> fx.Node:
+    n = mesh_shape(mesh)[axis]
+    meta = value.meta[META_TENSOR]
+    for s in (src[axis], dst[axis]):
+        if isinstance(s, Split) and meta.shape[s.dim] % n:
+            raise GraphcError(
+                f"'{value.name}' (shape {list(meta.shape)}) must be converted to {fmt(dst)} for "
+                f"'{consumer.name}', but dim {s.dim} of size {meta.shape[s.dim]} does not split "
+                f"evenly over {n} ranks. Fix: make that dim a multiple of {n} (per micro-batch).")
+    groups = axis_groups(mesh, axis)
+    src_dim = src[axis].dim if isinstance(src[axis], Split) else -1
+    dst_dim = dst[axis].dim if isinstance(dst[axis], Split) else -1
+    with gm.graph.inserting_before(consumer):
+        node = gm.graph.call_function(box, (value, kind, groups, src_dim, dst_dim))
+    node.meta[META_STAGE] = consumer.meta.get(META_STAGE, value.meta.get(META_STAGE))
+    node.meta[META_TENSOR] = meta
+    node.meta[META_SBP] = SbpSignature(mesh, dst, ((value.name, src),))
+    fwd = moved_bytes(kind, _nbytes(meta), n) if kind != "grad_all_reduce" else 0
+    bwd = moved_bytes(_BACKWARD.get(kind, ""), _nbytes(meta), n) if meta.requires_grad else 0
+    node.meta[META_BOXING] = BoxingInfo(kind, src, dst, groups, fwd + bwd)
+    return node
+
+
+_BACKWARD = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all", "slice": "all_gather",
+             "grad_all_reduce": "all_reduce"}
+
+
+def _nbytes(meta) -> int:
+    numel = 1
+    for d in meta.shape:
+        numel *= d
+    return numel * getattr(torch, meta.dtype).itemsize
+
+
+def _reduce_outputs(gm, out: fx.Node) -> None:
+    """A partial_sum result is reduced before it is returned (API.md)."""
+    for a in list(out.all_input_nodes):
+        sig = a.meta.get(META_SBP)
+        if sig is None or not any(isinstance(s, PartialSum) for s in sig.out):
+            continue
+        value = a
+        cur = sig.out
+        for axis, s in enumerate(cur):
+            if isinstance(s, PartialSum):
+                after = cur[:axis] + (B,) + cur[axis + 1:]
+                value = _box_node(gm, value, out, sig.mesh, axis, "all_reduce", cur, after)
+                cur = after
+        out.replace_input_with(a, value)

@@ -1,0 +1,69 @@
+"""insert_grad_sync: all-reduces exactly the gradients that SBP says are partial_sum.
+
+Invariant: in a training plan, every rank holding a parameter whose gradient is
+partial_sum on a mesh axis (META_GRAD_PARTIAL: a broadcast parameter read by sharded
+ops, i.e. data parallelism) issues, before its optimizer step, all_reduce instructions
+over that axis's group covering the parameter, in buckets of at most `bucket_bytes` in
+backward order (last-used parameters first). The runtime launches each bucket as soon as
+its gradients are final during the last micro-batch's backward; the instruction waits.
+No other gradient is reduced.
+Requires: infer_sbp, lower_plan.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Sequence, Tuple
+
+import torch.fx as fx
+
+from ..meta import META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR
+from ..plan.instructions import AllReduce, OptimizerStep, TensorSpec
+from ..plan.plan import ExecutionPlan
+from ..sbp.layout import axis_groups, local_shape
+
+DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
+
+
+def insert_grad_sync(plans: Sequence[ExecutionPlan], gm: fx.GraphModule,
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> List[ExecutionPlan]:
+    per_rank = _partial_grads(gm)
+    for plan in plans:
+        wanted = per_rank.get(plan.rank)
+        if not wanted or not plan.training:
+            continue
+        syncs = [AllReduce(group, tuple(bucket)) for group, specs in wanted.items()
+                 for bucket in _buckets(specs, bucket_bytes)]
+        at = next(i for i, ins in enumerate(plan.instructions) if isinstance(ins, OptimizerStep))
+        plan.instructions[at:at] = syncs
+    return list(plans)
+
+
+def _partial_grads(gm: fx.GraphModule) -> Dict[int, Dict[Tuple[int, ...], List[TensorSpec]]]:
+    """rank -> group -> gradient specs (local shapes), in backward order."""
+    out: Dict[int, Dict[Tuple[int, ...], List[TensorSpec]]] = defaultdict(lambda: defaultdict(list))
+    seen = set()
+    for node in reversed(list(gm.graph.nodes)):
+        axes = node.meta.get(META_GRAD_PARTIAL, ()) if node.op == "get_attr" else ()
+        if not axes or node.target in seen:
+            continue
+        seen.add(node.target)
+        sig, meta = node.meta[META_SBP], node.meta[META_TENSOR]
+        spec = TensorSpec(str(node.target), local_shape(meta.shape, sig.out, sig.mesh), meta.dtype)
+        for axis in axes:
+            for group in axis_groups(sig.mesh, axis):
+                if len(group) > 1:
+                    for r in group:
+                        out[r][group].append(spec)
+    return out
+
+
+def _buckets(specs: List[TensorSpec], limit: int) -> List[List[TensorSpec]]:
+    buckets: List[List[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if buckets[-1] and size + s.nbytes > limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(s)
+        size += s.nbytes
+    return [b for b in buckets if b]

@@ -1,0 +1,105 @@
+"""localize_ops: rewrites ops that read global sizes into their form on local components.
+
+Invariant: run on each rank's local components, every node computes its local component
+of the global value its signature names: a mean, cross_entropy or mse_loss mean over a
+split dim divides a local sum by the global count; view/reshape get local target shapes;
+an embedding with a vocabulary-split table masks indices outside this rank's rows.
+Requires: insert_boxing (inputs already arrive in the signature's SBP).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..meta import META_SBP, META_TENSOR
+from ..placement import PartialSum, Split
+from ..runtime.collectives import vocab_parallel_embedding
+from ..sbp.layout import axis_groups, local_shape
+from ..sbp.local_ops import cross_entropy_partial, mean_as_partial, mse_loss_partial
+
+_MEAN = (torch.mean, "mean")
+_RESHAPE = (torch.reshape, "view", "reshape")
+
+
+def localize_ops(gm: fx.GraphModule) -> fx.GraphModule:
+    for node in list(gm.graph.nodes):
+        sig = node.meta.get(META_SBP)
+        if sig is None or node.op not in ("call_function", "call_method") or sig.fallback:
+            continue
+        if not any(isinstance(s, (Split, PartialSum)) for _, ins in sig.ins for s in ins) and \
+                not any(isinstance(s, Split) for s in sig.out):
+            continue
+        if node.target in _MEAN:
+            _localize_mean(gm, node, sig)
+        elif node.target is F.cross_entropy or node.target is F.mse_loss:
+            _localize_loss(gm, node, sig)
+        elif node.target in _RESHAPE:
+            _localize_reshape(node, sig)
+        elif node.target is F.embedding:
+            _localize_embedding(node, sig)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _split_dims(sig, name: str) -> set:
+    return {s.dim for s in (sig.needs(name) or ()) if isinstance(s, Split)}
+
+
+def _localize_mean(gm, node: fx.Node, sig) -> None:
+    x = node.args[0]
+    shape = x.meta[META_TENSOR].shape
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dims = list(range(len(shape))) if dim is None else \
+        [d % len(shape) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+    if not _split_dims(sig, x.name) & set(dims):
+        return
+    count = math.prod(shape[d] for d in dims)
+    _replace(gm, node, mean_as_partial, (x, dim, bool(keepdim), count), {})
+
+
+def _localize_loss(gm, node: fx.Node, sig) -> None:
+    x = node.args[0]
+    reduction = node.kwargs.get("reduction", "mean")
+    if reduction != "mean" or not _split_dims(sig, x.name):
+        return
+    shape = x.meta[META_TENSOR].shape
+    if node.target is F.cross_entropy:
+        count = math.prod(shape) // shape[1] if len(shape) >= 2 else 1
+        fn = cross_entropy_partial
+    else:
+        count, fn = math.prod(shape), mse_loss_partial
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "reduction"}
+    _replace(gm, node, fn, (node.args[0], node.args[1], count), kwargs)
+
+
+def _localize_reshape(node: fx.Node, sig) -> None:
+    if not any(isinstance(s, Split) for s in sig.out):
+        return
+    shape = local_shape(node.meta[META_TENSOR].shape, sig.out, sig.mesh)
+    node.args = (node.args[0], tuple(shape)) if node.target is torch.reshape else \
+        (node.args[0], *shape)
+    node.kwargs = {}
+
+
+def _localize_embedding(node: fx.Node, sig) -> None:
+    idx, w = node.args[0], node.args[1]
+    need = sig.needs(w.name)
+    axes = [a for a, s in enumerate(need) if isinstance(s, Split) and s.dim == 0]
+    if not axes:
+        return
+    node.target = vocab_parallel_embedding
+    node.args = (idx, w, axis_groups(sig.mesh, axes[0]))
+    node.kwargs = {}
+
+
+def _replace(gm, node: fx.Node, fn, args, kwargs) -> None:
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(fn, args, kwargs)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)

@@ -1,0 +1,254 @@
+"""Collectives on sub-groups of a placement, as autograd functions, plus gradient sync.
+
+`box(x, kind, groups, src_dim, dst_dim)` is the op insert_boxing puts into stage
+programs: one SBP conversion along one mesh axis. `groups` lists every rank group along
+that axis; this rank uses the one it belongs to. Each conversion's backward is its dual
+under graphc's gradient convention (NOTE: gradient layouts, docs/sbp.md): the gradient
+of a broadcast value is held whole on every rank, of a split value split the same way,
+of a partial_sum value whole on every rank.
+
+    kind            forward (SBP)        backward (of the gradient)
+    all_reduce      P -> B  all-reduce   identity
+    reduce_scatter  P -> S  reduce-sc.   all-gather
+    all_gather      S -> B  all-gather   local slice
+    all_to_all      S(i) -> S(j)         all-to-all S(j) -> S(i)
+    slice           B -> S  local slice  all-gather
+    to_partial      B -> P  rank 0 keeps identity
+    split_partial   S -> P  zero-pad     local slice
+    grad_all_reduce B -> B  identity     all-reduce (the B input of a sharded op)
+
+Process groups are created once, by every rank in the same order (create_groups).
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+_GROUPS: Dict[Tuple[int, ...], object] = {}
+
+
+def create_groups(rank_sets: Iterable[Sequence[int]]) -> None:
+    """Creates a process group per rank set; collective over the world, deterministic order."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    for ranks in sorted({tuple(r) for r in rank_sets if len(r) > 1}):
+        if ranks in _GROUPS:
+            continue
+        if ranks == tuple(range(world)):
+            _GROUPS[ranks] = dist.group.WORLD
+        else:
+            _GROUPS[ranks] = dist.new_group(list(ranks))
+
+
+def _my_group(groups: tuple) -> Tuple[object, int, int]:
+    """(process group, my index in it, its size) for this rank's group among `groups`."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for g in groups:
+        if rank in g:
+            if len(g) > 1 and tuple(g) not in _GROUPS:
+                create_groups([g])  # only reached in single-group worlds (tests, one stage)
+            return _GROUPS.get(tuple(g)), g.index(rank), len(g)
+    raise RuntimeError(f"internal: rank {rank} is in none of the groups {groups}")
+
+
+def compiled_groups(compiled) -> List[Tuple[int, ...]]:
+    """Every rank group a compiled graph's programs and plans communicate in."""
+    from ..plan.instructions import AllReduce
+    found = []
+    for prog in compiled.programs:
+        for node in prog.module.graph.nodes:
+            if node.op == "call_function" and node.target in (box, vocab_parallel_embedding):
+                found += [tuple(g) for g in node.args[2]]
+    for plan in compiled.plans:
+        found += [tuple(ins.ranks) for ins in plan.instructions if isinstance(ins, AllReduce)]
+    return found
+
+
+# -- primitives on the local component ----------------------------------------------------
+def _all_reduce(x, group):
+    y = x.contiguous().clone()
+    dist.all_reduce(y, group=group)
+    return y
+
+
+def _all_gather(x, dim, group, n):
+    parts = [torch.empty_like(x.contiguous()) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+def _reduce_scatter(x, dim, group, n):
+    parts = [p.contiguous() for p in x.chunk(n, dim)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+def _all_to_all(x, src_dim, dst_dim, group, n):
+    """Local shard of S(src_dim) -> local shard of S(dst_dim)."""
+    send = [p.contiguous() for p in x.chunk(n, dst_dim)]
+    recv = [torch.empty_like(p) for p in send]
+    dist.all_to_all(recv, send, group=group)
+    return torch.cat(recv, src_dim)
+
+
+def _slice(x, dim, k, n):
+    return x.chunk(n, dim)[k].contiguous()
+
+
+def _pad(x, dim, k, n):
+    shape = list(x.shape)
+    shape[dim] *= n
+    out = x.new_zeros(shape)
+    out.narrow(dim, k * x.shape[dim], x.shape[dim]).copy_(x)
+    return out
+
+
+class _Box(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, kind, groups, src_dim, dst_dim):
+        group, k, n = _my_group(groups)
+        ctx.meta = (kind, group, k, n, src_dim, dst_dim)
+        if n == 1:
+            return x.clone() if kind != "grad_all_reduce" else x.view_as(x)
+        if kind == "all_reduce":
+            return _all_reduce(x, group)
+        if kind == "reduce_scatter":
+            return _reduce_scatter(x, dst_dim, group, n)
+        if kind == "all_gather":
+            return _all_gather(x, src_dim, group, n)
+        if kind == "all_to_all":
+            return _all_to_all(x, src_dim, dst_dim, group, n)
+        if kind == "slice":
+            return _slice(x, dst_dim, k, n)
+        if kind == "to_partial":
+            return x.clone() if k == 0 else torch.zeros_like(x)
+        if kind == "split_partial":
+            return _pad(x, src_dim, k, n)
+        if kind == "grad_all_reduce":
+            return x.view_as(x)
+        raise RuntimeError(f"internal: unknown boxing kind {kind!r}")
+
+    @staticmethod
+    def backward(ctx, g):
+        kind, group, k, n, src_dim, dst_dim = ctx.meta
+        if n == 1 or kind in ("all_reduce", "to_partial"):
+            return g, None, None, None, None
+        if kind == "reduce_scatter":
+            out = _all_gather(g, dst_dim, group, n)
+        elif kind == "all_gather":
+            out = _slice(g, src_dim, k, n)
+        elif kind == "all_to_all":
+            out = _all_to_all(g, dst_dim, src_dim, group, n)
+        elif kind == "slice":
+            out = _all_gather(g, dst_dim, group, n)
+        elif kind == "split_partial":
+            out = _slice(g, src_dim, k, n)
+        else:  # grad_all_reduce
+            out = _all_reduce(g, group)
+        return out, None, None, None, None
+
+
+def box(x: torch.Tensor, kind: str, groups: tuple, src_dim: int, dst_dim: int) -> torch.Tensor:
+    """One SBP conversion along one mesh axis (see the table above)."""
+    return _Box.apply(x, kind, groups, src_dim, dst_dim)
+
+
+def mesh_coordinate(groups: tuple) -> Tuple[int, int]:
+    """(my index, group size) along one mesh axis; used by ops whose local form needs it."""
+    _, k, n = _my_group(groups)
+    return k, n
+
+
+# -- gradient synchronisation ----------------------------------------------------------------
+class GradSync:
+    """Bucketed all-reduce of partial_sum gradients, launched during the last backward.
+
+    Each bucket is armed before the last micro-batch's backward; a hook on every parameter
+    counts down as its gradient is final, and the bucket's all-reduce starts (async) as
+    soon as all its gradients are, overlapping the rest of that backward. `wait(i)`
+    finishes bucket i (launching it first if its hooks did not fire, e.g. unused params).
+    """
+
+    def __init__(self, buckets: List[Tuple[Tuple[int, ...], List[torch.nn.Parameter]]]):
+        self.buckets = buckets
+        self.armed = False
+        self.remaining: List[int] = []
+        self.works: Dict[int, Tuple[object, torch.Tensor]] = {}
+        self.handles = []
+        self.next = 0
+        self.index: Dict[object, int] = {}
+        for i, (_, params) in enumerate(buckets):
+            for p in params:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+
+    @staticmethod
+    def from_plan(plan, program) -> "GradSync | None":
+        from ..plan.instructions import AllReduce
+        syncs = [ins for ins in plan.instructions if isinstance(ins, AllReduce)]
+        if not syncs or program is None:
+            return None
+        sync = GradSync([(ins.ranks, [program.module.get_parameter(t.name) for t in ins.tensors])
+                         for ins in syncs])
+        sync.index = {ins: i for i, ins in enumerate(syncs)}
+        return sync
+
+    def _hook(self, i: int):
+        def fire(_param):
+            if not self.armed:
+                return
+            self.remaining[i] -= 1
+            # launch in bucket order on every rank: collectives on a group must match
+            while self.next < len(self.buckets) and self.remaining[self.next] == 0:
+                self._launch(self.next)
+        return fire
+
+    def arm(self) -> None:
+        self.armed = True
+        self.remaining = [len(params) for _, params in self.buckets]
+        self.works = {}
+        self.next = 0
+
+    def _launch(self, i: int) -> None:
+        ranks, params = self.buckets[i]
+        group, _, n = _my_group((ranks,))
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in params])
+        work = dist.all_reduce(flat, group=group, async_op=True) if n > 1 else None
+        self.works[i] = (work, flat)
+        self.next = i + 1
+
+    def wait(self, ins) -> None:
+        """Finishes the bucket of AllReduce instruction `ins` (launching any not yet started)."""
+        i = self.index[ins]
+        while self.next <= i:
+            self._launch(self.next)
+        work, flat = self.works.pop(i)
+        if work is not None:
+            work.wait()
+        offset = 0
+        for p in self.buckets[i][1]:
+            numel = p.numel()
+            value = flat[offset:offset + numel].view_as(p)
+            if p.grad is None:
+                p.grad = value.clone()
+            else:
+                p.grad.copy_(value)
+            offset += numel
+        if not self.works:
+            self.armed = False
+
+
+def vocab_parallel_embedding(idx: torch.Tensor, weight: torch.Tensor, groups: tuple,
+                             padding_idx=None) -> torch.Tensor:
+    """Embedding with the table split by rows (vocabulary): rows outside this rank's range
+    give zeros, so the ranks' outputs are addends (partial_sum) of the full lookup."""
+    k, _ = mesh_coordinate(groups)
+    start = k * weight.shape[0]
+    local = idx - start
+    inside = (local >= 0) & (local < weight.shape[0])
+    out = torch.nn.functional.embedding(local.clamp(0, weight.shape[0] - 1), weight)
+    return out * inside.unsqueeze(-1).to(out.dtype)

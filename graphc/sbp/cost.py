@@ -1,0 +1,33 @@
+"""Boxing cost: bytes one conversion moves, used to choose among valid SBP signatures.
+
+With n ranks on the axis and T the global tensor's bytes (OneFlow's copy-cost model):
+same 0; B->S and B->P and S->P local (a tiny cost so that "no conversion" wins ties);
+S(i)->S(j) (n-1)/n*T; P->S and S->B (n-1)/n*T per rank, (n-1)*T in all; P->B 2(n-1)/n*T.
+"""
+from __future__ import annotations
+
+from ..placement import Broadcast, PartialSum, Split
+
+LOCAL = 1e-3  # a local slice or zero-fill: no bytes move, but it is not free either
+
+
+def boxing_cost(src, dst, nbytes: int, n: int) -> float:
+    """Cost of converting one mesh axis of a value from `src` to `dst` SBP."""
+    if src == dst or n == 1:
+        return 0.0
+    if isinstance(src, Broadcast) or isinstance(dst, PartialSum):
+        return LOCAL * nbytes
+    if isinstance(src, Split) and isinstance(dst, Split):
+        return (n - 1) / n * nbytes
+    if isinstance(src, PartialSum) and isinstance(dst, Broadcast):
+        return 2 * (n - 1) * nbytes
+    return (n - 1) * nbytes  # P->S reduce-scatter, S->B all-gather
+
+
+def moved_bytes(kind: str, nbytes: int, n: int) -> int:
+    """Bytes each rank sends (ring algorithms) for one collective on a global value of `nbytes`."""
+    if n == 1:
+        return 0
+    per = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+           "all_gather": (n - 1) / n, "all_to_all": (n - 1) / (n * n)}
+    return int(per.get(kind, 0) * nbytes)

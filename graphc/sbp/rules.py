@@ -1,0 +1,372 @@
+"""SBP rules: for each op, the valid signatures on one mesh axis (see docs/sbp.md).
+
+A rule gets a RuleCtx and returns candidates `(required, out)`: `required` maps input
+nodes to the SBP the op needs them in (inputs not named keep their producer's SBP) and
+`out` is the output's SBP. The all-broadcast signature is always valid and is added by
+the chooser, so a rule lists only the sharded ones. An op without a rule runs on
+gathered (broadcast) inputs and is marked as a fallback.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..meta import META_TENSOR, TensorMeta
+from .layout import B, P, S
+
+Candidate = Tuple[Dict[fx.Node, object], object]
+
+
+@dataclass
+class RuleCtx:
+    node: fx.Node
+    n: int                          # ranks on this mesh axis
+    prod: Dict[fx.Node, object]     # each input's producer SBP on this axis
+
+    def meta(self, a) -> Optional[TensorMeta]:
+        return a.meta.get(META_TENSOR) if isinstance(a, fx.Node) else None
+
+    @property
+    def out(self) -> Optional[TensorMeta]:
+        return self.node.meta.get(META_TENSOR)
+
+    def arg(self, i: int, name: str, default=None):
+        if len(self.node.args) > i:
+            return self.node.args[i]
+        return self.node.kwargs.get(name, default)
+
+    def tensors(self) -> List[fx.Node]:
+        args = list(self.node.args) + list(self.node.kwargs.values())
+        return [a for a in args if self.meta(a) is not None]
+
+    def divisible(self, size: int) -> bool:
+        return size % self.n == 0 and size >= self.n
+
+
+# -- elementwise ----------------------------------------------------------------------
+def _split_candidates(ctx: RuleCtx) -> List[Candidate]:
+    """S(d) of the output for every dim d; inputs aligned from the right, broadcast dims B."""
+    out = ctx.out
+    if out is None:
+        return []
+    r = len(out.shape)
+    cands = []
+    for d in range(r):
+        if not ctx.divisible(out.shape[d]):
+            continue
+        req = {}
+        for t in ctx.tensors():
+            shape = ctx.meta(t).shape
+            td = d - (r - len(shape))
+            req[t] = S(td) if td >= 0 and shape[td] == out.shape[d] else B
+        cands.append((req, S(d)))
+    return cands
+
+
+def elementwise(ctx: RuleCtx) -> List[Candidate]:
+    """Nonlinear elementwise ops: any split of the output; never partial."""
+    return _split_candidates(ctx)
+
+
+def additive(ctx: RuleCtx) -> List[Candidate]:
+    """add/sub: splits, and P+P->P when every operand is a tensor (a scalar would be added n times)."""
+    cands = _split_candidates(ctx)
+    tensors = ctx.tensors()
+    operands = list(ctx.node.args[:2])
+    if len(tensors) == len(operands) and tensors:
+        cands.append(({t: P for t in tensors}, P))
+    return cands
+
+
+def multiplicative(ctx: RuleCtx) -> List[Candidate]:
+    """mul: one partial factor times broadcast ones stays partial; div: only the numerator."""
+    cands = _split_candidates(ctx)
+    tensors = ctx.tensors()
+    first = ctx.node.args[0] if ctx.node.args else None
+    is_div = ctx.node.target in (operator.truediv, torch.div, "div")
+    for t in tensors:
+        if is_div and t is not first:
+            continue
+        cands.append(({u: (P if u is t else B) for u in tensors}, P))
+    return cands
+
+
+def linear_unary(ctx: RuleCtx) -> List[Candidate]:
+    """neg, contiguous, clone: splits and P->P."""
+    return _split_candidates(ctx) + [({t: P for t in ctx.tensors()}, P)]
+
+
+# -- contractions ---------------------------------------------------------------------
+def matmul(ctx: RuleCtx) -> List[Candidate]:
+    a, b = ctx.node.args[0], ctx.node.args[1]
+    ma, mb, out = ctx.meta(a), ctx.meta(b), ctx.out
+    if ma is None or mb is None or out is None:
+        return []
+    ra, rb, r = len(ma.shape), len(mb.shape), len(out.shape)
+    cands: List[Candidate] = [({a: P, b: B}, P), ({a: B, b: P}, P)]
+    if ra < 2 or rb < 2:
+        return cands
+    for d in range(r - 1):  # batch dims and rows of a
+        ad, bd = d - (r - ra), d - (r - rb)
+        if ad < 0 or ma.shape[ad] != out.shape[d] or not ctx.divisible(out.shape[d]):
+            continue
+        b_req = S(bd) if d < r - 2 and bd >= 0 and mb.shape[bd] == out.shape[d] else B
+        cands.append(({a: S(ad), b: b_req}, S(d)))
+    if ctx.divisible(out.shape[-1]):
+        cands.append(({a: B, b: S(rb - 1)}, S(r - 1)))
+    if ctx.divisible(ma.shape[-1]):
+        cands.append(({a: S(ra - 1), b: S(rb - 2)}, P))
+    return cands
+
+
+def linear(ctx: RuleCtx) -> List[Candidate]:
+    """F.linear(x, w, b): w is [out, in]. Row-parallel (w split(1)) is partial, so it takes no bias."""
+    x, w = ctx.node.args[0], ctx.node.args[1]
+    bias = ctx.arg(2, "bias")
+    mx, mw, out = ctx.meta(x), ctx.meta(w), ctx.out
+    if mx is None or mw is None or out is None:
+        return []
+    r = len(out.shape)
+    with_bias = ctx.meta(bias) is not None
+    cands: List[Candidate] = []
+    for d in range(r - 1):
+        if ctx.divisible(out.shape[d]):
+            req = {x: S(d), w: B}
+            if with_bias:
+                req[bias] = B
+            cands.append((req, S(d)))
+    if ctx.divisible(out.shape[-1]):
+        req = {x: B, w: S(0)}
+        if with_bias:
+            req[bias] = S(0)
+        cands.append((req, S(r - 1)))
+    if not with_bias:
+        cands.append(({x: P, w: B}, P))
+        if ctx.divisible(mx.shape[-1]):
+            cands.append(({x: S(len(mx.shape) - 1), w: S(1)}, P))
+    return cands
+
+
+def addmm(ctx: RuleCtx) -> List[Candidate]:
+    bias, a, b = ctx.node.args[:3]
+    mbias, out = ctx.meta(bias), ctx.out
+    if mbias is None or out is None:
+        return []
+    cands = []
+    if ctx.divisible(out.shape[0]):
+        rows = S(0) if len(mbias.shape) == 2 and mbias.shape[0] == out.shape[0] else B
+        cands.append(({bias: rows, a: S(0), b: B}, S(0)))
+    if ctx.divisible(out.shape[1]):
+        cols = S(len(mbias.shape) - 1) if mbias.shape[-1] == out.shape[1] else B
+        cands.append(({bias: cols, a: B, b: S(1)}, S(1)))
+    return cands
+
+
+# -- normalisations and lookups --------------------------------------------------------
+def _dim(ctx: RuleCtx, i: int, name: str, ndim: int) -> int:
+    d = ctx.arg(i, name)
+    return d % ndim if isinstance(d, int) else d
+
+
+def softmax(ctx: RuleCtx) -> List[Candidate]:
+    x = ctx.node.args[0]
+    nd = len(ctx.meta(x).shape)
+    dim = _dim(ctx, 1, "dim", nd)
+    return [c for c in _split_candidates(ctx) if c[1].dim != dim]
+
+
+def layer_norm(ctx: RuleCtx) -> List[Candidate]:
+    x = ctx.node.args[0]
+    shape = ctx.arg(1, "normalized_shape")
+    nd = len(ctx.meta(x).shape)
+    keep = nd - len(shape if isinstance(shape, (list, tuple)) else [shape])
+    cands = []
+    for d in range(keep):
+        if ctx.divisible(ctx.meta(x).shape[d]):
+            cands.append(({t: (S(d) if t is x else B) for t in ctx.tensors()}, S(d)))
+    return cands
+
+
+def embedding(ctx: RuleCtx) -> List[Candidate]:
+    """Split indices; column-split table (S(1)); vocabulary-split table (S(0) -> partial)."""
+    idx, w = ctx.node.args[0], ctx.node.args[1]
+    mi, mw, out = ctx.meta(idx), ctx.meta(w), ctx.out
+    cands: List[Candidate] = []
+    for d in range(len(mi.shape)):
+        if ctx.divisible(mi.shape[d]):
+            cands.append(({idx: S(d), w: B}, S(d)))
+    if ctx.divisible(mw.shape[1]):
+        cands.append(({idx: B, w: S(1)}, S(len(out.shape) - 1)))
+    if ctx.divisible(mw.shape[0]):
+        cands.append(({idx: B, w: S(0)}, P))
+    return cands
+
+
+# -- reductions and losses -------------------------------------------------------------
+def reduce_dims(ctx: RuleCtx) -> Tuple[List[int], bool]:
+    x = ctx.node.args[0]
+    nd = len(ctx.meta(x).shape)
+    dim = ctx.arg(1, "dim")
+    keepdim = bool(ctx.arg(2, "keepdim", False))
+    if dim is None:
+        return list(range(nd)), keepdim
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    return sorted(d % nd for d in dims), keepdim
+
+
+def reduction(ctx: RuleCtx) -> List[Candidate]:
+    """sum/mean: a split reduced dim gives partial_sum (mean divides by the global size)."""
+    x = ctx.node.args[0]
+    mx = ctx.meta(x)
+    dims, keepdim = reduce_dims(ctx)
+    cands: List[Candidate] = [({x: P}, P)]
+    for d in range(len(mx.shape)):
+        if not ctx.divisible(mx.shape[d]):
+            continue
+        if d in dims:
+            cands.append(({x: S(d)}, P))
+        else:
+            cands.append(({x: S(d)}, S(d if keepdim else d - sum(1 for r in dims if r < d))))
+    return cands
+
+
+def cross_entropy(ctx: RuleCtx) -> List[Candidate]:
+    """Batch-split logits and targets: per-sample losses split, mean/sum partial."""
+    x, y = ctx.node.args[0], ctx.node.args[1]
+    if ctx.node.kwargs.get("weight") is not None or ctx.arg(2, "weight") is not None:
+        return []
+    if not ctx.divisible(ctx.meta(x).shape[0]):
+        return []
+    red = ctx.node.kwargs.get("reduction", "mean")
+    return [({x: S(0), y: S(0)}, S(0) if red == "none" else P)]
+
+
+def mse_loss(ctx: RuleCtx) -> List[Candidate]:
+    a, b = ctx.node.args[0], ctx.node.args[1]
+    red = ctx.arg(3, "reduction", "mean")
+    if ctx.meta(a).shape != ctx.meta(b).shape:
+        return []
+    return [({a: S(d), b: S(d)}, S(d) if red == "none" else P)
+            for d, size in enumerate(ctx.meta(a).shape) if ctx.divisible(size)]
+
+
+# -- shape ops -------------------------------------------------------------------------
+def _prefix(shape) -> List[int]:
+    out, acc = [], 1
+    for s in shape:
+        out.append(acc)
+        acc *= s
+    return out
+
+
+def reshape(ctx: RuleCtx) -> List[Candidate]:
+    """view/reshape/flatten: a split dim maps to the output dim that starts at the same offset."""
+    x = ctx.node.args[0]
+    ins, outs = ctx.meta(x).shape, ctx.out.shape
+    pin, pout = _prefix(ins), _prefix(outs)
+    cands: List[Candidate] = [({x: P}, P)]
+    for d, size in enumerate(ins):
+        if not ctx.divisible(size) or size == 1:
+            continue
+        for j, osize in enumerate(outs):
+            if pout[j] == pin[d] and osize != 1 and ctx.divisible(osize):
+                cands.append(({x: S(d)}, S(j)))
+                break
+    return cands
+
+
+def permute(ctx: RuleCtx) -> List[Candidate]:
+    x = ctx.node.args[0]
+    nd = len(ctx.meta(x).shape)
+    perm = permutation(ctx.node, nd)
+    return [({x: P}, P)] + [({x: S(perm[j])}, S(j)) for j in range(nd)
+                            if ctx.divisible(ctx.meta(x).shape[perm[j]])]
+
+
+def permutation(node: fx.Node, nd: int) -> List[int]:
+    """Output dim j reads input dim perm[j], for transpose/permute/t."""
+    name = node.target if isinstance(node.target, str) else node.target.__name__
+    if name == "t":
+        return [1, 0][:nd] if nd == 2 else list(range(nd))
+    if name == "transpose":
+        a, b = node.args[1] % nd, node.args[2] % nd
+        perm = list(range(nd))
+        perm[a], perm[b] = perm[b], perm[a]
+        return perm
+    dims = node.args[1:] if len(node.args) > 2 or isinstance(node.args[1], int) else node.args[1]
+    return [d % nd for d in dims]
+
+
+def cat(ctx: RuleCtx) -> List[Candidate]:
+    tensors = [t for t in ctx.node.args[0]]
+    nd = len(ctx.out.shape)
+    dim = (ctx.arg(1, "dim", 0)) % nd
+    cands: List[Candidate] = [({t: P for t in tensors}, P)]
+    for d in range(nd):
+        if d != dim and ctx.divisible(ctx.out.shape[d]):
+            cands.append(({t: S(d) for t in tensors}, S(d)))
+    return cands
+
+
+def split_op(ctx: RuleCtx) -> List[Candidate]:
+    """split/chunk: pieces along `dim` keep any other split."""
+    x = ctx.node.args[0]
+    mx = ctx.meta(x)
+    nd = len(mx.shape)
+    dim = ctx.arg(2, "dim", 0) % nd
+    return [({x: P}, P)] + [({x: S(d)}, S(d)) for d in range(nd)
+                            if d != dim and ctx.divisible(mx.shape[d])]
+
+
+def passthrough(ctx: RuleCtx) -> List[Candidate]:
+    """getitem of a tuple (split/chunk results): the element keeps the tuple's SBP."""
+    src = ctx.node.args[0]
+    return [({}, ctx.prod[src])]
+
+
+RULES: Dict[object, Callable[[RuleCtx], List[Candidate]]] = {}
+
+
+def _register(rule, *keys):
+    for k in keys:
+        RULES[k] = rule
+
+
+_register(matmul, torch.matmul, operator.matmul, torch.mm, torch.bmm, "matmul", "mm", "bmm")
+_register(linear, F.linear)
+_register(addmm, torch.addmm)
+_register(additive, operator.add, operator.sub, torch.add, torch.sub, "add", "sub")
+_register(multiplicative, operator.mul, operator.truediv, torch.mul, torch.div, "mul", "div")
+_register(linear_unary, operator.neg, torch.neg, "neg", "contiguous", "clone")
+_register(elementwise, F.relu, torch.relu, "relu", F.gelu, F.silu, torch.tanh, "tanh",
+          torch.sigmoid, "sigmoid", F.dropout, torch.exp, "exp", F.sigmoid, F.tanh)
+_register(softmax, F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax",
+          "log_softmax")
+_register(layer_norm, F.layer_norm)
+_register(embedding, F.embedding)
+_register(reduction, torch.sum, torch.mean, "sum", "mean")
+_register(cross_entropy, F.cross_entropy)
+_register(mse_loss, F.mse_loss)
+_register(reshape, torch.reshape, torch.flatten, "view", "reshape", "flatten")
+_register(permute, torch.transpose, torch.permute, "transpose", "permute", "t")
+_register(cat, torch.cat)
+_register(split_op, torch.split, torch.chunk, "split", "chunk")
+
+
+def rule_for(node: fx.Node) -> Optional[Callable[[RuleCtx], List[Candidate]]]:
+    if node.op == "call_function" and node.target is operator.getitem:
+        src = node.args[0]
+        if isinstance(src, fx.Node) and src.meta.get(META_TENSOR) is None:
+            return passthrough
+        return None
+    if node.op in ("call_function", "call_method"):
+        try:
+            return RULES.get(node.target)
+        except TypeError:  # unhashable target
+            return None
+    return None

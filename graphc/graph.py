@@ -181,7 +181,7 @@ class Graph:
         if self._pending_state is not None:
             state.load(self._pending_state)
             object.__setattr__(self, "_pending_state", None)
-        p2p = P2P(rank, _pairs(compiled.plans), use_nccl=any(s.device_type == "cuda" for s in compiled.stages))
+        p2p = P2P(rank, compiled.plans)
         create_groups(compiled_groups(compiled))  # collective: every rank, same order
         tracer = Tracer.from_config(self.config, rank)
         object.__setattr__(self, "_tracer", tracer)
@@ -289,11 +289,6 @@ def _check_input_placements(compiled, args) -> None:
                 f"{stage.stage_id}, which runs on ranks {list(stage.ranks)}. Fix: create it with "
                 f"graphc.to_global(t, placement=graphc.placement(\"{stage.device_type}\", "
                 f"ranks={list(stage.ranks)}), sbp=graphc.sbp.broadcast).")
-
-
-def _pairs(plans) -> set:
-    from .plan.instructions import Send
-    return {(p.rank, ins.peer) for p in plans for ins in p.instructions if isinstance(ins, Send)}
 
 
 def _unprefixed(root: nn.Module, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

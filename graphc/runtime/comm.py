@@ -1,30 +1,131 @@
-"""Point-to-point transport: asynchronous isend/irecv on gloo (cpu) or NCCL (cuda).
+"""Point-to-point transport, chosen per channel (one direction of a rank pair).
 
-Gloo matches messages by tag, so each tensor carries its sequence number on its
-channel. NCCL ignores tags and matches in issue order per communicator; each direction
-of a rank pair gets its own communicator so a send never queues behind a receive.
+- shm: ranks on one host with cpu tensors exchange them through shared-memory rings
+  (see NOTE: Shared-memory channels in shm.py): a send is one memcpy, no thread hand-off.
+- gloo (cpu) / NCCL (cuda): asynchronous isend/irecv. Gloo matches messages by tag, so
+  each tensor carries its sequence number on its channel. NCCL ignores tags and matches
+  in issue order per communicator; each direction of a rank pair gets its own
+  communicator so a send never queues behind a receive.
+GRAPHC_P2P=auto (default) | shm | gloo picks; auto uses shm wherever it can.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Tuple
+import os
+import socket
+import uuid
+from collections import defaultdict
+from typing import Dict, Iterable, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ..errors import GraphcError
+from ..plan.instructions import Send
+from ..plan.plan import ExecutionPlan
+from . import shm
+from .dist_env import timeout_seconds
+
+_SHM_MAX_BYTES = int(os.environ.get("GRAPHC_SHM_MAX_MB", "1024")) * (1 << 20)
+
 
 class P2P:
-    """Issues this rank's point-to-point transfers."""
+    """Issues this rank's point-to-point transfers over each channel's transport."""
 
-    def __init__(self, rank: int, pairs: Iterable[Tuple[int, int]], use_nccl: bool):
+    def __init__(self, rank: int, plans: Sequence[ExecutionPlan]):
         self.rank = rank
         self.groups: Dict[Tuple[int, int], object] = {}
-        if use_nccl:
-            # new_group is collective over the world: every rank creates every pair's groups
-            for src, dst in sorted(set(pairs)):
-                self.groups[(src, dst)] = dist.new_group([src, dst], use_local_synchronization=False)
+        self.shm = None
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        specs = _channel_specs(plans)
+        cuda_pairs = [pair for pair, (_, _, dev) in specs.items() if dev == "cuda"]
+        for src, dst in sorted(cuda_pairs):  # new_group is collective: every rank, same order
+            self.groups[(src, dst)] = dist.new_group([src, dst])
+        shm_pairs = _shm_pairs(specs)
+        if shm_pairs:
+            self.shm = shm.ShmTransport(rank, _open_channels(rank, shm_pairs, specs), timeout_seconds())
+
+    def _uses_shm(self, pair: Tuple[int, int]) -> bool:
+        return self.shm is not None and pair in self.shm.channels
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
+        if self._uses_shm((self.rank, peer)):
+            return self.shm.isend(tensor, peer, tag)
         return dist.isend(tensor, peer, group=self.groups.get((self.rank, peer)), tag=tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
+        if self._uses_shm((peer, self.rank)):
+            return self.shm.irecv(tensor, peer, tag)
         return dist.irecv(tensor, peer, group=self.groups.get((peer, self.rank)), tag=tag)
+
+    @property
+    def kinds(self) -> Dict[Tuple[int, int], str]:
+        """Which transport each of this rank's channels uses (for printing and tests)."""
+        out = {pair: "shm" for pair in (self.shm.channels if self.shm else {})}
+        out.update({pair: "nccl" for pair in self.groups})
+        return out
+
+
+def _channel_specs(plans: Iterable[ExecutionPlan]) -> Dict[Tuple[int, int], Tuple[int, int, str]]:
+    """(src, dst) -> (tensors per step, largest tensor bytes, device type)."""
+    count: Dict[Tuple[int, int], int] = defaultdict(int)
+    biggest: Dict[Tuple[int, int], int] = defaultdict(int)
+    device: Dict[Tuple[int, int], str] = {}
+    for plan in plans:
+        stage_dev = {s.stage_id: s.device_type for s in plan.stages}
+        for ins in plan.instructions:
+            if isinstance(ins, Send):
+                pair = (plan.rank, ins.peer)
+                count[pair] += len(ins.tensors)
+                biggest[pair] = max([biggest[pair]] + [t.nbytes for t in ins.tensors])
+                device[pair] = stage_dev.get(ins.stage, "cpu")
+    return {pair: (count[pair], biggest[pair], device[pair]) for pair in count}
+
+
+def _shm_pairs(specs) -> list:
+    mode = os.environ.get("GRAPHC_P2P", "auto")
+    if mode not in ("auto", "shm", "gloo"):
+        raise GraphcError(f"GRAPHC_P2P must be auto, shm or gloo, found {mode!r}")
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())  # collective: every rank calls it
+    if mode == "gloo" or not shm.supported():
+        if mode == "shm":
+            raise GraphcError("GRAPHC_P2P=shm needs an x86-64 Linux host with /dev/shm")
+        return []
+    pairs = []
+    for (src, dst), (n, nbytes, dev) in sorted(specs.items()):
+        fits = n * max(nbytes, 1) <= _SHM_MAX_BYTES
+        if dev == "cpu" and hosts[src] == hosts[dst] and fits:
+            pairs.append((src, dst))
+        elif mode == "shm":
+            raise GraphcError(f"GRAPHC_P2P=shm, but channel rank {src} -> rank {dst} cannot use "
+                              f"shared memory (hosts {hosts[src]}/{hosts[dst]}, device {dev}, "
+                              f"{n * nbytes} bytes per step)")
+    return pairs
+
+
+def _open_channels(rank: int, pairs, specs) -> Dict[Tuple[int, int], shm.ShmChannel]:
+    """Creates the rings (by each sender), maps them on both sides, then unlinks the files.
+
+    Unlinking right after both sides mapped a file means nothing is left in /dev/shm
+    however the processes end.
+    """
+    token = [uuid.uuid4().hex[:12] if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    path = lambda src, dst: f"/dev/shm/graphc-{token[0]}-{src}-{dst}"  # noqa: E731
+    mine = [p for p in pairs if rank in p]
+    channels = {}
+    for src, dst in mine:
+        if src == rank:
+            channels[(src, dst)] = shm.ShmChannel(path(src, dst), specs[(src, dst)][0],
+                                                  specs[(src, dst)][1], create=True)
+    dist.barrier()
+    for src, dst in mine:
+        if dst == rank:
+            channels[(src, dst)] = shm.ShmChannel(path(src, dst), specs[(src, dst)][0],
+                                                  specs[(src, dst)][1], create=False)
+    dist.barrier()
+    for src, dst in mine:
+        if src == rank:
+            os.unlink(path(src, dst))
+    return channels

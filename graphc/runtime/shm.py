@@ -1,0 +1,125 @@
+"""Shared-memory point-to-point transport for ranks on one x86-64 host.
+
+NOTE: Shared-memory channels
+A channel is one direction of a rank pair: a ring of `slots` slots, each as large as the
+channel's largest tensor, behind two counters on separate cache lines, `produced`
+(written only by the sender) and `consumed` (only by the receiver). The sender copies a
+tensor into slot seq % slots, then publishes produced = seq + 1; the receiver waits for
+produced > seq, copies the tensor out, then publishes consumed = seq + 1. x86-64 keeps
+stores in program order (TSO), so a published counter implies its data is visible; on
+other machines graphc uses gloo instead. The ring holds all of one step's messages on
+its channel, so a sender never waits inside a step and the bounded buffer adds no wait
+that the plan verifier has not already proven deadlock-free. Messages are matched by
+order, which the verifier checks is the same on both sides.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from typing import Dict, Tuple
+
+import torch
+
+from ..errors import RankFailedError
+
+_HEADER = 128          # produced at byte 0, consumed at byte 64
+_ALIGN = 64
+
+
+def supported() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+
+
+class ShmChannel:
+    def __init__(self, path: str, slots: int, slot_bytes: int, create: bool):
+        self.slots = slots
+        self.slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
+        size = _HEADER + self.slots * self.slot_bytes
+        if create:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, size)
+            os.close(fd)
+        self.mem = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        self.produced = self.mem[0:8].view(torch.int64)
+        self.consumed = self.mem[64:72].view(torch.int64)
+        self.seq = 0  # this side's next message number
+
+    def slot(self, seq: int, nbytes: int) -> torch.Tensor:
+        start = _HEADER + (seq % self.slots) * self.slot_bytes
+        return self.mem[start:start + nbytes]
+
+
+def _wait(ready, deadline: float, what: str) -> None:
+    """Polls `ready`: a few tight checks, then yields the core, then sleeps with backoff.
+
+    Ranks often outnumber cores, so a waiting rank must not burn the CPU that the rank
+    it waits for needs.
+    """
+    spins, nap = 0, 1e-5
+    while not ready():
+        spins += 1
+        if spins < 16:
+            continue
+        if spins < 64:
+            os.sched_yield()
+            continue
+        time.sleep(nap)
+        nap = min(nap * 2, 5e-4)
+        if time.monotonic() > deadline:
+            raise RankFailedError(what)
+
+
+class _Done:
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _RecvWork:
+    def __init__(self, transport: "ShmTransport", ch: ShmChannel, seq: int, out: torch.Tensor, peer: int):
+        self.t, self.ch, self.seq, self.out, self.peer = transport, ch, seq, out, peer
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self, timeout=None) -> bool:
+        if self.done:
+            return True
+        ch, seq = self.ch, self.seq
+        _wait(lambda: int(ch.produced.item()) > seq, time.monotonic() + self.t.timeout,
+              f"rank {self.t.rank} waited {self.t.timeout:.0f}s for message {seq} from rank "
+              f"{self.peer}; that rank has failed or stalled (GRAPHC_TIMEOUT sets the limit)")
+        flat = self.out.view(-1).view(torch.uint8) if self.out.numel() else self.out.view(torch.uint8)
+        flat.copy_(ch.slot(seq, flat.numel()))
+        ch.consumed.fill_(seq + 1)
+        self.done = True
+        return True
+
+
+class ShmTransport:
+    """isend/irecv over shared-memory rings, with the same call shape as torch.distributed."""
+
+    def __init__(self, rank: int, channels: Dict[Tuple[int, int], ShmChannel], timeout: float):
+        self.rank, self.channels, self.timeout = rank, channels, timeout
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+        ch = self.channels[(self.rank, peer)]
+        seq = ch.seq
+        _wait(lambda: seq - int(ch.consumed.item()) < ch.slots, time.monotonic() + self.timeout,
+              f"rank {self.rank} waited {self.timeout:.0f}s for rank {peer} to take message "
+              f"{seq - ch.slots}; that rank has failed or stalled")
+        data = tensor.contiguous().view(-1).view(torch.uint8)
+        ch.slot(seq, data.numel()).copy_(data)
+        ch.produced.fill_(seq + 1)
+        ch.seq += 1
+        return _Done()
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+        ch = self.channels[(peer, self.rank)]
+        work = _RecvWork(self, ch, ch.seq, tensor, peer)
+        ch.seq += 1
+        return work

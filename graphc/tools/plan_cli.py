@@ -90,8 +90,11 @@ def run_plan(script: str, script_args: List[str], nproc: int, out: str,
     if simulate not in (None, "measure", *DEVICES):
         raise GraphcError(f"graphc plan --simulate {simulate!r}: choose 'measure' or one of "
                           f"{sorted(DEVICES)}")
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_argv, saved_path, saved_env = sys.argv[:], sys.path[:], dict(os.environ)
     sys.argv = [script] + list(script_args)
+    # the script sees rank 0 of a torchrun world of N (without MASTER_ADDR: no process group)
+    for k, v in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", nproc), ("LOCAL_WORLD_SIZE", nproc)):
+        os.environ.setdefault(k, str(v))
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
         with plan_mode(nproc, out, simulate, chart) as mode:
@@ -104,6 +107,8 @@ def run_plan(script: str, script_args: List[str], nproc: int, out: str,
                     raise
     finally:
         sys.argv, sys.path = saved_argv, saved_path
+        os.environ.clear()
+        os.environ.update(saved_env)
     if not mode.written:
         raise GraphcError(f"graphc plan: {script} finished without compiling a graphc.Graph. "
                           "Fix: make sure the script calls graph(...) or graph.compile(...) "

@@ -79,11 +79,30 @@ def test_plan_writes_every_rank_with_the_schedule(tmp_path, n, schedule):
         assert p.schedule == schedule and p.num_microbatches == 4
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=os.path.basename)
-@pytest.mark.parametrize("n", [2, 4, 8])
+# script arguments an example needs ("{tmp}": a scratch folder), after `--`
+EXAMPLE_ARGS = {"train_resume.py": ["--ckpt-dir", "{tmp}"]}
+
+
+def _world_sizes(example):
+    """2, 4 and 8 ranks where the example's placements follow the world size (pipeline.py
+    places stages on ranks 0 and 1; the others idle); else its documented torchrun size."""
+    with open(example) as f:
+        text = f.read()
+    if os.path.basename(example) == "pipeline.py":
+        return [2, 4, 8]
+    import re
+    m = re.search(r"--nproc_per_node (\d+)", text)
+    return [int(m.group(1)) if m else 2]
+
+
+CASES = [(e, n) for e in EXAMPLES for n in _world_sizes(e)]
+
+
+@pytest.mark.parametrize("example,n", CASES, ids=[f"{os.path.basename(e)}-{n}" for e, n in CASES])
 def test_plan_on_every_example(tmp_path, example, n):
     out = str(tmp_path / "plans")
-    assert main(["plan", example, "--nproc", str(n), "--out", out]) == 0
+    extra = [a.format(tmp=tmp_path) for a in EXAMPLE_ARGS.get(os.path.basename(example), [])]
+    assert main(["plan", example, "--nproc", str(n), "--out", out, "--", *extra]) == 0
     plans = load_plans(out, n)
     stages = len(glob.glob(os.path.join(out, "stage*.py")))
     check_files(out, n, stages)

@@ -51,7 +51,7 @@ def draw_timeline(timeline: Dict[int, List[Span]], path: str, title: str,
     ranks = sorted(timeline)
     end = max((s.end for spans in timeline.values() for s in spans), default=1.0) * scale or 1.0
     fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 4 + 0.12 * _count(timeline))),
-                                    1.2 + 0.6 * len(ranks)))
+                                    max(1.8, 1.2 + 0.6 * len(ranks))))
     used = set()
     for row, rank in enumerate(ranks):
         for span in timeline[rank]:
@@ -66,8 +66,9 @@ def draw_timeline(timeline: Dict[int, List[Span]], path: str, title: str,
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     handles = [Patch(color=COLOURS[k], label=LEGEND[k]) for k in COLOURS if k in used]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) > 2 else -0.4),
-              ncol=3, fontsize=8, frameon=False)
+    # beside the rows, so it never covers the time axis whatever the number of ranks
+    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), ncol=1,
+              fontsize=8, frameon=False)
     fig.tight_layout()
     written = []
     for fmt in formats:

@@ -9,10 +9,15 @@ NOTE: Failure propagation
     seeing another rank's failure it prints "graphc: rank R failed: ...; exiting rank r"
     to stderr and exits the process non-zero (os._exit: the main thread may be blocked
     in a collective that will never complete).
-  - A rank that dies without raising (SIGKILL, OOM kill) cannot write the key. A transfer
-    from it then fails in gloo ("connection closed"), which run_step turns into a
-    RankFailedError naming that peer; anything else is bounded by GRAPHC_TIMEOUT, the
-    process-group timeout (see dist_env.timeout_seconds).
+  - A rank that dies without raising (SIGKILL, OOM kill) cannot write the key. Its
+    watchdog also beats a heartbeat counter in the store (BEAT_KEY, once a second); a peer
+    whose counter stops for GRAPHC_HEARTBEAT_TIMEOUT seconds (default 10) without having
+    marked itself done (DONE_KEY, at a normal exit) is declared dead: the rank that notices
+    writes FAILED_KEY for it and exits as above. A gloo transfer from a dead peer usually
+    fails sooner ("connection closed"), which run_step turns into a RankFailedError naming
+    that peer; the shared-memory transport sees no connection, so there the heartbeat is
+    what notices. Everything else is bounded by GRAPHC_TIMEOUT, the transfer timeout
+    (see dist_env.timeout_seconds).
   - A lost connection to the store is not taken as a failure: rank 0 legitimately exits
     first at the end of a run.
 """
@@ -30,33 +35,76 @@ import torch.distributed as dist
 
 from ..errors import GraphcError, RankFailedError
 
-FAILED_KEY = "graphc/failed"
-ACK_KEY = "graphc/failed_acks"
+# Keys live under graphc/<torchrun restart count>/, so a restarted world (torchrun
+# --max-restarts, whose store may outlive a round) never reads the last round's failure.
+FAILED_KEY = "failed"
+ACK_KEY = "failed_acks"
+BEAT_KEY = "beat/{}"
+DONE_KEY = "done/{}"
 POLL_SECONDS = 0.1
+BEAT_SECONDS = 1.0
 ACK_WAIT_SECONDS = 3.0
 
 _PEER_RE = re.compile(r"rank (\d+)")
 
 
 class Watchdog:
-    """Polls the store for another rank's failure."""
+    """Polls the store for another rank's failure, and beats this rank's heartbeat."""
 
     def __init__(self, store, rank: int, world_size: int):
-        self.store, self.rank, self.world_size = store, rank, world_size
+        self.rank, self.world_size = rank, world_size
+        self.store = store
+        self.keys = dist.PrefixStore(f"graphc/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        self.heartbeat_timeout = heartbeat_timeout_seconds()
         self._stopped = False
+        self._next_beat = 0.0
+        self._seen = {}  # peer -> (last counter value, time.monotonic() it changed)
         self._thread = threading.Thread(target=self._loop, name="graphc-watchdog", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while not self._stopped:
             try:
-                failed = self.store.check([FAILED_KEY])
-                message = self.store.get(FAILED_KEY).decode() if failed else None
+                failed = self.keys.check([FAILED_KEY])
+                message = self.keys.get(FAILED_KEY).decode() if failed else None
             except Exception:  # store gone: see NOTE, let gloo or the timeout decide
                 return
             if message and not message.startswith(f"rank {self.rank}:"):
                 self._exit_for(message)
+            if time.monotonic() >= self._next_beat:
+                self._next_beat = time.monotonic() + BEAT_SECONDS
+                try:
+                    self.keys.add(BEAT_KEY.format(self.rank), 1)
+                    dead = self._silent_peer()
+                except Exception:
+                    return
+                if dead is not None:
+                    self._declare_dead(dead)
             time.sleep(POLL_SECONDS)
+
+    def _silent_peer(self) -> Optional[int]:
+        """A peer that has beaten before but not for heartbeat_timeout seconds, and is not done."""
+        now = time.monotonic()
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            count = self.keys.add(BEAT_KEY.format(peer), 0)
+            last = self._seen.get(peer)
+            if last is None or last[0] != count:
+                self._seen[peer] = (count, now)
+            elif count > 0 and now - last[1] > self.heartbeat_timeout \
+                    and not self.keys.check([DONE_KEY.format(peer)]):
+                return peer
+        return None
+
+    def _declare_dead(self, peer: int) -> None:
+        message = (f"rank {peer}: no heartbeat for {self.heartbeat_timeout:.0f}s (noticed by rank "
+                   f"{self.rank}); the process died, was killed, or is frozen")
+        try:
+            self.keys.set(FAILED_KEY, message)
+        except Exception:
+            pass
+        self._exit_for(message)
 
     def stop(self) -> None:
         """Ends the polling thread (before interpreter shutdown: a daemon thread caught inside
@@ -65,12 +113,19 @@ class Watchdog:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * POLL_SECONDS + 1)
 
+    def mark_done(self) -> None:
+        """A normal exit: peers must not mistake the silence that follows for a death."""
+        try:
+            self.keys.set(DONE_KEY.format(self.rank), "1")
+        except Exception:
+            pass
+
     def _exit_for(self, message: str) -> None:
         sys.stderr.write(f"graphc: {_failed_rank_text(message)} failed: {message}; "
                          f"exiting rank {self.rank}\n")
         sys.stderr.flush()
         try:
-            self.store.add(ACK_KEY, 1)
+            self.keys.add(ACK_KEY, 1)
         except Exception:
             pass
         os._exit(1)
@@ -79,12 +134,21 @@ class Watchdog:
         """Tells the other ranks this rank failed, and gives them time to read it."""
         text = f"rank {self.rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         try:
-            self.store.set(FAILED_KEY, text)
+            self.keys.set(FAILED_KEY, text)
             deadline = time.monotonic() + ACK_WAIT_SECONDS
-            while time.monotonic() < deadline and self.store.add(ACK_KEY, 0) < self.world_size - 1:
+            while time.monotonic() < deadline and self.keys.add(ACK_KEY, 0) < self.world_size - 1:
                 time.sleep(POLL_SECONDS / 2)
         except Exception:
             pass
+
+
+def heartbeat_timeout_seconds() -> float:
+    """GRAPHC_HEARTBEAT_TIMEOUT (seconds, default 10): silence after which a rank is dead."""
+    try:
+        return float(os.environ.get("GRAPHC_HEARTBEAT_TIMEOUT", "10"))
+    except ValueError:
+        raise GraphcError(f"GRAPHC_HEARTBEAT_TIMEOUT must be a number of seconds, found "
+                          f"{os.environ['GRAPHC_HEARTBEAT_TIMEOUT']!r}")
 
 
 def _failed_rank_text(message: str) -> str:
@@ -112,6 +176,7 @@ def _watchdog() -> Optional[Watchdog]:
 @atexit.register
 def _stop_at_exit() -> None:
     if _WATCHDOG is not None:
+        _WATCHDOG.mark_done()
         _WATCHDOG.stop()
 
 

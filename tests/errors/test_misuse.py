@@ -426,7 +426,7 @@ def test_split_parameter_dim_not_divisible_by_the_ranks():
             return self.a(x)
     model = Odd()
     graphc.to_global(model, placement=P("cpu", ranks=[0, 1]), sbp=S.split(0))
-    with raises("dim 0 of size 5 does not split evenly over 2 ranks", "multiple of 2"):
+    with raises("model.a", "[5, 8]", "dim 0 of size 5 does not split evenly", "multiple of 2"):
         compile_for(Train(model), 2)
 
 

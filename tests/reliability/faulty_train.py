@@ -42,6 +42,7 @@ def _inject(graph, mode):
     executor = graph._runtime.executor
 
     def failing_backward(mb, grads):
+        print(f"injecting {mode} at {time.time():.3f}", flush=True)
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "hang":

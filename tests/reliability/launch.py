@@ -6,6 +6,7 @@ failed rank except graphc. Every launch has a hard timeout so a hang fails the t
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,7 +23,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 class Exit:
     returncode: int
     output: str
-    seconds: float
+    seconds: float  # from launch to exit
+    ended: float = 0.0  # time.time() when the exit was seen
+
+    def since_failure(self, text: str) -> float:
+        """Seconds from the "injecting <mode> at <time>" line in `text` to this exit."""
+        m = re.search(r"injecting \w+ at ([0-9.]+)", text)
+        assert m, f"no failure was injected:\n{text[-3000:]}"
+        return self.ended - float(m.group(1))
 
 
 def env(**extra) -> dict:
@@ -37,7 +45,7 @@ def torchrun(script: str, args: List[str], nproc: int, timeout: float, torchrun_
     start = time.monotonic()
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=timeout, env=env(**extra))
-    return Exit(out.returncode, out.stdout, time.monotonic() - start)
+    return Exit(out.returncode, out.stdout, time.monotonic() - start, time.time())
 
 
 def bare_world(script: str, args: List[str], nproc: int, timeout: float, **extra) -> List[Exit]:
@@ -55,7 +63,7 @@ def bare_world(script: str, args: List[str], nproc: int, timeout: float, **extra
         for p in procs:
             left = max(1.0, timeout - (time.monotonic() - start))
             out, _ = p.communicate(timeout=left)
-            exits.append(Exit(p.returncode, out, time.monotonic() - start))
+            exits.append(Exit(p.returncode, out, time.monotonic() - start, time.time()))
     finally:
         for p in procs:
             if p.poll() is None:

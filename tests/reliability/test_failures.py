@@ -1,23 +1,39 @@
 """A rank that raises or dies mid-step takes every other rank down, promptly and loudly.
 
 faulty_train.py trains a 2-stage pipeline and makes one rank fail inside its backward at
-step 3. Every test bounds the whole run with a subprocess timeout (TIMEOUT) and asserts
-it ended well inside it: the failure is reported and every process exits non-zero,
-long before GRAPHC_TIMEOUT (60 s here) could have fired.
+step 3 (printing the time it does). Every launch is bounded by a subprocess timeout
+(TIMEOUT), and each test asserts that every process exited non-zero within BOUND seconds
+of the failure: far below GRAPHC_TIMEOUT (60 s here) except in the stall case, which
+only the timeout (5 s there) can end.
 """
 import os
+import re
 
 from launch import HERE, bare_world, torchrun
 
 SCRIPT = os.path.join(HERE, "faulty_train.py")
 TIMEOUT = 120
-PROMPT = 45  # seconds: start-up and compile of two processes on a small CI box, plus the failure
+BOUND = 15.0  # seconds from the failure to the last exit (includes interpreter teardown)
+HEARTBEAT = "3"  # GRAPHC_HEARTBEAT_TIMEOUT for the kill cases
+
+
+def _names_dead_rank_1(output: str) -> bool:
+    """rank 0 names rank 1: through the transport (gloo: connection closed) or, where the
+    transport cannot tell (shared memory), through the missing heartbeat."""
+    return bool(re.search(r"RankFailedError: rank 0: a transfer with rank 1 failed mid-step", output)
+                or "graphc: rank 1 failed: rank 1: no heartbeat for 3s (noticed by rank 0)" in output)
+
+
+def _report(name, seconds):
+    print(f"{name}: last rank exited {seconds:.2f}s after the failure")
 
 
 def test_raising_rank_under_torchrun_stops_the_world():
     run = torchrun(SCRIPT, ["--fail-rank", "1", "--mode", "raise"], 2, TIMEOUT)
     assert run.returncode != 0, run.output[-3000:]
-    assert run.seconds < PROMPT, f"took {run.seconds:.1f}s\n{run.output[-3000:]}"
+    took = run.since_failure(run.output)
+    _report("torchrun raise", took)
+    assert took < BOUND, run.output[-3000:]
     # rank 0 (waiting for rank 1's gradients) learns of the failure through the store
     assert "graphc: rank 1 failed: rank 1: ValueError: injected failure in backward; exiting rank 0" \
         in run.output, run.output[-3000:]
@@ -27,25 +43,32 @@ def test_raising_store_host_without_supervisor():
     """Rank 0 hosts the store and fails; rank 1 still hears of it and exits non-zero."""
     exits = bare_world(SCRIPT, ["--fail-rank", "0", "--mode", "raise"], 2, TIMEOUT)
     assert [e.returncode != 0 for e in exits] == [True, True], [e.output[-2000:] for e in exits]
-    assert max(e.seconds for e in exits) < PROMPT, [e.seconds for e in exits]
+    took = max(e.since_failure(exits[0].output) for e in exits)
+    _report("bare raise on rank 0", took)
+    assert took < BOUND
     assert "ValueError: injected failure in backward" in exits[0].output
     assert "graphc: rank 0 failed: rank 0: ValueError" in exits[1].output, exits[1].output[-3000:]
 
 
 def test_killed_rank_without_supervisor():
     """SIGKILL leaves no chance to report: the survivor's transfer fails and names the peer."""
-    exits = bare_world(SCRIPT, ["--fail-rank", "1", "--mode", "kill"], 2, TIMEOUT)
+    exits = bare_world(SCRIPT, ["--fail-rank", "1", "--mode", "kill"], 2, TIMEOUT,
+                       GRAPHC_HEARTBEAT_TIMEOUT=HEARTBEAT)
     assert exits[1].returncode == -9, exits[1].output[-2000:]
-    assert exits[0].returncode != 0, exits[0].output[-3000:]
-    assert max(e.seconds for e in exits) < PROMPT, [e.seconds for e in exits]
-    assert "RankFailedError: rank 0: a transfer with rank 1 failed mid-step" in exits[0].output, \
-        exits[0].output[-3000:]
+    assert exits[0].returncode == 1, exits[0].output[-3000:]
+    took = exits[0].since_failure(exits[1].output)
+    _report("bare SIGKILL of rank 1", took)
+    assert took < BOUND
+    assert _names_dead_rank_1(exits[0].output), exits[0].output[-3000:]
 
 
 def test_killed_rank_under_torchrun():
-    run = torchrun(SCRIPT, ["--fail-rank", "1", "--mode", "kill"], 2, TIMEOUT)
+    run = torchrun(SCRIPT, ["--fail-rank", "1", "--mode", "kill"], 2, TIMEOUT,
+                   GRAPHC_HEARTBEAT_TIMEOUT=HEARTBEAT)
     assert run.returncode != 0
-    assert run.seconds < PROMPT, f"took {run.seconds:.1f}s"
+    took = run.since_failure(run.output)
+    _report("torchrun SIGKILL of rank 1", took)
+    assert took < BOUND
     assert "rank      : 1" in run.output and "SIGKILL" in run.output, run.output[-3000:]
 
 
@@ -54,7 +77,9 @@ def test_stalled_rank_is_bounded_by_graphc_timeout():
     the stalled peer, and its report makes even the stalled rank exit."""
     exits = bare_world(SCRIPT, ["--fail-rank", "1", "--mode", "hang"], 2, TIMEOUT, GRAPHC_TIMEOUT="5")
     assert [e.returncode for e in exits] == [1, 1], [e.output[-2000:] for e in exits]
-    assert max(e.seconds for e in exits) < PROMPT, [e.seconds for e in exits]
-    assert "RankFailedError: rank 0: a transfer with rank 1 failed mid-step" in exits[0].output
-    assert "Timed out" in exits[0].output, exits[0].output[-3000:]
+    took = max(e.since_failure(exits[1].output) for e in exits)
+    _report("bare stall of rank 1 (GRAPHC_TIMEOUT=5)", took)
+    assert 5 <= took < 5 + BOUND
+    # the transport that timed out names the stalled peer (gloo or shared memory wording)
+    assert re.search(r"RankFailedError: rank 0\b.*rank 1", exits[0].output), exits[0].output[-3000:]
     assert "graphc: rank 0 failed:" in exits[1].output and "exiting rank 1" in exits[1].output

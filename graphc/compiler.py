@@ -21,6 +21,7 @@ from .passes.decompose_modules import decompose_modules
 from .passes.infer_sbp import infer_sbp
 from .passes.insert_boxing import insert_boxing
 from .passes.insert_grad_sync import insert_grad_sync
+from .passes.list_collectives import list_collectives
 from .passes.localize_ops import localize_ops
 from .passes.lower_plan import lower_plan
 from .passes.propagate_shapes import propagate_shapes
@@ -117,6 +118,8 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     # 7b. all-reduce of partial_sum gradients (data parallel), bucketed, before the step
     plans = _step(h, "insert_grad_sync", insert_grad_sync, plans, gm,
                   getattr(cfg, "gradient_bucket_bytes", 25 * 2 ** 20))
+    # 7c. each conversion's collectives listed where its compute issues them (SBP, ranks, bytes)
+    plans = _step(h, "list_collectives", list_collectives, plans, programs)
     # 8. all plans together must pair up and be free of deadlock
     _step(h, "verify_plans", verify_plans, plans)
     input_meta = [(tuple(t.shape), t.dtype) for t in example_inputs]

@@ -64,3 +64,4 @@ class BoxingInfo:
     dst: tuple                 # nd-SBP after
     groups: tuple              # the rank groups along the axis
     nbytes: int                # bytes each rank sends per micro-batch (forward + backward)
+    note: str = ""             # e.g. "fallback: <op>" when it feeds an op without an SBP rule

@@ -44,9 +44,28 @@ def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence) 
             sig = _conversion(node, mesh)
         else:
             sig = _choose(node, mesh)
+        if node.op in ("placeholder", "get_attr"):
+            _check_even(node, sig)
         node.meta[META_SBP] = _single_rank_axes_broadcast(sig)
     _mark_grad_partial(gm)
     return gm
+
+
+def _check_even(node: fx.Node, sig: SbpSignature) -> None:
+    meta = node.meta.get(META_TENSOR)
+    if meta is None:
+        return
+    shape = list(meta.shape)
+    for n, s in zip(mesh_shape(sig.mesh), sig.out):
+        if isinstance(s, Split) and n > 1:
+            if shape[s.dim] % n:
+                what = "input" if node.op == "placeholder" else "parameter"
+                raise GraphcError(
+                    f"{what} '{node.target}' (shape {list(meta.shape)}{' per micro-batch' if what == 'input' else ''}) "
+                    f"is laid out as {fmt(sig.out)} on {n} ranks, but dim {s.dim} of size "
+                    f"{shape[s.dim]} does not split evenly; graphc splits into equal shards. Fix: make "
+                    f"dim {s.dim} a multiple of {n}, or split another dim.")
+            shape[s.dim] //= n
 
 
 def _single_rank_axes_broadcast(sig: SbpSignature) -> SbpSignature:

@@ -41,9 +41,16 @@ def insert_boxing(gm: fx.GraphModule) -> fx.GraphModule:
             converted = _grad_reduce(gm, a, converted, node)
             if converted is not a:
                 node.replace_input_with(a, converted)
+                node.meta[META_SBP] = _renamed(node.meta[META_SBP], a.name, converted.name)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _renamed(sig: SbpSignature, old: str, new: str) -> SbpSignature:
+    """The signature with input `old` now read through conversion node `new`."""
+    ins = tuple((new if k == old else k, v) for k, v in sig.ins)
+    return SbpSignature(sig.mesh, sig.out, ins, sig.fallback)
 
 
 def kind_of(src, dst) -> str:
@@ -103,8 +110,15 @@ def _box_node(gm, value: fx.Node, consumer: fx.Node, mesh: tuple, axis: int, kin
     node.meta[META_SBP] = SbpSignature(mesh, dst, ((value.name, src),))
     fwd = moved_bytes(kind, _nbytes(meta), n) if kind != "grad_all_reduce" else 0
     bwd = moved_bytes(_BACKWARD.get(kind, ""), _nbytes(meta), n) if meta.requires_grad else 0
-    node.meta[META_BOXING] = BoxingInfo(kind, src, dst, groups, fwd + bwd)
+    note = f"fallback: {_op_name(consumer)} has no SBP rule" if consumer.meta.get(META_SBP) \
+        and consumer.meta[META_SBP].fallback else ""
+    node.meta[META_BOXING] = BoxingInfo(kind, src, dst, groups, fwd + bwd, note)
     return node
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "?")
+    return f"{node.name} ({target})"
 
 
 _BACKWARD = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all", "slice": "all_gather",

@@ -153,11 +153,48 @@ class OptimizerStep(Instruction):
         return "OPTIMIZER_STEP"
 
 
+@dataclass(frozen=True)
+class Collective(Instruction):
+    """An SBP conversion that runs inside a stage's forward or backward (see docs/sbp.md).
+
+    Listed right after the compute instruction that issues it, so the plan shows every
+    collective with its SBP before and after, its ranks and its bytes; the runtime runs
+    it as part of that compute, not as a separate step.
+    """
+
+    kind: str                          # all_gather, reduce_scatter, all_to_all, all_reduce
+    stage: int
+    microbatch: int
+    direction: str                     # ACT (inside the forward) or GRAD (inside the backward)
+    ranks: Tuple[int, ...]
+    node: str                          # the conversion's fx node
+    sbp_in: str
+    sbp_out: str
+    nbytes: int                        # bytes this rank sends
+    note: str = ""                     # e.g. "fallback: ..." (an op without an SBP rule)
+
+    @property
+    def op(self) -> str:  # type: ignore[override]
+        return self.kind
+
+    def __str__(self) -> str:
+        return (f"{self.stage}{self.direction}{self.microbatch}.{self.kind.upper()} {self.node} "
+                f"{self.sbp_in}->{self.sbp_out} ranks={list(self.ranks)} bytes={self.nbytes}"
+                + (f" # {self.note}" if self.note else ""))
+
+    def to_json(self) -> dict:
+        return {"op": self.kind, "stage": self.stage, "microbatch": self.microbatch,
+                "direction": self.direction, "ranks": list(self.ranks), "node": self.node,
+                "sbp_in": self.sbp_in, "sbp_out": self.sbp_out, "bytes": self.nbytes,
+                "note": self.note}
+
+
 COMPUTE = (Forward, Backward)
 P2P = (Send, Recv)
 
 _COMPUTE_RE = re.compile(r"(\d+)([FB])(\d+)")
 _P2P_RE = re.compile(r"(\d+)(SEND|RECV)_([FB])(\d+) (to|from)=(\d+) stage=(\d+) \[(.*)\]")
+_COLL_RE = re.compile(r"(\d+)([FB])(\d+)\.(\w+) (\S+) (.+)->(.+) ranks=\[([\d, ]*)\] bytes=(\d+)(?: # (.*))?")
 _AR_RE = re.compile(r"ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\]")
 
 
@@ -174,6 +211,10 @@ def parse_instruction(text: str) -> Instruction:
         specs = tuple(TensorSpec.parse(s) for s in m.group(8).split())
         return cls(int(m.group(1)), int(m.group(4)), int(m.group(6)), m.group(3),
                    int(m.group(7)), specs)
+    if m := _COLL_RE.fullmatch(text):
+        return Collective(m.group(4).lower(), int(m.group(1)), int(m.group(3)), m.group(2),
+                          tuple(int(r) for r in m.group(8).split(",") if r.strip()), m.group(5),
+                          m.group(6), m.group(7), int(m.group(9)), m.group(10) or "")
     if m := _AR_RE.fullmatch(text):
         ranks = tuple(int(r) for r in m.group(1).split(",") if r.strip())
         return AllReduce(ranks, tuple(TensorSpec.parse(s) for s in m.group(2).split()))
@@ -190,6 +231,9 @@ def instruction_from_json(d: dict) -> Instruction:
     if op in ("send", "recv"):
         cls = Send if op == "send" else Recv
         return cls(d["stage"], d["microbatch"], d["peer"], d["direction"], d["peer_stage"], specs)
+    if "node" in d:
+        return Collective(op, d["stage"], d["microbatch"], d["direction"], tuple(d["ranks"]),
+                          d["node"], d["sbp_in"], d["sbp_out"], d["bytes"], d.get("note", ""))
     if op == "all_reduce":
         return AllReduce(tuple(d["ranks"]), specs)
     if op == "optimizer_step":

@@ -169,8 +169,9 @@ class GradSync:
 
     Each bucket is armed before the last micro-batch's backward; a hook on every parameter
     counts down as its gradient is final, and the bucket's all-reduce starts (async) as
-    soon as all its gradients are, overlapping the rest of that backward. `wait(i)`
-    finishes bucket i (launching it first if its hooks did not fire, e.g. unused params).
+    soon as all its gradients are, overlapping the rest of that backward. `wait(ins)`
+    finishes an AllReduce instruction's bucket (launching it first if its hooks did not
+    fire, e.g. unused parameters). Buckets launch in plan order on every rank.
     """
 
     def __init__(self, buckets: List[Tuple[Tuple[int, ...], List[torch.nn.Parameter]]]):
@@ -181,7 +182,13 @@ class GradSync:
         self.handles = []
         self.next = 0
         self.index: Dict[object, int] = {}
+        # a gradient partial on two mesh axes is reduced over one, then the other: a bucket
+        # holding a gradient of an earlier bucket starts only once that one is back (wait)
+        seen: set = set()
+        self.deferred = []
         for i, (_, params) in enumerate(buckets):
+            self.deferred.append(any(id(p) in seen for p in params))
+            seen |= {id(p) for p in params}
             for p in params:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
 
@@ -202,7 +209,8 @@ class GradSync:
                 return
             self.remaining[i] -= 1
             # launch in bucket order on every rank: collectives on a group must match
-            while self.next < len(self.buckets) and self.remaining[self.next] == 0:
+            while (self.next < len(self.buckets) and self.remaining[self.next] == 0
+                   and not self.deferred[self.next]):
                 self._launch(self.next)
         return fire
 

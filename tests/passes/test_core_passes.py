@@ -101,4 +101,4 @@ def test_history_records_every_pass():
     assert names == ["trace_build", "verify_traced", "annotate_stages", "propagate_shapes",
                      "verify_annotated", "decompose_modules", "infer_sbp", "insert_boxing",
                      "localize_ops", "split_stages", "lower_plan", "insert_grad_sync",
-                     "verify_plans"]
+                     "list_collectives", "verify_plans"]

@@ -18,7 +18,9 @@ from models import OPTIMIZERS, make_batches, make_sched
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 
 STEPS = 3
-CONFIGS = [(1, "sgd_momentum", None), (2, "adam", None), (4, "sgd_momentum", 600)]
+# (accumulation, optimizer, gradient bucket bytes, model)
+CONFIGS = [(1, "sgd_momentum", None, "mlp"), (2, "adam", None, "mlp"),
+           (4, "sgd_momentum", 600, "mlp"), (2, "adam", None, "fallback")]
 
 
 class MLP(nn.Module):
@@ -31,6 +33,18 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.l2(self.act(self.norm(self.l1(x))))
+
+
+class FallbackMLP(MLP):
+    """cumsum has no SBP rule: its input is gathered, and l2 runs replicated after it."""
+
+    def forward(self, x):
+        return self.l2(torch.cumsum(self.act(self.norm(self.l1(x))), 1) / 8)
+
+
+MODELS = {"mlp": MLP, "fallback": FallbackMLP}
+# parameters whose gradient is partial_sum (so all-reduced): all but those after the fallback
+SYNCED = {"mlp": ("l1.", "norm.", "l2."), "fallback": ("l1.", "norm.")}
 
 
 class DataParallelGraph(graphc.Graph):
@@ -57,9 +71,9 @@ def shard(t, rank, world):
 def _train(rank, world):
     where = graphc.placement("cpu", list(range(world)))
     out = {}
-    for acc, opt_name, bucket in CONFIGS:
+    for acc, opt_name, bucket, kind in CONFIGS:
         torch.manual_seed(0)
-        model = graphc.to_global(MLP(), placement=where, sbp=graphc.sbp.broadcast)
+        model = graphc.to_global(MODELS[kind](), placement=where, sbp=graphc.sbp.broadcast)
         opt = OPTIMIZERS[opt_name](model.parameters())
         graph = DataParallelGraph(model, opt, make_sched(opt), acc, bucket)
         losses = []
@@ -68,10 +82,11 @@ def _train(rank, world):
             ys = graphc.to_global(shard(y, rank, world), placement=where, sbp=graphc.sbp.split(0))
             losses.append(graph(xs, ys).to_local().item())
         syncs = [ins for ins in graph.plan.instructions if isinstance(ins, AllReduce)]
-        out[(acc, opt_name, bucket)] = {
+        out[(acc, opt_name, bucket, kind)] = {
             "losses": losses, "state": graph.full_state_dict(),
             "synced": sorted(t.name for ins in syncs for t in ins.tensors),
-            "buckets": len(syncs), "groups": {ins.ranks for ins in syncs}}
+            "buckets": len(syncs), "groups": {ins.ranks for ins in syncs},
+            "plan": str(graph.plan)}
     if world == 2:
         import ddp
         out["ddp_example_w"] = ddp.main(iters=300)
@@ -82,17 +97,20 @@ def _train(rank, world):
 def test_data_parallel_matches_eager(world):
     results = run_world(_train, world)
     batches = make_batches(STEPS)
-    for acc, opt_name, bucket in CONFIGS:
+    for acc, opt_name, bucket, kind in CONFIGS:
         torch.manual_seed(0)
-        ref_losses, ref_state = eager_train(MLP(), OPTIMIZERS[opt_name], make_sched,
+        ref_losses, ref_state = eager_train(MODELS[kind](), OPTIMIZERS[opt_name], make_sched,
                                             nn.CrossEntropyLoss(), batches, STEPS)
         for rank, res in enumerate(results):
-            got = res[(acc, opt_name, bucket)]
-            what = f"world={world} acc={acc} {opt_name} bucket={bucket} rank {rank}"
+            got = res[(acc, opt_name, bucket, kind)]
+            what = f"world={world} {kind} acc={acc} {opt_name} bucket={bucket} rank {rank}"
             assert_same_as_eager(got["losses"], got["state"], ref_losses, ref_state, what)
-            # every parameter's partial_sum gradient is all-reduced once over the placement
-            assert got["synced"] == sorted(f"model.{k}" for k in ref_state), what
+            # exactly the partial_sum gradients are all-reduced, once, over the placement
+            assert got["synced"] == sorted(f"model.{k}" for k in ref_state
+                                           if k.startswith(SYNCED[kind])), what
             assert got["groups"] == {tuple(range(world))}, what
+            if kind == "fallback":
+                assert "fallback: cumsum" in got["plan"], what
             if bucket:  # 600 bytes: l1.weight (2 KiB) and the rest cannot share one bucket
                 assert got["buckets"] > 1, what
     if world == 2:

@@ -1,0 +1,64 @@
+"""list_collectives: makes every SBP conversion's collectives visible in the plans.
+
+Invariant: after each forward (backward) of a stage, the plan lists a Collective for
+every communicating conversion that compute issues: kind, conversion node, SBP before
+and after, this rank's group and the bytes it sends. Local conversions (slices, zero
+fills) move nothing and are not listed. The runtime runs them inside the compute.
+Requires: split_stages, lower_plan (programs hold the box nodes insert_boxing made).
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..meta import META_BOXING, META_TENSOR
+from ..plan.instructions import ACT, GRAD, Backward, Collective, Forward, Instruction
+from ..plan.plan import ExecutionPlan
+from ..plan.program import StageProgram
+from ..sbp.cost import moved_bytes
+from ..sbp.layout import fmt
+
+# what each conversion kind sends in the forward and in the backward (None: nothing)
+_FORWARD = {"all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter",
+            "all_gather": "all_gather", "all_to_all": "all_to_all"}
+_BACKWARD = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all", "slice": "all_gather",
+             "grad_all_reduce": "all_reduce"}
+
+
+def list_collectives(plans: Sequence[ExecutionPlan], programs: Sequence[StageProgram]) -> List[ExecutionPlan]:
+    for plan in plans:
+        out: List[Instruction] = []
+        for ins in plan.instructions:
+            out.append(ins)
+            if isinstance(ins, (Forward, Backward)):
+                out += _collectives(programs[ins.stage], ins, plan.rank)
+        plan.instructions[:] = out
+    return list(plans)
+
+
+def _collectives(prog: StageProgram, ins, rank: int) -> List[Collective]:
+    forward = isinstance(ins, Forward)
+    nodes = [n for n in prog.module.graph.nodes if META_BOXING in n.meta]
+    found = []
+    for node in (nodes if forward else reversed(nodes)):
+        info = node.meta[META_BOXING]
+        meta = node.meta[META_TENSOR]
+        kind = _FORWARD.get(info.kind) if forward else \
+            (_BACKWARD.get(info.kind) if meta.requires_grad else None)
+        group = next((g for g in info.groups if rank in g), ())
+        if kind is None or len(group) < 2:
+            continue
+        nbytes = moved_bytes(kind, _nbytes(meta), len(group))
+        found.append(Collective(kind, ins.stage, ins.microbatch, ACT if forward else GRAD,
+                                tuple(group), node.name, fmt(info.src), fmt(info.dst), nbytes,
+                                info.note))
+    return found
+
+
+def _nbytes(meta) -> int:
+    numel = 1
+    for d in meta.shape:
+        numel *= d
+    return numel * getattr(torch, meta.dtype).itemsize

@@ -1,0 +1,40 @@
+"""SBP value helpers: boxing costs order signatures the way OneFlow's copy costs do; layouts."""
+import torch
+
+from graphc.placement import Broadcast, PartialSum, Split
+from graphc.sbp.cost import boxing_cost, moved_bytes
+from graphc.sbp.layout import axis_groups, coord, local_component, local_shape, shard_slices
+
+B, P = Broadcast(), PartialSum()
+T = 1024
+
+
+def test_costs_follow_the_copy_cost_model():
+    n = 4
+    assert boxing_cost(Split(0), Split(0), T, n) == 0
+    local = boxing_cost(B, Split(0), T, n)
+    assert 0 < local < boxing_cost(Split(0), Split(1), T, n)  # slicing beats any transfer
+    assert boxing_cost(Split(0), Split(1), T, n) == (n - 1) / n * T
+    assert boxing_cost(Split(0), B, T, n) == boxing_cost(P, Split(0), T, n) == (n - 1) * T
+    assert boxing_cost(P, B, T, n) == 2 * (n - 1) * T
+    assert boxing_cost(P, B, T, 1) == 0                       # one rank: nothing to move
+
+
+def test_moved_bytes_per_rank_for_ring_collectives():
+    assert moved_bytes("all_reduce", T, 4) == 2 * 3 * T // 4
+    assert moved_bytes("all_gather", T, 4) == moved_bytes("reduce_scatter", T, 4) == 3 * T // 4
+    assert moved_bytes("all_to_all", T, 4) == 3 * T // 16
+    assert moved_bytes("all_gather", T, 1) == 0
+
+
+def test_2d_mesh_groups_coordinates_and_nested_shards():
+    mesh = ((0, 1), (2, 3))
+    assert axis_groups(mesh, 0) == ((0, 2), (1, 3))          # axis 0: down the columns
+    assert axis_groups(mesh, 1) == ((0, 1), (2, 3))          # axis 1: along the rows
+    assert coord(mesh, 3) == (1, 1) and coord((4, 5), 5) == (1,)
+    sbp = (Split(0), Split(0))                                # axis 0 splits first
+    assert local_shape((8, 3), sbp, mesh) == (2, 3)
+    full = torch.arange(24).reshape(8, 3)
+    pieces = [local_component(full, sbp, mesh, r) for r in range(4)]
+    assert torch.equal(torch.cat([pieces[0], pieces[1], pieces[2], pieces[3]]), full)
+    assert shard_slices((8, 4), (B, Split(1)), mesh, 1) == (slice(0, 8), slice(2, 4))

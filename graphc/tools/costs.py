@@ -11,15 +11,17 @@ Three ways to get a CostModel:
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import time
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ..errors import GraphcError
-from ..plan.instructions import AllReduce, Backward, Forward, Instruction, OptimizerStep
+from ..plan.instructions import AllReduce, Backward, Forward, Instruction, OptimizerStep, Send
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,13 @@ class CostModel:
     latency: float = 0.0                            # seconds per transfer
     bandwidth: float = float("inf")                 # bytes per second
     send_overhead: float = 0.0                      # seconds a send occupies the sender
-    recv_overhead: float = 0.0
+    recv_overhead: float = 0.0                      # seconds a recv occupies the receiver
+    send_per_byte: float = 0.0                      # + seconds per byte on the sender
+    recv_per_byte: float = 0.0                      # + seconds per byte on the receiver
+    sends_complete_on_delivery: bool = False        # gloo: draining sends waits for delivery
+    # (seconds the receiver has waited, extra seconds until it notices the data): a
+    # polling receiver backs off while it waits, so a long wait ends late; interpolated
+    poll_delay: List[Tuple[float, float]] = field(default_factory=list)
     overhead: float = 0.0                           # seconds the runtime adds per compute
     source: str = "uniform"
     stage_of_rank: Dict[int, int] = field(default_factory=dict)  # for the optimizer's cost
@@ -76,6 +84,26 @@ class CostModel:
             return self.optimizer.get(self.stage_of_rank.get(rank, -1), 0.0)
         return 0.0
 
+    def send_cost(self, nbytes: int) -> float:
+        """CPU seconds one send occupies the sending rank."""
+        return self.send_overhead + nbytes * self.send_per_byte
+
+    def recv_cost(self, nbytes: int) -> float:
+        """CPU seconds one recv occupies the receiving rank once its data has arrived."""
+        return self.recv_overhead + nbytes * self.recv_per_byte
+
+    def noticed(self, waited: float) -> float:
+        """Extra seconds before a receiver that has waited `waited` seconds sees its data."""
+        pts = self.poll_delay
+        if waited <= 0 or not pts:
+            return 0.0
+        if waited <= pts[0][0]:
+            return pts[0][1] * waited / pts[0][0] if pts[0][0] > 0 else pts[0][1]
+        for (w0, d0), (w1, d1) in zip(pts, pts[1:]):
+            if waited <= w1:
+                return d0 + (d1 - d0) * (waited - w0) / (w1 - w0)
+        return pts[-1][1]
+
     def all_reduce(self, ins: AllReduce) -> float:
         """Ring all-reduce: 2(n-1)/n of the bytes over each link, 2(n-1) latencies."""
         n = len(ins.ranks)
@@ -90,36 +118,267 @@ def _for_ranks(costs: CostModel, compiled) -> CostModel:
 # -- measured ------------------------------------------------------------------------------
 def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[int] = 1,
                   latency: float = CPU_LINK_LATENCY_S, bandwidth: float = CPU_LINK_BANDWIDTH,
-                  overhead: float = 0.0) -> CostModel:
-    """Times each stage's forward and backward here, on random inputs of the planned shapes.
+                  overhead: float = 0.0, transport: Optional[str] = None) -> CostModel:
+    """Times each stage here, replaying its rank's compute instructions of one step in order.
+
+    Each stage runs on a copy of its module (the user's parameters and gradients are not
+    touched): the forwards and backwards of every micro-batch in the plan's order, then
+    the optimizer step over the copy's real-shaped parameters and gradients followed by
+    zero_grad(set_to_none=True), as the runtime does, so allocation of fresh gradients and
+    the cache state of a real step are part of the times.
 
     Args:
         compiled: a CompiledGraph (graph.compiled, or from graphc.compiler.compile).
-        optimizer: the graph's optimizer; a copy of its type steps copies of each stage's
-            parameters to time optimizer_step (None: optimizer_step is free).
-        repeats: timed runs per stage after one warm-up; the median is used.
+        optimizer: the graph's optimizer; a copy of its type (same defaults) steps the
+            stage copy's parameters (None: optimizer_step is free).
+        repeats: timed steps per stage after one warm-up step; the median is used (of the
+            mean forward / backward per micro-batch, and of the optimizer step).
         threads: torch threads while timing (torchrun sets OMP_NUM_THREADS=1 for several
             processes per machine, so 1 matches a multi-rank CPU run); None keeps the current.
-        latency, bandwidth: link model (defaults: gloo over loopback).
+        latency, bandwidth: link model when `transport` is None (defaults: gloo loopback).
+        transport: "shm", "gloo" or "auto" (what graphc.runtime.comm picks for cpu ranks on
+            one host, GRAPHC_P2P honoured): measure that transport's per-send and per-recv
+            CPU cost, latency and a waiting receiver's polling delay with two spawned
+            processes (measure_transport), instead of the link defaults.
     Returns:
         A CostModel whose parameters' gradients are left as they were.
     """
-    from ..runtime.executor import StageExecutor
     saved_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
         fwd, bwd, act, opt = {}, {}, {}, {}
         for prog in compiled.programs:
-            ex = StageExecutor(prog, compiled.training, 1.0 / compiled.num_microbatches)
-            with _grads_restored(prog.module):
-                fwd[prog.stage], bwd[prog.stage], act[prog.stage] = _time_stage(ex, compiled, repeats)
-            opt[prog.stage] = _time_optimizer(prog.module, optimizer) if compiled.training else 0.0
+            fwd[prog.stage], bwd[prog.stage], opt[prog.stage], act[prog.stage] = \
+                _replay_stage(prog, compiled, optimizer, repeats)
     finally:
         torch.set_num_threads(saved_threads)
     costs = CostModel(fwd, bwd, opt, act, latency, bandwidth, overhead=overhead,
                       source=f"measured on this machine, {threads or saved_threads} thread(s)")
+    if transport is not None:
+        sizes = sorted({t.nbytes for p in compiled.plans for ins in p.instructions
+                        if isinstance(ins, Send) for t in ins.tensors})
+        tc = measure_transport(transport, max(sizes) if sizes else 4, threads=threads or 1)
+        costs = tc.apply(costs)
     return _for_ranks(costs, compiled)
+
+
+def _replay_stage(prog, compiled, optimizer, repeats: int):
+    """(forward, backward, optimizer seconds, activation bytes) of one stage, replayed."""
+    from ..runtime.executor import StageExecutor
+    module = copy.deepcopy(prog.module)
+    for p in module.parameters():
+        p.grad = None
+    ex = StageExecutor(replace(prog, module=module), compiled.training,
+                       1.0 / compiled.num_microbatches)
+    opt = _rebuild_optimizer(module, optimizer) if compiled.training else None
+    rank = compiled.stages[prog.stage].ranks[0]
+    plan = compiled.plan_for(rank) if hasattr(compiled, "plan_for") else compiled.plans[rank]
+    order = [ins for ins in plan.instructions
+             if isinstance(ins, (Forward, Backward, OptimizerStep)) and getattr(ins, "stage", prog.stage) == prog.stage]
+    inputs = stage_inputs(prog, compiled)
+    f_steps, b_steps, o_steps, act = [], [], [], 0
+    for step in range(repeats + 1):
+        f_times, b_times, o_time, outs = [], [], 0.0, {}
+        for ins in order:
+            if isinstance(ins, Forward):
+                t0 = time.perf_counter()
+                with _SavedBytes(module) as saved:
+                    outs[ins.microbatch] = ex.forward(ins.microbatch, dict(inputs))
+                f_times.append(time.perf_counter() - t0)
+                act = saved.nbytes + sum(t.nbytes for t in outs[ins.microbatch].values()
+                                         if isinstance(t, torch.Tensor))
+            elif isinstance(ins, Backward):
+                grads = _output_grads(prog, outs.pop(ins.microbatch))   # what recvs deliver
+                t0 = time.perf_counter()
+                ex.backward(ins.microbatch, grads)
+                b_times.append(time.perf_counter() - t0)
+            elif opt is not None:
+                t0 = time.perf_counter()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                o_time = time.perf_counter() - t0
+        if step:    # the first step warms caches, allocators and optimizer state
+            f_steps.append(statistics.mean(f_times) if f_times else 0.0)
+            b_steps.append(statistics.mean(b_times) if b_times else 0.0)
+            o_steps.append(o_time)
+    return (statistics.median(f_steps), statistics.median(b_steps),
+            statistics.median(o_steps), act)
+
+
+def _rebuild_optimizer(module, graph_opt):
+    params = [p for p in module.parameters() if p.requires_grad]
+    if graph_opt is None or not params:
+        return None
+    try:
+        return type(graph_opt)(params, **copy.deepcopy(graph_opt.defaults))
+    except Exception:   # an optimizer that cannot be rebuilt from its defaults: not timed
+        return None
+
+
+# -- transports ----------------------------------------------------------------------------
+@dataclass
+class TransportCosts:
+    """One point-to-point transport's costs, measured between two processes on this host."""
+
+    kind: str
+    send_overhead: float
+    send_per_byte: float
+    recv_overhead: float
+    recv_per_byte: float
+    latency: float
+    poll_delay: List[Tuple[float, float]]
+
+    def apply(self, costs: CostModel) -> CostModel:
+        return replace(costs, send_overhead=self.send_overhead, send_per_byte=self.send_per_byte,
+                       recv_overhead=self.recv_overhead, recv_per_byte=self.recv_per_byte,
+                       latency=self.latency, bandwidth=float("inf"), poll_delay=self.poll_delay,
+                       sends_complete_on_delivery=self.kind == "gloo",
+                       source=costs.source + f", {self.kind} transport measured")
+
+
+def transport_kind(transport: str = "auto") -> str:
+    """The transport graphc.runtime.comm uses between cpu ranks on one host."""
+    from ..runtime import shm
+    if transport == "auto":
+        transport = os.environ.get("GRAPHC_P2P", "auto")
+    if transport == "auto":
+        return "shm" if shm.supported() else "gloo"
+    if transport not in ("shm", "gloo"):
+        raise GraphcError(f"transport must be auto, shm or gloo, found {transport!r}")
+    return transport
+
+
+WAITS_S = (0.0, 2e-4, 5e-4, 1e-3, 2e-3, 4e-3)   # receiver waits at which the delay is measured
+
+
+def measure_transport(transport: str = "auto", nbytes: int = 1 << 15, repeats: int = 30,
+                      threads: int = 1) -> TransportCosts:
+    """Measures a transport with two spawned processes (one torch thread each).
+
+    Per message size (16 bytes and `nbytes`): the sender's isend() time, the receiver's
+    wait() time when the data is already there (its copy out), fitted as fixed + per byte;
+    then, with the receiver waiting, how long after isend() returned it sees the data, for
+    waits of WAITS_S: the delay at the shortest wait is the latency, the growth over it the
+    polling delay (both processes read one clock, CLOCK_MONOTONIC).
+    """
+    import subprocess
+    import sys
+    import tempfile
+    kind = transport_kind(transport)
+    nbytes = max(64, -(-nbytes // 4) * 4)
+    # a fresh interpreter spawns the pair, so that no caller's __main__ is re-imported there
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("GRAPHC_PLAN", "MASTER_", "TORCHELASTIC")) and
+           k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    with tempfile.TemporaryDirectory() as outdir:
+        code = (f"from graphc.tools.costs import _spawn_pair; "
+                f"_spawn_pair({kind!r}, {nbytes}, {repeats}, {threads}, {outdir!r})")
+        subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+        return TransportCosts(**torch.load(os.path.join(outdir, "transport.pt")))
+
+
+def _spawn_pair(kind: str, nbytes: int, repeats: int, threads: int, outdir: str) -> None:
+    import torch.multiprocessing as mp
+    mp.start_processes(_transport_worker, args=(kind, nbytes, repeats, threads, _free_port(), outdir),
+                       nprocs=2, join=True, start_method="spawn")
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Gloo:
+    def isend(self, t, peer, tag=0):
+        return dist.isend(t, peer, tag=tag)
+
+    def irecv(self, t, peer, tag=0):
+        return dist.irecv(t, peer, tag=tag)
+
+
+def _transport_worker(rank: int, kind: str, nbytes: int, repeats: int, threads: int,
+                      port: int, outdir: str) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        if kind == "shm":
+            from ..runtime import shm
+            from ..runtime.comm import _open_channels
+            pairs = [(0, 1), (1, 0)]
+            channels = _open_channels(rank, pairs, {p: (4, nbytes, "cpu") for p in pairs})
+            tp = shm.ShmTransport(rank, channels, 60.0)
+        else:
+            tp = _Gloo()
+        peer, tag = 1 - rank, [0]
+
+        def send(t):
+            tag[0] += 1
+            return tp.isend(t, peer, tag[0])
+
+        def recv(t):
+            tag[0] += 1
+            return tp.irecv(t, peer, tag[0])
+
+        ready = {}
+        for n in (16, nbytes):
+            t = torch.randn(n // 4)
+            s_times, r_times = [], []
+            for _ in range(repeats + 1):
+                w = recv(t) if rank == 1 else None
+                dist.barrier()
+                if rank == 0:
+                    t0 = time.perf_counter()
+                    w = send(t)
+                    s_times.append(time.perf_counter() - t0)
+                    w.wait()
+                else:
+                    time.sleep(2e-3)    # the data is surely there: time the copy out only
+                    t0 = time.perf_counter()
+                    w.wait()
+                    r_times.append(time.perf_counter() - t0)
+                dist.barrier()
+            ready[n] = statistics.median((s_times or r_times)[1:])
+        both = [None, None]
+        dist.all_gather_object(both, ready)
+        sent, got = both
+        delays = []
+        t = torch.randn(nbytes // 4)
+        for wait in WAITS_S:
+            d = []
+            for _ in range(repeats + 1):
+                w = recv(t) if rank == 1 else None
+                dist.barrier()
+                if rank == 0:
+                    time.sleep(wait)
+                    w = send(t)
+                    stamp = time.perf_counter()
+                    w.wait()
+                else:
+                    t0 = time.perf_counter()
+                    w.wait()
+                    stamp = time.perf_counter()
+                    stamp = (t0, stamp)
+                pair = [None, None]
+                dist.all_gather_object(pair, stamp)
+                sent_at, (began, seen) = pair
+                d.append((sent_at - began, seen - sent_at - got[nbytes]))
+            d = d[1:]
+            delays.append((statistics.median(x for x, _ in d), statistics.median(y for _, y in d)))
+        if rank == 0:
+            fit = lambda c: (max(0.0, c[16] - 16 * (c[nbytes] - c[16]) / (nbytes - 16)),  # noqa: E731
+                             max(0.0, (c[nbytes] - c[16]) / (nbytes - 16)))
+            latency = max(0.0, delays[0][1])
+            poll = [(max(w, 0.0), max(0.0, x - latency)) for w, x in delays[1:]]
+            (so, sb), (ro, rb) = fit(sent), fit(got)
+            torch.save(dict(kind=kind, send_overhead=so, send_per_byte=sb, recv_overhead=ro,
+                            recv_per_byte=rb, latency=latency, poll_delay=sorted(poll)),
+                       os.path.join(outdir, "transport.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 class _grads_restored:
@@ -158,28 +417,6 @@ def _random(shape, dtype: torch.dtype) -> torch.Tensor:
     if dtype.is_floating_point:
         return torch.randn(shape, dtype=dtype)
     return torch.zeros(shape, dtype=dtype)     # a valid class index / mask for any consumer
-
-
-def _time_stage(ex, compiled, repeats: int):
-    prog = ex.program
-    inputs = stage_inputs(prog, compiled)
-    f_times, b_times, act = [], [], 0
-    for k in range(repeats + 1):
-        t0 = time.perf_counter()
-        with _SavedBytes(prog.module) as saved:
-            outs = ex.forward(0, dict(inputs))
-        t1 = time.perf_counter()
-        if compiled.training:
-            grads = _output_grads(prog, outs)
-            t2 = time.perf_counter()
-            ex.backward(0, grads)
-            b_times.append(time.perf_counter() - t2)
-        f_times.append(t1 - t0)
-        act = saved.nbytes + sum(t.nbytes for t in outs.values() if isinstance(t, torch.Tensor))
-    # the first run warms caches and allocators; it is not counted
-    fwd = statistics.median(f_times[1:])
-    bwd = statistics.median(b_times[1:]) if b_times else 0.0
-    return fwd, bwd, act
 
 
 def _output_grads(prog, outs) -> List:
@@ -226,26 +463,6 @@ class _SavedBytes:
         self.hooks.__exit__(*exc)
 
 
-def _time_optimizer(module, graph_opt, repeats: int = 3) -> float:
-    """One optimizer step over copies of this stage's parameters (same optimizer type)."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    if graph_opt is None or not params:
-        return 0.0
-    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    for c in copies:
-        c.grad = torch.randn_like(c)
-    try:
-        opt = type(graph_opt)(copies, **copy.deepcopy(graph_opt.defaults))
-    except Exception:   # an optimizer that cannot be rebuilt from its defaults: not timed
-        return 0.0
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
-
-
 # -- modelled from FLOPs and bytes --------------------------------------------------------
 def device_costs(compiled, device: str = "h100", **overrides) -> CostModel:
     """Costs on a named accelerator from counted FLOPs and bytes (no accelerator needed).
@@ -287,3 +504,4 @@ def _count_stage(prog, compiled):
                 torch.set_grad_enabled(compiled.training):
             functional_call(prog.module, params, tuple(args))
     return counter.get_total_flops(), saved.nbytes
+

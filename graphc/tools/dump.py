@@ -17,6 +17,8 @@ from .costs import CostModel, device_costs, measure_costs
 from .simulate import simulate
 from .trace import timeline_to_chrome
 
+STEADY_STEPS = 4
+
 
 def write_all(graph, compiled, folder: str, mode) -> List[str]:
     os.makedirs(folder, exist_ok=True)
@@ -82,17 +84,20 @@ def write_schedule_chart(compiled, folder: str, name: str) -> List[str]:
 def costs_for(graph, compiled, how: str) -> CostModel:
     """`how`: "measure" (time the stages here) or a device preset name (see costs.DEVICES)."""
     if how == "measure":
-        return measure_costs(compiled, optimizer=getattr(graph, "_optimizer", None))
+        return measure_costs(compiled, optimizer=getattr(graph, "_optimizer", None), transport="auto")
     return device_costs(compiled, how)
 
 
 def write_simulation(graph, compiled, folder: str, how: str) -> List[str]:
     costs = costs_for(graph, compiled, how)
-    result = simulate(compiled.plans, costs)
+    # several steps: the table reports the steady state (a rank starts its next step early)
+    result = simulate(compiled.plans, costs, steps=STEADY_STEPS,
+                      cores=os.cpu_count() if how == "measure" else None)
     name = type(graph).__name__
     table = f"# {name}: simulated step, costs {costs.source}\n{result.table()}"
     print(table, flush=True)
-    title = (f"{name}: simulated step ({costs.source})\nstep {result.step_time * 1e3:.3f} ms, "
+    title = (f"{name}: {result.steps} simulated steps ({costs.source})\nsteady-state step "
+             f"{result.step_time * 1e3:.3f} ms, first step {result.first_step_time * 1e3:.3f} ms, "
              f"mean bubble {result.bubble_fraction:.1%}")
     out = [_write(os.path.join(folder, "simulation.txt"), table)]
     out += draw_timeline(result.timeline, os.path.join(folder, "simulated"), title,

@@ -1,13 +1,26 @@
 """simulate(): predicts a step's timeline from every rank's plan and per-instruction costs.
 
 Each rank issues its instructions in plan order, one at a time, as the runtime does:
-compute takes its cost; a send costs the sender `send_overhead` and its data arrives at
-the peer after the link's latency plus bytes / bandwidth (transfers on one directed link
-queue behind each other); a recv ends when its data has arrived (the runtime posts
-receives ahead, so only the wait is charged); a collective starts when its last member
-issues it. Times therefore follow the plans' dependency graph exactly, which is what an
-event-driven simulation of this model computes. Link contention between different
-rank pairs and compute/communication interference are not modelled.
+  * compute takes its measured cost (CostModel.compute);
+  * a send occupies the SENDER for send_overhead + bytes * send_per_byte (the CPU the
+    transport spends in isend: a memcpy into the shared-memory ring, or gloo's hand-off),
+    then its data arrives at the peer after the link's latency plus bytes / bandwidth
+    (transfers on one directed link queue behind each other);
+  * a recv ends recv_overhead + bytes * recv_per_byte after its data has arrived or it
+    was issued, whichever is later (the runtime posts receives ahead, so only the wait and
+    the copy out are charged); a receiver that had to wait notices the data
+    `costs.noticed(wait)` late (a polling receiver backs off while it waits);
+  * a collective starts when its last member issues it;
+  * with `sends_complete_on_delivery` (gloo), the optimizer step and the end of a step
+    wait until every send of the rank has been delivered (the runtime drains its sends).
+With `steps` > 1 the plans run that many times back to back, as a training loop calls
+the graph: a rank starts step k+1 as soon as it finished its own step k, while others
+may still be in step k, bounded only by the data dependencies (messages on a link are
+matched in order across steps). `step_time` is then the steady-state period: the mean
+time between the ends of consecutive steps after the first.
+If the ranks that compute outnumber `cores`, every compute span is stretched by
+ranks / cores: processor sharing with all ranks busy (an upper bound; see docs/inspect.md).
+Link contention between different rank pairs is not modelled.
 
 Example:
     from graphc.tools.costs import CostModel
@@ -37,6 +50,7 @@ class Span:
     microbatch: Optional[int]
     start: float
     end: float
+    step: int = 0              # which step (simulate(..., steps=n) runs several)
 
 
 Timeline = Dict[int, List[Span]]
@@ -56,8 +70,14 @@ class RankSummary:
 @dataclass
 class SimResult:
     timeline: Timeline
-    step_time: float
+    step_time: float           # one step's makespan, or the steady-state period (steps > 1)
     ranks: List[RankSummary] = field(default_factory=list)
+    step_ends: List[float] = field(default_factory=list)   # when the last rank ended each step
+    steps: int = 1
+
+    @property
+    def first_step_time(self) -> float:
+        return self.step_ends[0] if self.step_ends else self.step_time
 
     @property
     def bubble_fraction(self) -> float:
@@ -74,7 +94,9 @@ class SimResult:
             rows.append(f"{r.rank:>4}  {','.join(map(str, r.stages)) or '-':>6}  "
                         f"{r.busy * scale:>12.3f}  {r.finish * scale:>12.3f}  {r.bubble:>7.1%}  "
                         f"{r.peak_live_microbatches:>7}  {r.peak_activation_bytes / 2**20:>12.3f}")
-        rows.append(f"step time {self.step_time * scale:.3f} {unit}, mean bubble "
+        what = (f"steady-state step time (period over {self.steps} steps; first step "
+                f"{self.first_step_time * scale:.3f} {unit})" if self.steps > 1 else "step time")
+        rows.append(f"{what} {self.step_time * scale:.3f} {unit}, mean bubble "
                     f"{self.bubble_fraction:.1%}")
         return "\n".join(rows)
 
@@ -93,37 +115,50 @@ def kind_of(ins: Instruction) -> str:
     return "collective"
 
 
-def simulate(plans: Sequence[ExecutionPlan], costs: CostModel) -> SimResult:
+def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
+             cores: Optional[int] = None) -> SimResult:
     """Runs every rank's plan against `costs`; returns the timeline and per-rank summary.
 
     Args:
         plans: one ExecutionPlan per rank (CompiledGraph.plans), verified or not.
-        costs: per-stage compute costs, link latency/bandwidth, activation sizes.
+        costs: per-stage compute costs, transport and link costs, activation sizes.
+        steps: consecutive steps to run; > 1 reports the steady-state period as step_time.
+        cores: CPU cores the ranks share (None: each rank has its own device or core).
     Returns:
         SimResult with `step_time`, `bubble_fraction`, `ranks` and `timeline`.
     Raises:
         PlanError if the plans cannot finish (a recv or collective that nothing satisfies).
     """
-    sim = _Simulation(plans, costs)
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, found {steps}")
+    sim = _Simulation(plans, costs, steps, cores)
     sim.run()
     return sim.result()
 
 
 class _Simulation:
-    def __init__(self, plans: Sequence[ExecutionPlan], costs: CostModel):
+    def __init__(self, plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
+                 cores: Optional[int] = None):
         self.plans = {p.rank: p for p in plans}
-        self.costs = costs
+        self.costs, self.steps = costs, steps
+        computing = sum(1 for p in plans if p.local_stages)
+        self.stretch = max(1.0, computing / cores) if cores else 1.0
         self.clock = {r: 0.0 for r in self.plans}
-        self.pc = {r: 0 for r in self.plans}
+        self.pc = {r: 0 for r in self.plans}       # position in the plan repeated `steps` times
         self.timeline: Timeline = {r: [] for r in self.plans}
         self.arrivals: Dict[Tuple[int, int], List[float]] = defaultdict(list)   # (src, dst)
         self.taken: Dict[Tuple[int, int], int] = defaultdict(int)
         self.link_free: Dict[Tuple[int, int], float] = defaultdict(float)
+        self.delivered: Dict[int, float] = defaultdict(float)   # rank -> its last send's arrival
         self.collectives: Dict[Tuple[int, ...], Dict[int, List[float]]] = defaultdict(lambda: defaultdict(list))
         self.coll_done: Dict[Tuple[int, ...], Dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.step_end: Dict[int, List[float]] = {r: [] for r in self.plans}
+
+    def _total(self, rank: int) -> int:
+        return len(self.plans[rank].instructions) * self.steps
 
     def run(self) -> None:
-        while any(self.pc[r] < len(p.instructions) for r, p in self.plans.items()):
+        while any(self.pc[r] < self._total(r) for r in self.plans):
             if not any(self._advance(r) for r in self.plans):
                 self._stuck()
 
@@ -131,37 +166,50 @@ class _Simulation:
         """Issues as many of `rank`'s instructions as can complete; True if any did."""
         moved = False
         plan = self.plans[rank]
-        while self.pc[rank] < len(plan.instructions):
-            ins = plan.instructions[self.pc[rank]]
+        n = len(plan.instructions)
+        while self.pc[rank] < self._total(rank):
+            step, index = divmod(self.pc[rank], n)
+            ins = plan.instructions[index]
             end = self._end_time(rank, ins)
             if end is None:
                 break
             start = self.clock[rank]
-            self.timeline[rank].append(Span(rank, self.pc[rank], str(ins).split(" ")[0], kind_of(ins),
-                                            getattr(ins, "microbatch", None), start, end))
+            self.timeline[rank].append(Span(rank, index, str(ins).split(" ")[0], kind_of(ins),
+                                            getattr(ins, "microbatch", None), start, end, step))
             self.clock[rank] = end
             self.pc[rank] += 1
+            if index == n - 1:      # the runtime drains its sends before a step returns
+                self.clock[rank] = self._drained(rank, end)
+                self.step_end[rank].append(self.clock[rank])
             moved = True
         return moved
+
+    def _drained(self, rank: int, now: float) -> float:
+        return max(now, self.delivered[rank]) if self.costs.sends_complete_on_delivery else now
 
     def _end_time(self, rank: int, ins: Instruction) -> Optional[float]:
         """When `ins` ends if issued now on `rank`, or None while it must wait on another rank."""
         now = self.clock[rank]
         if isinstance(ins, Send):
-            self._post_send(rank, ins, now)
-            return now + self.costs.send_overhead
+            end = now + self.costs.send_cost(ins.nbytes)
+            self._post_send(rank, ins, end)
+            return end
         if isinstance(ins, Recv):
             return self._recv_end(rank, ins, now)
         if isinstance(ins, AllReduce):
             return self._collective_end(rank, ins, now)
-        return now + self.costs.compute(ins, rank)
+        if isinstance(ins, OptimizerStep):
+            now = self._drained(rank, now)
+        return now + self.costs.compute(ins, rank) * self.stretch
 
     def _post_send(self, rank: int, ins: Send, now: float) -> None:
         link = (rank, ins.peer)
         start = max(now, self.link_free[link])
         wire = ins.nbytes / self.costs.bandwidth
         self.link_free[link] = start + wire
-        self.arrivals[link].append(start + wire + self.costs.latency)
+        arrival = start + wire + self.costs.latency
+        self.arrivals[link].append(arrival)
+        self.delivered[rank] = max(self.delivered[rank], arrival)
 
     def _recv_end(self, rank: int, ins: Recv, now: float) -> Optional[float]:
         link = (ins.peer, rank)
@@ -169,7 +217,10 @@ class _Simulation:
         if k >= len(self.arrivals[link]):
             return None
         self.taken[link] += 1
-        return max(now, self.arrivals[link][k]) + self.costs.recv_overhead
+        arrival = self.arrivals[link][k]
+        if arrival > now:       # the receiver waits, polling; it notices the data a bit late
+            arrival += self.costs.noticed(arrival - now)
+        return max(now, arrival) + self.costs.recv_cost(ins.nbytes)
 
     def _collective_end(self, rank: int, ins: AllReduce, now: float) -> Optional[float]:
         issued = self.collectives[ins.ranks][rank]
@@ -183,20 +234,29 @@ class _Simulation:
         return max(w[k] for w in waiting) + self.costs.all_reduce(ins)
 
     def _stuck(self) -> None:
-        waits = [f"rank {r} at #{self.pc[r]} `{p.instructions[self.pc[r]]}`"
-                 for r, p in self.plans.items() if self.pc[r] < len(p.instructions)]
+        waits = []
+        for r, p in self.plans.items():
+            if self.pc[r] < self._total(r):
+                step, index = divmod(self.pc[r], len(p.instructions))
+                waits.append(f"rank {r} at #{index} `{p.instructions[index]}`"
+                             + (f" (step {step})" if self.steps > 1 else ""))
         raise PlanError("simulation cannot finish: every unfinished rank waits on another: "
                         + "; ".join(waits) + ". Fix: run graphc.plan.verify.verify_plans(plans) "
                         "for the offending pair.")
 
     def result(self) -> SimResult:
-        step = max((s.end for spans in self.timeline.values() for s in spans), default=0.0)
+        ends = [max((e[k] for e in self.step_end.values() if len(e) > k), default=0.0)
+                for k in range(self.steps)]
+        if self.steps > 1:
+            step = (ends[-1] - ends[0]) / (self.steps - 1)
+        else:
+            step = max((s.end for spans in self.timeline.values() for s in spans), default=0.0)
         ranks = [self._summary(r, step) for r in sorted(self.plans)]
-        return SimResult(self.timeline, step, ranks)
+        return SimResult(self.timeline, step, ranks, ends, self.steps)
 
     def _summary(self, rank: int, step: float) -> RankSummary:
         spans = self.timeline[rank]
-        busy = sum(s.end - s.start for s in spans if s.kind in ("forward", "backward"))
+        busy = sum(s.end - s.start for s in spans if s.kind in ("forward", "backward")) / self.steps
         live = peak = 0
         for s in spans:
             live += 1 if s.kind == "forward" else -1 if s.kind == "backward" else 0
@@ -205,6 +265,6 @@ class _Simulation:
             peak = min(peak, 1)     # inference frees each micro-batch's activations at once
         stages = self.plans[rank].local_stages
         act = sum(self.costs.activation_bytes.get(s, 0) for s in stages)
-        finish = spans[-1].end if spans else 0.0
+        finish = self.step_end[rank][0] if self.step_end[rank] else 0.0
         bubble = 1.0 - busy / step if step > 0 and stages else 0.0
         return RankSummary(rank, stages, busy, finish, bubble, peak, peak * act)

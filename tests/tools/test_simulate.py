@@ -61,3 +61,106 @@ def test_table_lists_every_rank():
     text = simulate(chain_plans(3, 4), CostModel.uniform(3)).table(unit="units", scale=1)
     assert [line.split()[0] for line in text.splitlines()[1:4]] == ["0", "1", "2"]
     assert "mean bubble 33.3%" in text
+
+
+# -- transport CPU costs, steady state, contention ------------------------------------------
+def test_send_cost_is_on_the_senders_timeline():
+    costs = CostModel.uniform(2)
+    costs.send_overhead, costs.send_per_byte = 0.25, 0.5 / SPEC.nbytes      # 0.75 per send
+    costs.recv_overhead, costs.recv_per_byte = 0.125, 0.125 / SPEC.nbytes   # 0.25 per recv
+    result = simulate(chain_plans(2, 1), costs)
+    send = costs.send_cost(SPEC.nbytes)
+    recv = costs.recv_cost(SPEC.nbytes)
+    for rank, spans in result.timeline.items():
+        sends = [s for s in spans if s.kind == "send"]
+        assert sends and all(s.end - s.start == pytest.approx(send) for s in sends)
+        # the rank's next instruction starts only after its send's CPU time
+        nxt = spans[spans.index(sends[0]) + 1]
+        assert nxt.start == pytest.approx(sends[0].end)
+    # F0, send, recv, F1, B1, send, recv, B0
+    assert result.step_time == pytest.approx(1 + send + recv + 1 + 2 + send + recv + 2)
+
+
+def test_polling_receiver_notices_data_late_only_after_waiting():
+    costs = CostModel.uniform(2)
+    costs.poll_delay = [(1.0, 0.1), (3.0, 0.3)]
+    assert costs.noticed(0.0) == 0.0
+    assert costs.noticed(2.0) == pytest.approx(0.2)
+    assert costs.noticed(10.0) == pytest.approx(0.3)
+    plain = simulate(chain_plans(2, 1), CostModel.uniform(2))
+    late = simulate(chain_plans(2, 1), costs)
+    # rank 1 waits 1 (F0 of rank 0) and rank 0 waits 3 (F1 + B1 on rank 1)
+    assert late.step_time == pytest.approx(plain.step_time + costs.noticed(1.0) + costs.noticed(3.0))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 6), (4, 8)])
+def test_steady_state_equals_one_step_for_a_balanced_pipeline(schedule, p, m):
+    one = simulate(chain_plans(p, m, schedule), CostModel.uniform(p))
+    many = simulate(chain_plans(p, m, schedule), CostModel.uniform(p), steps=5)
+    assert many.steps == 5 and len(many.step_ends) == 5
+    assert many.first_step_time == pytest.approx(one.step_time)
+    assert many.step_time == pytest.approx(one.step_time)
+    assert many.bubble_fraction == pytest.approx(one.bubble_fraction)
+    # each step's spans are tagged with their step, in order on every rank
+    for spans in many.timeline.values():
+        assert [s.step for s in spans] == sorted(s.step for s in spans)
+
+
+def test_next_step_overlaps_a_slow_optimizer_on_another_rank():
+    costs = CostModel.uniform(2)
+    costs.optimizer, costs.stage_of_rank = {1: 4.0}, {0: 0, 1: 1}
+    one = simulate(chain_plans(2, 1), costs)
+    many = simulate(chain_plans(2, 1), costs, steps=6)
+    # one step: F0, F1, B1 then rank 1's optimizer ends last
+    assert one.step_time == pytest.approx(costs.forward[0] + costs.forward[1] + costs.backward[1] + 4.0)
+    # in the steady state rank 0 starts its next forward while rank 1 still steps its
+    # optimizer, so the period is rank 1's own work per step
+    assert many.step_time == pytest.approx(costs.forward[1] + costs.backward[1] + 4.0)
+    assert many.step_time < one.step_time
+    rank0, rank1 = many.timeline[0], many.timeline[1]
+    opt1 = next(s for s in rank1 if s.kind == "optimizer" and s.step == 0)
+    f0_next = next(s for s in rank0 if s.kind == "forward" and s.step == 1)
+    assert f0_next.start < opt1.end
+
+
+def test_draining_sends_waits_for_delivery_when_the_transport_completes_on_delivery():
+    costs = CostModel.uniform(2)
+    costs.latency = 5.0
+    free = simulate(chain_plans(2, 1), costs)
+    costs.sends_complete_on_delivery = True
+    drained = simulate(chain_plans(2, 1), costs)
+    # rank 1's last instruction is its send of B1's gradient; its step ends on delivery
+    send = [s for s in drained.timeline[1] if s.kind == "send"][-1]
+    assert drained.ranks[1].finish == pytest.approx(send.end + costs.latency)
+    assert free.ranks[1].finish == pytest.approx(send.end)
+
+
+def test_ranks_outnumbering_cores_share_them():
+    plans = chain_plans(4, 4)
+    alone = simulate(plans, CostModel.uniform(4))
+    assert simulate(plans, CostModel.uniform(4), cores=4).step_time == pytest.approx(alone.step_time)
+    shared = simulate(plans, CostModel.uniform(4), cores=2)
+    assert shared.step_time == pytest.approx(2 * alone.step_time)
+
+
+def test_multi_step_deadlock_names_the_step():
+    plans = chain_plans(2, 2)
+    plans[1].instructions.append(Recv(1, 0, 0, "F", 0, (SPEC,)))
+    with pytest.raises(PlanError, match="rank 1"):
+        simulate(plans, CostModel.uniform(2), steps=3)
+
+
+def test_measure_transport_between_two_processes():
+    from graphc.runtime import shm
+    from graphc.tools.costs import measure_transport
+    if not shm.supported():
+        pytest.skip("shared-memory transport needs x86-64 Linux")
+    tc = measure_transport("shm", nbytes=SPEC.nbytes, repeats=2)
+    assert tc.kind == "shm"
+    assert tc.send_overhead + tc.send_per_byte * SPEC.nbytes > 0      # a memcpy is not free
+    assert min(tc.send_overhead, tc.send_per_byte, tc.recv_overhead, tc.recv_per_byte, tc.latency) >= 0
+    assert [w for w, _ in tc.poll_delay] == sorted(w for w, _ in tc.poll_delay)
+    costs = tc.apply(CostModel.uniform(2))
+    assert costs.send_cost(SPEC.nbytes) == pytest.approx(tc.send_overhead + tc.send_per_byte * SPEC.nbytes)
+    assert not costs.sends_complete_on_delivery

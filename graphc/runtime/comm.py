@@ -87,16 +87,25 @@ def _shm_pairs(specs) -> list:
     if mode not in ("auto", "shm", "gloo"):
         raise GraphcError(f"GRAPHC_P2P must be auto, shm or gloo, found {mode!r}")
     hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())  # collective: every rank calls it
+    # collective: every rank calls it, so every rank takes the same decision for a pair
+    dist.all_gather_object(hosts, (socket.gethostname(), shm.free_bytes()))
+    free = defaultdict(lambda: float("inf"))
+    for host, nbytes in hosts:
+        free[host] = min(free[host], nbytes)
+    hosts = [h for h, _ in hosts]
     if mode == "gloo" or not shm.supported():
         if mode == "shm":
             raise GraphcError("GRAPHC_P2P=shm needs an x86-64 Linux host with /dev/shm")
         return []
-    pairs = []
+    pairs, used = [], defaultdict(int)
     for (src, dst), (n, nbytes, dev) in sorted(specs.items()):
-        fits = n * max(nbytes, 1) <= _SHM_MAX_BYTES
-        if dev == "cpu" and hosts[src] == hosts[dst] and fits:
+        ring = shm.ring_bytes(n, nbytes)
+        host = hosts[src]
+        # half of /dev/shm at most: a ring that outgrows tmpfs would fault mid-step
+        fits = ring <= _SHM_MAX_BYTES and used[host] + ring <= free[host] // 2
+        if dev == "cpu" and hosts[dst] == host and fits:
             pairs.append((src, dst))
+            used[host] += ring
         elif mode == "shm":
             raise GraphcError(f"GRAPHC_P2P=shm, but channel rank {src} -> rank {dst} cannot use "
                               f"shared memory (hosts {hosts[src]}/{hosts[dst]}, device {dev}, "

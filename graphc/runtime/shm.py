@@ -31,15 +31,30 @@ def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
 
 
+def free_bytes() -> int:
+    """Free space in /dev/shm (0 where there is none)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def ring_bytes(slots: int, slot_bytes: int) -> int:
+    return _HEADER + slots * (-(-max(slot_bytes, 1) // _ALIGN) * _ALIGN)
+
+
 class ShmChannel:
     def __init__(self, path: str, slots: int, slot_bytes: int, create: bool):
         self.slots = slots
-        self.slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
-        size = _HEADER + self.slots * self.slot_bytes
+        self.slot_bytes = -(-max(slot_bytes, 1) // _ALIGN) * _ALIGN
+        size = ring_bytes(slots, slot_bytes)
         if create:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, size)
-            os.close(fd)
+            try:
+                os.posix_fallocate(fd, 0, size)  # reserve now: no fault later when tmpfs is full
+            finally:
+                os.close(fd)
         self.mem = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         self.produced = self.mem[0:8].view(torch.int64)
         self.consumed = self.mem[64:72].view(torch.int64)

@@ -81,6 +81,16 @@ _DECLARED: dict = {}
 
 
 def _declare(t: torch.Tensor, placement: Placement, sbp: tuple, override: bool) -> None:
+    if any(isinstance(s, PartialSum) for s in sbp):
+        raise GraphcError(
+            f"to_global: a parameter or buffer (shape {list(t.shape)}) cannot be partial_sum; "
+            "a model's state is whole (broadcast) or sharded. Fix: use sbp.broadcast or "
+            "sbp.split(d) for parameters; partial_sum is for tensors inside build().")
+    if len(sbp) != placement.ndim:
+        raise GraphcError(
+            f"to_global: a parameter or buffer (shape {list(t.shape)}) on the {placement.ndim}-D "
+            f"{placement} needs {placement.ndim} sbp value(s), found {len(sbp)}. Fix: give one "
+            "sbp per mesh axis, e.g. sbp=(sbp.broadcast, sbp.split(0)).")
     if override or id(t) not in _DECLARED or not _DECLARED[id(t)][3]:
         _DECLARED[id(t)] = (placement, sbp, t, override)
 

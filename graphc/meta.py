@@ -65,3 +65,4 @@ class BoxingInfo:
     groups: tuple              # the rank groups along the axis
     nbytes: int                # bytes each rank sends per micro-batch (forward + backward)
     note: str = ""             # e.g. "fallback: <op>" when it feeds an op without an SBP rule
+    axis: int = 0              # the mesh axis it converts

@@ -112,7 +112,7 @@ def _box_node(gm, value: fx.Node, consumer: fx.Node, mesh: tuple, axis: int, kin
     bwd = moved_bytes(_BACKWARD.get(kind, ""), _nbytes(meta), n) if meta.requires_grad else 0
     note = f"fallback: {_op_name(consumer)} has no SBP rule" if consumer.meta.get(META_SBP) \
         and consumer.meta[META_SBP].fallback else ""
-    node.meta[META_BOXING] = BoxingInfo(kind, src, dst, groups, fwd + bwd, note)
+    node.meta[META_BOXING] = BoxingInfo(kind, src, dst, groups, fwd + bwd, note, axis)
     return node
 
 

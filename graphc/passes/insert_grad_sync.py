@@ -3,8 +3,8 @@
 Invariant: in a training plan, every rank holding a parameter whose gradient is
 partial_sum on a mesh axis (META_GRAD_PARTIAL: a broadcast parameter read by sharded
 ops, i.e. data parallelism) issues, before its optimizer step, all_reduce instructions
-over that axis's group covering the parameter, in buckets of at most `bucket_bytes` in
-backward order (last-used parameters first). The runtime launches each bucket as soon as
+over that axis's group covering the parameter, in buckets of at most `bucket_bytes` (the
+first at most 1 MiB, as DDP does) in backward order (last-used parameters first). The runtime launches each bucket as soon as
 its gradients are final during the last micro-batch's backward; the instruction waits.
 No other gradient is reduced.
 Requires: infer_sbp, lower_plan.
@@ -16,12 +16,13 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch.fx as fx
 
-from ..meta import META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR
+from ..meta import META_GRAD_PARTIAL, META_SBP, META_TENSOR
 from ..plan.instructions import AllReduce, OptimizerStep, TensorSpec
 from ..plan.plan import ExecutionPlan
 from ..sbp.layout import axis_groups, local_shape
 
 DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
+FIRST_BUCKET_BYTES = 2 ** 20  # small, so the first all-reduce starts early in the backward
 
 
 def insert_grad_sync(plans: Sequence[ExecutionPlan], gm: fx.GraphModule,
@@ -61,7 +62,8 @@ def _buckets(specs: List[TensorSpec], limit: int) -> List[List[TensorSpec]]:
     buckets: List[List[TensorSpec]] = [[]]
     size = 0
     for s in specs:
-        if buckets[-1] and size + s.nbytes > limit:
+        cap = min(limit, FIRST_BUCKET_BYTES) if len(buckets) == 1 else limit
+        if buckets[-1] and size + s.nbytes > cap:
             buckets.append([])
             size = 0
         buckets[-1].append(s)

@@ -16,6 +16,7 @@ import torch.fx as fx
 from ..meta import META_BOXING, META_TENSOR
 from ..plan.instructions import ACT, GRAD, Backward, Collective, Forward, Instruction
 from ..plan.plan import ExecutionPlan
+from ..placement import Broadcast, PartialSum
 from ..plan.program import StageProgram
 from ..sbp.cost import moved_bytes
 from ..sbp.layout import fmt
@@ -51,10 +52,24 @@ def _collectives(prog: StageProgram, ins, rank: int) -> List[Collective]:
         if kind is None or len(group) < 2:
             continue
         nbytes = moved_bytes(kind, _nbytes(meta), len(group))
+        before, after = (fmt(info.src), fmt(info.dst)) if forward else _gradient_sbp(info)
         found.append(Collective(kind, ins.stage, ins.microbatch, ACT if forward else GRAD,
-                                tuple(group), node.name, fmt(info.src), fmt(info.dst), nbytes,
-                                info.note))
+                                tuple(group), node.name, before, after, nbytes, info.note))
     return found
+
+
+def _gradient_sbp(info) -> tuple:
+    """(before, after) SBP of the gradient a conversion's backward converts, written grad:...
+
+    See NOTE: gradient layouts (docs/sbp.md): a gradient is split like its value, and whole
+    where the value is broadcast or partial_sum; a grad_all_reduce receives it partial.
+    """
+    def whole(sbp):
+        return tuple(Broadcast() if isinstance(s, PartialSum) else s for s in sbp)
+    incoming = whole(info.dst)
+    if info.kind == "grad_all_reduce":
+        incoming = incoming[:info.axis] + (PartialSum(),) + incoming[info.axis + 1:]
+    return "grad:" + fmt(incoming), "grad:" + fmt(whole(info.src))
 
 
 def _nbytes(meta) -> int:

@@ -181,6 +181,7 @@ class GradSync:
         self.works: Dict[int, Tuple[object, torch.Tensor]] = {}
         self.handles = []
         self.next = 0
+        self.early = 0                      # buckets of the last step launched by hooks
         self.index: Dict[object, int] = {}
         # a gradient partial on two mesh axes is reduced over one, then the other: a bucket
         # holding a gradient of an earlier bucket starts only once that one is back (wait)
@@ -211,6 +212,7 @@ class GradSync:
             # launch in bucket order on every rank: collectives on a group must match
             while (self.next < len(self.buckets) and self.remaining[self.next] == 0
                    and not self.deferred[self.next]):
+                self.early += 1  # started inside the backward: overlaps the rest of it
                 self._launch(self.next)
         return fire
 
@@ -219,6 +221,7 @@ class GradSync:
         self.remaining = [len(params) for _, params in self.buckets]
         self.works = {}
         self.next = 0
+        self.early = 0
 
     def _launch(self, i: int) -> None:
         ranks, params = self.buckets[i]
@@ -238,13 +241,9 @@ class GradSync:
         if work is not None:
             work.wait()
         offset = 0
-        for p in self.buckets[i][1]:
+        for p in self.buckets[i][1]:  # the reduced gradients are views of the bucket: no copy
             numel = p.numel()
-            value = flat[offset:offset + numel].view_as(p)
-            if p.grad is None:
-                p.grad = value.clone()
-            else:
-                p.grad.copy_(value)
+            p.grad = flat[offset:offset + numel].view_as(p)
             offset += numel
         if not self.works:
             self.armed = False

@@ -119,3 +119,11 @@ def test_parameter_declared_off_its_stage_is_a_user_error():
     model = graphc.to_global(Net(), placement=graphc.placement("cpu", [0, 1, 2]), sbp=sbp.broadcast)
     with pytest.raises(graphc.GraphcError, match="declared on"):
         compile_for(LossGraph(model), world=2)
+
+
+def test_partial_or_wrong_arity_parameter_declarations_are_user_errors():
+    with pytest.raises(graphc.GraphcError, match="cannot be partial_sum"):
+        graphc.to_global(Net(), placement=P01, sbp=sbp.partial_sum)
+    mesh = graphc.placement("cpu", [[0, 1], [2, 3]])
+    with pytest.raises(graphc.GraphcError, match="needs 2 sbp"):
+        graphc.to_global(Net().fc1.weight, placement=mesh, sbp=sbp.split(0))

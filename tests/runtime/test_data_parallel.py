@@ -86,7 +86,7 @@ def _train(rank, world):
             "losses": losses, "state": graph.full_state_dict(),
             "synced": sorted(t.name for ins in syncs for t in ins.tensors),
             "buckets": len(syncs), "groups": {ins.ranks for ins in syncs},
-            "plan": str(graph.plan)}
+            "plan": str(graph.plan), "early": graph._runtime.grad_sync.early}
     if world == 2:
         import ddp
         out["ddp_example_w"] = ddp.main(iters=300)
@@ -113,6 +113,8 @@ def test_data_parallel_matches_eager(world):
                 assert "fallback: cumsum" in got["plan"], what
             if bucket:  # 600 bytes: l1.weight (2 KiB) and the rest cannot share one bucket
                 assert got["buckets"] > 1, what
+            # every bucket started during the last backward (hooks), overlapping it
+            assert got["early"] == got["buckets"], what
     if world == 2:
         for res in results:  # seed 001: w converges to [2, 3]
             torch.testing.assert_close(res["ddp_example_w"], torch.tensor([[2.0], [3.0]]),

@@ -83,6 +83,23 @@ class AttentionNet(nn.Module):
         return self.head(self.attn(self.embed(x))).mean(1)
 
 
+class EmbedNet(nn.Module):
+    """Vocabulary-parallel embedding (partial_sum out), then cat, chunk/getitem and mean."""
+
+    def __init__(self, vocab=32):
+        super().__init__()
+        self.vocab = vocab
+        self.emb = nn.Embedding(vocab, D)
+        self.head = nn.Linear(2 * D, CLASSES)
+
+    def forward(self, x):
+        tokens = (x.abs() * 7).long() % self.vocab   # x is [batch, T] floats
+        h = self.emb(tokens)
+        h = torch.cat([h, torch.tanh(h)], dim=-1)
+        a, b = torch.chunk(h, 2, dim=1)
+        return self.head((a + b).mean(1))
+
+
 class TwoStage(nn.Module):
     def __init__(self):
         super().__init__()
@@ -144,6 +161,14 @@ def _attention_tp(rank, world):
     return model, (), lambda x, y: (x, y)
 
 
+def _embedding_tp(rank, world):
+    where = graphc.placement("cpu", [0, 1])
+    model = EmbedNet()
+    graphc.to_global(model, placement=where, sbp=sbp.broadcast)
+    graphc.to_global(model.emb.weight, placement=where, sbp=sbp.split(0))  # rows = vocabulary
+    return model, (), lambda x, y: (x, y)
+
+
 def _data_pipeline(rank, world):
     p0, p1 = graphc.placement("cpu", [0, 1]), graphc.placement("cpu", [2, 3])
     model = TwoStage()
@@ -180,14 +205,16 @@ def _data_tensor_2d(rank, world):
 
 CONFIGS = {
     2: {"mlp_tp": (_mlp_tp, MLPNet, (BATCH, D), 2),
-        "attention_tp": (_attention_tp, AttentionNet, (BATCH, T, D), 1)},
+        "attention_tp": (_attention_tp, AttentionNet, (BATCH, T, D), 1),
+        "embedding_tp": (_embedding_tp, EmbedNet, (BATCH, T), 2)},
     4: {"data_x_pipeline": (_data_pipeline, TwoStage, (BATCH, D), 2),
         "tensor_x_pipeline": (_tensor_pipeline, TwoStage, (BATCH, D), 2),
         "data_x_tensor_2d": (_data_tensor_2d, MLPNet, (2 * BATCH, D), 2)},
 }
 
 SPLIT_PARAMS = {"mlp_tp": ("fc1.", "fc2.weight"), "tensor_x_pipeline": ("fc1.", "fc2.weight"),
-                "attention_tp": ("attn.q.", "attn.k.", "attn.v.", "attn.out.weight")}
+                "attention_tp": ("attn.q.", "attn.k.", "attn.v.", "attn.out.weight"),
+                "embedding_tp": ("emb.",)}
 
 
 def _train(rank, world):

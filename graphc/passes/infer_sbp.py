@@ -22,7 +22,7 @@ from ..global_tensor import conversion_target, declared_layout, to_global_op
 from ..meta import (BACKWARD_TARGET, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
                     SbpSignature)
 from ..placement import Broadcast, Split, normalize_sbp
-from ..sbp.cost import boxing_cost
+from ..sbp.cost import boxing_cost, tensor_bytes
 from ..sbp.layout import B, flat, fmt, mesh_shape
 from ..sbp.rules import RuleCtx, rule_for
 
@@ -145,11 +145,11 @@ def _conversion(node: fx.Node, mesh: tuple) -> SbpSignature:
     where, sbp = conversion_target(node)
     meta = node.args[0].meta.get(META_TENSOR)
     sbp = normalize_sbp(sbp, len(meta.shape) if meta else None, f"to_global at '{node.name}'")
-    if len(where.flat_ranks) != len(flat(mesh)) or len(sbp) != len(mesh_shape(mesh)):
+    if len(sbp) != len(mesh_shape(mesh)):
         raise GraphcError(
-            f"to_global at '{node.name}' moves a value from mesh {mesh} to {where} with sbp "
-            f"{fmt(sbp)}; graphc moves values between placements of equal shape only (n-to-m "
-            "transfers are not supported yet). Fix: use placements with the same number of ranks.")
+            f"to_global at '{node.name}' converts to {where} with sbp {fmt(sbp)}: "
+            f"{len(sbp)} value(s) for a mesh of {len(mesh_shape(mesh))} axis(es) ({mesh}). Fix: "
+            "give one sbp per mesh axis, e.g. sbp=(split(0), broadcast) on a 2-D placement.")
     return SbpSignature(mesh, sbp, ((node.args[0].name, sbp),))
 
 
@@ -161,7 +161,7 @@ def _choose(node: fx.Node, mesh: tuple) -> SbpSignature:
         return _fallback(node, mesh, tensors)
     outs, need = [], {a: [] for a in tensors}
     for axis, n in enumerate(mesh_shape(mesh)):
-        prod = {a: _producer(a, node, axis) for a in inputs}
+        prod = {a: _producer(a, node, axis, mesh) for a in inputs}
         cands = rule(RuleCtx(node, n, prod)) + [({a: B for a in tensors}, B)]
         best = min(cands, key=lambda c: _cost(c, prod, n))
         outs.append(best[1])
@@ -190,7 +190,11 @@ def _check_module_params(node: fx.Node, mesh: tuple) -> None:
                 "functional ops that have rules (see docs/sbp.md).")
 
 
-def _producer(a: fx.Node, node: fx.Node, axis: int):
+def _producer(a: fx.Node, node: fx.Node, axis: int, mesh: tuple):
+    """a's SBP on `axis` as `node` receives it; from a stage of another size it arrives
+    broadcast (an n-to-m transfer sends whole values, see insert_boxing)."""
+    if len(flat(a.meta[META_SBP].mesh)) != len(flat(mesh)):
+        return B
     sbp = a.meta[META_SBP].out
     if axis >= len(sbp):
         raise GraphcError(
@@ -200,17 +204,9 @@ def _producer(a: fx.Node, node: fx.Node, axis: int):
     return sbp[axis]
 
 
-def _nbytes(a: fx.Node) -> int:
-    meta = a.meta[META_TENSOR]
-    numel = 1
-    for d in meta.shape:
-        numel *= d
-    return numel * getattr(torch, meta.dtype).itemsize
-
-
 def _cost(cand, prod: Dict[fx.Node, object], n: int) -> float:
     req, _ = cand
-    return sum(boxing_cost(prod[a], r, _nbytes(a), n) for a, r in req.items()
+    return sum(boxing_cost(prod[a], r, tensor_bytes(a.meta[META_TENSOR]), n) for a, r in req.items()
                if a.meta.get(META_TENSOR) is not None)
 
 

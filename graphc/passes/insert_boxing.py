@@ -12,7 +12,8 @@ Requires: infer_sbp.
 """
 from __future__ import annotations
 
-import torch
+from typing import Dict, Optional, Tuple
+
 import torch.fx as fx
 
 from ..errors import GraphcError
@@ -20,12 +21,13 @@ from ..meta import (META_BOXING, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_T
                     BoxingInfo, SbpSignature)
 from ..placement import Broadcast, PartialSum, Split
 from ..runtime.collectives import box
-from ..sbp.cost import moved_bytes
-from ..sbp.layout import B, axis_groups, fmt, mesh_shape
+from ..sbp.cost import moved_bytes, tensor_bytes
+from ..sbp.layout import B, axis_groups, flat, fmt, mesh_shape
 from .infer_sbp import sharded_use
 
 
 def insert_boxing(gm: fx.GraphModule) -> fx.GraphModule:
+    whole: Dict[Tuple[fx.Node, int], fx.Node] = {}  # n-to-m: (value, stage) -> broadcast copy
     for node in list(gm.graph.nodes):
         if node.op == "output":
             _reduce_outputs(gm, node)
@@ -37,7 +39,8 @@ def insert_boxing(gm: fx.GraphModule) -> fx.GraphModule:
             need = sig.needs(a.name)
             if need is None or a.meta.get(META_TENSOR) is None:
                 continue
-            converted = _convert(gm, a, need, node)
+            sent = _whole_for_other_size(gm, a, node, whole)
+            converted = _convert(gm, sent, need, node)
             converted = _grad_reduce(gm, a, converted, node)
             if converted is not a:
                 node.replace_input_with(a, converted)
@@ -64,9 +67,30 @@ def kind_of(src, dst) -> str:
     return "slice" if isinstance(dst, Split) else "to_partial"
 
 
+def _whole_for_other_size(gm, a: fx.Node, consumer: fx.Node, cache) -> fx.Node:
+    """A value read by a stage of a different number of ranks travels broadcast: it is
+    converted to broadcast on its own stage first (n-to-m transfer, see lower_plan)."""
+    src, dst = a.meta[META_SBP], consumer.meta[META_SBP]
+    if len(flat(src.mesh)) == len(flat(dst.mesh)) or all(isinstance(s, Broadcast) for s in src.out):
+        return a
+    key = (a, consumer.meta[META_STAGE])
+    if key not in cache:
+        value, cur = a, src.out
+        for axis, s in enumerate(src.out):
+            if not isinstance(s, Broadcast):
+                after = cur[:axis] + (B,) + cur[axis + 1:]
+                value = _box_node(gm, value, a, src.mesh, axis, kind_of(s, B), cur, after,
+                                  where=consumer)
+                cur = after
+        cache[key] = value
+    return cache[key]
+
+
 def _convert(gm, a: fx.Node, need: tuple, consumer: fx.Node) -> fx.Node:
     cur = a.meta[META_SBP].out
     mesh = consumer.meta[META_SBP].mesh
+    if len(flat(a.meta[META_SBP].mesh)) != len(flat(mesh)):
+        cur = (B,) * len(need)  # arrived whole from a stage of another size
     value = a
     for axis, (s, d) in enumerate(zip(cur, need)):
         if s == d:
@@ -91,7 +115,9 @@ def _grad_reduce(gm, a: fx.Node, value: fx.Node, consumer: fx.Node) -> fx.Node:
 
 
 def _box_node(gm, value: fx.Node, consumer: fx.Node, mesh: tuple, axis: int, kind: str,
-              src: tuple, dst: tuple) -> fx.Node:
+              src: tuple, dst: tuple, where: Optional[fx.Node] = None) -> fx.Node:
+    """A box converting `value` on `consumer`'s stage, inserted before `where` (default:
+    the consumer itself)."""
     n = mesh_shape(mesh)[axis]
     meta = value.meta[META_TENSOR]
     for s in (src[axis], dst[axis]):
@@ -103,13 +129,13 @@ def _box_node(gm, value: fx.Node, consumer: fx.Node, mesh: tuple, axis: int, kin
     groups = axis_groups(mesh, axis)
     src_dim = src[axis].dim if isinstance(src[axis], Split) else -1
     dst_dim = dst[axis].dim if isinstance(dst[axis], Split) else -1
-    with gm.graph.inserting_before(consumer):
+    with gm.graph.inserting_before(where if where is not None else consumer):
         node = gm.graph.call_function(box, (value, kind, groups, src_dim, dst_dim))
     node.meta[META_STAGE] = consumer.meta.get(META_STAGE, value.meta.get(META_STAGE))
     node.meta[META_TENSOR] = meta
     node.meta[META_SBP] = SbpSignature(mesh, dst, ((value.name, src),))
-    fwd = moved_bytes(kind, _nbytes(meta), n) if kind != "grad_all_reduce" else 0
-    bwd = moved_bytes(_BACKWARD.get(kind, ""), _nbytes(meta), n) if meta.requires_grad else 0
+    fwd = moved_bytes(kind, tensor_bytes(meta), n) if kind != "grad_all_reduce" else 0
+    bwd = moved_bytes(_BACKWARD.get(kind, ""), tensor_bytes(meta), n) if meta.requires_grad else 0
     note = f"fallback: {_op_name(consumer)} has no SBP rule" if consumer.meta.get(META_SBP) \
         and consumer.meta[META_SBP].fallback else ""
     node.meta[META_BOXING] = BoxingInfo(kind, src, dst, groups, fwd + bwd, note, axis)
@@ -123,13 +149,6 @@ def _op_name(node: fx.Node) -> str:
 
 _BACKWARD = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all", "slice": "all_gather",
              "grad_all_reduce": "all_reduce"}
-
-
-def _nbytes(meta) -> int:
-    numel = 1
-    for d in meta.shape:
-        numel *= d
-    return numel * getattr(torch, meta.dtype).itemsize
 
 
 def _reduce_outputs(gm, out: fx.Node) -> None:

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
-import torch
-import torch.fx as fx
 
 from ..meta import META_BOXING, META_TENSOR
+from ..placement import Broadcast, PartialSum
 from ..plan.instructions import ACT, GRAD, Backward, Collective, Forward, Instruction
 from ..plan.plan import ExecutionPlan
-from ..placement import Broadcast, PartialSum
 from ..plan.program import StageProgram
-from ..sbp.cost import moved_bytes
+from ..sbp.cost import moved_bytes, tensor_bytes
 from ..sbp.layout import fmt
 
 # what each conversion kind sends in the forward and in the backward (None: nothing)
@@ -51,7 +49,7 @@ def _collectives(prog: StageProgram, ins, rank: int) -> List[Collective]:
         group = next((g for g in info.groups if rank in g), ())
         if kind is None or len(group) < 2:
             continue
-        nbytes = moved_bytes(kind, _nbytes(meta), len(group))
+        nbytes = moved_bytes(kind, tensor_bytes(meta), len(group))
         before, after = (fmt(info.src), fmt(info.dst)) if forward else _gradient_sbp(info)
         found.append(Collective(kind, ins.stage, ins.microbatch, ACT if forward else GRAD,
                                 tuple(group), node.name, before, after, nbytes, info.note))
@@ -70,10 +68,3 @@ def _gradient_sbp(info) -> tuple:
     if info.kind == "grad_all_reduce":
         incoming = incoming[:info.axis] + (PartialSum(),) + incoming[info.axis + 1:]
     return "grad:" + fmt(incoming), "grad:" + fmt(whole(info.src))
-
-
-def _nbytes(meta) -> int:
-    numel = 1
-    for d in meta.shape:
-        numel *= d
-    return numel * getattr(torch, meta.dtype).itemsize

@@ -4,14 +4,15 @@ Invariant: rank r's plan lists, in issue order, its stage's compute in schedule 
 each forward preceded by a recv of every value it reads from another stage and followed
 by a send of every value another stage reads, each backward likewise for gradients,
 and one optimizer step at the end of a training step. Replica k of a stage talks to
-replica k of another stage.
-Requires: split_stages; stages with equal rank counts wherever they exchange values.
+replica k of another stage; between stages of n and m ranks (n-to-m), rank j of the
+receiving stage gets each value from replica j mod n of the sender, and sender i gets its
+gradient back from replica i mod m (the value is broadcast then, see insert_boxing).
+Requires: split_stages.
 """
 from __future__ import annotations
 
 from typing import List, Sequence
 
-from ..errors import GraphcError
 from ..plan.instructions import ACT, GRAD, Backward, Forward, Instruction, OptimizerStep, Recv, Send
 from ..plan.plan import ExecutionPlan, StageInfo
 from ..plan.program import StageProgram
@@ -20,7 +21,6 @@ from ..plan.schedules import compute_order
 
 def lower_plan(programs: Sequence[StageProgram], stages: Sequence[StageInfo], schedule: str,
                num_microbatches: int, training: bool, world_size: int) -> List[ExecutionPlan]:
-    _check_pairable(programs, stages)
     stage_of_rank = {r: s.stage_id for s in stages for r in s.ranks}
     plans = []
     for rank in range(world_size):
@@ -36,9 +36,16 @@ def lower_plan(programs: Sequence[StageProgram], stages: Sequence[StageInfo], sc
     return plans
 
 
-def _peer(stages: Sequence[StageInfo], rank: int, mine: int, other: int) -> int:
-    """The replica of stage `other` that replica k of stage `mine` talks to."""
-    return stages[other].ranks[stages[mine].ranks.index(rank)]
+def _source(stages: Sequence[StageInfo], rank: int, mine: int, other: int) -> int:
+    """The replica of stage `other` that replica k of stage `mine` receives from."""
+    theirs = stages[other].ranks
+    return theirs[stages[mine].ranks.index(rank) % len(theirs)]
+
+
+def _targets(stages: Sequence[StageInfo], rank: int, mine: int, other: int) -> List[int]:
+    """The replicas of stage `other` that receive from replica k of stage `mine`."""
+    k, n = stages[mine].ranks.index(rank), len(stages[mine].ranks)
+    return [r for j, r in enumerate(stages[other].ranks) if j % n == k]
 
 
 def _with_p2p(order, programs, stages, rank) -> List[Instruction]:
@@ -48,32 +55,21 @@ def _with_p2p(order, programs, stages, rank) -> List[Instruction]:
         prog = programs[s]
         if isinstance(ins, Forward):
             for a, specs in sorted(prog.recv_from.items()):
-                out.append(Recv(s, mb, _peer(stages, rank, s, a), ACT, a, tuple(specs)))
+                out.append(Recv(s, mb, _source(stages, rank, s, a), ACT, a, tuple(specs)))
             out.append(ins)
             for b, specs in sorted(prog.send_to.items()):
-                out.append(Send(s, mb, _peer(stages, rank, s, b), ACT, b, tuple(specs)))
+                out += [Send(s, mb, peer, ACT, b, tuple(specs)) for peer in _targets(stages, rank, s, b)]
         elif isinstance(ins, Backward):
             for b, specs in sorted(prog.send_to.items()):
                 grads = tuple(prog.grad_specs(specs))
                 if grads:
-                    out.append(Recv(s, mb, _peer(stages, rank, s, b), GRAD, b, grads))
+                    out.append(Recv(s, mb, _source(stages, rank, s, b), GRAD, b, grads))
             out.append(ins)
             for a, specs in sorted(prog.recv_from.items()):
                 grads = tuple(prog.grad_specs(specs))
                 if grads:
-                    out.append(Send(s, mb, _peer(stages, rank, s, a), GRAD, a, grads))
+                    out += [Send(s, mb, peer, GRAD, a, grads) for peer in _targets(stages, rank, s, a)]
         else:
             out.append(ins)
     return out
 
-
-def _check_pairable(programs, stages) -> None:
-    for prog in programs:
-        for b in prog.send_to:
-            na, nb = len(stages[prog.stage].ranks), len(stages[b].ranks)
-            if na != nb:
-                raise GraphcError(
-                    f"stage {prog.stage} (ranks {list(stages[prog.stage].ranks)}) sends "
-                    f"{[t.name for t in prog.send_to[b]]} to stage {b} (ranks "
-                    f"{list(stages[b].ranks)}): pipeline stages exchanging values need the same "
-                    "number of ranks. Fix: give both stages placements of equal size.")

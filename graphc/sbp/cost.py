@@ -2,9 +2,11 @@
 
 With n ranks on the axis and T the global tensor's bytes (OneFlow's copy-cost model):
 same 0; B->S and B->P and S->P local (a tiny cost so that "no conversion" wins ties);
-S(i)->S(j) (n-1)/n*T; P->S and S->B (n-1)/n*T per rank, (n-1)*T in all; P->B 2(n-1)/n*T.
+S(i)->S(j) (n-1)/n*T; P->S and S->B (n-1)*T; P->B 2(n-1)*T (totals over the ranks).
 """
 from __future__ import annotations
+
+import torch
 
 from ..placement import Broadcast, PartialSum, Split
 
@@ -31,3 +33,11 @@ def moved_bytes(kind: str, nbytes: int, n: int) -> int:
     per = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
            "all_gather": (n - 1) / n, "all_to_all": (n - 1) / (n * n)}
     return int(per.get(kind, 0) * nbytes)
+
+
+def tensor_bytes(meta) -> int:
+    """Bytes of a value with TensorMeta `meta` (its global shape)."""
+    numel = 1
+    for d in meta.shape:
+        numel *= d
+    return numel * getattr(torch, meta.dtype).itemsize

@@ -137,10 +137,21 @@ def test_stages_in_reverse_order_of_use():
         compile_for(g, 2)
 
 
-def test_stages_of_different_sizes_exchanging_values():
+def test_stages_of_different_sizes_exchange_values_n_to_m():
+    """No longer an error: an n-to-m transfer sends the value whole (docs/sbp.md)."""
     g = Train(stages={"a": (0, [0]), "b": (1, [1, 2])})
-    with raises("stage 0 (ranks [0]) sends", "stage 1 (ranks [1, 2])", "same number of ranks", "Fix"):
-        compile_for(g, 3)
+    plans = compile_for(g, 3).plans
+    sends = {(p.rank, ins.peer, ins.direction) for p in plans for ins in p.instructions
+             if ins.op == "send"}
+    assert {(0, 1, "F"), (0, 2, "F"), (1, 0, "B")} <= sends and (2, 0, "B") not in sends
+
+
+def test_split_dim_that_does_not_divide_evenly():
+    p3 = graphc.placement("cpu", [0, 1, 2])
+    model = TwoStage()
+    graphc.to_global(model.a.weight, placement=p3, sbp=graphc.sbp.split(0))
+    with raises("does not split evenly", "Fix"):
+        compile_for(Train(model), 3)
 
 
 def test_parameter_shared_across_stages():

@@ -190,6 +190,23 @@ def _tensor_pipeline(rank, world):
     return model, (("stage0", 0, p0), ("stage1", 1, p1)), lambda x, y: (x, y)
 
 
+def _n_to_m(sizes):
+    """Stage 0 on `sizes[0]` ranks, stage 1 on the next `sizes[1]`, both data parallel:
+    values cross whole (n-to-m), each stage's own ranks split the batch."""
+    def setup(rank, world):
+        r0 = list(range(sizes[0]))
+        r1 = list(range(sizes[0], sizes[0] + sizes[1]))
+        p0, p1 = graphc.placement("cpu", r0), graphc.placement("cpu", r1)
+        model = TwoStage()
+
+        def feed(x, y):
+            k0, k1 = (r0.index(rank) if rank in r0 else 0), (r1.index(rank) if rank in r1 else 0)
+            return (graphc.to_global(_rows(x, k0, len(r0)), placement=p0, sbp=sbp.split(0)),
+                    graphc.to_global(_rows(y, k1, len(r1)), placement=p1, sbp=sbp.split(0)))
+        return model, (("stage0", 0, p0), ("stage1", 1, p1)), feed
+    return setup
+
+
 def _data_tensor_2d(rank, world):
     mesh = graphc.placement("cpu", [[0, 1], [2, 3]])
     model = MLPNet()
@@ -209,7 +226,11 @@ CONFIGS = {
         "embedding_tp": (_embedding_tp, EmbedNet, (BATCH, T), 2)},
     4: {"data_x_pipeline": (_data_pipeline, TwoStage, (BATCH, D), 2),
         "tensor_x_pipeline": (_tensor_pipeline, TwoStage, (BATCH, D), 2),
-        "data_x_tensor_2d": (_data_tensor_2d, MLPNet, (2 * BATCH, D), 2)},
+        "data_x_tensor_2d": (_data_tensor_2d, MLPNet, (2 * BATCH, D), 2),
+        # accumulation 1: micro-batch k holds every rank's k-th chunk, so with accumulation
+        # a batch split over 2 ranks and one over 1 rank would group rows differently
+        "n_to_m_2_to_1": (_n_to_m((2, 1)), TwoStage, (BATCH, D), 1),
+        "n_to_m_1_to_2": (_n_to_m((1, 2)), TwoStage, (BATCH, D), 1)},
 }
 
 SPLIT_PARAMS = {"mlp_tp": ("fc1.", "fc2.weight"), "tensor_x_pipeline": ("fc1.", "fc2.weight"),

@@ -182,6 +182,7 @@ class GradSync:
         self.handles = []
         self.next = 0
         self.early = 0                      # buckets of the last step launched by hooks
+        self.flats: Dict[int, torch.Tensor] = {}
         self.index: Dict[object, int] = {}
         # a gradient partial on two mesh axes is reduced over one, then the other: a bucket
         # holding a gradient of an earlier bucket starts only once that one is back (wait)
@@ -226,8 +227,14 @@ class GradSync:
     def _launch(self, i: int) -> None:
         ranks, params = self.buckets[i]
         group, _, n = _my_group((ranks,))
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in params])
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        flat = self.flats.get(i)  # reused every step: no fresh 25 MiB allocation per bucket
+        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device or \
+                any(g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for g in grads):
+            # (gradients still viewing it: no optimizer zeroed them since the last step)
+            flat = self.flats[i] = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
+                                               device=grads[0].device)
+        torch.cat(grads, out=flat)
         work = dist.all_reduce(flat, group=group, async_op=True) if n > 1 else None
         self.works[i] = (work, flat)
         self.next = i + 1

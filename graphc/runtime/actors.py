@@ -164,6 +164,8 @@ class Runtime:
                 for name in ex.program.results:
                     results[name].append(outs[name].detach())
             elif isinstance(ins, Backward):
+                if self.grad_sync and ins.microbatch == 0:
+                    self.grad_sync.carry()  # gradients of earlier steps are not reduced again
                 if self.grad_sync and ins.microbatch == self.plan.num_microbatches - 1:
                     self.grad_sync.arm()  # buckets start during the last backward
                 produced[(ins.microbatch, "B")] = ex.backward(ins.microbatch, grads.pop(ins.microbatch, []))

@@ -183,6 +183,8 @@ class GradSync:
         self.next = 0
         self.early = 0                      # buckets of the last step launched by hooks
         self.flats: Dict[int, torch.Tensor] = {}
+        self.carried: Dict[int, torch.Tensor] = {}
+        self.last_of = {id(p): i for i, (_, params) in enumerate(buckets) for p in params}
         self.index: Dict[object, int] = {}
         # a gradient partial on two mesh axes is reduced over one, then the other: a bucket
         # holding a gradient of an earlier bucket starts only once that one is back (wait)
@@ -217,6 +219,16 @@ class GradSync:
                 self._launch(self.next)
         return fire
 
+    def carry(self) -> None:
+        """Before a step's first backward: set aside gradients left from earlier steps (no
+        optimizer zeroed them), so only this step's partial sums are all-reduced."""
+        self.carried = {}
+        for _, params in self.buckets:
+            for p in params:
+                if p.grad is not None and id(p) not in self.carried:
+                    self.carried[id(p)] = p.grad.clone()  # it may view a reused bucket
+                    p.grad = None
+
     def arm(self) -> None:
         self.armed = True
         self.remaining = [len(params) for _, params in self.buckets]
@@ -229,9 +241,7 @@ class GradSync:
         group, _, n = _my_group((ranks,))
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
         flat = self.flats.get(i)  # reused every step: no fresh 25 MiB allocation per bucket
-        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device or \
-                any(g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for g in grads):
-            # (gradients still viewing it: no optimizer zeroed them since the last step)
+        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
             flat = self.flats[i] = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
                                                device=grads[0].device)
         torch.cat(grads, out=flat)
@@ -251,6 +261,8 @@ class GradSync:
         for p in self.buckets[i][1]:  # the reduced gradients are views of the bucket: no copy
             numel = p.numel()
             p.grad = flat[offset:offset + numel].view_as(p)
+            if i == self.last_of.get(id(p)) and id(p) in self.carried:
+                p.grad = p.grad + self.carried.pop(id(p))
             offset += numel
         if not self.works:
             self.armed = False

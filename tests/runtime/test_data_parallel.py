@@ -87,10 +87,35 @@ def _train(rank, world):
             "synced": sorted(t.name for ins in syncs for t in ins.tensors),
             "buckets": len(syncs), "groups": {ins.ranks for ins in syncs},
             "plan": str(graph.plan), "early": graph._runtime.grad_sync.early}
+    out["no_optimizer_grad"] = _grads_without_optimizer(rank, world, where)
     if world == 2:
         import ddp
         out["ddp_example_w"] = ddp.main(iters=300)
     return out
+
+
+class NoOptimizerGraph(graphc.Graph):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.config.set_gradient_accumulation_steps(2)
+
+    def build(self, x, y):
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def _grads_without_optimizer(rank, world, where):
+    """Two steps, nothing zeroes the gradients: they accumulate as in eager, each step's
+    partial sums reduced once."""
+    torch.manual_seed(0)
+    model = graphc.to_global(MLP(), placement=where, sbp=graphc.sbp.broadcast)
+    graph = NoOptimizerGraph(model)
+    for x, y in make_batches(2):
+        graph(graphc.to_global(shard(x, rank, world), placement=where, sbp=graphc.sbp.split(0)),
+              graphc.to_global(shard(y, rank, world), placement=where, sbp=graphc.sbp.split(0)))
+    return model.l1.weight.grad.clone()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -115,6 +140,12 @@ def test_data_parallel_matches_eager(world):
                 assert got["buckets"] > 1, what
             # every bucket started during the last backward (hooks), overlapping it
             assert got["early"] == got["buckets"], what
+    torch.manual_seed(0)
+    ref = MLP()
+    for x, y in batches[:2]:
+        nn.functional.cross_entropy(ref(x), y).backward()
+    for res in results:
+        torch.testing.assert_close(res["no_optimizer_grad"], ref.l1.weight.grad, atol=1e-5, rtol=1e-5)
     if world == 2:
         for res in results:  # seed 001: w converges to [2, 3]
             torch.testing.assert_close(res["ddp_example_w"], torch.tensor([[2.0], [3.0]]),

@@ -38,8 +38,32 @@ def ensure_process_group(device_types=("cpu",)) -> Tuple[int, int]:
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if wants_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_seconds()))
+    timeout = timedelta(seconds=timeout_seconds())
+    store = _restart_store(timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, store=store,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     return dist.get_rank(), dist.get_world_size()
+
+
+def _restart_store(timeout: timedelta):
+    """After a torchrun restart, the store under a prefix of its own; else None (the default).
+
+    torchrun's agent store keeps the keys the dead attempt's process group wrote, and the
+    default group always uses the same prefix, so a restarted rank can read a dead peer's
+    address and its gloo connect fails or hangs (seen with torch 2.13 under
+    --max-restarts). A per-attempt prefix gives every attempt fresh keys.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0:
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=(rank == 0 and not agent_hosts), timeout=timeout)
+    return dist.PrefixStore(f"graphc/attempt{attempt}/", store)
 
 
 def device_for(device_type: str) -> torch.device:

@@ -113,8 +113,10 @@ def main():
                 times[name].append(t)
     if rank == 0:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        kinds = set(graph._runtime.p2p.kinds.values()) or {"gloo"}
         print(f"batch {args.batch}, {MICROBATCHES} micro-batches, {args.iters} iterations, "
-              f"world {dist.get_world_size()}, gloo, {torch.get_num_threads()} thread(s)/rank")
+              f"world {dist.get_world_size()}, graphc p2p: {'/'.join(sorted(kinds))} "
+              f"(torch.pipelining: gloo), {torch.get_num_threads()} thread(s)/rank")
         print(f"{'contender':26s} {'median ms':>10s}")
         for k, v in med.items():
             print(f"{k:26s} {v:10.2f}")

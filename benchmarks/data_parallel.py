@@ -31,7 +31,7 @@ class DataParallelGraph(graphc.Graph):
         super().__init__()
         self.model = model
         if bucket_bytes:
-            self.config.gradient_bucket_bytes = bucket_bytes
+            self.config.set_gradient_bucket_size(bucket_bytes)
         self.loss_fn = nn.CrossEntropyLoss()
         self.add_optimizer(opt)
 

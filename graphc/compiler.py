@@ -117,7 +117,7 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
                   training, world_size)
     # 7b. all-reduce of partial_sum gradients (data parallel), bucketed, before the step
     plans = _step(h, "insert_grad_sync", insert_grad_sync, plans, gm,
-                  getattr(cfg, "gradient_bucket_bytes", 25 * 2 ** 20))
+                  cfg.gradient_bucket_bytes)
     # 7c. each conversion's collectives listed where its compute issues them (SBP, ranks, bytes)
     plans = _step(h, "list_collectives", list_collectives, plans, programs)
     # 8. all plans together must pair up and be free of deadlock

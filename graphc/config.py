@@ -46,6 +46,7 @@ class GraphConfig:
         self.gradient_accumulation_steps = 1
         self.pipeline_schedule = "1f1b"
         self.recv_window = 2
+        self.gradient_bucket_bytes = 25 * 2 ** 20
         self.trace_path: Optional[str] = None
         self.trace_steps = 5
 
@@ -81,6 +82,13 @@ class GraphConfig:
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise GraphcError(f"set_trace: steps must be an int >= 1, found {steps!r}")
         self.trace_path, self.trace_steps = path, steps
+
+    def set_gradient_bucket_size(self, nbytes: int) -> None:
+        """Gradients of data-parallel parameters are all-reduced in buckets of about `nbytes`."""
+        self._check_open("set_gradient_bucket_size")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
+            raise GraphcError(f"gradient bucket size must be an int number of bytes >= 1, found {nbytes!r}")
+        self.gradient_bucket_bytes = nbytes
 
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""

@@ -54,7 +54,7 @@ class DataParallelGraph(graphc.Graph):
         self.loss_fn = nn.CrossEntropyLoss()
         self.config.set_gradient_accumulation_steps(accumulation)
         if bucket_bytes:
-            self.config.gradient_bucket_bytes = bucket_bytes
+            self.config.set_gradient_bucket_size(bucket_bytes)
         self.add_optimizer(opt, sched)
 
     def build(self, x, y):

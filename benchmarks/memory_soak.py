@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 4 benchmarks/memory_soak.py --steps 500 --warmup 50
 
-Every rank trains SkipNet-style stages (block s on rank s, the first block's output
+Every rank trains tests/models.py's SkipNet (block s on rank s, the first block's output
 skipping to the last stage) with 1F1B over 4 micro-batches. After `--warmup` steps each
 rank reads its resident set size (VmRSS in /proc/self/status), then again at the end, and
 prints the growth; rank 0 prints the largest growth over the ranks and the process exits
@@ -11,12 +11,14 @@ non-zero when it exceeds --limit percent (5 by default).
 import argparse
 import gc
 import os
+import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
-import graphc
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from models import PipelineGraph, SkipNet  # noqa: E402  (the tests' 4-stage skip model)
 
 
 def rss_kib() -> int:
@@ -25,48 +27,6 @@ def rss_kib() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-class Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.linear = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return torch.nn.functional.gelu(self.norm(self.linear(x)))
-
-
-class SkipNet(nn.Module):
-    def __init__(self, p: int, d: int, classes: int = 10):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(d) for _ in range(p)])
-        self.head = nn.Linear(d, classes)
-
-    def forward(self, x):
-        first = self.blocks[0](x)
-        h = first
-        for block in self.blocks[1:]:
-            h = block(h)
-        return self.head(h + first)
-
-
-class SoakGraph(graphc.Graph):
-    def __init__(self, model: SkipNet, opt, accumulation: int):
-        super().__init__()
-        self.model = model
-        p = len(model.blocks)
-        for s in range(p):
-            self.model.blocks[s].config.set_stage(s, graphc.placement("cpu", ranks=[s]))
-        self.model.head.config.set_stage(p - 1, graphc.placement("cpu", ranks=[p - 1]))
-        self.loss_fn = nn.CrossEntropyLoss()
-        self.config.set_gradient_accumulation_steps(accumulation)
-        self.add_optimizer(opt)
-
-    def build(self, x, y):
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
-        return loss
 
 
 def main():
@@ -80,8 +40,9 @@ def main():
     args = parser.parse_args()
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
-    model = SkipNet(world, args.dim)
-    graph = SoakGraph(model, torch.optim.Adam(model.parameters(), lr=1e-3), args.accumulation)
+    model = SkipNet(world, args.dim, classes=10)
+    graph = PipelineGraph(model, torch.optim.Adam(model.parameters(), lr=1e-3),
+                          accumulation=args.accumulation)
     batches = [(torch.randn(args.batch, args.dim), torch.randint(0, 10, (args.batch,)))
                for _ in range(8)]
     for step in range(args.steps):

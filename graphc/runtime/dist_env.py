@@ -13,13 +13,17 @@ from ..errors import GraphcError
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def seconds_from_env(name: str, default: float) -> float:
+    """A duration in seconds from environment variable `name`, checked for the user."""
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        raise GraphcError(f"{name} must be a number of seconds, found {os.environ[name]!r}")
+
+
 def timeout_seconds() -> float:
     """GRAPHC_TIMEOUT (seconds, default 300): the longest any rank waits on another."""
-    try:
-        return float(os.environ.get("GRAPHC_TIMEOUT", "300"))
-    except ValueError:
-        raise GraphcError(f"GRAPHC_TIMEOUT must be a number of seconds, found "
-                          f"{os.environ['GRAPHC_TIMEOUT']!r}")
+    return seconds_from_env("GRAPHC_TIMEOUT", 300)
 
 
 def ensure_process_group(device_types=("cpu",)) -> Tuple[int, int]:

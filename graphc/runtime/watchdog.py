@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from ..errors import GraphcError, RankFailedError
+from .dist_env import seconds_from_env
 
 # Keys live under graphc/<torchrun restart count>/, so a restarted world (torchrun
 # --max-restarts, whose store may outlive a round) never reads the last round's failure.
@@ -144,11 +145,7 @@ class Watchdog:
 
 def heartbeat_timeout_seconds() -> float:
     """GRAPHC_HEARTBEAT_TIMEOUT (seconds, default 10): silence after which a rank is dead."""
-    try:
-        return float(os.environ.get("GRAPHC_HEARTBEAT_TIMEOUT", "10"))
-    except ValueError:
-        raise GraphcError(f"GRAPHC_HEARTBEAT_TIMEOUT must be a number of seconds, found "
-                          f"{os.environ['GRAPHC_HEARTBEAT_TIMEOUT']!r}")
+    return seconds_from_env("GRAPHC_HEARTBEAT_TIMEOUT", 10)
 
 
 def _failed_rank_text(message: str) -> str:

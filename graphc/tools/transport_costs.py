@@ -1,0 +1,185 @@
+"""Point-to-point transport costs, measured between two processes on this host.
+
+`measure_transport("shm"|"gloo"|"auto")` times the sender's isend, the receiver's copy
+out, the latency and how late a waiting receiver notices its data; the simulator charges
+these to the rank that pays them (see graphc/tools/costs.py and simulate.py).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..errors import GraphcError
+
+if TYPE_CHECKING:
+    from .costs import CostModel
+
+
+@dataclass
+class TransportCosts:
+    """One point-to-point transport's costs, measured between two processes on this host."""
+
+    kind: str
+    send_overhead: float
+    send_per_byte: float
+    recv_overhead: float
+    recv_per_byte: float
+    latency: float
+    poll_delay: List[Tuple[float, float]]
+
+    def apply(self, costs: CostModel) -> CostModel:
+        return replace(costs, send_overhead=self.send_overhead, send_per_byte=self.send_per_byte,
+                       recv_overhead=self.recv_overhead, recv_per_byte=self.recv_per_byte,
+                       latency=self.latency, bandwidth=float("inf"), poll_delay=self.poll_delay,
+                       sends_complete_on_delivery=self.kind == "gloo",
+                       source=costs.source + f", {self.kind} transport measured")
+
+
+def transport_kind(transport: str = "auto") -> str:
+    """The transport graphc.runtime.comm uses between cpu ranks on one host."""
+    from ..runtime import shm
+    if transport == "auto":
+        transport = os.environ.get("GRAPHC_P2P", "auto")
+    if transport == "auto":
+        return "shm" if shm.supported() else "gloo"
+    if transport not in ("shm", "gloo"):
+        raise GraphcError(f"transport must be auto, shm or gloo, found {transport!r}")
+    return transport
+
+
+WAITS_S = (0.0, 2e-4, 5e-4, 1e-3, 2e-3, 4e-3)   # receiver waits at which the delay is measured
+
+
+def measure_transport(transport: str = "auto", nbytes: int = 1 << 15, repeats: int = 30,
+                      threads: int = 1) -> TransportCosts:
+    """Measures a transport with two spawned processes (one torch thread each).
+
+    Per message size (16 bytes and `nbytes`): the sender's isend() time, the receiver's
+    wait() time when the data is already there (its copy out), fitted as fixed + per byte;
+    then, with the receiver waiting, how long after isend() returned it sees the data, for
+    waits of WAITS_S: the delay at the shortest wait is the latency, the growth over it the
+    polling delay (both processes read one clock, CLOCK_MONOTONIC).
+    """
+    import subprocess
+    import sys
+    import tempfile
+    kind = transport_kind(transport)
+    nbytes = max(64, -(-nbytes // 4) * 4)
+    # a fresh interpreter spawns the pair, so that no caller's __main__ is re-imported there
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("GRAPHC_PLAN", "MASTER_", "TORCHELASTIC")) and
+           k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    with tempfile.TemporaryDirectory() as outdir:
+        code = (f"from graphc.tools.transport_costs import _spawn_pair; "
+                f"_spawn_pair({kind!r}, {nbytes}, {repeats}, {threads}, {outdir!r})")
+        subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+        return TransportCosts(**torch.load(os.path.join(outdir, "transport.pt")))
+
+
+def _spawn_pair(kind: str, nbytes: int, repeats: int, threads: int, outdir: str) -> None:
+    import torch.multiprocessing as mp
+    mp.start_processes(_transport_worker, args=(kind, nbytes, repeats, threads, _free_port(), outdir),
+                       nprocs=2, join=True, start_method="spawn")
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Gloo:
+    def isend(self, t, peer, tag=0):
+        return dist.isend(t, peer, tag=tag)
+
+    def irecv(self, t, peer, tag=0):
+        return dist.irecv(t, peer, tag=tag)
+
+
+def _transport_worker(rank: int, kind: str, nbytes: int, repeats: int, threads: int,
+                      port: int, outdir: str) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        if kind == "shm":
+            from ..runtime import shm
+            from ..runtime.comm import _open_channels
+            pairs = [(0, 1), (1, 0)]
+            channels = _open_channels(rank, pairs, {p: (4, nbytes, "cpu") for p in pairs})
+            tp = shm.ShmTransport(rank, channels, 60.0)
+        else:
+            tp = _Gloo()
+        peer, tag = 1 - rank, [0]
+
+        def send(t):
+            tag[0] += 1
+            return tp.isend(t, peer, tag[0])
+
+        def recv(t):
+            tag[0] += 1
+            return tp.irecv(t, peer, tag[0])
+
+        ready = {}
+        for n in (16, nbytes):
+            t = torch.randn(n // 4)
+            s_times, r_times = [], []
+            for _ in range(repeats + 1):
+                w = recv(t) if rank == 1 else None
+                dist.barrier()
+                if rank == 0:
+                    t0 = time.perf_counter()
+                    w = send(t)
+                    s_times.append(time.perf_counter() - t0)
+                    w.wait()
+                else:
+                    time.sleep(2e-3)    # the data is surely there: time the copy out only
+                    t0 = time.perf_counter()
+                    w.wait()
+                    r_times.append(time.perf_counter() - t0)
+                dist.barrier()
+            ready[n] = statistics.median((s_times or r_times)[1:])
+        both = [None, None]
+        dist.all_gather_object(both, ready)
+        sent, got = both
+        delays = []
+        t = torch.randn(nbytes // 4)
+        for wait in WAITS_S:
+            d = []
+            for _ in range(repeats + 1):
+                w = recv(t) if rank == 1 else None
+                dist.barrier()
+                if rank == 0:
+                    time.sleep(wait)
+                    w = send(t)
+                    stamp = time.perf_counter()
+                    w.wait()
+                else:
+                    t0 = time.perf_counter()
+                    w.wait()
+                    stamp = time.perf_counter()
+                    stamp = (t0, stamp)
+                pair = [None, None]
+                dist.all_gather_object(pair, stamp)
+                sent_at, (began, seen) = pair
+                d.append((sent_at - began, seen - sent_at - got[nbytes]))
+            d = d[1:]
+            delays.append((statistics.median(x for x, _ in d), statistics.median(y for _, y in d)))
+        if rank == 0:
+            fit = lambda c: (max(0.0, c[16] - 16 * (c[nbytes] - c[16]) / (nbytes - 16)),  # noqa: E731
+                             max(0.0, (c[nbytes] - c[16]) / (nbytes - 16)))
+            latency = max(0.0, delays[0][1])
+            poll = [(max(w, 0.0), max(0.0, x - latency)) for w, x in delays[1:]]
+            (so, sb), (ro, rb) = fit(sent), fit(got)
+            torch.save(dict(kind=kind, send_overhead=so, send_per_byte=sb, recv_overhead=ro,
+                            recv_per_byte=rb, latency=latency, poll_delay=sorted(poll)),
+                       os.path.join(outdir, "transport.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -41,9 +41,10 @@ class P2P:
         cuda_pairs = [pair for pair, (_, _, dev) in specs.items() if dev == "cuda"]
         for src, dst in sorted(cuda_pairs):  # new_group is collective: every rank, same order
             self.groups[(src, dst)] = dist.new_group([src, dst])
-        shm_pairs = _shm_pairs(specs)
+        shm_pairs, pids = _shm_pairs(specs)
         if shm_pairs:
-            self.shm = shm.ShmTransport(rank, _open_channels(rank, shm_pairs, specs), timeout_seconds())
+            self.shm = shm.ShmTransport(rank, _open_channels(rank, shm_pairs, specs),
+                                        timeout_seconds(), pids)
 
     def _uses_shm(self, pair: Tuple[int, int]) -> bool:
         return self.shm is not None and pair in self.shm.channels
@@ -82,21 +83,22 @@ def _channel_specs(plans: Iterable[ExecutionPlan]) -> Dict[Tuple[int, int], Tupl
     return {pair: (count[pair], biggest[pair], device[pair]) for pair in count}
 
 
-def _shm_pairs(specs) -> list:
+def _shm_pairs(specs) -> Tuple[list, Dict[int, int]]:
     mode = os.environ.get("GRAPHC_P2P", "auto")
     if mode not in ("auto", "shm", "gloo"):
         raise GraphcError(f"GRAPHC_P2P must be auto, shm or gloo, found {mode!r}")
     hosts = [None] * dist.get_world_size()
     # collective: every rank calls it, so every rank takes the same decision for a pair
-    dist.all_gather_object(hosts, (socket.gethostname(), shm.free_bytes()))
+    dist.all_gather_object(hosts, (socket.gethostname(), shm.free_bytes(), os.getpid()))
     free = defaultdict(lambda: float("inf"))
-    for host, nbytes in hosts:
+    for host, nbytes, _ in hosts:
         free[host] = min(free[host], nbytes)
-    hosts = [h for h, _ in hosts]
+    pids = {r: pid for r, (_, _, pid) in enumerate(hosts)}  # shm peers share this host
+    hosts = [h for h, _, _ in hosts]
     if mode == "gloo" or not shm.supported():
         if mode == "shm":
             raise GraphcError("GRAPHC_P2P=shm needs an x86-64 Linux host with /dev/shm")
-        return []
+        return [], pids
     pairs, used = [], defaultdict(int)
     for (src, dst), (n, nbytes, dev) in sorted(specs.items()):
         ring = shm.ring_bytes(n, nbytes)
@@ -110,7 +112,7 @@ def _shm_pairs(specs) -> list:
             raise GraphcError(f"GRAPHC_P2P=shm, but channel rank {src} -> rank {dst} cannot use "
                               f"shared memory (hosts {hosts[src]}/{hosts[dst]}, device {dev}, "
                               f"{n * nbytes} bytes per step)")
-    return pairs
+    return pairs, pids
 
 
 def _open_channels(rank: int, pairs, specs) -> Dict[Tuple[int, int], shm.ShmChannel]:

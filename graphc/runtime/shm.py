@@ -65,13 +65,25 @@ class ShmChannel:
         return self.mem[start:start + nbytes]
 
 
-def _wait(ready, deadline: float, what: str) -> None:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` on this host still exists (the peer of a channel)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait(ready, deadline: float, what: str, peer: Tuple[int, int] = (-1, 0)) -> None:
     """Polls `ready`: a few tight checks, then yields the core, then sleeps with backoff.
 
     Ranks often outnumber cores, so a waiting rank must not burn the CPU that the rank
-    it waits for needs.
+    it waits for needs. The peer shares this host, so a wait also ends as soon as the
+    peer's process is gone, however it died.
     """
-    spins, nap = 0, 1e-5
+    spins, nap, next_check = 0, 1e-5, time.monotonic() + 0.2
     while not ready():
         spins += 1
         if spins < 16:
@@ -81,8 +93,14 @@ def _wait(ready, deadline: float, what: str) -> None:
             continue
         time.sleep(nap)
         nap = min(nap * 2, 5e-4)
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise RankFailedError(what)
+        if peer[1] and now > next_check:
+            next_check = now + 0.2
+            if not pid_alive(peer[1]) and not ready():
+                raise RankFailedError(f"rank {peer[0]} failed: its process {peer[1]} exited "
+                                      "while this rank was waiting on it")
 
 
 class _Done:
@@ -107,7 +125,8 @@ class _RecvWork:
         ch, seq = self.ch, self.seq
         _wait(lambda: int(ch.produced.item()) > seq, time.monotonic() + self.t.timeout,
               f"rank {self.t.rank} waited {self.t.timeout:.0f}s for message {seq} from rank "
-              f"{self.peer}; that rank has failed or stalled (GRAPHC_TIMEOUT sets the limit)")
+              f"{self.peer}; that rank has failed or stalled (GRAPHC_TIMEOUT sets the limit)",
+              (self.peer, self.t.pids.get(self.peer, 0)))
         flat = self.out.view(-1).view(torch.uint8) if self.out.numel() else self.out.view(torch.uint8)
         flat.copy_(ch.slot(seq, flat.numel()))
         ch.consumed.fill_(seq + 1)
@@ -118,15 +137,17 @@ class _RecvWork:
 class ShmTransport:
     """isend/irecv over shared-memory rings, with the same call shape as torch.distributed."""
 
-    def __init__(self, rank: int, channels: Dict[Tuple[int, int], ShmChannel], timeout: float):
+    def __init__(self, rank: int, channels: Dict[Tuple[int, int], ShmChannel], timeout: float,
+                 pids: Dict[int, int] = None):
         self.rank, self.channels, self.timeout = rank, channels, timeout
+        self.pids = pids or {}
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0):
         ch = self.channels[(self.rank, peer)]
         seq = ch.seq
         _wait(lambda: seq - int(ch.consumed.item()) < ch.slots, time.monotonic() + self.timeout,
               f"rank {self.rank} waited {self.timeout:.0f}s for rank {peer} to take message "
-              f"{seq - ch.slots}; that rank has failed or stalled")
+              f"{seq - ch.slots}; that rank has failed or stalled", (peer, self.pids.get(peer, 0)))
         data = tensor.contiguous().view(-1).view(torch.uint8)
         ch.slot(seq, data.numel()).copy_(data)
         ch.produced.fill_(seq + 1)

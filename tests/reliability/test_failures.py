@@ -83,3 +83,16 @@ def test_stalled_rank_is_bounded_by_graphc_timeout():
     # the transport that timed out names the stalled peer (gloo or shared memory wording)
     assert re.search(r"RankFailedError: rank 0\b.*rank 1", exits[0].output), exits[0].output[-3000:]
     assert "graphc: rank 0 failed:" in exits[1].output and "exiting rank 1" in exits[1].output
+
+
+def test_killed_store_host_on_shared_memory_is_noticed_without_heartbeats():
+    """Rank 0 hosts the store and dies: with heartbeats and the timeout far away (100 s),
+    the survivor's shared-memory wait notices its peer's process is gone and names it."""
+    exits = bare_world(SCRIPT, ["--fail-rank", "0", "--mode", "kill"], 2, TIMEOUT,
+                       GRAPHC_HEARTBEAT_TIMEOUT="100", GRAPHC_TIMEOUT="100", GRAPHC_P2P="shm")
+    assert exits[0].returncode == -9, exits[0].output[-2000:]
+    assert exits[1].returncode != 0, exits[1].output[-3000:]
+    took = exits[1].since_failure(exits[0].output)
+    _report("bare SIGKILL of rank 0 (store host), shm", took)
+    assert took < BOUND
+    assert re.search(r"rank 0 failed: its process \d+ exited", exits[1].output), exits[1].output[-3000:]

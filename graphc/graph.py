@@ -1,8 +1,7 @@
 """graphc.Graph: the user's entry point (see ../shared/API.md)."""
 from __future__ import annotations
 
-import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 import torch.fx as fx
@@ -16,7 +15,7 @@ from .global_tensor import GlobalTensor, global_from_local
 from .meta import META_SBP, META_STAGE
 from .placement import placement as Placement
 from .plan.plan import ExecutionPlan
-from .runtime.actors import Runtime, StepStats
+from .runtime.actors import Runtime
 from .runtime.collectives import compiled_groups, create_groups
 from .runtime.comm import P2P
 from .runtime.dist_env import device_for, ensure_process_group
@@ -204,7 +203,7 @@ class Graph:
 
     def _outputs(self, results: Dict[str, List[torch.Tensor]]):
         gm = self._compiled.gm
-        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        out_node = gm.graph.output_node()
 
         def wrap(node: fx.Node):
             stage = self._compiled.stages[node.meta[META_STAGE]]

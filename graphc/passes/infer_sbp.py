@@ -86,17 +86,22 @@ def _all_b(mesh: tuple) -> tuple:
     return (B,) * len(mesh_shape(mesh))
 
 
+def _checked_sbp(given, value: fx.Node, mesh: tuple, what: str) -> tuple:
+    """The user's sbp for `value`, normalised, with one entry per axis of `mesh`."""
+    meta = value.meta.get(META_TENSOR)
+    sbp = normalize_sbp(given, len(meta.shape) if meta else None, what)
+    if len(sbp) != len(mesh_shape(mesh)):
+        raise GraphcError(
+            f"{what} with sbp {fmt(sbp)} has {len(sbp)} value(s) but runs on a mesh {mesh} with "
+            f"{len(mesh_shape(mesh))} axis(es). Fix: give one sbp per mesh axis, e.g. "
+            "sbp=(split(0), broadcast) on a 2-D placement.")
+    return sbp
+
+
 def _input_sbp(node: fx.Node, given, mesh: tuple) -> tuple:
     if given is None:
         return _all_b(mesh)
-    meta = node.meta.get(META_TENSOR)
-    sbp = normalize_sbp(given, len(meta.shape) if meta else None, f"input '{node.name}'")
-    if len(sbp) != len(mesh_shape(mesh)):
-        raise GraphcError(
-            f"input '{node.name}' has sbp {fmt(sbp)} ({len(sbp)} value(s)) but runs on stage "
-            f"{node.meta[META_STAGE]} whose mesh {mesh} has {len(mesh_shape(mesh))} axis(es). Fix: "
-            "give one sbp per mesh axis, e.g. sbp=(split(0), broadcast) on a 2-D placement.")
-    return sbp
+    return _checked_sbp(given, node, mesh, f"input '{node.name}' (stage {node.meta[META_STAGE]})")
 
 
 def _param_sbp(gm: fx.GraphModule, node: fx.Node, mesh: tuple) -> tuple:
@@ -143,13 +148,7 @@ def _move_to_target_stage(node: fx.Node, meshes: Sequence[tuple]) -> None:
 def _conversion(node: fx.Node, mesh: tuple) -> SbpSignature:
     """to_global inside build(): the value arrives in the declared sbp (boxed on this stage)."""
     where, sbp = conversion_target(node)
-    meta = node.args[0].meta.get(META_TENSOR)
-    sbp = normalize_sbp(sbp, len(meta.shape) if meta else None, f"to_global at '{node.name}'")
-    if len(sbp) != len(mesh_shape(mesh)):
-        raise GraphcError(
-            f"to_global at '{node.name}' converts to {where} with sbp {fmt(sbp)}: "
-            f"{len(sbp)} value(s) for a mesh of {len(mesh_shape(mesh))} axis(es) ({mesh}). Fix: "
-            "give one sbp per mesh axis, e.g. sbp=(split(0), broadcast) on a 2-D placement.")
+    sbp = _checked_sbp(sbp, node.args[0], mesh, f"to_global at '{node.name}' (to {where})")
     return SbpSignature(mesh, sbp, ((node.args[0].name, sbp),))
 
 

@@ -25,7 +25,7 @@ def split_stages(gm: fx.GraphModule, num_stages: int) -> List[StageProgram]:
     nodes = [n for n in gm.graph.nodes if n.op != "output" and not _is_backward(n)]
     backward = next((n for n in gm.graph.nodes if _is_backward(n)), None)
     loss = backward.args[0] if backward is not None else None
-    output = next(n for n in gm.graph.nodes if n.op == "output")
+    output = gm.graph.output_node()
     results = set(output.all_input_nodes)
     arg_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     return [_stage_program(gm, s, nodes, loss, results, arg_index) for s in range(num_stages)]

@@ -106,6 +106,12 @@ class Runtime:
         m = plan.num_microbatches
         self.executor = StageExecutor(program, plan.training, 1.0 / m) if program else None
         self.grad_sync = GradSync.from_plan(plan, program)  # None without partial_sum grads
+        # each peer's receives in plan order, and the peers sent to: fixed by the plan
+        self.recv_queues: Dict[int, List[Recv]] = defaultdict(list)
+        for ins in plan.instructions:
+            if isinstance(ins, Recv):
+                self.recv_queues[ins.peer].append(ins)
+        self.send_peers = sorted({ins.peer for ins in plan.instructions if isinstance(ins, Send)})
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def step(self, user_inputs: List[torch.Tensor]) -> Tuple[Dict[str, List[torch.Tensor]], StepStats]:
@@ -118,13 +124,10 @@ class Runtime:
         return self._run(user_inputs)
 
     def _actors(self):
-        recvs: Dict[int, List[Recv]] = defaultdict(list)
-        for ins in self.plan.instructions:
-            if isinstance(ins, Recv):
-                recvs[ins.peer].append(ins)
-        recv_actors = {p: RecvActor(p, q, self.p2p, self.device, self.window) for p, q in recvs.items()}
-        send_actors = {ins.peer: SendActor(ins.peer, self.p2p)
-                       for ins in self.plan.instructions if isinstance(ins, Send)}
+        """Fresh actors for one step (their tags and buffers are per step)."""
+        recv_actors = {p: RecvActor(p, q, self.p2p, self.device, self.window)
+                       for p, q in self.recv_queues.items()}
+        send_actors = {p: SendActor(p, self.p2p) for p in self.send_peers}
         return recv_actors, send_actors
 
     def _microbatches(self, user_inputs: List[torch.Tensor]) -> List[Dict[str, torch.Tensor]]:

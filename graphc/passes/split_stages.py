@@ -4,7 +4,9 @@ Invariant: stage s's program computes exactly the nodes annotated with stage s; 
 value it reads from another stage (or a user input placed on another stage) is one of
 its inputs, listed in recv_from under the producing stage; every value a later stage
 reads is one of its outputs, listed in send_to under each consuming stage, so a skip
-connection goes straight from its producer's stage to its consumer's stage.
+connection goes straight from its producer's stage to its consumer's stage. Every list
+of values crossing one boundary (send_to[c] of the sender, recv_from[p] of the receiver,
+and so their gradients) is in the annotated graph's node order (see NOTE: Boundary order).
 Requires: annotate_stages, propagate_shapes, verify_annotated.
 """
 from __future__ import annotations
@@ -21,6 +23,15 @@ from ..plan.program import StageProgram
 from ..sbp.layout import local_shape
 
 
+# NOTE: Boundary order
+# A sender knows its outputs in the order it produces them, a receiver its inputs in the
+# order it first uses them; the two differ as soon as a boundary cuts a residual block
+# (`h + fc2(gelu(fc1(h)))` cut after gelu uses gelu before h). Both sides therefore list
+# the values crossing a boundary in one canonical order, the node order of the whole
+# annotated graph, which every stage (and every rank) sees alike. lower_plan copies these
+# lists into Send/Recv payloads, and the runtime moves tensors in payload order.
+
+
 def split_stages(gm: fx.GraphModule, num_stages: int) -> List[StageProgram]:
     nodes = [n for n in gm.graph.nodes if n.op != "output" and not _is_backward(n)]
     backward = next((n for n in gm.graph.nodes if _is_backward(n)), None)
@@ -28,7 +39,12 @@ def split_stages(gm: fx.GraphModule, num_stages: int) -> List[StageProgram]:
     output = gm.graph.output_node()
     results = set(output.all_input_nodes)
     arg_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    return [_stage_program(gm, s, nodes, loss, results, arg_index) for s in range(num_stages)]
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    programs = [_stage_program(gm, s, nodes, loss, results, arg_index) for s in range(num_stages)]
+    for prog in programs:  # See NOTE: Boundary order
+        for specs in list(prog.recv_from.values()) + list(prog.send_to.values()):
+            specs.sort(key=lambda spec: order[spec.name])
+    return programs
 
 
 def _is_backward(node: fx.Node) -> bool:

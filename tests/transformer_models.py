@@ -1,0 +1,110 @@
+"""Small transformer models for the boundary and tied-parameter tests.
+
+`BlockNet` is one pre-norm transformer block (LayerNorm, causal attention, residuals, MLP)
+between an input projection and a head; `LEAVES` lists its sub-modules in forward order,
+so a test can cut it into two stages at any position. `TinyGPT` has a token embedding
+tied to its LM head (`self.lm_head.weight = self.wte.weight`).
+"""
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphc
+
+
+class Attention(nn.Module):
+    """Causal self-attention written with plain ops (or F.scaled_dot_product_attention)."""
+
+    def __init__(self, d: int, heads: int, t: int, sdpa: bool = False):
+        super().__init__()
+        self.q, self.k, self.v, self.proj = (nn.Linear(d, d) for _ in range(4))
+        self.heads, self.scale, self.sdpa = heads, (d // heads) ** -0.5, sdpa
+        self.register_buffer("causal", torch.ones(t, t, dtype=torch.bool).tril())
+
+    def _heads(self, x):  # (b, t, d) -> (b, heads, t, d / heads): a non-contiguous view
+        return x.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def forward(self, x):
+        q, k, v = self._heads(self.q(x)), self._heads(self.k(x)), self._heads(self.v(x))
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * self.scale
+            y = att.masked_fill(~self.causal, float("-inf")).softmax(-1) @ v
+        return self.proj(y.transpose(1, 2).flatten(-2))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, d: int, heads: int, t: int, sdpa: bool = False):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(d), Attention(d, heads, t, sdpa)
+        self.ln2, self.mlp = nn.LayerNorm(d), MLP(d)
+
+    def forward(self, h):
+        h = h + self.attn(self.ln1(h))
+        return h + self.mlp(self.ln2(h))
+
+
+class BlockNet(nn.Module):
+    """x (b, t, d_in) -> logits (b, t, classes) through one transformer block."""
+
+    LEAVES = ("inp", "block.ln1", "block.attn.q", "block.attn.k", "block.attn.v",
+              "block.attn.proj", "block.ln2", "block.mlp.fc1", "block.mlp.fc2", "ln_f", "head")
+
+    def __init__(self, d_in: int = 6, d: int = 8, heads: int = 2, t: int = 4, classes: int = 5,
+                 sdpa: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.block = TransformerBlock(d, heads, t, sdpa)
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, classes)
+
+    def forward(self, x):
+        return self.head(self.ln_f(self.block(self.inp(x))))
+
+
+class CutGraph(graphc.Graph):
+    """BlockNet cut before each leaf index in `cuts`: with cuts (3,), LEAVES[:3] run on
+    stage 0 (rank 0) and LEAVES[3:] on stage 1 (rank 1); with (3, 7) three stages."""
+
+    def __init__(self, model: BlockNet, opt, cuts: Sequence[int], accumulation: int = 2):
+        super().__init__()
+        self.model = model
+        for i, path in enumerate(BlockNet.LEAVES):
+            stage = sum(i >= c for c in cuts)
+            _block(self.model, path).config.set_stage(stage, graphc.placement("cpu", ranks=[stage]))
+        self.config.set_gradient_accumulation_steps(accumulation)
+        if opt is not None:
+            self.add_optimizer(opt)
+
+    def build(self, x, y):
+        loss = token_loss(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def _block(block, path: str):
+    """The ModuleBlock at a dotted path (attribute access on Graph-wrapped modules)."""
+    for part in path.split("."):
+        block = getattr(block, part)
+    return block
+
+
+def token_loss(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def block_batches(n: int = 2, batch: int = 4, t: int = 4, d_in: int = 6, classes: int = 5, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, t, d_in, generator=g), torch.randint(0, classes, (batch, t), generator=g))
+            for _ in range(n)]

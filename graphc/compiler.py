@@ -20,6 +20,7 @@ from .passes.annotate_stages import annotate_stages
 from .passes.decompose_modules import decompose_modules
 from .passes.infer_sbp import infer_sbp
 from .passes.insert_boxing import insert_boxing
+from .passes.insert_grad_clip import insert_grad_clip
 from .passes.insert_grad_sync import insert_grad_sync
 from .passes.list_collectives import list_collectives
 from .passes.localize_ops import localize_ops
@@ -118,7 +119,10 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     # 7b. all-reduce of partial_sum gradients (data parallel), bucketed, before the step
     plans = _step(h, "insert_grad_sync", insert_grad_sync, plans, gm,
                   cfg.gradient_bucket_bytes)
-    # 7c. each conversion's collectives listed where its compute issues them (SBP, ranks, bytes)
+    # 7c. clipping by the global grad norm (one scalar all-reduce), once gradients are final
+    plans = _step(h, "insert_grad_clip", insert_grad_clip, plans, programs, meshes,
+                  cfg.grad_clip_norm)
+    # 7d. each conversion's collectives listed where its compute issues them (SBP, ranks, bytes)
     plans = _step(h, "list_collectives", list_collectives, plans, programs)
     # 8. all plans together must pair up and be free of deadlock
     _step(h, "verify_plans", verify_plans, plans)

@@ -49,6 +49,7 @@ class GraphConfig:
         self.gradient_bucket_bytes = 25 * 2 ** 20
         self.trace_path: Optional[str] = None
         self.trace_steps = 5
+        self.grad_clip_norm: Optional[float] = None
 
     def _check_open(self, what: str) -> None:
         if self._graph._compiled is not None:
@@ -89,6 +90,29 @@ class GraphConfig:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
             raise GraphcError(f"gradient bucket size must be an int number of bytes >= 1, found {nbytes!r}")
         self.gradient_bucket_bytes = nbytes
+
+    def set_grad_clip_norm(self, max_norm: float) -> None:
+        """Clips gradients by their global 2-norm before each optimizer step.
+
+        The norm is taken over every parameter gradient of the whole model, across every
+        stage and shard: a replicated parameter counts once, a split parameter's shards
+        together, a tied parameter once. When it exceeds `max_norm`, every gradient is
+        scaled by max_norm / (norm + 1e-6), exactly as torch.nn.utils.clip_grad_norm_ on
+        the eager model. It costs one scalar all-reduce per step over the training ranks,
+        listed in the plan as CLIP_GRAD_NORM.
+
+        Args:
+            max_norm: the largest global gradient norm allowed, a number > 0.
+
+        Example:
+            self.config.set_grad_clip_norm(1.0)   # in the Graph's __init__
+        """
+        self._check_open("set_grad_clip_norm")
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0 \
+                or max_norm == float("inf"):
+            raise GraphcError(f"set_grad_clip_norm: max_norm must be a finite number > 0, found "
+                              f"{max_norm!r}. Fix: pass e.g. self.config.set_grad_clip_norm(1.0).")
+        self.grad_clip_norm = float(max_norm)
 
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""

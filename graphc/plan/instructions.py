@@ -146,6 +146,28 @@ class AllReduce(Instruction):
 
 
 @dataclass(frozen=True)
+class ClipGradNorm(AllReduce):
+    """Gradient clipping by the global norm: an all-reduce of one scalar, then a local scale.
+
+    Each rank sums the squared norms of the gradients it counts (`params`: each replicated
+    parameter on one rank only, see insert_grad_clip), the sum is all-reduced over `ranks`,
+    and every local gradient is scaled by max_norm / (norm + 1e-6) when that is below 1.
+    `params` differ per rank, so they do not take part in comparing instructions across ranks.
+    """
+
+    max_norm: float = 1.0
+    params: Tuple[str, ...] = field(default=(), compare=False)
+
+    def __str__(self) -> str:
+        return (f"CLIP_GRAD_NORM max_norm={self.max_norm!r} ranks={list(self.ranks)} "
+                f"[{' '.join(map(str, self.tensors))}] of [{' '.join(self.params)}]")
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "purpose": "clip_grad_norm", "max_norm": self.max_norm,
+                "params": list(self.params)}
+
+
+@dataclass(frozen=True)
 class OptimizerStep(Instruction):
     op: ClassVar[str] = "optimizer_step"
 
@@ -196,6 +218,7 @@ _COMPUTE_RE = re.compile(r"(\d+)([FB])(\d+)")
 _P2P_RE = re.compile(r"(\d+)(SEND|RECV)_([FB])(\d+) (to|from)=(\d+) stage=(\d+) \[(.*)\]")
 _COLL_RE = re.compile(r"(\d+)([FB])(\d+)\.(\w+) (\S+) (.+)->(.+) ranks=\[([\d, ]*)\] bytes=(\d+)(?: # (.*))?")
 _AR_RE = re.compile(r"ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\]")
+_CLIP_RE = re.compile(r"CLIP_GRAD_NORM max_norm=(\S+) ranks=\[([\d, ]*)\] \[(.*)\] of \[(.*)\]")
 
 
 def parse_instruction(text: str) -> Instruction:
@@ -215,6 +238,10 @@ def parse_instruction(text: str) -> Instruction:
         return Collective(m.group(4).lower(), int(m.group(1)), int(m.group(3)), m.group(2),
                           tuple(int(r) for r in m.group(8).split(",") if r.strip()), m.group(5),
                           m.group(6), m.group(7), int(m.group(9)), m.group(10) or "")
+    if m := _CLIP_RE.fullmatch(text):
+        ranks = tuple(int(r) for r in m.group(2).split(",") if r.strip())
+        return ClipGradNorm(ranks, tuple(TensorSpec.parse(s) for s in m.group(3).split()),
+                            float(m.group(1)), tuple(m.group(4).split()))
     if m := _AR_RE.fullmatch(text):
         ranks = tuple(int(r) for r in m.group(1).split(",") if r.strip())
         return AllReduce(ranks, tuple(TensorSpec.parse(s) for s in m.group(2).split()))
@@ -234,6 +261,8 @@ def instruction_from_json(d: dict) -> Instruction:
     if "node" in d:
         return Collective(op, d["stage"], d["microbatch"], d["direction"], tuple(d["ranks"]),
                           d["node"], d["sbp_in"], d["sbp_out"], d["bytes"], d.get("note", ""))
+    if op == "all_reduce" and d.get("purpose") == "clip_grad_norm":
+        return ClipGradNorm(tuple(d["ranks"]), specs, d["max_norm"], tuple(d.get("params", ())))
     if op == "all_reduce":
         return AllReduce(tuple(d["ranks"]), specs)
     if op == "optimizer_step":

@@ -17,10 +17,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..plan.instructions import ACT, AllReduce, Backward, Forward, OptimizerStep, Recv, Send
+from ..plan.instructions import (ACT, AllReduce, Backward, ClipGradNorm, Forward, OptimizerStep, Recv,
+                                 Send)
 from ..plan.plan import ExecutionPlan
 from ..plan.program import StageProgram
-from .collectives import GradSync
+from .collectives import GradSync, all_reduce_sum
 from .executor import StageExecutor
 
 
@@ -180,6 +181,8 @@ class Runtime:
                 for actor in send_actors.values():
                     actor.drain()
                 self._optimizer_step()
+            elif isinstance(ins, ClipGradNorm):
+                self._clip_grad_norm(ins)
             elif isinstance(ins, AllReduce):
                 self.grad_sync.wait(ins)
             if self.trace:
@@ -191,6 +194,21 @@ class Runtime:
             ex.max_live = 0
         stats.seconds = time.perf_counter() - start
         return dict(results), stats
+
+    def _clip_grad_norm(self, ins: ClipGradNorm) -> None:
+        """clip_grad_norm_ over the whole model: this rank's share of the squared norm, summed
+        over every training rank, then every local gradient scaled (see insert_grad_clip)."""
+        module = self.executor.program.module
+        grads = [g for g in (module.get_parameter(n).grad for n in ins.params) if g is not None]
+        dtype = getattr(torch, ins.tensors[0].dtype)
+        sq = torch.zeros((), dtype=dtype, device=self.device)
+        if grads:
+            sq = torch.stack([torch.linalg.vector_norm(g, 2).to(dtype) for g in grads]).square().sum()
+        norm = all_reduce_sum(sq, ins.ranks).sqrt()
+        coef = (ins.max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch: no host sync
+        for p in module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
 
     def _optimizer_step(self) -> None:
         if self.optimizer is None:

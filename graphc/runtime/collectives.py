@@ -95,6 +95,12 @@ def _all_to_all(x, src_dim, dst_dim, group, n):
     return torch.cat(recv, src_dim)
 
 
+def all_reduce_sum(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    """The sum of `x` over `ranks` (this rank among them), as a new tensor."""
+    group, _, n = _my_group((tuple(ranks),))
+    return _all_reduce(x, group) if n > 1 else x.clone()
+
+
 def _slice(x, dim, k, n):
     return x.chunk(n, dim)[k].contiguous()
 
@@ -199,7 +205,7 @@ class GradSync:
     @staticmethod
     def from_plan(plan, program) -> "GradSync | None":
         from ..plan.instructions import AllReduce
-        syncs = [ins for ins in plan.instructions if isinstance(ins, AllReduce)]
+        syncs = [ins for ins in plan.instructions if type(ins) is AllReduce]  # not ClipGradNorm
         if not syncs or program is None:
             return None
         sync = GradSync([(ins.ranks, [program.module.get_parameter(t.name) for t in ins.tensors])

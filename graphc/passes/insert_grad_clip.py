@@ -1,0 +1,77 @@
+"""insert_grad_clip: gradient clipping by the global norm, as eager's clip_grad_norm_.
+
+Invariant: with config.set_grad_clip_norm(max_norm), every rank that runs a stage of a
+training plan issues one ClipGradNorm right before its optimizer step (after every
+gradient all-reduce), over the same ranks (every rank that runs a stage). Its `params`
+name the gradients this rank adds to the squared norm, so that over all ranks every
+parameter's gradient is counted exactly once: a replicated parameter (broadcast on a mesh
+axis) by the rank at index 0 of that axis, each shard of a split parameter by a rank
+holding it, a parameter used by several stages (tied) by its first stage.
+Requires: split_stages, infer_sbp (parameters' layouts), insert_grad_sync (the clip
+follows the gradient all-reduces that make replicas equal).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Set
+
+from ..global_tensor import declared_layout
+from ..meta import META_SBP
+from ..placement import Broadcast, Split
+from ..plan.instructions import ClipGradNorm, OptimizerStep, TensorSpec
+from ..plan.plan import ExecutionPlan
+from ..plan.program import StageProgram
+from ..sbp.layout import coord, flat, mesh_shape
+
+
+def insert_grad_clip(plans: Sequence[ExecutionPlan], programs: Sequence[StageProgram],
+                     meshes: Sequence[tuple], max_norm: Optional[float]) -> List[ExecutionPlan]:
+    if max_norm is None or not any(p.training for p in plans):
+        return list(plans)
+    counted = _counted_params(programs, meshes)
+    ranks = tuple(sorted({r for mesh in meshes[:len(programs)] for r in flat(mesh)}))
+    dtype = _grad_dtype(programs)
+    for plan in plans:
+        if not plan.training or plan.rank not in ranks:
+            continue
+        clip = ClipGradNorm(ranks, (TensorSpec("grad_norm_sq", (), dtype),), max_norm,
+                            tuple(counted.get(plan.rank, ())))
+        at = next(i for i, ins in enumerate(plan.instructions) if isinstance(ins, OptimizerStep))
+        plan.instructions.insert(at, clip)
+    return list(plans)
+
+
+def _counted_params(programs: Sequence[StageProgram], meshes: Sequence[tuple]) -> Dict[int, List[str]]:
+    """rank -> names (in its stage program) of the parameters whose gradients it counts."""
+    out: Dict[int, List[str]] = {}
+    seen: Set[int] = set()  # a tied parameter: counted by the first stage that holds it
+    for prog in programs:
+        mesh = meshes[prog.stage]
+        layouts = {n.target: n.meta[META_SBP] for n in prog.module.graph.nodes
+                   if n.op == "get_attr" and META_SBP in n.meta}
+        for name, p in prog.module.named_parameters():
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            sbp = layouts[name].out if name in layouts else _declared_sbp(p, mesh)
+            for r in flat(mesh):
+                # one copy of each shard: index 0 on every axis where the parameter is whole
+                if all(c == 0 for c, s in zip(coord(mesh, r), sbp) if not isinstance(s, Split)):
+                    out.setdefault(r, []).append(name)
+    return out
+
+
+def _declared_sbp(p, mesh: tuple) -> tuple:
+    """A parameter read inside a module kept whole: its to_global layout, else broadcast."""
+    layout = declared_layout(p)
+    axes = len(mesh_shape(mesh))
+    if layout is not None and len(layout[1]) == axes:
+        return layout[1]
+    return (Broadcast(),) * axes
+
+
+def _grad_dtype(programs: Sequence[StageProgram]) -> str:
+    for prog in programs:
+        for p in prog.module.parameters():
+            if p.is_floating_point():
+                return str(p.dtype).replace("torch.", "")
+    return "float32"

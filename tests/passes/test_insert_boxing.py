@@ -15,6 +15,9 @@ from graphc.plan.instructions import Collective
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
 from test_boxing import LAYOUTS, SHAPE, BoxingGraph, Model, _tensors
 
+# plan-level checks of byte counts written for fp32 values (4 bytes): not numerics
+pytestmark = pytest.mark.fp32
+
 B, P = Broadcast(), PartialSum()
 
 EXPECTED = {  # (src, dst) -> forward collective issued on a 2-rank placement (None: local)

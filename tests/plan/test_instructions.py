@@ -7,6 +7,10 @@ from graphc import compiler
 from graphc.plan.instructions import parse_instruction
 from graphc.plan.plan import PLAN_FORMAT, ExecutionPlan
 from models import PipelineGraph, SkipNet
+import pytest
+
+# plan-level checks of byte counts written for fp32 values (4 bytes): not numerics
+pytestmark = pytest.mark.fp32
 
 
 def _plans():

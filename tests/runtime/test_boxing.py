@@ -2,7 +2,7 @@
 
 For each pair (src, dst), on one placement and across two placements (a pipeline
 boundary), a parameter W is converted to src, then to dst, and a loss (V * C).sum() is
-taken on dst. Checked with tolerance 1e-5 (ATOL/RTOL of helpers.py):
+taken on dst. Checked in float64 with tolerance 1e-10 (ATOL/RTOL of helpers.py):
   - each output's local component equals the matching shard of the full W (a partial_sum
     output is reduced before it is returned, so it equals W);
   - the loss equals eager's, and after one SGD step (lr=1) W == W0 - C and C == C0 - W0,

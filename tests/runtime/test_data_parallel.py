@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import graphc
 from graphc.plan.instructions import AllReduce
-from helpers import assert_same_as_eager, eager_train, run_world
+from helpers import ATOL, RTOL, assert_same_as_eager, eager_train, run_world
 from models import OPTIMIZERS, make_batches, make_sched
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
@@ -145,8 +145,8 @@ def test_data_parallel_matches_eager(world):
     for x, y in batches[:2]:
         nn.functional.cross_entropy(ref(x), y).backward()
     for res in results:
-        torch.testing.assert_close(res["no_optimizer_grad"], ref.l1.weight.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(res["no_optimizer_grad"], ref.l1.weight.grad, atol=ATOL, rtol=RTOL)
     if world == 2:
         for res in results:  # seed 001: w converges to [2, 3]
-            torch.testing.assert_close(res["ddp_example_w"], torch.tensor([[2.0], [3.0]]),
+            torch.testing.assert_close(res["ddp_example_w"], torch.tensor([[2.0], [3.0]], dtype=res["ddp_example_w"].dtype),
                                        atol=1e-3, rtol=0)

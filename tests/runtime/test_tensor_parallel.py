@@ -1,7 +1,7 @@
 """Tensor, hybrid and 2-D parallelism from SBP on real gloo processes equal eager PyTorch.
 
 Each config trains STEPS steps and compares losses and the full (gathered) state dict
-with eager PyTorch on the whole batch, tolerance 1e-5 (helpers.ATOL/RTOL):
+with eager PyTorch on the whole batch, float64, tolerance 1e-10 (the oracle of helpers.py):
   2 ranks: Megatron column/row-parallel MLP; attention block with heads split;
   4 ranks: data x pipeline; tensor x pipeline; data x tensor on a 2-D placement;
            seed 003's hybrid (stage 0 data parallel on [0, 1], stage 1 model parallel on [2, 3]).

@@ -6,7 +6,6 @@ pass's fx graph (the whole compilation history).
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Sequence
@@ -18,10 +17,14 @@ from .errors import GraphcError
 from .meta import BACKWARD_TARGET
 from .passes.annotate_stages import annotate_stages
 from .passes.decompose_modules import decompose_modules
+from .passes.feed_whole_batch import feed_whole_batch
+from .passes.find_batch_dims import batched_inputs, find_batch_dims
 from .passes.infer_sbp import infer_sbp
 from .passes.insert_boxing import insert_boxing
 from .passes.insert_grad_clip import insert_grad_clip
+from .passes.insert_grad_modes import insert_grad_modes
 from .passes.insert_grad_sync import insert_grad_sync
+from .passes.insert_tie_sync import insert_tie_sync
 from .passes.list_collectives import list_collectives
 from .passes.localize_ops import localize_ops
 from .passes.lower_plan import lower_plan
@@ -32,6 +35,7 @@ from .passes.verify_graph import verify_annotated, verify_traced, warn_unused_pa
 from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
 from .plan.verify import verify_plans
+from .runtime.dist_env import int_from_env
 from .sbp.meshes import stage_meshes
 
 
@@ -55,16 +59,15 @@ class CompiledGraph:
     input_meta: List[tuple]
     history: List[PassRecord] = field(default_factory=list)
     meshes: List[tuple] = field(default_factory=list)  # per stage: placement ranks (2-D nested)
+    attr_reads: Dict[str, Any] = field(default_factory=dict)  # Graph attributes build() read
 
     def plan_for(self, rank: int) -> ExecutionPlan:
         return self.plans[rank]
 
 
 def debug_level() -> int:
-    try:
-        return int(os.environ.get("GRAPHC_DEBUG", "0"))
-    except ValueError:
-        return 0
+    """GRAPHC_DEBUG (default 0): how much of the compilation to print (levels above)."""
+    return int_from_env("GRAPHC_DEBUG", 0, minimum=0)
 
 
 def _step(history: List[PassRecord], name: str, fn: Callable, *args) -> Any:
@@ -90,8 +93,14 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     cfg = graph_obj.config
     m = cfg.gradient_accumulation_steps
     stages, stage_of_module = collect_stages(graph_obj, world_size)
-    # 1. trace build() into one fx graph: the whole step, backward() as a node
-    gm = _step(h, "trace_build", trace_build, graph_obj)
+    batched = None
+    if m > 1:  # 0. which inputs carry the batch dim, by data flow on build() for the whole batch
+        whole = _step(h, "trace_build (whole batch)", trace_build, graph_obj, example_inputs, 1)
+        whole = _step(h, "propagate_shapes (whole batch)", propagate_shapes, whole, example_inputs, 1)
+        batched = batched_inputs(_step(h, "find_batch_dims (whole batch)", find_batch_dims, whole, m))
+    # 1. trace build() into one fx graph for one micro-batch's shapes: the whole step,
+    #    backward() as a node, shapes as constants
+    gm = _step(h, "trace_build", trace_build, graph_obj, example_inputs, m, batched)
     # 2. reject what a static graph cannot hold (host syncs, several backward())
     _step(h, "verify_traced", verify_traced, gm)
     warn_unused_parameters(graph_obj._root, gm)
@@ -100,6 +109,8 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     gm = _step(h, "annotate_stages", annotate_stages, gm, stage_of_module)
     # 4. per-micro-batch shapes, so every transfer's buffer is known before running
     gm = _step(h, "propagate_shapes", propagate_shapes, gm, example_inputs, m)
+    # 4a. where each value holds the batch's rows (outputs merge over micro-batches by it)
+    gm = _step(h, "find_batch_dims", find_batch_dims, gm, m, False)
     # 5. check data flows forward through stages and the loss is a scalar
     _step(h, "verify_annotated", verify_annotated, gm, stage_of_module, len(stages))
     meshes = stage_meshes(stages, _declared_placements(graph_obj, gm, input_layouts))
@@ -113,12 +124,18 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     gm = _step(h, "localize_ops", localize_ops, gm)
     # 6. one fx program per stage, with its sends and receives
     programs = _step(h, "split_stages", split_stages, gm, len(stages))
+    # 6b. build()'s no_grad / enable_grad regions kept inside each stage program
+    programs = _step(h, "insert_grad_modes", insert_grad_modes, programs, training)
+    # 6c. inputs without a batch dim fed whole; token-mean losses divided by the whole batch's count
+    programs = _step(h, "feed_whole_batch", feed_whole_batch, programs, gm, m)
     # 7. schedule + point-to-point lowering into every rank's execution plan
     plans = _step(h, "lower_plan", lower_plan, programs, stages, cfg.pipeline_schedule, m,
                   training, world_size)
     # 7b. all-reduce of partial_sum gradients (data parallel), bucketed, before the step
     plans = _step(h, "insert_grad_sync", insert_grad_sync, plans, gm,
                   cfg.gradient_bucket_bytes)
+    # 7b'. a parameter held by several stages (tied): its gradients summed over them
+    plans = _step(h, "insert_tie_sync", insert_tie_sync, plans, programs, stages)
     # 7c. clipping by the global grad norm (one scalar all-reduce), once gradients are final
     plans = _step(h, "insert_grad_clip", insert_grad_clip, plans, programs, meshes,
                   cfg.grad_clip_norm)

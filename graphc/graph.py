@@ -11,8 +11,8 @@ from . import compiler
 from .block import ModuleBlock
 from .config import GraphConfig
 from .errors import GraphcError
-from .global_tensor import GlobalTensor, global_from_local
-from .meta import META_SBP, META_STAGE
+from .global_tensor import GlobalTensor, declared_layout, global_from_local
+from .meta import META_ROWS, META_SBP, META_STAGE
 from .placement import placement as Placement
 from .plan.plan import ExecutionPlan
 from .runtime.actors import Runtime
@@ -20,7 +20,7 @@ from .runtime.collectives import compiled_groups, create_groups
 from .runtime.comm import P2P
 from .runtime.dist_env import device_for, ensure_process_group
 from .runtime.watchdog import run_step
-from .state import GraphState
+from .state import GraphState, check_state_dict
 from .tools import plan_mode
 from .tools.trace import Tracer
 
@@ -39,7 +39,11 @@ class _BuildRoot(nn.Module):
             graph = self.__dict__.get("_graphc_graph")
             if graph is None:
                 raise
-            return getattr(graph, name)
+            value = getattr(graph, name)
+            reads = graph.__dict__.get("_attr_reads")
+            if reads is not None and not callable(value):
+                reads[name] = value  # baked into the trace: checked again on every call
+            return value
 
 
 class Graph:
@@ -82,6 +86,11 @@ class Graph:
         object.__setattr__(self, "_rank", 0)
         object.__setattr__(self, "last_stats", None)
         object.__setattr__(self, "_tracer", None)
+        # per input signature (shapes, dtypes, layouts) and Graph attributes build() read:
+        # (compiled graph, runtime); the current one is _compiled / _runtime
+        object.__setattr__(self, "_plans_by_shape", {})
+        object.__setattr__(self, "_attr_reads", None)
+        object.__setattr__(self, "_key", None)
 
     # -- modules ---------------------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:
@@ -112,9 +121,11 @@ class Graph:
     def add_optimizer(self, optimizer: torch.optim.Optimizer, lr_sch=None) -> None:
         """The graph calls optimizer.step(), zero_grad() and lr_sch.step() once per call."""
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise GraphcError(f"add_optimizer expects a torch.optim.Optimizer, found {type(optimizer).__name__}")
+            raise GraphcError(f"add_optimizer expects a torch.optim.Optimizer, found {type(optimizer).__name__}. "
+                              "Fix: pass the optimizer, e.g. torch.optim.SGD(model.parameters(), lr=0.1).")
         if self._optimizer is not None:
             raise GraphcError("add_optimizer was called twice; graphc supports one optimizer per graph")
+        _check_optimizer(optimizer, lr_sch)
         object.__setattr__(self, "_optimizer", optimizer)
         object.__setattr__(self, "_lr_scheduler", lr_sch)
 
@@ -131,6 +142,7 @@ class Graph:
             self._compile(args)
         else:
             self._check_inputs(args)
+            self._select_plan(args)
         if self._runtime is None:  # plan mode (graphc plan): plans written, no training
             plan_mode.stop_before_step(self)
         results, stats = run_step(self._runtime.step, [local for local, _ in args])
@@ -157,29 +169,77 @@ class Graph:
         if plan_mode.active():  # graphc plan: compile for N ranks here, write, no process group
             object.__setattr__(self, "_compiled", plan_mode.compile_graph(self, args))
             return
+        _check_cuda_available(self, args)  # before torch's own AssertionError, on every rank
         device_types = {c.placement.type for c in self._module_configs.values() if c.placement}
         rank, world = ensure_process_group(device_types or {"cpu"})
         example = [torch.empty(g_shape, dtype=local.dtype) for local, g_shape in
                    ((a[0], a[1][0]) for a in args)]
         layouts = [(a[1][2], a[1][1]) if a[1][1] is not None else None for a in args]
-        compiled = compiler.compile(self, example, world, layouts)
+        compiled = self._trace_and_compile(example, world, layouts)
         _check_input_placements(compiled, args)
         object.__setattr__(self, "_rank", rank)
         object.__setattr__(self, "_compiled", compiled)
         self._setup_runtime(compiled, rank)
+        object.__setattr__(self, "_key", self._signature(args))
+        self._plans_by_shape[self._key] = (compiled, self._runtime, self._tracer)
 
-    def _setup_runtime(self, compiled: compiler.CompiledGraph, rank: int) -> None:
+    def _trace_and_compile(self, example, world, layouts) -> compiler.CompiledGraph:
+        """compiler.compile, recording which Graph attributes build() reads (and their values)."""
+        object.__setattr__(self, "_attr_reads", {})
+        try:
+            compiled = compiler.compile(self, example, world, layouts)
+            compiled.attr_reads = dict(self._attr_reads)
+        finally:
+            object.__setattr__(self, "_attr_reads", None)
+        return compiled
+
+    def _signature(self, args) -> tuple:
+        """What a compiled plan is specialised to: input shapes, dtypes, layouts, attributes read."""
+        inputs = tuple((tuple(shape), local.dtype, sbp, where) for local, (shape, sbp, where) in args)
+        reads = self._compiled.attr_reads if self._compiled is not None else {}
+        return inputs, tuple((name, _attr_fingerprint(getattr(self, name, None))) for name in sorted(reads))
+
+    def _select_plan(self, args) -> None:
+        """A new input shape or a changed Graph attribute selects (or compiles) another plan.
+
+        Every rank calls the graph with the same program, so every rank changes plan at the
+        same call (compiling is deterministic; new process groups are created collectively).
+        """
+        key = self._signature(args)
+        if key == self._key:
+            return
+        if key not in self._plans_by_shape:
+            rank, world = self._rank, len(self._compiled.plans)  # one plan per rank
+            example = [torch.empty(g_shape, dtype=local.dtype) for local, (g_shape, _, _) in args]
+            layouts = [(where, sbp) if sbp is not None else None for _, (_, sbp, where) in args]
+            compiled = self._trace_and_compile(example, world, layouts)
+            _check_input_placements(compiled, args)
+            _check_same_stages(self._compiled, compiled)
+            object.__setattr__(self, "_compiled", compiled)
+            self._state.compiled = compiled
+            self._setup_runtime(compiled, rank, new_state=False)
+            key = self._signature(args)
+            self._plans_by_shape[key] = (compiled, self._runtime, self._tracer)
+        compiled, runtime, tracer = self._plans_by_shape[key]
+        object.__setattr__(self, "_compiled", compiled)
+        object.__setattr__(self, "_runtime", runtime)
+        object.__setattr__(self, "_tracer", tracer)
+        self._state.compiled = compiled
+        object.__setattr__(self, "_key", key)
+
+    def _setup_runtime(self, compiled: compiler.CompiledGraph, rank: int, new_state: bool = True) -> None:
         plan = compiled.plan_for(rank)
         local = plan.local_stages
         program = compiled.programs[local[0]] if local else None
         stage = compiled.stages[local[0]] if local else None
         device = device_for(stage.device_type) if stage else torch.device("cpu")
-        state = GraphState(self._root, compiled, rank, self._optimizer, self._lr_scheduler)
-        state.take_ownership(device)
-        object.__setattr__(self, "_state", state)
-        if self._pending_state is not None:
-            state.load(self._pending_state)
-            object.__setattr__(self, "_pending_state", None)
+        if new_state:
+            state = GraphState(self._root, compiled, rank, self._optimizer, self._lr_scheduler)
+            state.take_ownership(device)
+            object.__setattr__(self, "_state", state)
+            if self._pending_state is not None:
+                state.load(*self._pending_state)
+                object.__setattr__(self, "_pending_state", None)
         p2p = P2P(rank, compiled.plans)
         create_groups(compiled_groups(compiled))  # collective: every rank, same order
         tracer = Tracer.from_config(self.config, rank)
@@ -194,12 +254,14 @@ class Graph:
             raise GraphcError(f"{type(self).__name__} was compiled for {len(want)} inputs, "
                               f"called with {len(args)}")
         for i, ((local, (shape, _, _)), (w_shape, w_dtype)) in enumerate(zip(args, want)):
-            if tuple(shape) != tuple(w_shape) or local.dtype != w_dtype:
+            if len(shape) != len(w_shape) or local.dtype.is_floating_point != w_dtype.is_floating_point:
                 raise GraphcError(
                     f"input {i} of {type(self).__name__} has shape {list(shape)} and dtype "
                     f"{local.dtype}, but the graph was compiled for {list(w_shape)} {w_dtype}. "
-                    "A compiled graph keeps its shapes (every buffer is sized at compile time). "
-                    "Fix: pad or drop the last batch, or build a second Graph for the new shape.")
+                    "A new batch size, sequence length or precision compiles a second plan, but "
+                    "the number of dimensions and the kind of dtype (floating or integer) are "
+                    "part of the program. Fix: pass inputs of the same rank and kind, or build a "
+                    "second Graph.")
 
     def _outputs(self, results: Dict[str, List[torch.Tensor]]):
         gm = self._compiled.gm
@@ -213,7 +275,7 @@ class Graph:
             sbp = sig.out if sig else (_broadcast(),)
             if node.name not in results:
                 return GlobalTensor(torch.empty(0), where, sbp, ())
-            return global_from_local(_merge(results[node.name]), where, sbp)
+            return global_from_local(_merge(results[node.name], node.meta.get(META_ROWS)), where, sbp)
 
         return fx.node.map_arg(out_node.args[0], wrap)
 
@@ -225,12 +287,24 @@ class Graph:
                               "graph.compile(*inputs) first")
         return self._state.local_state_dict()
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Loads what state_dict() saved on this rank; before compiling, it is applied at compile."""
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        """Loads what state_dict() saved on this rank; before compiling, it is applied at compile.
+
+        Args:
+            state: a graph.state_dict() of this rank, e.g. graphc.load(f"ckpt/rank{rank}.pt").
+            strict: as in torch: unknown entries, and parameters or optimizer state the graph
+                has but `state` lacks, are errors; with False they are skipped.
+
+        Example:
+            graph.load_state_dict(graphc.load(f"ckpt/rank{rank}.pt"))
+        """
+        if not isinstance(strict, bool):
+            raise GraphcError(f"load_state_dict: strict must be True or False, found {strict!r}")
+        check_state_dict(state)  # the structure now; keys and shapes once compiled
         if self._state is None:
-            object.__setattr__(self, "_pending_state", state)
+            object.__setattr__(self, "_pending_state", (state, strict))
         else:
-            self._state.load(state)
+            self._state.load(state, strict)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Collective: the complete model state dict on every rank, loadable into the eager model."""
@@ -247,16 +321,94 @@ class Graph:
         return "\n\n".join(parts)
 
 
+def _check_cuda_available(graph: Graph, args) -> None:
+    """A "cuda" placement needs a CUDA device on this machine (graphc plan needs none)."""
+    if torch.cuda.is_available():
+        return
+    named = [(f"module '{name}'", c.placement) for name, c in graph._module_configs.items()
+             if c.placement is not None]
+    for key, t in graph._root.state_dict(keep_vars=True).items():
+        layout = declared_layout(t)
+        named += [(f"parameter or buffer '{key}'", layout[0])] if layout else []
+    named += [(f"input {i}", where) for i, (_, (_, _, where)) in enumerate(args) if where is not None]
+    for who, where in named:
+        if where.type == "cuda":
+            raise GraphcError(
+                f"{who} is placed on {where}, but this machine has no CUDA device "
+                f"(torch.cuda.is_available() is False); a \"cuda\" placement needs one GPU per "
+                f"rank. Fix: use graphc.placement(\"cpu\", ranks={_ranks_repr(where)}), or run on "
+                "a machine with GPUs.")
+
+
+def _ranks_repr(where: Placement) -> list:
+    return [list(r) if isinstance(r, tuple) else r for r in where.ranks]
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, lr_sch) -> None:
+    """What the runtime's once-per-call opt.step() and lr_sch.step() cannot drive."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise GraphcError(
+            f"add_optimizer: {name} needs a closure (step(closure) re-evaluates the loss several "
+            "times per step), but graphc calls optimizer.step() once per call with the "
+            "accumulated gradients. Fix: use an optimizer whose step() takes no closure "
+            "(SGD, Adam, AdamW, ...).")
+    if lr_sch is None:
+        return
+    sch = type(lr_sch).__name__
+    if isinstance(lr_sch, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise GraphcError(
+            f"add_optimizer: lr_sch is a {sch}, whose step(metric) needs a metric (e.g. the "
+            "validation loss) that graphc does not have when it steps the scheduler once per "
+            "call. Fix: leave lr_sch out and call lr_sch.step(metric) yourself after the graph's "
+            "call (or after each epoch), or pass a scheduler without a metric (StepLR, "
+            "CosineAnnealingLR, LambdaLR, ...).")
+    if not isinstance(lr_sch, torch.optim.lr_scheduler.LRScheduler):
+        raise GraphcError(
+            f"add_optimizer: lr_sch must be a torch.optim.lr_scheduler.LRScheduler, found {sch}. "
+            "Fix: pass a scheduler built on this optimizer, e.g. "
+            "lr_sch=torch.optim.lr_scheduler.StepLR(opt, step_size=10), or leave it out.")
+    if getattr(lr_sch, "optimizer", optimizer) is not optimizer:
+        raise GraphcError(
+            f"add_optimizer: lr_sch ({sch}) was built on another optimizer "
+            f"({type(lr_sch.optimizer).__name__}) than the {name} given, so stepping it would "
+            "not change this optimizer's learning rate. Fix: build the scheduler on the "
+            "optimizer you pass to add_optimizer.")
+
+
+def _attr_fingerprint(value):
+    """Simple values compare by value, anything else (a tensor, a list) by identity."""
+    simple = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+    if isinstance(value, simple) or (isinstance(value, tuple) and all(isinstance(v, simple) for v in value)):
+        return ("value", type(value).__name__, value)
+    return ("object", id(value))
+
+
+def _check_same_stages(old, new) -> None:
+    if [(s.stage_id, tuple(s.ranks)) for s in old.stages] != [(s.stage_id, tuple(s.ranks)) for s in new.stages]:
+        raise GraphcError(
+            "a new input shape or Graph attribute changed the graph's pipeline stages "
+            f"({[tuple(s.ranks) for s in old.stages]} -> {[tuple(s.ranks) for s in new.stages]}); "
+            "the parameters already live on the first plan's ranks. Fix: set stages with set_stage "
+            "so they do not depend on shapes, or build a second Graph.")
+
+
 def _broadcast():
     from .placement import sbp
     return sbp.broadcast
 
 
-def _merge(per_mb: List[torch.Tensor]) -> torch.Tensor:
+def _merge(per_mb: List[torch.Tensor], rows=None) -> torch.Tensor:
+    """One output from its micro-batches' values: concatenated along the batch's rows, a
+    mean of a batch mean, or (no batch dim) the value every micro-batch computed alike."""
     if len(per_mb) == 1:
         return per_mb[0]
-    if per_mb[0].dim() == 0:
-        return torch.stack(per_mb).mean()
+    if rows is not None and rows.dim is not None:
+        return torch.cat(per_mb, rows.dim)
+    if rows is not None and not rows.reduced:
+        return per_mb[0]
+    if per_mb[0].dim() == 0 or rows is not None:
+        return torch.stack(per_mb).mean(0)
     return torch.cat(per_mb, 0)
 
 

@@ -8,6 +8,8 @@ META_STAGE = "graphc_stage"          # int: pipeline stage the node runs on (ann
 META_STAGE_WHY = "graphc_stage_why"  # str: which rule gave the stage, for printing
 META_TENSOR = "graphc_tensor"        # TensorMeta | None: per-micro-batch value (propagate_shapes)
 META_BATCHED = "graphc_batched"      # bool: placeholder split into micro-batches along dim 0
+META_ROWS = "graphc_rows"            # RowsMeta: where the value holds the batch's rows (find_batch_dims)
+META_GRAD_ENABLED = "graphc_grad_enabled"  # bool: grad mode build() traced the node in (no_grad regions)
 
 BACKWARD_TARGET = "backward"         # call_method target of `loss.backward()` in build()
 
@@ -28,6 +30,18 @@ class TensorMeta:
         return f"{self.dtype}{list(self.shape)}{' grad' if self.requires_grad else ''}"
 
 
+@dataclass(frozen=True)
+class RowsMeta:
+    """Where a value holds the batch's rows: `dim` indexes them (None: no batch dim), and
+    `reduced` says it is a sum or mean over them (a micro-batch holds one part of it)."""
+
+    dim: Optional[int]
+    reduced: bool
+
+    def __str__(self) -> str:
+        return f"rows@{self.dim}" if self.dim is not None else ("rows-mean" if self.reduced else "whole")
+
+
 def tensor_meta(node) -> Optional[TensorMeta]:
     return node.meta.get(META_TENSOR)
 
@@ -36,6 +50,8 @@ def tensor_meta(node) -> Optional[TensorMeta]:
 META_SBP = "graphc_sbp"              # SbpSignature: the node's layout and what it needs of its inputs
 META_GRAD_PARTIAL = "graphc_grad_partial"  # tuple[int]: mesh axes where a parameter's grad is partial_sum
 META_BOXING = "graphc_boxing"        # BoxingInfo on a conversion node inserted by insert_boxing
+META_PIECES = "graphc_pieces"        # (k, dim): a split parameter stored as k pieces along dim, each
+                                     # split alike (fused q/k/v; see NOTE: fused pieces, docs/sbp.md)
 
 
 @dataclass(frozen=True)

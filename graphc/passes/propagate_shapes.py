@@ -4,6 +4,10 @@ Invariant: every node producing a tensor has node.meta[META_TENSOR] (a TensorMet
 one micro-batch); other nodes have None. Placeholders split into micro-batches carry
 META_BATCHED. Runs on fake tensors, so no real compute or memory is spent, and every
 receive buffer's shape is known at compile time (no step ever exchanges shapes).
+Parameters and buffers are read as fakes and modules run on fakes of their own state, so
+compiling changes nothing the user owns (BatchNorm's running statistics and counter).
+Each node runs in the grad mode build() traced it in (META_GRAD_ENABLED), so a value
+computed under torch.no_grad() does not require grad.
 Requires: trace_build.
 """
 from __future__ import annotations
@@ -12,10 +16,11 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..errors import GraphcError
-from ..meta import BACKWARD_TARGET, META_BATCHED, META_TENSOR, TensorMeta
+from .trace_build import run_module_on_fakes
+from ..meta import BACKWARD_TARGET, META_BATCHED, META_GRAD_ENABLED, META_TENSOR, TensorMeta
 
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
@@ -26,6 +31,7 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
                           f"({', '.join(p.name for p in placeholders)}), found {len(example_inputs)}")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     env = {}
+    fakes = _Fakes(gm, mode)
     with mode:
         for node, value in zip(placeholders, example_inputs):
             env[node] = _microbatch_fake(node, value, num_microbatches)
@@ -38,13 +44,14 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
             elif node.op == "output":
                 continue
             else:
-                env[node] = _run_node(interp, node, env)
+                with torch.set_grad_enabled(node.meta.get(META_GRAD_ENABLED, True)):
+                    env[node] = _run_node(interp, node, env, fakes)
             node.meta[META_TENSOR] = TensorMeta.of(env[node]) if isinstance(env[node], torch.Tensor) else None
     return gm
 
 
 def _microbatch_fake(node, value: torch.Tensor, m: int):
-    batched = value.dim() >= 1
+    batched = node.meta.get(META_BATCHED, value.dim() >= 1)  # trace_build decided it
     node.meta[META_BATCHED] = batched
     shape = list(value.shape)
     if batched:
@@ -57,10 +64,35 @@ def _microbatch_fake(node, value: torch.Tensor, m: int):
     return torch.empty(shape, dtype=value.dtype)  # fake: created under the FakeTensorMode
 
 
-def _run_node(interp: fx.Interpreter, node: fx.Node, env):
-    args = fx.node.map_arg(node.args, lambda n: env[n])
-    kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+class _Fakes:
+    """Fakes of the graph's parameters and buffers (one per real tensor, so ties stay tied)."""
+
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode):
+        self.gm, self.mode = gm, mode
+
+    def of(self, value):
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            return self.mode.from_tensor(value, static_shapes=True)
+        return value
+
+    def attr(self, target: str):
+        value = self.gm
+        for part in target.split("."):
+            value = getattr(value, part)
+        return self.of(value)
+
+    def call_module(self, target: str, args, kwargs):
+        return run_module_on_fakes(self.gm.get_submodule(target), args, kwargs, self.of)
+
+
+def _run_node(interp: fx.Interpreter, node: fx.Node, env, fakes: _Fakes):
+    args = fx.node.map_aggregate(fx.node.map_arg(node.args, lambda n: env[n]), fakes.of)
+    kwargs = fx.node.map_aggregate(fx.node.map_arg(node.kwargs, lambda n: env[n]), fakes.of)
     try:
+        if node.op == "get_attr":
+            return fakes.attr(node.target)
+        if node.op == "call_module":
+            return fakes.call_module(node.target, args, kwargs)
         return getattr(interp, node.op)(node.target, args, kwargs)
     except GraphcError:
         raise

@@ -1,32 +1,185 @@
-"""trace_build: turns the user's Graph.build() into an fx graph.
+"""trace_build: turns the user's Graph.build() into an fx graph, with the shapes of one micro-batch known.
 
 Invariant: the result holds one node per op of build(), `loss.backward()` as a
 call_method node with target "backward", user modules as call_module nodes whose
-targets are the user's qualified names (e.g. "model.stage0.linear0").
+targets are the user's qualified names (e.g. "model.stage0.linear0"), custom
+autograd Functions as opaque `Fn.apply` calls, and every node traced inside a
+`torch.no_grad()` / `enable_grad()` region marked with META_GRAD_ENABLED.
+Shapes are constants of the compiled graph: `x.size()`, `x.shape`, `x.dim()`, `len(x)`,
+`x.dtype` return the example's values while tracing, so shape asserts, `if` on shapes,
+`torch.arange(t)` and `view(b, t, ...)` trace as the author wrote them. Only control flow
+on tensor *values* is refused. Tracing has no side effect on the user's modules: every
+op runs on fake tensors (BatchNorm's running statistics and counters stay untouched).
 Requires: every module build() calls was assigned to the Graph in __init__.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import traceback
+from contextlib import contextmanager
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import GraphcError
-
+from ..meta import META_BATCHED, META_GRAD_ENABLED
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GRAPHC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_FAKE = "graphc_fake"  # node.meta key for the value while tracing; removed when tracing ends
+
+# attributes and methods of a tensor that tell its shape, dtype or device: answered from
+# the example, so they are Python values (constants of the compiled graph), not nodes
+_SHAPE_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "layout", "is_sparse",
+                          "is_quantized", "is_meta", "T_shape"})
+_SHAPE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "element_size",
+                            "is_floating_point", "is_complex", "get_device", "is_contiguous"})
+# calls that must not happen inside build(): they act on real gradients the trace never has
+_REFUSED_CALLS = {
+    "clip_grad_norm_": "gradient clipping runs on gradients after backward; build() only sees "
+                       "symbolic tensors, so this call would clip nothing. Fix: remove it and set "
+                       "self.config.set_grad_clip_norm(max_norm) in the Graph's __init__ (the "
+                       "global norm over every stage and shard, equal to clip_grad_norm_ on the "
+                       "whole model).",
+    "clip_grad_value_": "gradient clipping runs on gradients after backward; build() only sees "
+                        "symbolic tensors, so this call would clip nothing. Fix: remove it; clip by "
+                        "norm with self.config.set_grad_clip_norm(max_norm), or clip values in "
+                        "the optimizer.",
+}
 
 
-class _BuildTracer(fx.Tracer):
-    def __init__(self):
+class ShapeProxy(fx.Proxy):
+    """An fx Proxy that answers shape questions from the example it was traced with."""
+
+    def __getattr__(self, k: str):
+        if k in _SHAPE_ATTRS or k in _SHAPE_METHODS:
+            return getattr(self.tracer.fake_of(self), k)
+        return super().__getattr__(k)
+
+    def __len__(self) -> int:
+        return len(self.tracer.fake_of(self))
+
+    def __iter__(self):
+        value = self.node.meta.get(_FAKE)
+        if isinstance(value, (tuple, list)):
+            return iter([self[i] for i in range(len(value))])
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            return iter([self[i] for i in range(value.shape[0])])
+        return super().__iter__()
+
+
+class BuildTracer(fx.Tracer):
+    """fx.Tracer that runs every op on fake tensors as it records it (see module docstring)."""
+
+    def __init__(self, root: torch.nn.Module):
         super().__init__()
         self.record_stack_traces = True
+        self.proxy_buffer_attributes = True  # buffers updated in forward are recorded, not run once
+        self.trace_root = root
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.examples: List[Any] = []
+        self.examples_used: List[fx.Node] = []
+        self.failed: Dict[str, str] = {}  # node name -> why its value is unknown
+        self.running_fake = False  # a leaf module runs on fakes: fx's patches step aside
 
+    def call_module(self, m, forward, args, kwargs):
+        if self.running_fake:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self.running_fake:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    # -- fake values ------------------------------------------------------------------
+    def fake_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """The fake of a real tensor; the same real tensor (a tied weight) gives the same fake."""
+        return self.fake_mode.from_tensor(t, static_shapes=True)
+
+    def fake_of(self, proxy: fx.Proxy):
+        node = proxy.node
+        if _FAKE not in node.meta:
+            why = self.failed.get(node.name, "it is not a tensor graphc can follow")
+            raise GraphcError(
+                f"build() asks for the shape of '{node.name}' ({node.format_node()}), but graphc "
+                f"could not compute its value while tracing: {why}. Fix: check the op's inputs "
+                "(shapes, dtypes) at that line.")
+        return node.meta[_FAKE]
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return ShapeProxy(node, self)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None,
+                     proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        node = proxy.node
+        node.meta[META_GRAD_ENABLED] = torch.is_grad_enabled()
+        if kind == "placeholder":
+            index = len(self.examples_used)
+            self.examples_used.append(node)
+            if index < len(self.examples):
+                node.meta[_FAKE] = self.examples[index]
+            return proxy
+        if kind == "call_method" and target == "backward":
+            return proxy
+        try:
+            node.meta[_FAKE] = self._run_fake(kind, target, args, kwargs)
+        except GraphcError:
+            raise
+        except Exception as e:  # the value stays unknown; propagate_shapes reports the failure
+            self.failed[node.name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return proxy
+
+    def _run_fake(self, kind, target, args, kwargs):
+        fargs = fx.node.map_aggregate(args, self._fake_arg)
+        fkwargs = fx.node.map_aggregate(kwargs, self._fake_arg)
+        with self.fake_mode:
+            if kind == "call_function":
+                return target(*fargs, **fkwargs)
+            if kind == "call_method":
+                return getattr(fargs[0], target)(*fargs[1:], **fkwargs)
+            if kind == "call_module":
+                return self._run_module_fake(target, fargs, fkwargs)
+            if kind == "get_attr":
+                return self._fake_attr(target)
+        raise NotImplementedError(kind)
+
+    def _fake_arg(self, a):
+        if isinstance(a, fx.Proxy):
+            a = a.node
+        if isinstance(a, fx.Node):
+            if _FAKE not in a.meta:
+                raise RuntimeError(f"the value of '{a.name}' is unknown")
+            return a.meta[_FAKE]
+        if isinstance(a, torch.Tensor) and not isinstance(a, torch._subclasses.FakeTensor):
+            return self.fake_tensor(a)
+        return a
+
+    def _fake_attr(self, target: str):
+        self.running_fake = True  # reading the attribute must not record another get_attr
+        try:
+            value = self.trace_root
+            for part in target.split("."):
+                value = getattr(value, part)
+        finally:
+            self.running_fake = False
+        return self.fake_tensor(value) if isinstance(value, torch.Tensor) else value
+
+    def _run_module_fake(self, target: str, fargs, fkwargs):
+        """A leaf module on fakes of its own parameters and buffers: its real state is untouched."""
+        self.running_fake = True
+        try:
+            return run_module_on_fakes(self.trace_root.get_submodule(target), fargs, fkwargs,
+                                       self.fake_tensor)
+        finally:
+            self.running_fake = False
+
+    # -- where errors point -----------------------------------------------------------
     def _filter_traceback_frames(self, summary: traceback.StackSummary) -> traceback.StackSummary:
         """The user's frames from build() down, so errors can point at the user's line.
 
@@ -39,16 +192,189 @@ class _BuildTracer(fx.Tracer):
             [f for f in frames if not f.filename.startswith((_TORCH_DIR, _GRAPHC_DIR))])
 
 
-def trace_build(graph_obj) -> fx.GraphModule:
+def run_module_on_fakes(module: torch.nn.Module, args, kwargs, fake):
+    """A leaf module's output on fakes of its own parameters and buffers: its state is untouched.
+
+    BatchNorm with momentum=None reads its counter as a Python number, which a fake cannot
+    give; the counter only steers the running statistics, not the output, so the shape run
+    uses a shallow copy with a fixed momentum.
+    """
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.momentum is None:
+        module = copy.copy(module)
+        module.momentum = 0.1
+    state = {k: fake(v) for k, v in list(module.named_parameters(remove_duplicate=False)) +
+             list(module.named_buffers(remove_duplicate=False))}
+    return torch.func.functional_call(module, state, tuple(args), dict(kwargs),
+                                      tie_weights=False, strict=False)
+
+
+def trace_build(graph_obj, example_inputs: Sequence[torch.Tensor], num_microbatches: int = 1,
+                batched: Optional[Sequence[bool]] = None) -> fx.GraphModule:
+    """Traces build() for one micro-batch of `example_inputs` (their global shapes).
+
+    batched: per input, whether it is split into micro-batches along dim 0 (default: every
+    input with a dim).
+    """
     root = graph_obj._root
-    tracer = _BuildTracer()
-    try:
-        g = tracer.trace(root)
-    except GraphcError:
-        raise
-    except Exception as e:  # fx raises TraceError, TypeError, ... on untraceable user code
-        raise GraphcError(_explain_trace_failure(graph_obj, e)) from e
+    tracer = BuildTracer(root)
+    batched = [t.dim() >= 1 for t in example_inputs] if batched is None else list(batched)
+    tracer.examples = [_microbatch_example(tracer, t, num_microbatches, b, i)
+                       for i, (t, b) in enumerate(zip(example_inputs, batched))]
+    with _traced_root(root, len(example_inputs)), _patched_calls(tracer, graph_obj):
+        try:
+            g = tracer.trace(root)
+        except GraphcError:
+            raise
+        except Exception as e:  # fx raises TraceError, TypeError, ... on untraceable user code
+            raise GraphcError(_explain_trace_failure(graph_obj, e)) from e
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        raise GraphcError(f"{type(graph_obj).__name__}.build() takes {len(placeholders)} inputs "
+                          f"({', '.join(p.name for p in placeholders)}), found {len(example_inputs)}. "
+                          "Fix: call the graph with one tensor per build() argument.")
+    for node, b in zip(placeholders, batched):
+        node.meta[META_BATCHED] = b
+    for node in g.nodes:
+        node.meta.pop(_FAKE, None)
     return fx.GraphModule(root, g, class_name=type(root).__name__)
+
+
+def _microbatch_example(tracer: BuildTracer, t: torch.Tensor, m: int, batched: bool, i: int):
+    shape = list(t.shape)
+    if batched and m > 1:
+        if shape[0] % m:
+            raise GraphcError(
+                f"input {i} has batch size {shape[0]} along dim 0, which is not divisible by the {m} "
+                f"gradient accumulation steps. Fix: use a batch size that is a multiple of {m}, or "
+                "change config.set_gradient_accumulation_steps")
+        shape[0] //= m
+    with tracer.fake_mode:
+        return torch.empty(shape, dtype=t.dtype, device=t.device if t.device.type != "meta" else "cpu")
+
+
+@contextmanager
+def _traced_root(root: torch.nn.Module, n: int):
+    """build(self, *xs) traced as build(self, x0, ..., x{n-1}): fx cannot trace *args."""
+    build = type(root).forward
+    params = list(inspect.signature(build).parameters.values())[1:]
+    if not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        yield
+        return
+    fixed = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    star = next(p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL)
+    names = fixed + [f"{star}_{i}" for i in range(max(0, n - len(fixed)))]
+    src = f"def forward(self, {', '.join(names)}):\n    return build(self, {', '.join(names)})\n"
+    scope: Dict[str, Any] = {"build": build}
+    exec(src, scope)  # noqa: S102 - a fixed-arity wrapper, names from the user's signature
+    cls = type(root)
+    original = cls.__dict__.get("forward")
+    cls.forward = scope["forward"]
+    try:
+        yield
+    finally:
+        if original is None:
+            del cls.forward
+        else:
+            cls.forward = original
+
+
+@contextmanager
+def _patched_calls(tracer: BuildTracer, graph_obj):
+    """While tracing: custom autograd Functions stay opaque calls; refused calls raise."""
+    original_apply = torch.autograd.Function.__dict__["apply"]  # the classmethod itself
+
+    def apply(cls, *args, **kwargs):
+        proxies = []
+        fx.node.map_aggregate((args, kwargs), lambda a: proxies.append(a) if isinstance(a, fx.Proxy) else a)
+        if not proxies:
+            return original_apply.__func__(cls, *args, **kwargs)
+        return tracer.create_proxy("call_function", _function_apply(cls), args, kwargs)
+
+    def refuse(name: str):
+        def call(*args, **kwargs):
+            raise GraphcError(f"build() calls torch.nn.utils.{name} at {_caller_line(graph_obj)}: "
+                              f"{_REFUSED_CALLS[name]}")
+        return call
+
+    original_setattr = torch.nn.Module.__setattr__
+
+    def module_setattr(module, name, value):
+        buffers = module.__dict__.get("_buffers")
+        if isinstance(value, fx.Proxy) and buffers is not None and name in buffers:
+            return _assign_buffer(tracer, graph_obj, module, name, value)
+        return original_setattr(module, name, value)
+
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_grad
+    saved = [(obj, name, getattr(obj, name)) for obj in (nn_utils, clip_grad) for name in _REFUSED_CALLS]
+    torch.autograd.Function.apply = classmethod(apply)
+    torch.nn.Module.__setattr__ = module_setattr
+    for obj, name, _ in saved:
+        setattr(obj, name, refuse(name))
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original_apply
+        torch.nn.Module.__setattr__ = original_setattr
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+
+
+def assign_buffer(buffer: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`module.buf = value` in forward, as a stage program runs it: the buffer takes the value."""
+    with torch.no_grad():
+        return buffer.copy_(value)
+
+
+def _assign_buffer(tracer: BuildTracer, graph_obj, module, name: str, value: fx.Proxy) -> None:
+    """`self.buf += 1` is in place already (recorded); `self.buf = expr` copies into the buffer."""
+    node = value.node
+    first = node.args[0] if node.args else None
+    if isinstance(first, fx.Node) and first.op == "get_attr" and str(node.target).endswith(("iadd", "isub",
+                                                                                             "imul", "itruediv")):
+        return
+    fake = node.meta.get(_FAKE)
+    if isinstance(fake, torch.Tensor) and fake.requires_grad:
+        raise GraphcError(
+            f"build() assigns a value that requires grad to the buffer '{name}' of "
+            f"{type(module).__name__} at {_caller_line(graph_obj)}; the buffer would carry this "
+            "step's autograd graph into the next step. Fix: assign value.detach(), or update it "
+            "under torch.no_grad().")
+    holder = tracer.path_of_module(module)
+    target = f"{holder}.{name}" if holder else name
+    buffer = tracer.create_proxy("get_attr", target, (), {})
+    tracer.create_proxy("call_function", assign_buffer, (buffer, value), {})
+
+
+_APPLY_CACHE: Dict[type, Any] = {}
+
+
+def _function_apply(cls):
+    """A named callable for `cls.apply`, so the fx code reads `MyFn_apply(x)` and pickles."""
+    fn = _APPLY_CACHE.get(cls)
+    if fn is None:
+        def fn(*args, **kwargs):
+            return cls.apply(*args, **kwargs)
+        fn.__name__ = f"{cls.__name__}_apply"
+        fn.__qualname__ = fn.__name__
+        fn.graphc_autograd_function = cls
+        _APPLY_CACHE[cls] = fn
+    return fn
+
+
+def _caller_line(graph_obj) -> str:
+    frames = traceback.extract_stack()
+    try:
+        user_file = inspect.getsourcefile(type(graph_obj))
+    except TypeError:
+        user_file = None
+    mine = [f for f in frames if f.filename == user_file] or \
+        [f for f in frames if not f.filename.startswith((_TORCH_DIR, _GRAPHC_DIR))]
+    if not mine:
+        return "build()"
+    f = mine[-1]
+    return f"{f.filename}:{f.lineno}: {f.line}"
 
 
 def _user_line(graph_obj, tb) -> str:
@@ -57,7 +383,8 @@ def _user_line(graph_obj, tb) -> str:
         user_file = inspect.getsourcefile(type(graph_obj))
     except TypeError:
         user_file = None
-    frames = [f for f in traceback.extract_tb(tb) if f.filename == user_file]
+    frames = [f for f in traceback.extract_tb(tb) if f.filename == user_file] or \
+        [f for f in traceback.extract_tb(tb) if not f.filename.startswith((_TORCH_DIR, _GRAPHC_DIR))]
     if not frames:
         return "build()"
     f = frames[-1]
@@ -69,9 +396,9 @@ def _explain_trace_failure(graph_obj, e: Exception) -> str:
     msg = str(e)
     if "control flow" in msg or "iteration" in msg or "bool" in msg.lower():
         fix = ("build() is traced once into a static graph, so Python control flow on a tensor's "
-               "value (if/while/for over a tensor, bool(), .item() in a condition) cannot be "
-               "recorded. Fix: compute the condition outside build(), or use tensor ops such as "
-               "torch.where instead of `if`.")
+               "value (if/while over a tensor's value, bool(), .item() in a condition) cannot be "
+               "recorded; control flow on shapes (x.size(), x.shape, len(x)) is fine. Fix: compute "
+               "the condition outside build(), or use tensor ops such as torch.where instead of `if`.")
     else:
         fix = ("Fix: build() may only call modules assigned to the Graph in __init__, torch "
                "functions and tensor methods on its inputs.")

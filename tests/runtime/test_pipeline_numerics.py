@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import assert_same_as_eager, eager_train, run_world
+from helpers import FP32_ATOL, assert_same_as_eager, eager_train, fp32_bound, run_world
 from models import OPTIMIZERS, PipelineGraph, SkipNet, make_batches, make_sched
 
 ACCUMULATION = (1, 2, 4, 8)
@@ -50,3 +50,28 @@ def test_pipeline_matches_eager(world, schedule):
             live = results[r][(acc, opt_name)]["live"][-1][r]
             bound = min(world - r, acc) if schedule == "1f1b" else acc
             assert live == bound, f"{what}: stage {r} held {live} micro-batches, expected {bound}"
+
+
+def _train_fp32(rank, world):
+    torch.manual_seed(0)
+    model = SkipNet(world)
+    opt = OPTIMIZERS["sgd_momentum"](model.parameters())
+    graph = PipelineGraph(model, opt, None, 2, "1f1b")
+    losses = []
+    for x, y in make_batches():
+        loss = graph(x, y).to_local()
+        losses += [loss.item()] if loss.numel() else []
+    return {"losses": losses, "state": graph.full_state_dict()}
+
+
+@pytest.mark.fp32
+def test_fp32_smoke_pipeline_within_the_written_bound():
+    """The fp32 smoke set: float32 end to end (model, data, gloo), SGD only (see helpers)."""
+    assert torch.get_default_dtype() == torch.float32
+    assert fp32_bound(terms=64, steps=STEPS) <= FP32_ATOL, "the tolerance covers the bound"
+    got = run_world(_train_fp32, 2)[1]
+    torch.manual_seed(0)
+    ref_losses, ref_state = eager_train(SkipNet(2), OPTIMIZERS["sgd_momentum"], None,
+                                        torch.nn.CrossEntropyLoss(), make_batches(), STEPS)
+    assert all(v.dtype == torch.float32 for v in got["state"].values() if v.is_floating_point())
+    assert_same_as_eager(got["losses"], got["state"], ref_losses, ref_state, "fp32 p=2 acc=2")

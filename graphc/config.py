@@ -67,7 +67,7 @@ class GraphConfig:
         """"1f1b" (default: least activation memory) or "gpipe"."""
         from .plan.schedules import SCHEDULES
         self._check_open("set_pipeline_schedule")
-        if name not in SCHEDULES:
+        if not isinstance(name, str) or name not in SCHEDULES:
             raise GraphcError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULES)}")
         self.pipeline_schedule = name
 
@@ -116,6 +116,6 @@ class GraphConfig:
 
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""
-        if not isinstance(n, int) or n < 1:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise GraphcError(f"recv window must be an int >= 1, found {n!r}")
         self.recv_window = n

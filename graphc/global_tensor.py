@@ -62,17 +62,19 @@ def to_global(obj, placement: Placement, sbp):
                                        {"placement": (placement.type, placement.ranks),
                                         "sbp": tuple(_encode(s) for s in sbp_t)})
     if isinstance(obj, nn.Module):
-        for t in list(obj.parameters()) + list(obj.buffers()):
-            _declare(t, placement, normalize_sbp(sbp, t.dim(), f"to_global on {type(obj).__name__}"),
-                     override=False)
+        for name, t in list(obj.named_parameters()) + list(obj.named_buffers()):
+            where = f"to_global on {type(obj).__name__}, tensor '{name}' (shape {list(t.shape)})"
+            _declare(t, placement, normalize_sbp(sbp, t.dim(), where), override=False)
         return obj
     if isinstance(obj, nn.Parameter):
-        _declare(obj, placement, normalize_sbp(sbp, obj.dim(), "to_global on a parameter"), override=True)
+        where = f"to_global on a parameter (shape {list(obj.shape)})"
+        _declare(obj, placement, normalize_sbp(sbp, obj.dim(), where), override=True)
         return obj
     if isinstance(obj, GlobalTensor):
         obj = obj.to_local()
     if isinstance(obj, torch.Tensor):
-        return global_from_local(obj, placement, normalize_sbp(sbp, obj.dim(), "to_global"))
+        where = f"to_global on a tensor of shape {list(obj.shape)}"
+        return global_from_local(obj, placement, normalize_sbp(sbp, obj.dim(), where))
     raise GraphcError(f"to_global expects an nn.Module, a parameter or a tensor, found {type(obj).__name__}")
 
 

@@ -1,6 +1,7 @@
 """Placements (which ranks hold a tensor) and SBP values (how it is laid out on them)."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Sequence, Tuple, Union
 
@@ -53,25 +54,47 @@ class placement:
 
 
 def _freeze_ranks(ranks) -> tuple:
-    if isinstance(ranks, int):
+    if _is_int(ranks):
         ranks = [ranks]
+    if not isinstance(ranks, (list, tuple, range)):
+        raise GraphcError(f"placement ranks must be a list of ints (or a list of equal rows for a "
+                          f"2-D mesh), found {type(ranks).__name__} {ranks!r}. Fix: e.g. "
+                          "graphc.placement(\"cpu\", ranks=[0, 1]).")
     ranks = list(ranks)
     if not ranks:
         raise GraphcError("placement needs at least one rank, found ranks=[]")
     if all(isinstance(r, (list, tuple)) for r in ranks):
-        rows = [tuple(int(r) for r in row) for row in ranks]
+        rows = [tuple(_rank(r, ranks) for r in row) for row in ranks]
         if len({len(row) for row in rows}) != 1:
             raise GraphcError(f"a 2-D placement needs rows of equal length, found {ranks}")
         flat = [r for row in rows for r in row]
         frozen = tuple(rows)
     else:
-        flat = [int(r) for r in ranks]
+        flat = [_rank(r, ranks) for r in ranks]
         frozen = tuple(flat)
     if len(set(flat)) != len(flat):
         raise GraphcError(f"placement ranks must be distinct, found {ranks}")
     if any(r < 0 for r in flat):
         raise GraphcError(f"placement ranks must be >= 0, found {ranks}")
     return frozen
+
+
+def _is_int(value) -> bool:
+    """An integer (int, numpy or 0-d integer tensor) that is not a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _rank(r, ranks) -> int:
+    if not _is_int(r):  # int(True) == 1 and int(0.5) == 0 would pick a rank silently
+        raise GraphcError(f"placement ranks must be ints, found {r!r} ({type(r).__name__}) in "
+                          f"ranks={ranks!r}. Fix: give global rank numbers, e.g. ranks=[0, 1].")
+    return operator.index(r)
 
 
 def _ranks_list(ranks: tuple):
@@ -122,9 +145,11 @@ class _SbpNamespace:
 
     @staticmethod
     def split(dim: int = 0) -> Split:
-        if not isinstance(dim, int):
-            raise GraphcError(f"sbp.split(dim) needs an int dim, found {dim!r}")
-        return Split(dim)
+        if not _is_int(dim):  # split(True) would mean split(1)
+            raise GraphcError(f"sbp.split(dim) needs an int dim, found {dim!r} "
+                              f"({type(dim).__name__}). Fix: e.g. sbp.split(0) to split the "
+                              "first dim, sbp.split(-1) the last.")
+        return Split(operator.index(dim))
 
 
 sbp = _SbpNamespace()
@@ -139,11 +164,15 @@ def normalize_sbp(value, ndim: int | None = None, where: str = "tensor") -> tupl
             raise GraphcError(
                 f"{where}: sbp must be graphc.sbp.split(d), sbp.broadcast or sbp.partial_sum, "
                 f"found {v!r}")
+        if isinstance(v, Split) and ndim == 0:
+            raise GraphcError(
+                f"{where}: {v} cannot lay out a 0-d tensor (a scalar has no dim to split). "
+                "Fix: use sbp.broadcast (every rank holds the value) or sbp.partial_sum.")
         if isinstance(v, Split) and ndim is not None:
-            if not -ndim <= v.dim < max(ndim, 1):
+            if not -ndim <= v.dim < ndim:
                 raise GraphcError(
                     f"{where}: split({v.dim}) is out of range for a tensor with {ndim} dims; "
                     f"use a dim in [{-ndim}, {ndim - 1}]")
-            v = Split(v.dim % ndim) if ndim else v
+            v = Split(v.dim % ndim)
         out.append(v)
     return tuple(out)

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict
+import os
+from typing import Any, Dict, Mapping
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,8 @@ from .placement import Split
 from .sbp.layout import coord, local_component, shard_slices
 
 STATE_FORMAT = "graphc.state/1"
+# the entries of a local_state_dict(); optimizer_class is absent from older checkpoints
+_KEYS = ("format", "rank", "steps", "model", "optimizer", "optimizer_class", "lr_scheduler", "rng")
 
 
 class GraphState:
@@ -70,34 +73,68 @@ class GraphState:
         }
         if self.optimizer is not None:  # a copy: the live state keeps changing in place
             sd["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
+            sd["optimizer_class"] = _class_name(self.optimizer)
         if self.lr_scheduler is not None:
             sd["lr_scheduler"] = copy.deepcopy(self.lr_scheduler.state_dict())
         sd["rng"] = torch.get_rng_state()  # dropout and friends resume on the same stream
         return sd
 
-    def load(self, sd: Dict[str, Any]) -> None:
-        if sd.get("format") != STATE_FORMAT:
-            raise GraphcError(f"load_state_dict expects a graph.state_dict() ({STATE_FORMAT}), "
-                              f"found format {sd.get('format')!r}; load a plain model state dict "
-                              "into the model before building the Graph instead")
+    def load(self, sd: Dict[str, Any], strict: bool = True) -> None:
+        """Loads a local_state_dict() of this rank; every check runs before anything changes."""
+        check_state_dict(sd)
         if sd.get("rank") != self.rank:
             raise GraphcError(f"this checkpoint was saved by rank {sd.get('rank')}, but is loaded "
                               f"on rank {self.rank}. Fix: load the file each rank saved itself.")
+        keys = self._check_keys(sd, strict)
         tensors = self.root.state_dict(keep_vars=True)
-        missing = [k for k in self.local_keys if k not in sd["model"]]
-        if missing:
-            raise GraphcError(f"checkpoint for rank {self.rank} lacks {missing[:5]}; it was saved "
-                              "from a different model or stage layout")
+        for k in keys:
+            _check_shape(k, sd["model"][k], tensors[k], self.rank)
+        self._load_optimizer(sd)
         with torch.no_grad():
-            for k in self.local_keys:
+            for k in keys:
                 tensors[k].copy_(sd["model"][k])
-        if self.optimizer is not None and "optimizer" in sd:
-            self.optimizer.load_state_dict(sd["optimizer"])
-        if self.lr_scheduler is not None and "lr_scheduler" in sd:
-            self.lr_scheduler.load_state_dict(sd["lr_scheduler"])
         if "rng" in sd:
             torch.set_rng_state(sd["rng"])
         self.steps = sd.get("steps", 0)
+
+    def _check_keys(self, sd: Dict[str, Any], strict: bool) -> list:
+        """The model keys to load; with strict, unknown or missing entries are errors."""
+        unknown = sorted(set(sd) - set(_KEYS))
+        unexpected = sorted(set(sd["model"]) - set(self.local_keys))
+        missing = [k for k in self.local_keys if k not in sd["model"]]
+        missing += [k for k, there in (("optimizer", self.optimizer), ("lr_scheduler", self.lr_scheduler))
+                    if there is not None and k not in sd]
+        if strict and unknown:
+            raise GraphcError(
+                f"rank {self.rank}: the checkpoint has unknown entries {unknown[:5]}; a "
+                f"graph.state_dict() holds only {list(_KEYS)}. Fix: load what graph.state_dict() "
+                "saved, or pass strict=False to ignore them.")
+        if strict and unexpected:
+            raise GraphcError(
+                f"rank {self.rank}: the checkpoint's 'model' holds {unexpected[:5]}, which this "
+                f"rank's part of the graph does not have (it has {self.local_keys[:5]}); it was "
+                "saved from a different model or stage layout. Fix: load a checkpoint of the same "
+                "model and layout, or pass strict=False to load only the keys that match.")
+        if strict and missing:
+            raise GraphcError(
+                f"checkpoint for rank {self.rank} lacks {missing[:5]}; it was saved from a "
+                "different model, stage layout or optimizer set-up. Fix: load a checkpoint of the "
+                "same graph, or pass strict=False to keep the current values of what it lacks.")
+        return [k for k in self.local_keys if k in sd["model"]]
+
+    def _load_optimizer(self, sd: Dict[str, Any]) -> None:
+        if self.optimizer is not None and "optimizer" in sd:
+            saved, mine = sd.get("optimizer_class"), _class_name(self.optimizer)
+            if saved is not None and saved != mine:
+                raise GraphcError(
+                    f"rank {self.rank}: the checkpoint's optimizer state comes from {saved}, but "
+                    f"the graph's optimizer is {mine}; its state would not fit. Fix: build the "
+                    f"graph with a {saved}, or delete the checkpoint's 'optimizer' and "
+                    "'optimizer_class' entries and load with strict=False to start the optimizer "
+                    "afresh.")
+            _load_into(self.optimizer, sd["optimizer"], "optimizer", self.rank)
+        if self.lr_scheduler is not None and "lr_scheduler" in sd:
+            _load_into(self.lr_scheduler, sd["lr_scheduler"], "lr_scheduler", self.rank)
 
     def _shard_split_tensors(self, tensors) -> Dict[str, tuple]:
         """Keeps only this rank's shard of every split parameter or buffer it owns.
@@ -141,3 +178,50 @@ class GraphState:
             full[shard_slices(shape, sbp, mesh, self.rank)] = value
         dist.all_reduce(full)
         return full
+
+
+def check_state_dict(sd) -> None:
+    """What load_state_dict checks at once, before the graph is compiled: the structure."""
+    if isinstance(sd, (str, bytes, os.PathLike)):
+        raise GraphcError(
+            f"load_state_dict expects the dict graph.state_dict() returned, found the path {sd!r}. "
+            f"Fix: graph.load_state_dict(graphc.load({str(sd)!r})).")
+    if not isinstance(sd, Mapping):
+        raise GraphcError(
+            f"load_state_dict expects the dict graph.state_dict() returned, found "
+            f"{type(sd).__name__}. Fix: pass graphc.load(path) of a file graphc.save wrote.")
+    if sd.get("format") != STATE_FORMAT:
+        raise GraphcError(f"load_state_dict expects a graph.state_dict() ({STATE_FORMAT}), "
+                          f"found format {sd.get('format')!r}. Fix: load a plain model state dict "
+                          "into the model before building the Graph instead")
+    if not isinstance(sd.get("model"), Mapping):
+        raise GraphcError(
+            f"this checkpoint ({STATE_FORMAT}) has no 'model' entry (found entries "
+            f"{sorted(sd)}), so it holds no parameters. Fix: save graph.state_dict() whole and "
+            "load that.")
+
+
+def _check_shape(key: str, saved, mine: torch.Tensor, rank: int) -> None:
+    if not isinstance(saved, torch.Tensor):
+        raise GraphcError(f"rank {rank}: checkpoint key '{key}' holds a {type(saved).__name__}, "
+                          "expected a tensor. Fix: load what graph.state_dict() saved.")
+    if saved.shape != mine.shape:  # copy_ would broadcast a smaller tensor silently
+        raise GraphcError(
+            f"rank {rank}: checkpoint key '{key}' has shape {list(saved.shape)}, but the graph's "
+            f"'{key}' has shape {list(mine.shape)} (this rank's component); the checkpoint was "
+            "saved from a model of other sizes or another layout. Fix: build the same model and "
+            "layout as when saving, or load a matching checkpoint.")
+
+
+def _load_into(obj, state, what: str, rank: int) -> None:
+    try:
+        obj.load_state_dict(state)
+    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+        raise GraphcError(
+            f"rank {rank}: the checkpoint's '{what}' does not fit the graph's "
+            f"{type(obj).__name__} ({type(e).__name__}: {e}); it was saved with other "
+            f"parameter groups or another {what}. Fix: build the same {what} as when saving.") from e
+
+
+def _class_name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"

@@ -23,7 +23,7 @@ from ..meta import (BACKWARD_TARGET, META_GRAD_PARTIAL, META_SBP, META_STAGE, ME
                     SbpSignature)
 from ..placement import Broadcast, Split, normalize_sbp
 from ..sbp.cost import boxing_cost, tensor_bytes
-from ..sbp.layout import B, flat, fmt, mesh_shape
+from ..sbp.layout import B, flat, fmt, mesh_shape, same_shape
 from ..sbp.rules import RuleCtx, rule_for
 
 
@@ -190,17 +190,11 @@ def _check_module_params(node: fx.Node, mesh: tuple) -> None:
 
 
 def _producer(a: fx.Node, node: fx.Node, axis: int, mesh: tuple):
-    """a's SBP on `axis` as `node` receives it; from a stage of another size it arrives
-    broadcast (an n-to-m transfer sends whole values, see insert_boxing)."""
-    if len(flat(a.meta[META_SBP].mesh)) != len(flat(mesh)):
+    """a's SBP on `axis` as `node` receives it; from a stage of another mesh shape it
+    arrives broadcast (an n-to-m transfer sends whole values, see insert_boxing)."""
+    if not same_shape(a.meta[META_SBP].mesh, mesh):
         return B
-    sbp = a.meta[META_SBP].out
-    if axis >= len(sbp):
-        raise GraphcError(
-            f"'{node.name}' (stage {node.meta[META_STAGE]}, mesh {node.meta.get(META_STAGE)}) reads "
-            f"'{a.name}' laid out as {fmt(sbp)} on a mesh with fewer axes. Fix: convert it with "
-            "graphc.to_global(x, placement=..., sbp=...) to the consumer's mesh first.")
-    return sbp[axis]
+    return a.meta[META_SBP].out[axis]
 
 
 def _cost(cand, prod: Dict[fx.Node, object], n: int) -> float:

@@ -22,7 +22,7 @@ from ..meta import (META_BOXING, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_T
 from ..placement import Broadcast, PartialSum, Split
 from ..runtime.collectives import box
 from ..sbp.cost import moved_bytes, tensor_bytes
-from ..sbp.layout import B, axis_groups, flat, fmt, mesh_shape
+from ..sbp.layout import B, axis_groups, fmt, mesh_shape, same_shape
 from .infer_sbp import sharded_use
 
 
@@ -68,15 +68,18 @@ def kind_of(src, dst) -> str:
 
 
 def _whole_for_other_size(gm, a: fx.Node, consumer: fx.Node, cache) -> fx.Node:
-    """A value read by a stage of a different number of ranks travels broadcast: it is
-    converted to broadcast on its own stage first (n-to-m transfer, see lower_plan)."""
+    """A value read by a stage of another mesh shape (another number of ranks, or a 2-D
+    mesh and a 1-D one) travels broadcast: it is converted to broadcast on its own stage
+    first (n-to-m transfer, see lower_plan)."""
     src, dst = a.meta[META_SBP], consumer.meta[META_SBP]
-    if len(flat(src.mesh)) == len(flat(dst.mesh)) or all(isinstance(s, Broadcast) for s in src.out):
+    if same_shape(src.mesh, dst.mesh) or all(isinstance(s, Broadcast) for s in src.out):
         return a
     key = (a, consumer.meta[META_STAGE])
     if key not in cache:
         value, cur = a, src.out
-        for axis, s in enumerate(src.out):
+        # innermost axis first: where two axes split one dim, the later axis splits within
+        # the earlier one's shard, so gathering the earlier first would misorder the rows
+        for axis, s in reversed(list(enumerate(src.out))):
             if not isinstance(s, Broadcast):
                 after = cur[:axis] + (B,) + cur[axis + 1:]
                 value = _box_node(gm, value, a, src.mesh, axis, kind_of(s, B), cur, after,
@@ -89,8 +92,8 @@ def _whole_for_other_size(gm, a: fx.Node, consumer: fx.Node, cache) -> fx.Node:
 def _convert(gm, a: fx.Node, need: tuple, consumer: fx.Node) -> fx.Node:
     cur = a.meta[META_SBP].out
     mesh = consumer.meta[META_SBP].mesh
-    if len(flat(a.meta[META_SBP].mesh)) != len(flat(mesh)):
-        cur = (B,) * len(need)  # arrived whole from a stage of another size
+    if not same_shape(a.meta[META_SBP].mesh, mesh):
+        cur = (B,) * len(need)  # arrived whole from a stage of another mesh shape
     value = a
     for axis, (s, d) in enumerate(zip(cur, need)):
         if s == d:
@@ -107,7 +110,7 @@ def _grad_reduce(gm, a: fx.Node, value: fx.Node, consumer: fx.Node) -> fx.Node:
         return value
     sig: SbpSignature = consumer.meta[META_SBP]
     synced = a.meta.get(META_GRAD_PARTIAL, ()) if a.op == "get_attr" else ()
-    cur = value.meta[META_SBP].out
+    cur = sig.needs(a.name)  # the consumer's axes: `a` may come from a mesh of another shape
     for axis in range(len(cur)):
         if sharded_use(consumer, a, axis) and axis not in synced:
             value = _box_node(gm, value, consumer, sig.mesh, axis, "grad_all_reduce", cur, cur)

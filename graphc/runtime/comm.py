@@ -23,9 +23,13 @@ from ..errors import GraphcError
 from ..plan.instructions import Send
 from ..plan.plan import ExecutionPlan
 from . import shm
-from .dist_env import timeout_seconds
+from .dist_env import int_from_env, timeout_seconds
 
-_SHM_MAX_BYTES = int(os.environ.get("GRAPHC_SHM_MAX_MB", "1024")) * (1 << 20)
+
+
+def shm_max_bytes() -> int:
+    """GRAPHC_SHM_MAX_MB (default 1024): the largest shared-memory ring of one channel."""
+    return int_from_env("GRAPHC_SHM_MAX_MB", 1024, minimum=1, unit="MiB") * (1 << 20)
 
 
 class P2P:
@@ -86,7 +90,9 @@ def _channel_specs(plans: Iterable[ExecutionPlan]) -> Dict[Tuple[int, int], Tupl
 def _shm_pairs(specs) -> Tuple[list, Dict[int, int]]:
     mode = os.environ.get("GRAPHC_P2P", "auto")
     if mode not in ("auto", "shm", "gloo"):
-        raise GraphcError(f"GRAPHC_P2P must be auto, shm or gloo, found {mode!r}")
+        raise GraphcError(f"GRAPHC_P2P must be auto, shm or gloo, found {mode!r}. Fix: unset it "
+                          "(auto: shared memory where it can) or set one of those.")
+    max_bytes = shm_max_bytes()  # before the collective below: every rank raises alike
     hosts = [None] * dist.get_world_size()
     # collective: every rank calls it, so every rank takes the same decision for a pair
     dist.all_gather_object(hosts, (socket.gethostname(), shm.free_bytes(), os.getpid()))
@@ -104,7 +110,7 @@ def _shm_pairs(specs) -> Tuple[list, Dict[int, int]]:
         ring = shm.ring_bytes(n, nbytes)
         host = hosts[src]
         # half of /dev/shm at most: a ring that outgrows tmpfs would fault mid-step
-        fits = ring <= _SHM_MAX_BYTES and used[host] + ring <= free[host] // 2
+        fits = ring <= max_bytes and used[host] + ring <= free[host] // 2
         if dev == "cpu" and hosts[dst] == host and fits:
             pairs.append((src, dst))
             used[host] += ring

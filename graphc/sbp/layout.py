@@ -21,6 +21,12 @@ def mesh_shape(mesh: tuple) -> Tuple[int, ...]:
     return (len(mesh),)
 
 
+def same_shape(a: tuple, b: tuple) -> bool:
+    """Do two meshes have the same shape? Only then does a layout carry over axis by axis
+    between their stages (replica k to replica k); otherwise a value crosses whole."""
+    return mesh_shape(a) == mesh_shape(b)
+
+
 def flat(mesh: tuple) -> Tuple[int, ...]:
     if mesh and isinstance(mesh[0], tuple):
         return tuple(r for row in mesh for r in row)

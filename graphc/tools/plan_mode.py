@@ -47,7 +47,7 @@ def active() -> Optional[PlanMode]:
     """The plan mode in force, from plan_mode(...) or the GRAPHC_PLAN_* variables; else None."""
     global _ACTIVE
     if _ACTIVE is None and os.environ.get("GRAPHC_PLAN_NPROC"):
-        _ACTIVE = PlanMode(_nproc(os.environ["GRAPHC_PLAN_NPROC"]),
+        _ACTIVE = PlanMode(_nproc(os.environ["GRAPHC_PLAN_NPROC"], "GRAPHC_PLAN_NPROC"),
                            os.environ.get("GRAPHC_PLAN_OUT", "graphc_plan"),
                            os.environ.get("GRAPHC_PLAN_SIMULATE") or None)
     return _ACTIVE
@@ -64,13 +64,13 @@ def plan_mode(nproc: int, out: str, simulate: Optional[str] = None, chart: bool 
         _ACTIVE = previous
 
 
-def _nproc(value) -> int:
+def _nproc(value, source: str = "plan mode") -> int:
     try:
-        n = int(value)
+        n = int(value) if not isinstance(value, (bool, float)) else 0
     except (TypeError, ValueError):
         n = 0
     if n < 1:
-        raise GraphcError(f"plan mode needs a number of ranks >= 1, found {value!r}; "
+        raise GraphcError(f"{source} needs a number of ranks >= 1, found {value!r}; "
                           "e.g. graphc plan train.py --nproc 4 --out plans")
     return n
 

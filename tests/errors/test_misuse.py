@@ -463,3 +463,178 @@ def test_to_global_inside_build_with_sbp_for_another_mesh():
         return loss
     with raises("to_global at", "with sbp (split(0), broadcast)", "Fix"):
         compile_for(Train(body=body), 2)
+
+
+# -- devices, optimizers, checkpoints, sbp values, environment (issue 14) --------------------
+def test_cuda_placement_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    g = Train()
+    g.model.a.config.set_stage(0, P("cuda", ranks=[0]))
+    with raises("module 'model.a' is placed on placement(type=\"cuda\", ranks=[0])",
+                "this machine has no CUDA device", "Fix: use graphc.placement(\"cpu\", ranks=[0])",
+                "a machine with GPUs"):
+        g(X)
+
+
+def test_lr_scheduler_that_is_not_one():
+    g = Train(opt=False)
+    with raises("lr_sch must be a torch.optim.lr_scheduler.LRScheduler, found float", "StepLR"):
+        g.add_optimizer(torch.optim.SGD(g.model.parameters(), lr=0.1), lr_sch=0.1)
+
+
+def test_lr_scheduler_that_needs_a_metric():
+    g = Train(opt=False)
+    opt = torch.optim.SGD(g.model.parameters(), lr=0.1)
+    with raises("ReduceLROnPlateau", "needs a metric", "call lr_sch.step(metric) yourself",
+                "StepLR"):
+        g.add_optimizer(opt, lr_sch=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+
+
+def test_lr_scheduler_of_another_optimizer():
+    g = Train(opt=False)
+    other = torch.optim.SGD(g.model.parameters(), lr=0.1)
+    with raises("lr_sch (StepLR) was built on another optimizer", "Fix: build the scheduler"):
+        g.add_optimizer(torch.optim.SGD(g.model.parameters(), lr=0.1),
+                        lr_sch=torch.optim.lr_scheduler.StepLR(other, step_size=1))
+
+
+def test_optimizer_that_needs_a_closure():
+    g = Train(opt=False)
+    with raises("LBFGS needs a closure", "once per call", "Fix: use an optimizer"):
+        g.add_optimizer(torch.optim.LBFGS(g.model.parameters()))
+
+
+def _checkpoint():
+    g = Train()
+    g(X)
+    return g, g.state_dict()
+
+
+def test_loading_a_checkpoint_of_other_shapes():
+    g, sd = _checkpoint()
+    sd["model"]["model.a.weight"] = torch.zeros(4, 8)  # copy_ would broadcast it silently
+    with raises("checkpoint key 'model.a.weight' has shape [4, 8]", "has shape [8, 8]", "Fix"):
+        g.load_state_dict(sd)
+
+
+def test_loading_a_checkpoint_without_its_model_entry():
+    _, sd = _checkpoint()
+    del sd["model"]
+    with raises("has no 'model' entry", "Fix: save graph.state_dict() whole"):
+        Train().load_state_dict(sd)  # at the call, before compiling
+
+
+def test_loading_a_path_instead_of_a_dict():
+    with raises("found the path 'ckpt/rank0.pt'", "graph.load_state_dict(graphc.load('ckpt/rank0.pt'))"):
+        Train().load_state_dict("ckpt/rank0.pt")
+
+
+def test_loading_a_checkpoint_of_another_optimizer_type():
+    _, sd = _checkpoint()  # SGD
+    g = Train(opt=False)
+    g.add_optimizer(torch.optim.Adam(g.model.parameters()))
+    g(X)
+    with raises("optimizer state comes from torch.optim.sgd.SGD", "torch.optim.adam.Adam", "Fix"):
+        g.load_state_dict(sd)
+
+
+def test_unknown_checkpoint_entry_unless_not_strict():
+    g, sd = _checkpoint()
+    sd["modle"] = {}
+    with raises("unknown entries ['modle']", "strict=False"):
+        g.load_state_dict(sd)
+    del sd["modle"]
+    sd["model"]["model.c.weight"] = torch.zeros(2)
+    with raises("'model' holds ['model.c.weight']", "strict=False"):
+        g.load_state_dict(sd)
+    g.load_state_dict(sd, strict=False)
+
+
+def test_missing_checkpoint_key_unless_not_strict():
+    g, sd = _checkpoint()
+    del sd["model"]["model.b.bias"]
+    with raises("lacks ['model.b.bias']", "strict=False"):
+        g.load_state_dict(sd)
+    before = g.model.b.bias.detach().clone()
+    sd["model"]["model.a.bias"] = torch.full((8,), 7.0)
+    g.load_state_dict(sd, strict=False)
+    assert torch.equal(g.model.b.bias, before) and bool((g.model.a.bias == 7).all())
+
+
+def test_save_or_load_of_something_that_is_not_a_path(tmp_path):
+    with raises("graphc.save expects a file path", "found dict"):
+        graphc.save({}, {})
+    with raises("graphc.load expects a file path", "found int"):
+        graphc.load(3)
+    with raises("is a directory", "Fix"):
+        graphc.save({}, str(tmp_path))
+
+
+def test_split_of_a_bool():
+    with raises("sbp.split(dim) needs an int dim, found True (bool)", "sbp.split(0)"):
+        S.split(True)
+
+
+def test_split_of_a_non_int():
+    with raises("sbp.split(dim) needs an int dim, found 1.0 (float)"):
+        S.split(1.0)
+
+
+def test_placement_rank_that_is_a_bool():
+    with raises("placement ranks must be ints, found True (bool)", "ranks=[0, 1]"):
+        P("cpu", ranks=[True])
+    with raises("placement ranks must be a list of ints", "found str '01'"):
+        P("cpu", ranks="01")
+
+
+def test_split_of_a_0d_tensor():
+    with raises("to_global on a tensor of shape []", "split(0) cannot lay out a 0-d tensor",
+                "sbp.broadcast"):
+        graphc.to_global(torch.tensor(1.0), placement=P("cpu", ranks=[0, 1]), sbp=S.split(0))
+    model = TwoStage()
+    model.scale = nn.Parameter(torch.tensor(2.0))
+    with raises("tensor 'scale' (shape [])", "cannot lay out a 0-d tensor"):
+        graphc.to_global(model, placement=P("cpu", ranks=[0, 1]), sbp=S.split(0))
+
+
+def test_split_of_a_0d_value_inside_build():
+    def body(self, x):
+        loss = graphc.to_global(self.model(x).sum(), placement=P("cpu", ranks=[0, 1]),
+                                sbp=S.split(0))
+        loss.backward()
+        return loss
+    with raises("to_global at", "split(0) cannot lay out a 0-d tensor"):
+        compile_for(Train(body=body), 2)
+
+
+def test_config_values_of_the_wrong_type():
+    g = Train()
+    with raises("unknown pipeline schedule ['1f1b']"):
+        g.config.set_pipeline_schedule(["1f1b"])
+    with raises("recv window must be an int >= 1, found True"):
+        g.config.set_recv_window(True)
+
+
+@pytest.mark.parametrize("name,value,expected", [
+    ("GRAPHC_SHM_MAX_MB", "abc", "an int number of MiB >= 1"),
+    ("GRAPHC_DEBUG", "abc", "an int >= 0"),
+    ("GRAPHC_TIMEOUT", "-5", "a finite number > 0"),
+    ("GRAPHC_HEARTBEAT_TIMEOUT", "nan", "a finite number > 0"),
+    ("GRAPHC_PLAN_NPROC", "abc", "a number of ranks >= 1"),
+])
+def test_bad_numeric_graphc_environment_variable(monkeypatch, name, value, expected):
+    from graphc.runtime import comm, watchdog
+    from graphc.runtime.dist_env import timeout_seconds
+    from graphc.tools import plan_mode
+    read = {"GRAPHC_SHM_MAX_MB": comm.shm_max_bytes, "GRAPHC_DEBUG": compiler.debug_level,
+            "GRAPHC_TIMEOUT": timeout_seconds, "GRAPHC_HEARTBEAT_TIMEOUT": watchdog.heartbeat_timeout_seconds,
+            "GRAPHC_PLAN_NPROC": plan_mode.active}[name]
+    monkeypatch.setenv(name, value)
+    with raises(name, repr(value), expected):
+        read()
+
+
+def test_bad_graphc_debug_is_refused_at_compile(monkeypatch):
+    monkeypatch.setenv("GRAPHC_DEBUG", "verbose")
+    with raises("GRAPHC_DEBUG must be an int >= 0, found 'verbose'", "GRAPHC_DEBUG=0"):
+        Train()(X)

@@ -69,6 +69,23 @@ def test_killed_writer_keeps_a_complete_file(tmp_path):
         assert got["w"].shape == (64, 2 ** 20) and bool((got["w"] == 1).all())
 
 
+def test_next_save_removes_what_a_killed_save_left(tmp_path):
+    """A save killed mid-write leaves <path>.<pid>.<random>.tmp; the next save to the path
+    deletes it (and an older graphc's <path>.<random>.tmp), but keeps a live writer's file
+    and other paths' temporaries."""
+    path = str(tmp_path / "ckpt.pt")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = [f"ckpt.pt.{dead.pid}.abcd1234.tmp", "ckpt.pt.old_1234.tmp"]
+    kept = [f"ckpt.pt.{os.getppid()}.live5678.tmp", f"ckpt.pt.bak.{dead.pid}.abcd1234.tmp",
+            "other.pt.abcd1234.tmp"]
+    for name in stale + kept:
+        (tmp_path / name).write_bytes(b"half a checkpoint")
+    graphc.save(OLD, path)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.pt"] + kept)
+    assert graphc.load(path)["steps"] == 3
+
+
 def test_loading_a_torn_file_is_a_clear_error(tmp_path):
     path = str(tmp_path / "torn.pt")
     with open(path, "wb") as f:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Dict, Mapping
+from collections import defaultdict
+from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 import torch.distributed as dist
@@ -12,7 +13,8 @@ import torch.nn as nn
 from .errors import GraphcError
 from .global_tensor import declared_layout
 from .placement import Split
-from .sbp.layout import coord, local_component, shard_slices
+from .meta import META_PIECES
+from .sbp.layout import coord, local_component, place_shard
 
 STATE_FORMAT = "graphc.state/1"
 # the entries of a local_state_dict(); optimizer_class is absent from older checkpoints
@@ -24,25 +26,24 @@ class GraphState:
         self.root, self.compiled, self.rank = root, compiled, rank
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.steps = 0
-        self.owner = self._owners()               # state-dict key -> stage index
-        local = compiled.plan_for(rank).local_stages
-        self.local_keys = [k for k, s in self.owner.items() if s in local]
+        self.holders = self._holders()            # state-dict key -> stages holding it
+        self.owner = {k: s[0] for k, s in self.holders.items()}  # the first: full_state_dict's source
+        local = set(compiled.plan_for(rank).local_stages)
+        self.local_keys = [k for k, s in self.holders.items() if local & set(s)]
 
-    def _owners(self) -> Dict[str, int]:
-        owner: Dict[str, int] = {}
-        by_id: Dict[int, str] = {id(t): k for k, t in self.root.state_dict(keep_vars=True).items()}
+    def _holders(self) -> Dict[str, Tuple[int, ...]]:
+        """Every stage whose program holds a tensor, under each of its names: a tied parameter
+        is held by every stage that uses it (See NOTE: Tied parameters, insert_tie_sync.py)."""
+        names: Dict[int, List[str]] = defaultdict(list)
+        for k, t in self.root.state_dict(keep_vars=True).items():
+            names[id(t)].append(k)
+        holders: Dict[str, List[int]] = defaultdict(list)
         for prog in self.compiled.programs:
             for _, t in list(prog.module.named_parameters()) + list(prog.module.named_buffers()):
-                key = by_id.get(id(t))
-                if key is None:
-                    continue
-                if key in owner and owner[key] != prog.stage:
-                    raise GraphcError(
-                        f"'{key}' is used by stage {owner[key]} and by stage {prog.stage}; a "
-                        "parameter shared across pipeline stages is not supported yet. Fix: "
-                        "keep the modules that share it in one stage.")
-                owner[key] = prog.stage
-        return owner
+                for key in names.get(id(t), ()):
+                    if prog.stage not in holders[key]:
+                        holders[key].append(prog.stage)
+        return {k: tuple(sorted(s)) for k, s in holders.items()}
 
     def take_ownership(self, device: torch.device) -> None:
         """Moves this rank's parameters to its device; the optimizer keeps only them."""
@@ -143,29 +144,41 @@ class GraphState:
         know them, so full_state_dict issues the same collectives everywhere.
         """
         shards = {}
+        pieces = stored_pieces(self.compiled.gm)
+        self.pieces = {k: pieces[id(tensors[k])] for k in self.owner if id(tensors[k]) in pieces}
+        whole: Dict[int, tuple] = {}  # id -> global shape: the names of a tied one shard it once
         for k in self.owner:
             t = tensors[k]
             layout = declared_layout(t)
             if layout is None or not any(isinstance(s, Split) for s in layout[1]):
                 continue
             mesh = self.compiled.meshes[self.owner[k]]
-            shards[k] = (tuple(t.shape), layout[1], mesh)
-            if k in self.local_keys:
-                t.data = local_component(t.data, layout[1], mesh, self.rank).clone()
+            if id(t) not in whole:
+                whole[id(t)] = tuple(t.shape)
+                if k in self.local_keys:  # a tied copy is sharded over the mesh of the stage here
+                    local = set(self.compiled.plan_for(self.rank).local_stages)
+                    here = self.compiled.meshes[next(s for s in self.holders[k] if s in local)]
+                    t.data = local_component(t.data, layout[1], here, self.rank, self.pieces.get(k)).clone()
+            shards[k] = (whole[id(t)], layout[1], mesh)
         return shards
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """Collective over the world: every tensor comes from the first rank of its stage."""
+        """Collective over the world: every tensor comes from the first rank of its (first)
+        stage; every name of a tied tensor gets that one value, as in model.state_dict()."""
         out: Dict[str, torch.Tensor] = {}
+        done: Dict[int, torch.Tensor] = {}
         live = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        for k, t in self.root.state_dict().items():
+        for k, t in self.root.state_dict(keep_vars=True).items():
+            if id(t) in done:  # another name of a tied tensor (the same on every rank)
+                out[k] = done[id(t)]
+                continue
             value = t.detach().cpu().clone()
             if live and k in getattr(self, "shards", {}):
                 value = self._gather_shards(k, value)
             elif live and k in self.owner:
                 src = self.compiled.stages[self.owner[k]].ranks[0]
                 dist.broadcast(value, src)
-            out[k] = value
+            out[k] = done[id(t)] = value
         return out
 
     def _gather_shards(self, k: str, value: torch.Tensor) -> torch.Tensor:
@@ -175,9 +188,15 @@ class GraphState:
         where = [d for d, s in zip(coord(mesh, self.rank), sbp) if not isinstance(s, Split)] \
             if self.owner[k] in self.compiled.plan_for(self.rank).local_stages else [1]
         if all(d == 0 for d in where):  # one copy of each shard: the first rank on B axes
-            full[shard_slices(shape, sbp, mesh, self.rank)] = value
+            place_shard(full, value, sbp, mesh, self.rank, self.pieces.get(k))
         dist.all_reduce(full)
         return full
+
+
+def stored_pieces(gm) -> Dict[int, tuple]:
+    """id(parameter) -> (k, dim) for the parameters stored in pieces (See NOTE: fused pieces)."""
+    return {id(gm.get_parameter(n.target)): n.meta[META_PIECES] for n in gm.graph.nodes
+            if n.op == "get_attr" and META_PIECES in n.meta}
 
 
 def check_state_dict(sd) -> None:

@@ -19,12 +19,12 @@ import torch.fx as fx
 
 from ..errors import GraphcError
 from ..global_tensor import conversion_target, declared_layout, to_global_op
-from ..meta import (BACKWARD_TARGET, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
-                    SbpSignature)
+from ..meta import (BACKWARD_TARGET, META_GRAD_PARTIAL, META_PIECES, META_SBP, META_STAGE,
+                    META_TENSOR, SbpSignature)
 from ..placement import Broadcast, Split, normalize_sbp
-from ..sbp.cost import boxing_cost, tensor_bytes
+from ..sbp.cost import conversion_cost, tensor_bytes
 from ..sbp.layout import B, flat, fmt, mesh_shape, same_shape
-from ..sbp.rules import RuleCtx, rule_for
+from ..sbp.rules import RuleCtx, draws_random, rule_for
 
 
 def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence) -> fx.GraphModule:
@@ -110,12 +110,21 @@ def _param_sbp(gm: fx.GraphModule, node: fx.Node, mesh: tuple) -> tuple:
     if layout is None:
         return _all_b(mesh)
     where, sbp = layout
+    if mesh_shape(where.ranks) == mesh_shape(mesh) \
+            and _shared_across_stages(gm, t) and len(sbp) == len(mesh_shape(mesh)):
+        return sbp  # a tied weight: its layout holds on each stage that holds a copy
     if sorted(where.flat_ranks) != sorted(flat(mesh)) or len(sbp) != len(mesh_shape(mesh)):
         raise GraphcError(
             f"parameter '{node.target}' is declared on {where} with sbp {fmt(sbp)}, but its module "
             f"runs on stage {node.meta[META_STAGE]} with mesh {mesh}. Fix: declare it with "
             f"to_global on the stage's placement (ranks {list(flat(mesh))}), one sbp per mesh axis.")
     return sbp
+
+
+def _shared_across_stages(gm: fx.GraphModule, t: torch.Tensor) -> bool:
+    stages = {n.meta.get(META_STAGE) for n in gm.graph.nodes
+              if n.op == "get_attr" and _fetch(gm, str(n.target)) is t}
+    return len(stages) > 1
 
 
 def _fetch(gm: fx.GraphModule, target: str):
@@ -156,12 +165,17 @@ def _choose(node: fx.Node, mesh: tuple) -> SbpSignature:
     inputs = [a for a in node.all_input_nodes if META_SBP in a.meta]
     tensors = [a for a in inputs if a.meta.get(META_TENSOR) is not None]
     rule = rule_for(node)
+    if rule is None and not tensors and not draws_random(node):
+        return SbpSignature(mesh, _all_b(mesh), ())  # host values, constants: alike everywhere
     if rule is None:
         return _fallback(node, mesh, tensors)
     outs, need = [], {a: [] for a in tensors}
     for axis, n in enumerate(mesh_shape(mesh)):
         prod = {a: _producer(a, node, axis, mesh) for a in inputs}
-        cands = rule(RuleCtx(node, n, prod)) + [({a: B for a in tensors}, B)]
+        found = rule(RuleCtx(node, n, prod))
+        if found is None:  # a case the rule does not cover
+            return _fallback(node, mesh, tensors)
+        cands = found + [({a: B for a in tensors}, B)]
         best = min(cands, key=lambda c: _cost(c, prod, n))
         outs.append(best[1])
         for a in tensors:
@@ -199,23 +213,41 @@ def _producer(a: fx.Node, node: fx.Node, axis: int, mesh: tuple):
 
 def _cost(cand, prod: Dict[fx.Node, object], n: int) -> float:
     req, _ = cand
-    return sum(boxing_cost(prod[a], r, tensor_bytes(a.meta[META_TENSOR]), n) for a, r in req.items()
+    return sum(conversion_cost(prod[a], r, tensor_bytes(a.meta[META_TENSOR]), n,
+                               a.meta[META_TENSOR].requires_grad) for a, r in req.items()
                if a.meta.get(META_TENSOR) is not None)
 
 
 def _mark_grad_partial(gm: fx.GraphModule) -> None:
     """A broadcast parameter read only by ops whose output is sharded (S or P) on an axis has
-    a partial_sum gradient there: the data-parallel case, synchronised after backward."""
+    a partial_sum gradient there: the data-parallel case, synchronised after backward.
+
+    Decided per parameter object and stage, over all its reads: the names of a tied
+    parameter (an embedding and its LM head) share one .grad, so it is partial only if
+    every use is; otherwise each sharded use reduces its own part (insert_boxing)."""
+    reads: Dict[tuple, List[fx.Node]] = {}
     for node in gm.graph.nodes:
-        if node.op != "get_attr" or META_SBP not in node.meta:
-            continue
-        sig = node.meta[META_SBP]
+        if node.op == "get_attr" and META_SBP in node.meta:
+            reads.setdefault((id(_fetch(gm, str(node.target))), node.meta[META_STAGE]), []).append(node)
+    for nodes in reads.values():
         axes = []
-        for axis, s in enumerate(sig.out):
-            users = [u for u in node.users if META_SBP in u.meta]
-            if (isinstance(s, Broadcast) and users and all(sharded_use(u, node, axis) for u in users)):
+        for axis, s in enumerate(nodes[0].meta[META_SBP].out):
+            users = [(u, v) for n in nodes for v in _piece_views(n) for u in v.users
+                     if META_SBP in u.meta]
+            if (isinstance(s, Broadcast) and users and all(sharded_use(u, n, axis) for u, n in users)):
                 axes.append(axis)
-        node.meta[META_GRAD_PARTIAL] = tuple(axes)
+        for node in nodes:
+            for view in [node] + _piece_views(node):
+                view.meta[META_GRAD_PARTIAL] = tuple(axes)
+
+
+def _piece_views(param: fx.Node) -> List[fx.Node]:
+    """The nodes through which ops read a parameter: itself, or for one stored in pieces the
+    pieces of its chunk (See NOTE: fused pieces), whose gradients make up its gradient."""
+    if META_PIECES not in param.meta:
+        return [param]
+    views = [g for c in param.users if c.target is torch.chunk for g in c.users]
+    return views if len(views) == sum(len(c.users) for c in param.users) else [param]
 
 
 def sharded_use(user: fx.Node, a: fx.Node, axis: int) -> bool:

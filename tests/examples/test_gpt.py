@@ -1,0 +1,92 @@
+"""examples/gpt.py (tied embeddings, shape asserts, causal attention) against eager PyTorch.
+
+Float64, whole batch, AdamW, 3 steps, tolerance 1e-10 (helpers.py): pipeline 2 (1F1B and
+GPipe), data 2 and tensor 2 on 2 ranks; pipeline 4 on 4 ranks; pipeline x tensor x data
+2x2x2 on 8 ranks (slow). No op of the tensor-parallel plans falls back to broadcast.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+from helpers import assert_same_as_eager, run_world
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+import gpt  # noqa: E402
+
+STEPS = 3
+
+
+def _args(extra=()):
+    import argparse  # the example's own defaults, overridden like a user's command line
+    parser = argparse.ArgumentParser()
+    for name, default in (("layers", 4), ("embd", 32), ("heads", 4), ("block", 16), ("batch", 8),
+                          ("accumulation", 2), ("seed", 0)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    return parser.parse_args(list(extra))
+
+
+def _train(rank, world, configs):
+    out = {}
+    ids, vocab = gpt.load_corpus()
+    args = _args()
+    for name, (pp, tp, dp, schedule) in configs.items():
+        layout = gpt.Layout(pp, tp, dp)
+        model = gpt.make_model(vocab, args)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        graph = gpt.GPTGraph(model, opt, layout, args.accumulation, schedule)
+        losses = []
+        for x, y in gpt.batches(ids, args.batch, args.block, STEPS):
+            loss = graph(*gpt.global_inputs(layout, rank, x, y)).to_local()
+            losses += [loss.item()] if loss.numel() else []
+        out[name] = {"losses": losses, "state": graph.full_state_dict(), "plan": str(graph.plan)}
+    return out
+
+
+def _eager():
+    ids, vocab = gpt.load_corpus()
+    args = _args()
+    model = gpt.make_model(vocab, args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses = []
+    for x, y in gpt.batches(ids, args.batch, args.block, STEPS):
+        loss = gpt.lm_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _check(results, names):
+    ref_losses, ref_state = _eager()
+    for name in names:
+        for rank, res in enumerate(results):
+            got = res[name]
+            assert set(got["state"]) == set(ref_state), "full_state_dict keys are model.state_dict()'s"
+            if got["losses"]:
+                assert_same_as_eager(got["losses"], got["state"], ref_losses, ref_state, f"{name} rank {rank}")
+            else:
+                assert_same_as_eager([], got["state"], [], ref_state, f"{name} rank {rank}")
+            assert torch.equal(got["state"]["transformer.wte.weight"], got["state"]["lm_head.weight"])
+            if "tp" in name:
+                assert "fallback" not in got["plan"], f"{name}: an op fell back to broadcast"
+
+
+def test_gpt_on_two_ranks_matches_eager():
+    configs = {"pp2-1f1b": (2, 1, 1, "1f1b"), "pp2-gpipe": (2, 1, 1, "gpipe"),
+               "dp2": (1, 1, 2, "1f1b"), "tp2": (1, 2, 1, "1f1b")}
+    _check(run_world(_train, 2, configs), configs)
+
+
+def test_gpt_pipeline_of_four_matches_eager():
+    configs = {"pp4": (4, 1, 1, "1f1b")}
+    _check(run_world(_train, 4, configs), configs)
+
+
+@pytest.mark.slow
+def test_gpt_pipeline_tensor_data_2x2x2_matches_eager():
+    configs = {"pp2-tp2-dp2": (2, 2, 2, "1f1b")}
+    _check(run_world(_train, 8, configs, timeout=600), configs)

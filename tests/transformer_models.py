@@ -108,3 +108,55 @@ def block_batches(n: int = 2, batch: int = 4, t: int = 4, d_in: int = 6, classes
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, t, d_in, generator=g), torch.randint(0, classes, (batch, t), generator=g))
             for _ in range(n)]
+
+
+class TinyGPT(nn.Module):
+    """Token + position embeddings, `layers` blocks, final LayerNorm, LM head tied to wte."""
+
+    def __init__(self, vocab: int = 16, d: int = 8, heads: int = 2, t: int = 4, layers: int = 2):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(t, d)
+        self.register_buffer("pos", torch.arange(t), persistent=False)
+        self.blocks = nn.ModuleList(TransformerBlock(d, heads, t) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as GPT-2 does
+
+    def forward(self, idx):
+        h = self.wte(idx) + self.wpe(self.pos)
+        for block in self.blocks:
+            h = block(h)
+        return self.lm_head(self.ln_f(h))
+
+
+class GPTGraph(graphc.Graph):
+    """TinyGPT on `stages` placements: the embeddings with blocks[0] on the first, the final
+    LayerNorm and the (tied) LM head with the last block on the last, blocks spread evenly."""
+
+    def __init__(self, model: TinyGPT, opt, stages: Sequence = (), accumulation: int = 2,
+                 schedule: str = "1f1b"):
+        super().__init__()
+        self.model = model
+        if stages:
+            p, layers = len(stages), len(model.blocks)
+            self.model.wte.config.set_stage(0, stages[0])
+            self.model.wpe.config.set_stage(0, stages[0])
+            for i in range(layers):
+                self.model.blocks[i].config.set_stage(i * p // layers, stages[i * p // layers])
+            self.model.ln_f.config.set_stage(p - 1, stages[-1])
+            self.model.lm_head.config.set_stage(p - 1, stages[-1])
+        self.config.set_gradient_accumulation_steps(accumulation)
+        self.config.set_pipeline_schedule(schedule)
+        if opt is not None:
+            self.add_optimizer(opt)
+
+    def build(self, idx, targets):
+        loss = token_loss(self.model(idx), targets)
+        loss.backward()
+        return loss
+
+
+def token_batches(n: int = 3, batch: int = 8, t: int = 4, vocab: int = 16, seed: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (batch, t), generator=g), torch.randint(0, vocab, (batch, t), generator=g))
+            for _ in range(n)]

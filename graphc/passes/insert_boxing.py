@@ -28,6 +28,7 @@ from .infer_sbp import sharded_use
 
 def insert_boxing(gm: fx.GraphModule) -> fx.GraphModule:
     whole: Dict[Tuple[fx.Node, int], fx.Node] = {}  # n-to-m: (value, stage) -> broadcast copy
+    shared: Dict[tuple, fx.Node] = {}  # (value, layout, stage) -> its conversion: NOTE: shared boxes
     for node in list(gm.graph.nodes):
         if node.op == "output":
             _reduce_outputs(gm, node)
@@ -40,8 +41,10 @@ def insert_boxing(gm: fx.GraphModule) -> fx.GraphModule:
             if need is None or a.meta.get(META_TENSOR) is None:
                 continue
             sent = _whole_for_other_size(gm, a, node, whole)
-            converted = _convert(gm, sent, need, node)
-            converted = _grad_reduce(gm, a, converted, node)
+            key = (sent, need, node.meta.get(META_STAGE))
+            if key not in shared:
+                shared[key] = _convert(gm, sent, need, node)
+            converted = _grad_reduce(gm, a, shared[key], node, shared)
             if converted is not a:
                 node.replace_input_with(a, converted)
                 node.meta[META_SBP] = _renamed(node.meta[META_SBP], a.name, converted.name)
@@ -104,17 +107,29 @@ def _convert(gm, a: fx.Node, need: tuple, consumer: fx.Node) -> fx.Node:
     return value
 
 
-def _grad_reduce(gm, a: fx.Node, value: fx.Node, consumer: fx.Node) -> fx.Node:
+# NOTE: shared boxes
+# A value read in the same layout by several ops of a stage is converted once, and a
+# broadcast value read by several sharded ops (q, k and v projections of one activation)
+# gets one grad_all_reduce: its gradient sums the ops' partial gradients first, so one
+# all-reduce in backward serves them all, as Megatron's `f` before the fused QKV GEMM.
+
+
+def _grad_reduce(gm, a: fx.Node, value: fx.Node, consumer: fx.Node, shared: dict) -> fx.Node:
     meta = a.meta[META_TENSOR]
     if not meta.requires_grad:
         return value
     sig: SbpSignature = consumer.meta[META_SBP]
-    synced = a.meta.get(META_GRAD_PARTIAL, ()) if a.op == "get_attr" else ()
+    synced = a.meta.get(META_GRAD_PARTIAL, ())  # parameters (and their pieces) synced after backward
     cur = sig.needs(a.name)  # the consumer's axes: `a` may come from a mesh of another shape
-    for axis in range(len(cur)):
-        if sharded_use(consumer, a, axis) and axis not in synced:
-            value = _box_node(gm, value, consumer, sig.mesh, axis, "grad_all_reduce", cur, cur)
-    return value
+    axes = tuple(axis for axis in range(len(cur))
+                 if sharded_use(consumer, a, axis) and axis not in synced)
+    key = ("grad", value, axes, consumer.meta.get(META_STAGE))
+    if axes and key not in shared:
+        reduced = value
+        for axis in axes:
+            reduced = _box_node(gm, reduced, consumer, sig.mesh, axis, "grad_all_reduce", cur, cur)
+        shared[key] = reduced
+    return shared[key] if axes else value
 
 
 def _box_node(gm, value: fx.Node, consumer: fx.Node, mesh: tuple, axis: int, kind: str,

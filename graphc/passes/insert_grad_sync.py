@@ -16,7 +16,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch.fx as fx
 
-from ..meta import META_GRAD_PARTIAL, META_SBP, META_TENSOR
+from ..meta import META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR
 from ..plan.instructions import AllReduce, OptimizerStep, TensorSpec
 from ..plan.plan import ExecutionPlan
 from ..sbp.layout import axis_groups, local_shape
@@ -42,13 +42,16 @@ def insert_grad_sync(plans: Sequence[ExecutionPlan], gm: fx.GraphModule,
 def _partial_grads(gm: fx.GraphModule) -> Dict[int, Dict[Tuple[int, ...], List[TensorSpec]]]:
     """rank -> group -> gradient specs (local shapes), in backward order."""
     out: Dict[int, Dict[Tuple[int, ...], List[TensorSpec]]] = defaultdict(lambda: defaultdict(list))
-    seen = set()
+    seen = set()  # (parameter, stage): a tied parameter's names share one .grad, reduced once
     for node in reversed(list(gm.graph.nodes)):
         axes = node.meta.get(META_GRAD_PARTIAL, ()) if node.op == "get_attr" else ()
-        if not axes or node.target in seen:
+        meta = node.meta.get(META_TENSOR)
+        key = (id(gm.get_parameter(str(node.target))), node.meta[META_STAGE]) \
+            if axes and meta is not None and meta.requires_grad else None
+        if key is None or key in seen:
             continue
-        seen.add(node.target)
-        sig, meta = node.meta[META_SBP], node.meta[META_TENSOR]
+        seen.add(key)
+        sig = node.meta[META_SBP]
         spec = TensorSpec(str(node.target), local_shape(meta.shape, sig.out, sig.mesh), meta.dtype)
         for axis in axes:
             for group in axis_groups(sig.mesh, axis):

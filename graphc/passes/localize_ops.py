@@ -2,8 +2,9 @@
 
 Invariant: run on each rank's local components, every node computes its local component
 of the global value its signature names: a mean, cross_entropy or mse_loss mean over a
-split dim divides a local sum by the global count; view/reshape get local target shapes;
-an embedding with a vocabulary-split table masks indices outside this rank's rows.
+split dim divides a local sum by the global count; view/reshape/unflatten get local target
+shapes; size()/shape/numel() of a split value read the global sizes; an embedding with a
+vocabulary-split table masks indices outside this rank's rows.
 Requires: insert_boxing (inputs already arrive in the signature's SBP).
 """
 from __future__ import annotations
@@ -18,10 +19,13 @@ from ..meta import META_SBP, META_TENSOR
 from ..placement import PartialSum, Split
 from ..runtime.collectives import vocab_parallel_embedding
 from ..sbp.layout import axis_groups, local_shape
-from ..sbp.local_ops import cross_entropy_partial, mean_as_partial, mse_loss_partial
+from ..sbp.local_ops import (cross_entropy_partial, global_numel, global_size, mean_as_partial,
+                             mse_loss_partial)
 
 _MEAN = (torch.mean, "mean")
 _RESHAPE = (torch.reshape, "view", "reshape")
+_UNFLATTEN = (torch.unflatten, "unflatten")
+_SIZE = ("size", "numel", "nelement")
 
 
 def localize_ops(gm: fx.GraphModule) -> fx.GraphModule:
@@ -40,6 +44,10 @@ def localize_ops(gm: fx.GraphModule) -> fx.GraphModule:
             _localize_reshape(node, sig)
         elif node.target is F.embedding:
             _localize_embedding(node, sig)
+        elif node.target in _UNFLATTEN:
+            _localize_unflatten(gm, node, sig)
+        elif node.target in _SIZE or (node.target is getattr and node.args[1] == "shape"):
+            _localize_size(gm, node, sig)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -84,6 +92,28 @@ def _localize_reshape(node: fx.Node, sig) -> None:
     node.args = (node.args[0], tuple(shape)) if node.target is torch.reshape else \
         (node.args[0], *shape)
     node.kwargs = {}
+
+
+def _localize_unflatten(gm, node: fx.Node, sig) -> None:
+    """unflatten's -1 would be solved from the local size: reshape to the local shape instead."""
+    if any(isinstance(s, Split) for s in sig.out):
+        shape = local_shape(node.meta[META_TENSOR].shape, sig.out, sig.mesh)
+        _replace(gm, node, torch.reshape, (node.args[0], tuple(shape)), {})
+
+
+def _localize_size(gm, node: fx.Node, sig) -> None:
+    """size()/shape/numel() of a split value read the global (per micro-batch) sizes."""
+    x = node.args[0]
+    if not _split_dims(sig, x.name):
+        return
+    shape = tuple(x.meta[META_TENSOR].shape)
+    if node.target == "size":
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        _replace(gm, node, global_size, (x, shape, dim), {})
+    elif node.target is getattr:
+        _replace(gm, node, global_size, (x, shape, None), {})
+    else:
+        _replace(gm, node, global_numel, (x, math.prod(shape)), {})
 
 
 def _localize_embedding(node: fx.Node, sig) -> None:

@@ -146,6 +146,26 @@ class AllReduce(Instruction):
 
 
 @dataclass(frozen=True)
+class TieAllReduce(AllReduce):
+    """Sums tied parameters' gradients over the stages that hold them (see insert_tie_sync).
+
+    `tensors` name each parameter once for the whole graph (alike on every rank); `params`
+    are the names this rank's stage program knows them by (an embedding's weight on stage 0
+    is the LM head's weight on the last), so they do not take part in comparing instructions
+    across ranks.
+    """
+
+    params: Tuple[str, ...] = field(default=(), compare=False)
+
+    def __str__(self) -> str:
+        return (f"TIE_ALL_REDUCE ranks={list(self.ranks)} [{' '.join(map(str, self.tensors))}] "
+                f"as [{' '.join(self.params)}]")
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "purpose": "tie", "params": list(self.params)}
+
+
+@dataclass(frozen=True)
 class ClipGradNorm(AllReduce):
     """Gradient clipping by the global norm: an all-reduce of one scalar, then a local scale.
 
@@ -218,6 +238,7 @@ _COMPUTE_RE = re.compile(r"(\d+)([FB])(\d+)")
 _P2P_RE = re.compile(r"(\d+)(SEND|RECV)_([FB])(\d+) (to|from)=(\d+) stage=(\d+) \[(.*)\]")
 _COLL_RE = re.compile(r"(\d+)([FB])(\d+)\.(\w+) (\S+) (.+)->(.+) ranks=\[([\d, ]*)\] bytes=(\d+)(?: # (.*))?")
 _AR_RE = re.compile(r"ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\]")
+_TIE_RE = re.compile(r"TIE_ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\] as \[(.*)\]")
 _CLIP_RE = re.compile(r"CLIP_GRAD_NORM max_norm=(\S+) ranks=\[([\d, ]*)\] \[(.*)\] of \[(.*)\]")
 
 
@@ -242,6 +263,10 @@ def parse_instruction(text: str) -> Instruction:
         ranks = tuple(int(r) for r in m.group(2).split(",") if r.strip())
         return ClipGradNorm(ranks, tuple(TensorSpec.parse(s) for s in m.group(3).split()),
                             float(m.group(1)), tuple(m.group(4).split()))
+    if m := _TIE_RE.fullmatch(text):
+        ranks = tuple(int(r) for r in m.group(1).split(",") if r.strip())
+        return TieAllReduce(ranks, tuple(TensorSpec.parse(s) for s in m.group(2).split()),
+                            tuple(m.group(3).split()))
     if m := _AR_RE.fullmatch(text):
         ranks = tuple(int(r) for r in m.group(1).split(",") if r.strip())
         return AllReduce(ranks, tuple(TensorSpec.parse(s) for s in m.group(2).split()))
@@ -263,6 +288,8 @@ def instruction_from_json(d: dict) -> Instruction:
                           d["node"], d["sbp_in"], d["sbp_out"], d["bytes"], d.get("note", ""))
     if op == "all_reduce" and d.get("purpose") == "clip_grad_norm":
         return ClipGradNorm(tuple(d["ranks"]), specs, d["max_norm"], tuple(d.get("params", ())))
+    if op == "all_reduce" and d.get("purpose") == "tie":
+        return TieAllReduce(tuple(d["ranks"]), specs, tuple(d.get("params", ())))
     if op == "all_reduce":
         return AllReduce(tuple(d["ranks"]), specs)
     if op == "optimizer_step":

@@ -10,6 +10,24 @@ from .instructions import TensorSpec
 
 
 @dataclass
+class Prologue:
+    """Values a stage computes once per step from the whole batch, before any micro-batch.
+
+    `module(*inputs)` runs on each micro-batch's user inputs (named in `inputs`, as in the
+    stage program) and returns one tensor per name in `outputs`. The runtime sums each over
+    the micro-batches, then over the ranks of `groups[k]` (the mesh groups along which the
+    k-th value's inputs are split across ranks; none: the sum is complete), and passes the
+    totals to every micro-batch's forward as the program inputs of those names. Example: the
+    whole batch's count of non-ignored targets of a token-mean loss (see feed_whole_batch).
+    """
+
+    module: fx.GraphModule
+    inputs: List[str]
+    outputs: List[str]
+    groups: List[Tuple[Tuple[int, ...], ...]]
+
+
+@dataclass
 class StageProgram:
     """One stage's forward for one micro-batch.
 
@@ -27,6 +45,8 @@ class StageProgram:
     requires_grad: Dict[str, bool] = field(default_factory=dict)
     loss: Optional[str] = None                       # value whose backward starts on this stage
     results: List[str] = field(default_factory=list)  # build() outputs computed here
+    whole_inputs: Tuple[str, ...] = ()               # user inputs not split into micro-batches
+    prologue: Optional[Prologue] = None              # per-step values from the whole batch
 
     def grad_specs(self, specs: List[TensorSpec]) -> List[TensorSpec]:
         """The subset of transferred values whose gradients flow back."""
@@ -39,5 +59,10 @@ class StageProgram:
     def __str__(self) -> str:
         recv = {s: [str(t) for t in v] for s, v in self.recv_from.items()}
         send = {s: [str(t) for t in v] for s, v in self.send_to.items()}
-        return (f"# stage {self.stage}: inputs={self.inputs} recv_from={recv} send_to={send} "
-                f"loss={self.loss} results={self.results}\n{self.module.code.strip()}")
+        whole = f" whole_inputs={list(self.whole_inputs)}" if self.whole_inputs else ""
+        head = (f"# stage {self.stage}: inputs={self.inputs} recv_from={recv} send_to={send} "
+                f"loss={self.loss} results={self.results}{whole}")
+        if self.prologue is not None:
+            head += (f"\n# prologue (once per step, summed over micro-batches): "
+                     f"{self.prologue.outputs}\n{self.prologue.module.code.strip()}")
+        return f"{head}\n{self.module.code.strip()}"

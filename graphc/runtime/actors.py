@@ -136,11 +136,17 @@ class Runtime:
         per_mb: List[Dict[str, torch.Tensor]] = [dict() for _ in range(m)]
         if self.executor is None:
             return per_mb
-        for name, idx in self.executor.program.user_inputs.items():
+        prog = self.executor.program
+        for name, idx in prog.user_inputs.items():
             t = user_inputs[idx].to(self.device, non_blocking=True)
-            pieces = t.tensor_split(m) if t.dim() >= 1 else [t] * m
+            whole = t.dim() == 0 or name in prog.whole_inputs  # no batch dim (find_batch_dims)
+            pieces = [t] * m if whole else t.tensor_split(m)
             for mb in range(m):
                 per_mb[mb][name] = pieces[mb]
+        if prog.prologue is not None:  # values of the whole batch, e.g. a loss's token count
+            totals = self.executor.prologue(per_mb)
+            for values in per_mb:
+                values.update(totals)
         return per_mb
 
     def _run(self, user_inputs):
@@ -204,7 +210,7 @@ class Runtime:
         sq = torch.zeros((), dtype=dtype, device=self.device)
         if grads:
             sq = torch.stack([torch.linalg.vector_norm(g, 2).to(dtype) for g in grads]).square().sum()
-        norm = all_reduce_sum(sq, ins.ranks).sqrt()
+        norm = all_reduce_sum(sq, (ins.ranks,)).sqrt()
         coef = (ins.max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch: no host sync
         for p in module.parameters():
             if p.grad is not None:

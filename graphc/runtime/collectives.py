@@ -59,9 +59,12 @@ def compiled_groups(compiled) -> List[Tuple[int, ...]]:
     from ..plan.instructions import AllReduce
     found = []
     for prog in compiled.programs:
-        for node in prog.module.graph.nodes:
+        modules = [prog.module] + ([prog.prologue.module] if prog.prologue is not None else [])
+        for node in (n for module in modules for n in module.graph.nodes):
             if node.op == "call_function" and node.target in (box, vocab_parallel_embedding):
                 found += [tuple(g) for g in node.args[2]]
+        if prog.prologue is not None:
+            found += [tuple(g) for groups in prog.prologue.groups for g in groups]
     for plan in compiled.plans:
         found += [tuple(ins.ranks) for ins in plan.instructions if isinstance(ins, AllReduce)]
     return found
@@ -95,9 +98,9 @@ def _all_to_all(x, src_dim, dst_dim, group, n):
     return torch.cat(recv, src_dim)
 
 
-def all_reduce_sum(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
-    """The sum of `x` over `ranks` (this rank among them), as a new tensor."""
-    group, _, n = _my_group((tuple(ranks),))
+def all_reduce_sum(x: torch.Tensor, groups: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The sum of `x` over this rank's group among `groups`, as a new tensor."""
+    group, _, n = _my_group(tuple(tuple(g) for g in groups))
     return _all_reduce(x, group) if n > 1 else x.clone()
 
 
@@ -204,12 +207,16 @@ class GradSync:
 
     @staticmethod
     def from_plan(plan, program) -> "GradSync | None":
-        from ..plan.instructions import AllReduce
-        syncs = [ins for ins in plan.instructions if type(ins) is AllReduce]  # not ClipGradNorm
+        from ..plan.instructions import AllReduce, TieAllReduce
+        # gradient all-reduces and ties (not ClipGradNorm); a tie names its parameters as
+        # this stage's program knows them
+        syncs = [ins for ins in plan.instructions if type(ins) in (AllReduce, TieAllReduce)]
         if not syncs or program is None:
             return None
-        sync = GradSync([(ins.ranks, [program.module.get_parameter(t.name) for t in ins.tensors])
-                         for ins in syncs])
+        names = [ins.params if isinstance(ins, TieAllReduce) else [t.name for t in ins.tensors]
+                 for ins in syncs]
+        sync = GradSync([(ins.ranks, [program.module.get_parameter(n) for n in ns])
+                         for ins, ns in zip(syncs, names)])
         sync.index = {ins: i for i, ins in enumerate(syncs)}
         return sync
 

@@ -11,6 +11,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from ..plan.program import StageProgram
+from .collectives import all_reduce_sum
 
 
 class StageExecutor:
@@ -39,6 +40,18 @@ class StageExecutor:
             self.saved[mb] = (leaves, outs)
             self.max_live = max(self.max_live, len(self.saved))
         return outs
+
+    def prologue(self, per_mb: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        """The program's per-step values: its prologue summed over the micro-batches' inputs,
+        then over the ranks its inputs are split across (see plan.program.Prologue)."""
+        pro = self.program.prologue
+        with torch.no_grad():
+            sums = None
+            for values in per_mb:
+                outs = pro.module(*[values[name] for name in pro.inputs])
+                sums = list(outs) if sums is None else [a + b for a, b in zip(sums, outs)]
+            return {name: all_reduce_sum(total, groups) if groups else total
+                    for name, total, groups in zip(pro.outputs, sums, pro.groups)}
 
     def backward(self, mb: int, grads: List[Tuple[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """grads: (value name, gradient) received from consumer stages; returns input grads."""

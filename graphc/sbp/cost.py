@@ -3,6 +3,7 @@
 With n ranks on the axis and T the global tensor's bytes (OneFlow's copy-cost model):
 same 0; B->S and B->P and S->P local (a tiny cost so that "no conversion" wins ties);
 S(i)->S(j) (n-1)/n*T; P->S and S->B (n-1)*T; P->B 2(n-1)*T (totals over the ranks).
+conversion_cost, what infer_sbp minimises, adds the gradient's conversion in backward.
 """
 from __future__ import annotations
 
@@ -24,6 +25,30 @@ def boxing_cost(src, dst, nbytes: int, n: int) -> float:
     if isinstance(src, PartialSum) and isinstance(dst, Broadcast):
         return 2 * (n - 1) * nbytes
     return (n - 1) * nbytes  # P->S reduce-scatter, S->B all-gather
+
+
+COLLECTIVE = 1.0  # one byte per collective launched: equal-byte choices go to fewer collectives
+
+
+def _whole(s):
+    """The layout of a value's gradient (NOTE: gradient layouts): partial_sum's is whole."""
+    return Broadcast() if isinstance(s, PartialSum) else s
+
+
+def _communicates(src, dst, n: int) -> bool:
+    return src != dst and n > 1 and not isinstance(src, Broadcast) and not isinstance(dst, PartialSum)
+
+
+def conversion_cost(src, dst, nbytes: int, n: int, grad: bool) -> float:
+    """What a choice of layout costs a value: its boxing forward and, for a value that needs a
+    gradient, the dual conversion of the gradient in backward (P->S's all-gather, B->S's
+    all-gather; P->B's and B->P's backward move nothing), plus COLLECTIVE per collective."""
+    cost = boxing_cost(src, dst, nbytes, n) + COLLECTIVE * _communicates(src, dst, n)
+    if grad:
+        back_src, back_dst = _whole(dst), _whole(src)
+        cost += boxing_cost(back_src, back_dst, nbytes, n) + \
+            COLLECTIVE * _communicates(back_src, back_dst, n)
+    return cost
 
 
 def moved_bytes(kind: str, nbytes: int, n: int) -> int:

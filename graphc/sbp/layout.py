@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Sequence, Tuple
 
+import torch
+
 from ..placement import Broadcast, PartialSum, Split
 
 B = Broadcast()
@@ -79,6 +81,22 @@ def shard_slices(shape: Sequence[int], sbp: tuple, mesh: tuple, rank: int) -> tu
     return tuple(index)
 
 
-def local_component(full, sbp: tuple, mesh: tuple, rank: int):
-    """`rank`'s local component of a full (broadcast) tensor laid out as `sbp` (no partial)."""
+def local_component(full, sbp: tuple, mesh: tuple, rank: int, pieces=None):
+    """`rank`'s local component of a full (broadcast) tensor laid out as `sbp` (no partial).
+
+    pieces=(k, dim): a tensor stored in k pieces along dim, each laid out as `sbp`; the local
+    component is this rank's shards of the pieces, concatenated (See NOTE: fused pieces)."""
+    if pieces:
+        k, dim = pieces
+        return torch.cat([local_component(p, sbp, mesh, rank) for p in full.chunk(k, dim)], dim)
     return full[shard_slices(full.shape, sbp, mesh, rank)]
+
+
+def place_shard(full, value, sbp: tuple, mesh: tuple, rank: int, pieces=None) -> None:
+    """Writes `rank`'s local component `value` into the full tensor (local_component's inverse)."""
+    if pieces:
+        k, dim = pieces
+        for whole, part in zip(full.chunk(k, dim), value.chunk(k, dim)):
+            whole[shard_slices(whole.shape, sbp, mesh, rank)] = part
+        return
+    full[shard_slices(full.shape, sbp, mesh, rank)] = value

@@ -3,8 +3,9 @@
 A rule gets a RuleCtx and returns candidates `(required, out)`: `required` maps input
 nodes to the SBP the op needs them in (inputs not named keep their producer's SBP) and
 `out` is the output's SBP. The all-broadcast signature is always valid and is added by
-the chooser, so a rule lists only the sharded ones. An op without a rule runs on
-gathered (broadcast) inputs and is marked as a fallback.
+the chooser, so a rule lists only the sharded ones. An op without a rule (or whose rule
+returns None: a case it does not cover) runs on gathered (broadcast) inputs and is marked
+as a fallback.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..meta import META_TENSOR, TensorMeta
+from ..meta import META_PIECES, META_TENSOR, TensorMeta
+from . import local_ops
 from .layout import B, P, S
 
 Candidate = Tuple[Dict[fx.Node, object], object]
@@ -265,7 +267,8 @@ def _prefix(shape) -> List[int]:
 
 
 def reshape(ctx: RuleCtx) -> List[Candidate]:
-    """view/reshape/flatten: a split dim maps to the output dim that starts at the same offset."""
+    """view/reshape/flatten/unflatten: a split dim maps to the output dim that starts at the
+    same offset."""
     x = ctx.node.args[0]
     ins, outs = ctx.meta(x).shape, ctx.out.shape
     pin, pout = _prefix(ins), _prefix(outs)
@@ -314,19 +317,245 @@ def cat(ctx: RuleCtx) -> List[Candidate]:
 
 
 def split_op(ctx: RuleCtx) -> List[Candidate]:
-    """split/chunk: pieces along `dim` keep any other split."""
+    """split/chunk: pieces along `dim` keep any other split. A parameter stored in pieces
+    (META_PIECES, see NOTE: fused pieces) chunked into those pieces keeps its split too."""
     x = ctx.node.args[0]
     mx = ctx.meta(x)
     nd = len(mx.shape)
     dim = ctx.arg(2, "dim", 0) % nd
+    pieces = (ctx.node.target in (torch.chunk, "chunk") and isinstance(x, fx.Node)
+              and x.meta.get(META_PIECES) == (ctx.arg(1, "chunks"), dim))
     return [({x: P}, P)] + [({x: S(d)}, S(d)) for d in range(nd)
-                            if d != dim and ctx.divisible(mx.shape[d])]
+                            if (d != dim or pieces) and ctx.divisible(mx.shape[d])]
 
 
 def passthrough(ctx: RuleCtx) -> List[Candidate]:
     """getitem of a tuple (split/chunk results): the element keeps the tuple's SBP."""
     src = ctx.node.args[0]
     return [({}, ctx.prod[src])]
+
+
+
+# -- attention and masking -------------------------------------------------------------
+def _aligned(ctx: RuleCtx, t, d: int, r: int, size: int, allow_fewer: bool = False):
+    """SBP that input `t`, aligned from the right with an output of rank r, needs so that
+    output dim d of `size` can be S(d): S of its dim, B where it broadcasts (size 1 or
+    absent), None where neither holds. allow_fewer: a smaller divisible dim also splits
+    (grouped-query heads: rank k holds kv heads k of n, serving its q heads)."""
+    m = ctx.meta(t)
+    if m is None:
+        return None
+    td = d - (r - len(m.shape))
+    if td < 0 or m.shape[td] == 1:
+        return B
+    if m.shape[td] == size or (allow_fewer and size % m.shape[td] == 0 and ctx.divisible(m.shape[td])):
+        return S(td)
+    return None
+
+
+def attention(ctx: RuleCtx) -> List[Candidate]:
+    """scaled_dot_product_attention(q, k, v, attn_mask, ...) on [..., heads, L, E]: split any
+    batch or head dim (Megatron's heads split), never L or E (a query reads every key; the
+    causal mask counts global positions along L and S). Nonlinear: never partial."""
+    q, k, v = ctx.node.args[0], ctx.arg(1, "key"), ctx.arg(2, "value")
+    mask, out = ctx.arg(3, "attn_mask"), ctx.out
+    if out is None or any(ctx.meta(t) is None for t in (q, k, v)):
+        return []
+    r = len(out.shape)
+    gqa = bool(ctx.arg(7, "enable_gqa", False))
+    cands: List[Candidate] = []
+    for d in range(r - 2):
+        if not ctx.divisible(out.shape[d]):
+            continue
+        req = {q: _aligned(ctx, q, d, r, out.shape[d])}
+        for t in (k, v):
+            req[t] = _aligned(ctx, t, d, r, out.shape[d], allow_fewer=gqa and d == r - 3)
+        if ctx.meta(mask) is not None:
+            req[mask] = _aligned(ctx, mask, d, r, out.shape[d])
+        if all(s is not None for s in req.values()) and req[q] != B:
+            cands.append((req, S(d)))
+    return cands
+
+
+def triangular(ctx: RuleCtx) -> List[Candidate]:
+    """tril/triu act on the last two dims: split the others; linear, so P->P."""
+    r = len(ctx.out.shape)
+    return [c for c in _split_candidates(ctx) if c[1].dim < r - 2] + \
+        [({ctx.node.args[0]: P}, P)]
+
+
+# -- casts and metadata ----------------------------------------------------------------
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def cast(ctx: RuleCtx) -> List[Candidate]:
+    """float()/to()/type_as(): any split of the first input; P stays P between floating
+    dtypes (a sum commutes with a float cast up to rounding, not with one to integers).
+    type_as's other tensor only lends its dtype: it keeps its layout."""
+    x, mx, out = ctx.node.args[0], ctx.meta(ctx.node.args[0]), ctx.out
+    if mx is None or out is None:
+        return []
+    cands: List[Candidate] = [({x: S(d)}, S(d)) for d, size in enumerate(mx.shape)
+                              if ctx.divisible(size)]
+    if mx.dtype in _FLOATS and out.dtype in _FLOATS:
+        cands.append(({x: P}, P))
+    return cands
+
+
+def metadata(ctx: RuleCtx) -> List[Candidate]:
+    """size()/shape/dim()/numel()/dtype/device read no values: the input keeps its layout
+    and the (host) result is the same on every rank; localize_ops makes size, shape and
+    numel read the global value."""
+    return [({}, B)]
+
+
+def replicated(ctx: RuleCtx) -> List[Candidate]:
+    """An op graphc itself inserts that runs on whole (broadcast) values only."""
+    return []
+
+
+# -- indexing ---------------------------------------------------------------------------
+def _index_map(index, nd: int):
+    """For basic indexing x[index]: per input dim, (output dim or None, kept whole?).
+    None when the index is not basic (tensors, lists: advanced indexing)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(isinstance(i, bool) or not (i is None or i is Ellipsis or isinstance(i, (int, slice)))
+           for i in items):
+        return None
+    if sum(i is Ellipsis for i in items) > 1:
+        return None
+    used = sum(1 for i in items if i is not None and i is not Ellipsis)
+    expanded = []
+    for i in items:
+        expanded += [slice(None)] * (nd - used) if i is Ellipsis else [i]
+    expanded += [slice(None)] * (nd - sum(1 for i in expanded if i is not None))
+    dims, j = [], 0
+    for i in expanded:
+        if i is None:
+            j += 1
+        elif isinstance(i, int):
+            dims.append((None, False))
+        else:
+            whole = i.start in (None, 0) and i.stop is None and i.step in (None, 1)
+            dims.append((j, whole))
+            j += 1
+    return dims
+
+
+def index(ctx: RuleCtx) -> List[Candidate]:
+    """x[basic index]: a dim taken whole (`:`) keeps its split; indexing is linear (P->P).
+    Tensor or list indices (advanced indexing) have no rule."""
+    x = ctx.node.args[0]
+    mx = ctx.meta(x)
+    dims = _index_map(ctx.node.args[1], len(mx.shape)) if mx is not None else None
+    if dims is None:
+        return None
+    cands: List[Candidate] = [({x: P}, P)]
+    for d, (j, whole) in enumerate(dims):
+        if whole and ctx.divisible(mx.shape[d]):
+            cands.append(({x: S(d)}, S(j)))
+    return cands
+
+
+# -- convolution, pooling, normalisation ------------------------------------------------
+def conv(ctx: RuleCtx) -> List[Candidate]:
+    """conv1d/2d(x, w, b, stride, padding, dilation, groups), x [N, Cin, *]: split the batch;
+    with groups=1 also output channels (w, b split(0)) and, without bias, input channels
+    (w split(1)) -> P. Spatial dims are never split (a window crosses shard edges)."""
+    x, w, bias = ctx.node.args[0], ctx.arg(1, "weight"), ctx.arg(2, "bias")
+    mx, mw, out = ctx.meta(x), ctx.meta(w), ctx.out
+    if mx is None or mw is None or out is None:
+        return []
+    groups = ctx.arg(6, "groups", 1)
+    c = 1 if len(mx.shape) == len(mw.shape) else 0  # unbatched input: [Cin, *]
+    has_bias = ctx.meta(bias) is not None
+    cands: List[Candidate] = []
+
+    def with_bias(req, sb):
+        return {**req, bias: sb} if has_bias else req
+    if c == 1 and ctx.divisible(out.shape[0]):
+        cands.append((with_bias({x: S(0), w: B}, B), S(0)))
+    if groups == 1 and ctx.divisible(out.shape[c]):
+        cands.append((with_bias({x: B, w: S(0)}, S(0)), S(c)))
+    if groups == 1 and not has_bias and ctx.divisible(mx.shape[c]):
+        cands.append(({x: S(c), w: S(1)}, P))
+    return cands
+
+
+def _pool(spatial: int, linear: bool):
+    def pool(ctx: RuleCtx) -> List[Candidate]:
+        """Pooling windows stay inside (sample, channel): split those dims; averages are
+        linear, so P->P too."""
+        x, out = ctx.node.args[0], ctx.out
+        if out is None:  # return_indices: a tuple
+            return []
+        keep = len(out.shape) - spatial
+        cands = [c for c in _split_candidates(ctx) if c[1].dim < keep]
+        return cands + ([({x: P}, P)] if linear else [])
+    return pool
+
+
+def per_sample(ctx: RuleCtx) -> List[Candidate]:
+    """group_norm(x, groups, w, b): statistics per sample, so split the batch only."""
+    x, out = ctx.node.args[0], ctx.out
+    if out is None or len(out.shape) < 2 or not ctx.divisible(out.shape[0]):
+        return []
+    return [({t: (S(0) if t is x else B) for t in ctx.tensors()}, S(0))]
+
+
+def _channel_split(ctx: RuleCtx, x, per_channel, out_dim_ok) -> List[Candidate]:
+    """Candidates for an op on x [N, C, *] with per-channel tensors [C]: any dim d
+    accepted by out_dim_ok with per-channel tensors B; the channel dim with them S(0)."""
+    mx = ctx.meta(x)
+    cands: List[Candidate] = []
+    for d, size in enumerate(mx.shape):
+        if not ctx.divisible(size):
+            continue
+        if d == 1:
+            cands.append(({x: S(1), **{t: S(0) for t in per_channel}}, S(1)))
+        elif out_dim_ok(d):
+            cands.append(({x: S(d), **{t: B for t in per_channel}}, S(d)))
+    return cands
+
+
+def batch_norm_eval(ctx: RuleCtx) -> List[Candidate]:
+    """F.batch_norm with running statistics (training=False) is per-channel affine: split
+    anything. With batch statistics (training=True) called directly it has no rule (the
+    modules are rewritten to batch_norm_stats/apply by decompose_modules instead)."""
+    if ctx.arg(5, "training", False):
+        return None
+    x = ctx.node.args[0]
+    per_channel = [t for t in ctx.tensors() if t is not x]
+    return _channel_split(ctx, x, per_channel, lambda d: True)
+
+
+def batch_norm_stats(ctx: RuleCtx) -> List[Candidate]:
+    """Per-channel sums [3, C] of x [N, C, *]: over a split batch or spatial dim they are
+    partial sums (P), on split channels split. See NOTE: synchronised batch norm."""
+    x, shift = ctx.node.args[0], ctx.arg(1, "shift")
+    has_shift = ctx.meta(shift) is not None
+    cands: List[Candidate] = []
+    for d, size in enumerate(ctx.meta(x).shape):
+        if not ctx.divisible(size):
+            continue
+        req = {x: S(d)}
+        if has_shift:
+            req[shift] = S(0) if d == 1 else B
+        cands.append((req, S(1) if d == 1 else P))
+    return cands
+
+
+def batch_norm_apply(ctx: RuleCtx) -> List[Candidate]:
+    """Normalise x with the (global) sums: x split anywhere, the sums whole (B); or x on
+    split channels with the sums and affine parameters split alike."""
+    x = ctx.node.args[0]
+    per_channel = [t for t in ctx.tensors() if t is not x]
+    stats = ctx.node.args[1]
+    cands = _channel_split(ctx, x, per_channel, lambda d: True)
+    for req, _ in cands:  # the sums [3, C] split along their dim 1, not 0
+        if isinstance(req.get(stats), S):
+            req[stats] = S(1)
+    return cands
 
 
 RULES: Dict[object, Callable[[RuleCtx], List[Candidate]]] = {}
@@ -352,10 +581,32 @@ _register(embedding, F.embedding)
 _register(reduction, torch.sum, torch.mean, "sum", "mean")
 _register(cross_entropy, F.cross_entropy)
 _register(mse_loss, F.mse_loss)
-_register(reshape, torch.reshape, torch.flatten, "view", "reshape", "flatten")
+_register(reshape, torch.reshape, torch.flatten, "view", "reshape", "flatten", torch.unflatten,
+          "unflatten")
 _register(permute, torch.transpose, torch.permute, "transpose", "permute", "t")
 _register(cat, torch.cat)
 _register(split_op, torch.split, torch.chunk, "split", "chunk")
+_register(attention, F.scaled_dot_product_attention)
+_register(elementwise, "masked_fill", "masked_fill_", torch.masked_fill, torch.where,
+          operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
+          torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge,
+          "eq", "ne", "lt", "le", "gt", "ge", "logical_not", torch.logical_not, operator.invert,
+          "rsqrt", torch.rsqrt, "sqrt", torch.sqrt, "pow", torch.pow, operator.pow, "abs", torch.abs,
+          F.relu6, F.leaky_relu, F.elu, F.hardtanh, F.hardswish, F.softplus, F.mish)
+_register(triangular, torch.tril, torch.triu, "tril", "triu")
+_register(cast, "float", "double", "half", "bfloat16", "to", "type", "type_as")
+_register(metadata, "size", "dim", "numel", "nelement", "ndimension", "get_device")
+_register(conv, F.conv1d, F.conv2d, F.conv3d)
+_register(_pool(1, False), F.max_pool1d, F.adaptive_max_pool1d)
+_register(_pool(2, False), F.max_pool2d, F.adaptive_max_pool2d)
+_register(_pool(1, True), F.avg_pool1d, F.adaptive_avg_pool1d)
+_register(_pool(2, True), F.avg_pool2d, F.adaptive_avg_pool2d)
+_register(per_sample, F.group_norm)
+_register(batch_norm_eval, F.batch_norm)
+_register(batch_norm_stats, local_ops.batch_norm_stats)
+_register(batch_norm_apply, local_ops.batch_norm_apply)
+_register(replicated, local_ops.batch_norm_update_)
+_METADATA_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad")
 
 
 def rule_for(node: fx.Node) -> Optional[Callable[[RuleCtx], List[Candidate]]]:
@@ -363,10 +614,21 @@ def rule_for(node: fx.Node) -> Optional[Callable[[RuleCtx], List[Candidate]]]:
         src = node.args[0]
         if isinstance(src, fx.Node) and src.meta.get(META_TENSOR) is None:
             return passthrough
-        return None
+        return index
+    if node.op == "call_function" and node.target is getattr:
+        return metadata if node.args[1] in _METADATA_ATTRS else None
     if node.op in ("call_function", "call_method"):
         try:
             return RULES.get(node.target)
         except TypeError:  # unhashable target
             return None
     return None
+
+
+_RANDOM = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal, torch.bernoulli,
+           torch.multinomial, torch.poisson}
+
+
+def draws_random(node: fx.Node) -> bool:
+    """Does the op draw random numbers? Then equal results on every rank are not given."""
+    return node.op == "call_function" and node.target in _RANDOM

@@ -235,6 +235,8 @@ def stage_inputs(prog, compiled, fake: bool = False) -> Dict[str, torch.Tensor]:
     """Random values for every input of one stage's program, one micro-batch's shapes."""
     from ..meta import META_TENSOR
     nodes = {n.name: n for n in compiled.gm.graph.nodes}
+    nodes.update({n.name: n for n in prog.module.graph.nodes if n.op == "placeholder"
+                  and n.name not in nodes})  # inputs a pass added to the program (a loss's count)
     received = {t.name: t for specs in prog.recv_from.values() for t in specs}
     values = {}
     for name in prog.inputs:

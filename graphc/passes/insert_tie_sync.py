@@ -1,0 +1,81 @@
+"""insert_tie_sync: sums a tied parameter's gradient over every stage that holds it.
+
+Invariant: in a training plan, for every parameter that several stage programs hold (an
+embedding tied to the LM head, one module called on two stages), replica k of each of
+those stages issues, after its gradient all-reduces and before its optimizer step, one
+TieAllReduce over {replica k of every holding stage}, covering all the parameters tied
+among those stages. Each holder then steps on the same summed gradient.
+Requires: split_stages, lower_plan, insert_grad_sync (a data-parallel stage reduces over
+its replicas first; the tie then sums whole stage gradients).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from ..errors import GraphcError
+from ..plan.instructions import OptimizerStep, TensorSpec, TieAllReduce
+from ..plan.plan import ExecutionPlan, StageInfo
+from ..plan.program import StageProgram
+
+# NOTE: Tied parameters
+# graphc keeps one copy of a parameter per stage that uses it: annotate_stages gives each
+# stage its own read of it (and each call of a shared module its caller's stage), so the
+# stage programs hold it instead of receiving it every micro-batch. Eager autograd sums
+# the gradients of all uses into one .grad; here each copy gets its own stage's part, and
+# insert_tie_sync adds them with one all-reduce among the holders (DeepSpeed's tied
+# layers, Megatron's embedding group). All holders then run the same optimizer update on
+# the same gradient from the same state, so the copies stay bit-identical, and any of
+# them is the trained value (GraphState takes the first holder's for full_state_dict).
+
+
+def insert_tie_sync(plans: Sequence[ExecutionPlan], programs: Sequence[StageProgram],
+                    stages: Sequence[StageInfo]) -> List[ExecutionPlan]:
+    per_rank: Dict[int, List[TieAllReduce]] = defaultdict(list)
+    for holders, tied in _ties(programs).items():
+        _check_sizes(holders, tied, stages)
+        specs = tuple(spec for spec, _ in tied)
+        for k in range(len(stages[holders[0]].ranks)):
+            group = tuple(sorted(stages[s].ranks[k] for s in holders))
+            for s in holders:
+                names = tuple(local[s] for _, local in tied)
+                per_rank[stages[s].ranks[k]].append(TieAllReduce(group, specs, names))
+    for plan in plans:
+        if plan.training and per_rank.get(plan.rank):
+            at = next(i for i, ins in enumerate(plan.instructions) if isinstance(ins, OptimizerStep))
+            plan.instructions[at:at] = per_rank[plan.rank]
+    return list(plans)
+
+
+def _ties(programs: Sequence[StageProgram]) -> Dict[Tuple[int, ...], List[Tuple[TensorSpec, Dict[int, str]]]]:
+    """holding stages -> [(spec under the parameter's first name, stage -> its local name)]."""
+    first: Dict[int, Tuple[TensorSpec, Dict[int, str]]] = {}
+    for prog in programs:
+        for name, p in prog.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            spec, local = first.setdefault(id(p), (_spec(name, p), {}))
+            local.setdefault(prog.stage, name)
+    out: Dict[Tuple[int, ...], List[Tuple[TensorSpec, Dict[int, str]]]] = defaultdict(list)
+    for spec, local in first.values():
+        if len(local) > 1:
+            out[tuple(sorted(local))].append((spec, local))
+    return dict(out)
+
+
+def _spec(name: str, p: torch.Tensor) -> TensorSpec:
+    return TensorSpec(name, tuple(p.shape), str(p.dtype).replace("torch.", ""))
+
+
+def _check_sizes(holders: Tuple[int, ...], tied, stages: Sequence[StageInfo]) -> None:
+    sizes = {s: len(stages[s].ranks) for s in holders}
+    if len(set(sizes.values())) > 1:
+        names = [spec.name for spec, _ in tied]
+        raise GraphcError(
+            f"parameter(s) {names} are used on stages {list(holders)}, which run on "
+            f"{[sizes[s] for s in holders]} ranks; a parameter shared by several stages "
+            "(tied) is summed replica by replica, which needs the same number of ranks on "
+            "each of those stages. Fix: give the stages that share it placements of equal "
+            "size, or keep the modules that share it in one stage.")

@@ -1,0 +1,192 @@
+"""Tied and shared parameters train exactly like eager PyTorch on the whole batch.
+
+A GPT whose token embedding is tied to its LM head (`lm_head.weight = wte.weight`), and a
+module called on two stages, on real gloo processes against eager PyTorch in float64
+(tolerance 1e-10, helpers.py): pipeline 2 (1F1B and GPipe) and 4, data parallel 2, tensor
+parallel 2 (a vocabulary-parallel embedding tied to a vocabulary-parallel head; a broadcast
+tie beside Megatron MLPs), pipeline x data on 4 ranks. Every holder's copy of a tied
+parameter is bit-identical after training, and every rank's full_state_dict() holds every
+name of model.state_dict(), aliases included, with the trained value.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphc
+from graphc import sbp
+from graphc.plan.instructions import AllReduce, TieAllReduce
+from helpers import assert_same_as_eager, eager_train, run_world
+from models import OPTIMIZERS
+from transformer_models import GPTGraph, TinyGPT, token_batches, token_loss
+
+STEPS = 3
+
+
+class Stage(nn.Module):
+    def __init__(self, shared: nn.Linear):
+        super().__init__()
+        self.shared, self.fc = shared, nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(F.gelu(self.shared(x)))
+
+
+class SharedNet(nn.Module):
+    """One Linear called by two stages (it has three names in the state dict)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.s0, self.s1 = Stage(self.shared), Stage(self.shared)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.head(self.s1(self.s0(x)))
+
+
+class SharedGraph(graphc.Graph):
+    def __init__(self, model, opt):
+        super().__init__()
+        self.model = model
+        self.model.s0.config.set_stage(0, graphc.placement("cpu", ranks=[0]))
+        self.model.s1.config.set_stage(1, graphc.placement("cpu", ranks=[1]))
+        self.config.set_gradient_accumulation_steps(2)
+        self.add_optimizer(opt)
+
+    def build(self, x, y):
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def _ranks(*rs):
+    return graphc.placement("cpu", ranks=list(rs))
+
+
+def _rows(t, k, n):
+    return t.chunk(n)[k]
+
+
+def _megatron(model, where):
+    for block in model.blocks:
+        graphc.to_global(block.mlp.fc1, placement=where, sbp=sbp.split(0))
+        graphc.to_global(block.mlp.fc2.weight, placement=where, sbp=sbp.split(1))
+
+
+# name -> (world, optimizer, build (model, opt, rank) -> (graph, feed), the tied copies' holders)
+def _pipeline(p, schedule):
+    def make(model, opt, rank):
+        return GPTGraph(model, opt, [_ranks(r) for r in range(p)], 2, schedule), lambda x, y: (x, y)
+    return make
+
+
+def _data(model, opt, rank):
+    where = _ranks(0, 1)
+    graphc.to_global(model, placement=where, sbp=sbp.broadcast)
+    feed = lambda x, y: tuple(graphc.to_global(_rows(t, rank, 2), placement=where, sbp=sbp.split(0))  # noqa: E731
+                              for t in (x, y))
+    return GPTGraph(model, opt, (), 2), feed
+
+
+def _tensor_vocab(model, opt, rank):
+    where = _ranks(0, 1)
+    graphc.to_global(model, placement=where, sbp=sbp.broadcast)
+    graphc.to_global(model.wte.weight, placement=where, sbp=sbp.split(0))  # and so lm_head's
+    _megatron(model, where)
+    return GPTGraph(model, opt, (), 2), lambda x, y: (x, y)
+
+
+def _tensor_broadcast_tie(model, opt, rank):
+    where = _ranks(0, 1)
+    graphc.to_global(model, placement=where, sbp=sbp.broadcast)
+    _megatron(model, where)
+    return GPTGraph(model, opt, (), 2), lambda x, y: (x, y)
+
+
+def _pipeline_x_data(model, opt, rank):
+    p0, p1 = _ranks(0, 1), _ranks(2, 3)
+    k = rank % 2
+    feed = lambda x, y: (graphc.to_global(_rows(x, k, 2), placement=p0, sbp=sbp.split(0)),  # noqa: E731
+                         graphc.to_global(_rows(y, k, 2), placement=p1, sbp=sbp.split(0)))
+    return GPTGraph(model, opt, [p0, p1], 1), feed
+
+
+CONFIGS = {
+    2: {"pp2_1f1b": ("adam", _pipeline(2, "1f1b"), (0, 1)),
+        "pp2_gpipe": ("sgd_momentum", _pipeline(2, "gpipe"), (0, 1)),
+        "dp2": ("adam", _data, ()),
+        "tp2_vocab_parallel_tie": ("sgd_momentum", _tensor_vocab, ()),
+        "tp2_broadcast_tie": ("adam", _tensor_broadcast_tie, ())},
+    4: {"pp4_1f1b": ("adam", _pipeline(4, "1f1b"), (0, 3)),
+        "pp2_x_dp2": ("sgd_momentum", _pipeline_x_data, (0, 1, 2, 3))},
+}
+
+
+def _layers(name: str) -> int:
+    return 4 if name.startswith("pp4") else 2
+
+
+def _train(rank, world):
+    out = {}
+    for name, (opt_name, make, _) in CONFIGS[world].items():
+        torch.manual_seed(0)
+        model = TinyGPT(layers=_layers(name))
+        graph, feed = make(model, OPTIMIZERS[opt_name](model.parameters()), rank)
+        losses = []
+        for x, y in token_batches(STEPS):
+            loss = graph(*feed(x, y)).to_local()
+            losses += [loss.item()] if loss.numel() else []
+        out[name] = {"losses": losses, "state": graph.full_state_dict(),
+                     "local_tied": model.wte.weight.detach().clone(),
+                     "ties": [str(i) for i in graph.plan.instructions if isinstance(i, TieAllReduce)],
+                     "synced": [t.name for i in graph.plan.instructions if type(i) is AllReduce
+                                for t in i.tensors]}
+    if world == 2:
+        torch.manual_seed(0)
+        model = SharedNet()
+        graph = SharedGraph(model, OPTIMIZERS["adam"](model.parameters()))
+        losses = []
+        for x, y in _shared_batches():
+            loss = graph(x, y).to_local()
+            losses += [loss.item()] if loss.numel() else []
+        out["shared_module_pp2"] = {"losses": losses, "state": graph.full_state_dict(),
+                                    "local_tied": model.shared.weight.detach().clone(),
+                                    "ties": [str(i) for i in graph.plan.instructions
+                                             if isinstance(i, TieAllReduce)]}
+    return out
+
+
+def _shared_batches():
+    g = torch.Generator().manual_seed(6)
+    return [(torch.randn(8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(STEPS)]
+
+
+def _check(results, name, ref, holders):
+    for rank, res in enumerate(results):
+        got = res[name]
+        what = f"{name} rank {rank}"
+        losses = got["losses"] if got["losses"] else []
+        assert_same_as_eager(losses, got["state"], ref[0][:len(losses)] if losses else [], ref[1], what)
+    for r in holders[1:]:  # every holder's copy is bit-identical
+        torch.testing.assert_close(results[r][name]["local_tied"], results[holders[0]][name]["local_tied"],
+                                   atol=0, rtol=0, msg=lambda m: f"{name}: copies differ on rank {r}\n{m}")
+    if len(set(holders)) > 1:
+        assert results[holders[0]][name]["ties"], f"{name}: no tie collective in the plan"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tied_parameters_match_eager(world):
+    results = run_world(_train, world)
+    for name, (opt_name, _, holders) in CONFIGS[world].items():
+        torch.manual_seed(0)
+        ref = eager_train(TinyGPT(layers=_layers(name)), OPTIMIZERS[opt_name], None, token_loss,
+                          token_batches(STEPS), STEPS)
+        assert {"wte.weight", "lm_head.weight"} <= set(ref[1])
+        _check(results, name, ref, holders)
+    if world == 2:
+        torch.manual_seed(0)
+        ref = eager_train(SharedNet(), OPTIMIZERS["adam"], None, nn.CrossEntropyLoss(),
+                          _shared_batches(), STEPS)
+        assert {"shared.weight", "s0.shared.weight", "s1.shared.weight"} <= set(ref[1])
+        _check(results, "shared_module_pp2", ref, (0, 1))

@@ -1,0 +1,110 @@
+"""SBP rules for attention, masking, indexing, casts and sizes, in one process.
+
+Graphs are compiled for 2 ranks without a process group; the local forms of size reads
+run on hand-laid-out fx graphs. See docs/sbp.md for the rule table.
+"""
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphc
+from graphc import compiler, sbp
+from graphc.meta import META_SBP, META_TENSOR, SbpSignature, TensorMeta
+from graphc.passes.localize_ops import localize_ops
+from graphc.placement import Broadcast, PartialSum, Split
+
+P01 = graphc.placement("cpu", [0, 1])
+MESH = (0, 1)
+
+
+class FnGraph(graphc.Graph):
+    """Forward-only graph of fn(x) on a split(0) input."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def build(self, x):
+        return self.fn(x)
+
+
+def _sigs(fn, shape=(4, 6, 8), x_sbp=sbp.split(0)):
+    cg = compiler.compile(FnGraph(fn), [torch.randn(*shape)], 2, [(P01, x_sbp)])
+    return {n.name: n.meta[META_SBP] for n in cg.gm.graph.nodes if META_SBP in n.meta}
+
+
+def test_basic_indexing_keeps_whole_dims_split_and_advanced_indexing_falls_back():
+    sigs = _sigs(lambda x: x[:, 1:3, None, ..., 0])
+    assert sigs["getitem"].out == (Split(0),) and not sigs["getitem"].fallback
+    sigs = _sigs(lambda x: x[1:3])  # a slice of the split dim: a conversion first, no fallback
+    assert not sigs["getitem"].fallback and sigs["getitem"].out != (Split(0),)
+    sigs = _sigs(lambda x: x[torch.tensor([0, 2])])
+    assert sigs["getitem"].fallback
+
+
+def test_casts_masks_and_softmax_keep_the_split():
+    def fn(x):
+        m = torch.tril(torch.ones(6, 8)) == 0
+        return x.float().masked_fill(m, float("-inf")).softmax(-1).type_as(x).to(torch.float64)
+    sigs = _sigs(fn)
+    assert not [k for k, s in sigs.items() if s.fallback]
+    assert [k for k, s in sigs.items() if s.out != (Split(0),)] == ["_tensor_constant0"]
+
+
+def test_attention_splits_batch_or_heads_never_the_sequence():
+    def fn(x):  # x [B, H, T, E], split on the sequence dim T
+        return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+    sdpa = _sigs(fn, (2, 4, 6, 8), sbp.split(2))["scaled_dot_product_attention"]
+    assert sdpa.out[0] in (Split(0), Split(1)) and not sdpa.fallback
+    assert [need for _, need in sdpa.ins] == [sdpa.out]
+
+
+def test_attention_splits_grouped_query_heads():
+    def fn(x):  # q: 4 heads, k and v: 2 heads, each serving 2 query heads
+        kv = x[:, :2]
+        return F.scaled_dot_product_attention(x, kv, kv, enable_gqa=True)
+    sdpa = _sigs(fn, (2, 4, 6, 8), sbp.split(1))["scaled_dot_product_attention"]
+    assert sdpa.out == (Split(1),) and [need for _, need in sdpa.ins] == [(Split(1),)] * 3
+
+
+def test_batch_norm_called_with_batch_statistics_is_a_fallback():
+    def fn(x):
+        return F.batch_norm(x, None, None, training=True)
+    sigs = _sigs(fn, (4, 6, 8))
+    assert sigs["batch_norm"].fallback
+
+
+def test_size_of_a_split_value_reads_the_global_size():
+    gm = fx.symbolic_trace(lambda x: (x.size(0), x.size(), x.shape, x.numel(), x.dim()))
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta[META_TENSOR] = TensorMeta((8, 3), "float64", False)
+            node.meta[META_SBP] = SbpSignature(MESH, (Split(0),))
+        elif node.op != "output":
+            node.meta[META_TENSOR] = None
+            node.meta[META_SBP] = SbpSignature(MESH, (Broadcast(),), (("x", (Split(0),)),))
+    local = torch.randn(4, 3)  # this rank's rows
+    assert localize_ops(gm)(local) == (8, torch.Size([8, 3]), torch.Size([8, 3]), 24, 2)
+
+
+def test_partial_sum_survives_casts_between_floats_only():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4, bias=False)
+
+        def forward(self, x):
+            y = self.fc(x)  # row-parallel: partial_sum
+            return y.float().sum(), y.long().sum()
+
+    model = Net()
+    graphc.to_global(model.fc.weight, placement=P01, sbp=sbp.split(1))
+    graph = FnGraph(model)
+    graph.model = model
+    graph.fn = lambda x: model(x)
+    cg = compiler.compile(graph, [torch.randn(4, 8)], 2)
+    sigs = {n.name: n.meta[META_SBP] for n in cg.gm.graph.nodes if META_SBP in n.meta}
+    assert sigs["linear"].out == (PartialSum(),)
+    assert sigs["float_1"].out == (PartialSum(),)
+    assert sigs["long"].out == (Broadcast(),)  # an integer cast of an addend is not an addend

@@ -218,8 +218,9 @@ def trace_build(graph_obj, example_inputs: Sequence[torch.Tensor], num_microbatc
     root = graph_obj._root
     tracer = BuildTracer(root)
     batched = [t.dim() >= 1 for t in example_inputs] if batched is None else list(batched)
-    tracer.examples = [_microbatch_example(tracer, t, num_microbatches, b, i)
-                       for i, (t, b) in enumerate(zip(example_inputs, batched))]
+    names = _input_names(root, len(example_inputs))
+    tracer.examples = [_microbatch_example(tracer, t, num_microbatches, b, name)
+                       for name, t, b in zip(names, example_inputs, batched)]
     with _traced_root(root, len(example_inputs)), _patched_calls(tracer, graph_obj):
         try:
             g = tracer.trace(root)
@@ -239,12 +240,22 @@ def trace_build(graph_obj, example_inputs: Sequence[torch.Tensor], num_microbatc
     return fx.GraphModule(root, g, class_name=type(root).__name__)
 
 
-def _microbatch_example(tracer: BuildTracer, t: torch.Tensor, m: int, batched: bool, i: int):
+def _input_names(root: torch.nn.Module, n: int) -> List[str]:
+    """build()'s argument names for n inputs (`xs[2]` for the third of `*xs`)."""
+    params = list(inspect.signature(type(root).forward).parameters.values())[1:]
+    names = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    star = next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
+    names += [f"{star}[{i}]" for i in range(n - len(names))] if star else []
+    return names + [f"input {i}" for i in range(len(names), n)]
+
+
+def _microbatch_example(tracer: BuildTracer, t: torch.Tensor, m: int, batched: bool, name: str):
     shape = list(t.shape)
     if batched and m > 1:
         if shape[0] % m:
             raise GraphcError(
-                f"input {i} has batch size {shape[0]} along dim 0, which is not divisible by the {m} "
+                f"input '{name}' has batch size {shape[0]} along dim 0, which is not divisible by the {m} "
                 f"gradient accumulation steps. Fix: use a batch size that is a multiple of {m}, or "
                 "change config.set_gradient_accumulation_steps")
         shape[0] //= m

@@ -3,7 +3,8 @@
 `BlockNet` is one pre-norm transformer block (LayerNorm, causal attention, residuals, MLP)
 between an input projection and a head; `LEAVES` lists its sub-modules in forward order,
 so a test can cut it into two stages at any position. `TinyGPT` has a token embedding
-tied to its LM head (`self.lm_head.weight = self.wte.weight`).
+tied to its LM head (`self.lm_head.weight = self.wte.weight`); `SharedNet` calls one
+Linear on two stages.
 """
 from typing import Sequence
 
@@ -160,3 +161,45 @@ def token_batches(n: int = 3, batch: int = 8, t: int = 4, vocab: int = 16, seed:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab, (batch, t), generator=g), torch.randint(0, vocab, (batch, t), generator=g))
             for _ in range(n)]
+
+
+class Stage(nn.Module):
+    """A stage of SharedNet: the shared Linear, then its own."""
+
+    def __init__(self, shared: nn.Linear):
+        super().__init__()
+        self.shared, self.fc = shared, nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(F.gelu(self.shared(x)))
+
+
+class SharedNet(nn.Module):
+    """One Linear called by two stages (it has three names in the state dict)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.s0, self.s1 = Stage(self.shared), Stage(self.shared)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.head(self.s1(self.s0(x)))
+
+
+class SharedGraph(graphc.Graph):
+    """SharedNet with s0 on stage 0 (rank 0), s1 and the head on stage 1 (rank 1)."""
+
+    def __init__(self, model, opt):
+        super().__init__()
+        self.model = model
+        self.model.s0.config.set_stage(0, graphc.placement("cpu", ranks=[0]))
+        self.model.s1.config.set_stage(1, graphc.placement("cpu", ranks=[1]))
+        self.config.set_gradient_accumulation_steps(2)
+        if opt is not None:
+            self.add_optimizer(opt)
+
+    def build(self, x, y):
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        return loss

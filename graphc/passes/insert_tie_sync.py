@@ -4,7 +4,9 @@ Invariant: in a training plan, for every parameter that several stage programs h
 embedding tied to the LM head, one module called on two stages), replica k of each of
 those stages issues, after its gradient all-reduces and before its optimizer step, one
 TieAllReduce over {replica k of every holding stage}, covering all the parameters tied
-among those stages. Each holder then steps on the same summed gradient.
+among those stages. Each holder then steps on the same summed gradient. A tie split over
+its stages' meshes (a vocabulary-parallel embedding and head) sums replica k's shard
+with replica k's: the stages have one mesh shape and the parameter one layout.
 Requires: split_stages, lower_plan, insert_grad_sync (a data-parallel stage reduces over
 its replicas first; the tie then sums whole stage gradients).
 """
@@ -16,9 +18,11 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from ..errors import GraphcError
+from ..meta import META_SBP, META_TENSOR
 from ..plan.instructions import OptimizerStep, TensorSpec, TieAllReduce
 from ..plan.plan import ExecutionPlan, StageInfo
 from ..plan.program import StageProgram
+from ..sbp.layout import local_shape
 
 # NOTE: Tied parameters
 # graphc keeps one copy of a parameter per stage that uses it: annotate_stages gives each
@@ -56,7 +60,7 @@ def _ties(programs: Sequence[StageProgram]) -> Dict[Tuple[int, ...], List[Tuple[
         for name, p in prog.module.named_parameters():
             if not p.requires_grad:
                 continue
-            spec, local = first.setdefault(id(p), (_spec(name, p), {}))
+            spec, local = first.setdefault(id(p), (_spec(prog, name, p), {}))
             local.setdefault(prog.stage, name)
     out: Dict[Tuple[int, ...], List[Tuple[TensorSpec, Dict[int, str]]]] = defaultdict(list)
     for spec, local in first.values():
@@ -65,8 +69,13 @@ def _ties(programs: Sequence[StageProgram]) -> Dict[Tuple[int, ...], List[Tuple[
     return dict(out)
 
 
-def _spec(name: str, p: torch.Tensor) -> TensorSpec:
-    return TensorSpec(name, tuple(p.shape), str(p.dtype).replace("torch.", ""))
+def _spec(prog: StageProgram, name: str, p: torch.Tensor) -> TensorSpec:
+    """The gradient this rank sums: a split (vocabulary-parallel) tie sums shard with shard."""
+    read = next((n for n in prog.module.graph.nodes if n.op == "get_attr" and n.target == name
+                 and META_SBP in n.meta), None)
+    shape = tuple(p.shape) if read is None else \
+        local_shape(read.meta[META_TENSOR].shape, read.meta[META_SBP].out, read.meta[META_SBP].mesh)
+    return TensorSpec(name, shape, str(p.dtype).replace("torch.", ""))
 
 
 def _check_sizes(holders: Tuple[int, ...], tied, stages: Sequence[StageInfo]) -> None:

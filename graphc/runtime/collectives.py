@@ -174,7 +174,9 @@ def mesh_coordinate(groups: tuple) -> Tuple[int, int]:
 
 # -- gradient synchronisation ----------------------------------------------------------------
 class GradSync:
-    """Bucketed all-reduce of partial_sum gradients, launched during the last backward.
+    """Bucketed all-reduce of partial_sum gradients, and of tied parameters' gradients among
+    the stages holding them (TieAllReduce, a bucket of its own), launched during the last
+    backward.
 
     Each bucket is armed before the last micro-batch's backward; a hook on every parameter
     counts down as its gradient is final, and the bucket's all-reduce starts (async) as

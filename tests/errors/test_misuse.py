@@ -154,14 +154,14 @@ def test_split_dim_that_does_not_divide_evenly():
         compile_for(Train(model), 3)
 
 
-def test_parameter_shared_across_stages():
+def test_parameter_shared_by_stages_of_different_sizes():
+    # a parameter shared across stages is tied (summed replica by replica, insert_tie_sync)
     model = TwoStage()
     model.b.weight = model.a.weight
-    g = Train(model, stages={"a": (0, [0]), "b": (1, [1])})
-    compiled = compile_for(g, 2)
-    with raises("weight' is used by stage 0 and by stage 1", "shared across pipeline stages",
-                "Fix"):
-        GraphState(g._root, compiled, 0, None, None)  # what every rank builds before its first step
+    g = Train(model, stages={"a": (0, [0, 1]), "b": (1, [2])})
+    with raises("['model.a.weight'] are used on stages [0, 1], which run on [2, 1] ranks",
+                "same number of ranks", "Fix"):
+        compile_for(g, 3)
 
 
 # -- accumulation and batches -------------------------------------------------------------

@@ -98,7 +98,10 @@ def test_values_flowing_backwards_through_stages_are_rejected():
 
 def test_history_records_every_pass():
     names = [r.name for r in compiled(p=2).history]
-    assert names == ["trace_build", "verify_traced", "annotate_stages", "propagate_shapes",
-                     "verify_annotated", "decompose_modules", "infer_sbp", "insert_boxing",
-                     "localize_ops", "split_stages", "lower_plan", "insert_grad_sync",
-                     "list_collectives", "verify_plans"]
+    assert names == ["trace_build (whole batch)", "propagate_shapes (whole batch)",
+                     "find_batch_dims (whole batch)", "trace_build", "verify_traced",
+                     "annotate_stages", "propagate_shapes", "find_batch_dims", "verify_annotated",
+                     "decompose_modules", "infer_sbp", "insert_boxing", "localize_ops",
+                     "split_stages", "insert_grad_modes", "feed_whole_batch", "lower_plan",
+                     "insert_grad_sync", "insert_tie_sync", "insert_grad_clip", "list_collectives",
+                     "verify_plans"]

@@ -106,7 +106,8 @@ def _classes(e: Coupling, syms: Symbols) -> FrozenSet[int]:
 
 def _candidates(gm: fx.GraphModule, env, syms: Symbols) -> FrozenSet[int]:
     """The rows the loss averages over; without a loss, the rows of the outputs' dim 0."""
-    backward = next((n for n in gm.graph.nodes if n.op == "call_method" and n.target == BACKWARD_TARGET), None)
+    backward = next((n for n in gm.graph.nodes
+                     if n.op == "call_method" and n.target == BACKWARD_TARGET), None)
     if backward is not None:
         loss = env.get(backward.args[0])
         return syms.classes(loss.reduced | loss.symbols) if isinstance(loss, Rows) else frozenset()

@@ -1,6 +1,7 @@
 """config.set_grad_clip_norm equals eager's clip_grad_norm_ on the whole model.
 
-The norm is global: over every stage (pipeline 2) and over every shard and replica
+The norm is global: over every stage (pipeline 2, also with a weight tied across the two
+stages, counted once) and over every shard and replica
 (data 2 x tensor 2 on a 2-D mesh, where replicated parameters count once and split ones
 by their shards). max_norm is small enough that every step clips (checked on the eager
 side), so a wrong norm shows as a wrong step. Float64, tolerance 1e-10 (helpers.py).
@@ -16,6 +17,7 @@ from graphc.compiler import compile as compile_graph
 from graphc.plan.instructions import ClipGradNorm, instruction_from_json, parse_instruction
 from helpers import assert_same_as_eager, run_world
 from models import PipelineGraph, SkipNet, make_batches
+from transformer_models import GPTGraph, TinyGPT, token_batches, token_loss
 
 MAX_NORM = 0.05
 STEPS = 3
@@ -81,13 +83,25 @@ def _eager(model, batches, loss_fn):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+class ClipGPT(GPTGraph):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.config.set_grad_clip_norm(MAX_NORM)
+
+
 def _train_pipeline(rank, world):
     torch.manual_seed(0)
     model = SkipNet(2)
     graph = ClipPipeline(model, _sgd(model.parameters()), accumulation=2)
     losses = [graph(x, y).to_local() for x, y in make_batches(STEPS)]
+    torch.manual_seed(0)
+    gpt = TinyGPT()  # wte tied to lm_head: held by stage 0 and stage 1, counted once
+    stages = [graphc.placement("cpu", [0]), graphc.placement("cpu", [1])]
+    gpt_graph = ClipGPT(gpt, _sgd(gpt.parameters()), stages, accumulation=2)
+    gpt_losses = [gpt_graph(x, y).to_local() for x, y in token_batches(STEPS)]
     return {"losses": [l.item() for l in losses if l.numel()], "state": graph.full_state_dict(),
-            "plan": graph.plan}
+            "plan": graph.plan, "gpt_losses": [l.item() for l in gpt_losses if l.numel()],
+            "gpt_state": gpt_graph.full_state_dict()}
 
 
 def _train_data_tensor(rank, world):
@@ -113,6 +127,10 @@ def test_grad_clip_pipeline_matches_eager():
     assert_same_as_eager([], results[0]["state"], [], ref_state, "pipeline rank 0")
     clips = [[i for i in r["plan"].instructions if isinstance(i, ClipGradNorm)] for r in results]
     assert [len(c) for c in clips] == [1, 1] and clips[0][0] == clips[1][0]
+    torch.manual_seed(0)
+    ref_losses, ref_state = _eager(TinyGPT(), token_batches(STEPS), token_loss)
+    assert_same_as_eager(results[1]["gpt_losses"], results[1]["gpt_state"], ref_losses, ref_state,
+                         "tied GPT, pipeline 2, accumulation 2, clipped")
 
 
 def test_grad_clip_data_x_tensor_matches_eager():

@@ -1,0 +1,103 @@
+"""The context an op rule sees: its node's inputs as Rows, shapes, and the symbol table.
+
+Shared helpers of the rules (graphc/rows/shapes.py, layers.py): dims normalised, the
+broadcast of row dims (unifying the symbols it lines up), and the reduced symbols of a
+combination with the couplings it implies.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch.fx as fx
+import torch.nn as nn
+
+from ..meta import META_TENSOR
+from . import Coupling, Rows, Symbols
+
+
+class Ctx:
+    """One node's inputs as Rows, its shapes, and the symbol table it may unify in."""
+
+    def __init__(self, node: fx.Node, env: Dict[fx.Node, object], syms: Symbols,
+                 events: List[Coupling], module: Optional[nn.Module] = None):
+        self.node, self.env, self.syms, self.events, self.module = node, env, syms, events, module
+
+    def arg(self, i: int, name: str, default=None):
+        args = self.node.args
+        return args[i] if len(args) > i else self.node.kwargs.get(name, default)
+
+    def rows(self, a) -> Optional[Rows]:
+        """a's Rows (a node or the index of an argument); None if it is not a tensor."""
+        if isinstance(a, int) and not isinstance(a, bool):
+            a = self.arg(a, "")
+        if not isinstance(a, fx.Node):
+            return None
+        value = self.env.get(a)
+        if isinstance(value, Rows):
+            return value
+        meta = a.meta.get(META_TENSOR)
+        return Rows.none(len(meta.shape)) if meta is not None else None
+
+    def shape(self, a=None) -> Optional[tuple]:
+        node = self.node if a is None else (self.arg(a, "") if isinstance(a, int) else a)
+        meta = node.meta.get(META_TENSOR) if isinstance(node, fx.Node) else None
+        return tuple(meta.shape) if meta is not None else None
+
+    def tensors(self) -> List[Rows]:
+        return [r for r in (self.rows(a) for a in input_nodes(self.node)) if r is not None]
+
+    def unify(self, a: Optional[int], b: Optional[int]) -> None:
+        self.syms.union(a, b)
+
+    def couple(self, symbols, why: str, meets=None) -> None:
+        symbols = frozenset(s for s in symbols if s is not None)
+        if symbols:
+            self.events.append(Coupling(self.node, why, symbols,
+                                        None if meets is None else frozenset(meets)))
+
+
+def input_nodes(node: fx.Node) -> List[fx.Node]:
+    found: List[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n))
+    return found
+
+
+def norm_dim(d, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def norm_dims(d, ndim: int) -> List[int]:
+    if d is None:
+        return list(range(ndim))
+    return [norm_dim(x, ndim) for x in (d if isinstance(d, (list, tuple)) else [d])]
+
+
+def combine_reduced(ctx: Ctx, parts: List[Rows], linear: bool = True):
+    """The union of the inputs' reduced symbols, reporting the two nonlinear uses: a batch
+    mean combined with the batch's own rows (x - x.mean(0)), or put through a nonlinear op."""
+    dims = frozenset().union(*(r.symbols for r in parts)) if parts else frozenset()
+    out = frozenset().union(*(r.reduced for r in parts)) if parts else frozenset()
+    for r in parts:
+        if r.reduced and dims:
+            ctx.couple(r.reduced, "a sum or mean over the batch meets the batch's own rows", dims)
+    if out and not linear:
+        ctx.couple(out, "a sum or mean over the batch goes through a nonlinear op")
+    return out
+
+
+def broadcast_rows(ctx: Ctx, parts: List[Rows]) -> tuple:
+    n = max((len(r.dims) for r in parts), default=0)
+    out = []
+    for k in range(n):
+        found = [r.dims[k - n + len(r.dims)] for r in parts if k - n + len(r.dims) >= 0]
+        found = [s for s in found if s is not None]
+        for s in found[1:]:
+            ctx.unify(found[0], s)
+        out.append(found[0] if found else None)
+    return tuple(out)
+
+
+def op_name(ctx: Ctx) -> str:
+    t = ctx.node.target
+    name = t if isinstance(t, str) else getattr(t, "__name__", str(t))
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name.strip("_")

@@ -2,8 +2,9 @@
 import torch
 
 from graphc.placement import Broadcast, PartialSum, Split
-from graphc.sbp.cost import boxing_cost, moved_bytes
-from graphc.sbp.layout import axis_groups, coord, local_component, local_shape, shard_slices
+from graphc.sbp.cost import boxing_cost, conversion_cost, moved_bytes
+from graphc.sbp.layout import (axis_groups, coord, local_component, local_shape, place_shard,
+                               shard_slices)
 
 B, P = Broadcast(), PartialSum()
 T = 1024
@@ -18,6 +19,16 @@ def test_costs_follow_the_copy_cost_model():
     assert boxing_cost(Split(0), B, T, n) == boxing_cost(P, Split(0), T, n) == (n - 1) * T
     assert boxing_cost(P, B, T, n) == 2 * (n - 1) * T
     assert boxing_cost(P, B, T, 1) == 0                       # one rank: nothing to move
+
+
+def test_conversion_cost_counts_the_gradient_and_the_collectives():
+    n = 2
+    # P->S(d) is cheaper forward, but its gradient is all-gathered back: for a value that
+    # needs a gradient the all-reduce (identity backward) is as many bytes in one collective
+    assert conversion_cost(P, Split(0), T, n, grad=False) < conversion_cost(P, B, T, n, grad=False)
+    assert conversion_cost(P, B, T, n, grad=True) < conversion_cost(P, Split(0), T, n, grad=True)
+    assert conversion_cost(B, Split(0), T, n, grad=True) > conversion_cost(B, Split(0), T, n, grad=False)
+    assert conversion_cost(Split(0), Split(0), T, n, grad=True) == 0
 
 
 def test_moved_bytes_per_rank_for_ring_collectives():
@@ -38,3 +49,14 @@ def test_2d_mesh_groups_coordinates_and_nested_shards():
     pieces = [local_component(full, sbp, mesh, r) for r in range(4)]
     assert torch.equal(torch.cat([pieces[0], pieces[1], pieces[2], pieces[3]]), full)
     assert shard_slices((8, 4), (B, Split(1)), mesh, 1) == (slice(0, 8), slice(2, 4))
+
+
+def test_a_tensor_stored_in_pieces_holds_each_pieces_shard():
+    """See NOTE: fused pieces: rank r holds shard r of each of q, k and v."""
+    full = torch.arange(12.).view(6, 2)            # q rows 0-1, k rows 2-3, v rows 4-5
+    shards = [local_component(full, (Split(0),), (0, 1), r, pieces=(3, 0)) for r in (0, 1)]
+    assert shards[0][:, 0].tolist() == [0, 4, 8] and shards[1][:, 0].tolist() == [2, 6, 10]
+    back = torch.zeros(6, 2)
+    for r in (0, 1):
+        place_shard(back, shards[r], (Split(0),), (0, 1), r, pieces=(3, 0))
+    assert torch.equal(back, full)

@@ -18,11 +18,15 @@ from .plan.plan import ExecutionPlan
 from .runtime.actors import Runtime
 from .runtime.collectives import compiled_groups, create_groups
 from .runtime.comm import P2P
-from .runtime.dist_env import device_for, ensure_process_group
+from .runtime.agreement import check_agreement, fingerprint_tensor, step_facts
+from .runtime.dist_env import device_for, ensure_process_group, timeout_seconds
 from .runtime.watchdog import run_step
 from .state import GraphState, check_state_dict
 from .tools import plan_mode
 from .tools.trace import Tracer
+
+
+_CREATED: Dict[str, int] = {}  # Graph subclass name -> instances created in this process
 
 
 class _BuildRoot(nn.Module):
@@ -91,6 +95,9 @@ class Graph:
         object.__setattr__(self, "_plans_by_shape", {})
         object.__setattr__(self, "_attr_reads", None)
         object.__setattr__(self, "_key", None)
+        # this graph's name in rank agreement: class and creation order, the same on every rank
+        _CREATED[type(self).__name__] = _CREATED.get(type(self).__name__, 0) + 1
+        object.__setattr__(self, "_instance", f"{type(self).__name__}-{_CREATED[type(self).__name__]}")
 
     # -- modules ---------------------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:
@@ -240,6 +247,7 @@ class Graph:
             if self._pending_state is not None:
                 state.load(*self._pending_state)
                 object.__setattr__(self, "_pending_state", None)
+        self._agree(compiled, with_parameters=new_state)
         p2p = P2P(rank, compiled.plans)
         create_groups(compiled_groups(compiled))  # collective: every rank, same order
         tracer = Tracer.from_config(self.config, rank)
@@ -247,6 +255,22 @@ class Graph:
         object.__setattr__(self, "_runtime", Runtime(plan, program, p2p, device, self._optimizer,
                                                      self._lr_scheduler, self.config.recv_window,
                                                      tracer.record))
+
+    def _agree(self, compiled: compiler.CompiledGraph, with_parameters: bool) -> None:
+        """Every rank runs the same plans from equal replicas (See NOTE: Rank agreement)."""
+        facts = step_facts(compiled, self.config, self._state.steps)
+        holders: Dict[str, List[int]] = {}
+        if with_parameters:
+            tensors = self._root.state_dict(keep_vars=True)
+            split = getattr(self._state, "shards", {})
+            for key in self._state.local_keys:
+                if key in split or not isinstance(tensors[key], nn.Parameter):
+                    continue
+                facts["param:" + key] = fingerprint_tensor(tensors[key])
+                holders[key] = sorted({r for s in self._state.holders[key]
+                                       for r in compiled.stages[s].ranks})
+        tag = f"{self._instance}/{len(self._plans_by_shape)}"
+        check_agreement(facts, holders, f"the compiled {type(self).__name__}", tag, timeout_seconds())
 
     def _check_inputs(self, args) -> None:
         want = self._compiled.input_meta

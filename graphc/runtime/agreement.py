@@ -1,0 +1,115 @@
+"""Ranks agree before the first step, or every rank stops with the same GraphcError.
+
+NOTE: Rank agreement
+Each rank compiles on its own, so a rank given other input shapes, another accumulation
+setting or schedule, a checkpoint of another step, or a model initialised with another
+seed would otherwise train on mismatched buffers or wait out GRAPHC_TIMEOUT and die in a
+raw gloo error that blames a healthy rank. After compiling (and loading a checkpoint),
+every rank writes a small fingerprint of what it is about to run to the c10d store and
+reads everyone's: one exchange, O(world) store requests, before any collective. A rank
+that never arrives (it did not call the graph, or called another one) is named after
+GRAPHC_TIMEOUT. Replicated parameters are compared by checksum among the ranks that hold
+them: they must start equal, as DDP requires (graphc refuses rather than broadcasts, so
+a forgotten torch.manual_seed is found, not hidden).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import GraphcError
+
+
+
+def fingerprint_tensor(t: torch.Tensor) -> str:
+    """A checksum of a tensor's values (equal tensors give equal strings on any rank)."""
+    data = t.detach().cpu().contiguous()
+    return hashlib.sha1(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()[:16]
+
+
+def check_agreement(facts: Dict[str, Any], holders: Dict[str, List[int]], what: str,
+                    tag: str, timeout: float, store=None) -> None:
+    """Exchanges `facts` (JSON values) between all ranks; raises GraphcError on any mismatch.
+
+    facts: name -> value every rank must agree on; entries named "param:<key>" are compared
+    only among the ranks listed in holders[key] (a replicated parameter's placement).
+    tag: names this exchange the same way on every rank (the graph, by class and creation
+    order, and its compile count), so a rank that skipped a graph is found, not paired with
+    the next exchange.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = store or dist.distributed_c10d._get_default_store()
+    prefix = f"graphc/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/agree/{tag}/"
+    store.set(prefix + str(rank), json.dumps(facts, sort_keys=True, default=str))
+    everyone = _gather(store, prefix, world, timeout, what)
+    problems = _mismatches(everyone, holders)
+    if problems:
+        raise GraphcError(
+            f"rank {rank}: the ranks disagree on {what}:\n  " + "\n  ".join(problems[:8]) +
+            ("\n  ..." if len(problems) > 8 else "") +
+            "\n  Every rank must run the same program on inputs of the same shapes, with the same "
+            "settings and checkpoint step, and parameters that are replicated must start equal. "
+            "Fix: launch every rank with the same script and arguments, seed every rank the same "
+            "(torch.manual_seed) before building the model, and load every rank's checkpoint "
+            "from the same save.")
+
+
+def _gather(store, prefix: str, world: int, timeout: float, what: str) -> Dict[int, Dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    keys = [prefix + str(r) for r in range(world)]
+    while True:
+        present = [store.check([k]) for k in keys]
+        if all(present):
+            break
+        if time.monotonic() > deadline:
+            missing = [r for r, ok in enumerate(present) if not ok]
+            raise GraphcError(
+                f"rank(s) {missing} did not reach {what} within GRAPHC_TIMEOUT ({timeout:.0f} s) "
+                f"while rank(s) {[r for r, ok in enumerate(present) if ok]} did. A graph must be "
+                "called by every rank of the job, the same number of times. Fix: call the graph "
+                "on every rank (a rank without a stage still calls it), or raise GRAPHC_TIMEOUT "
+                "if those ranks are only slow.")
+        time.sleep(0.02)
+    return {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
+
+
+def _mismatches(everyone: Dict[int, Dict[str, Any]], holders: Dict[str, List[int]]) -> List[str]:
+    problems = []
+    names = sorted({n for facts in everyone.values() for n in facts})
+    for name in names:
+        ranks = holders.get(name[len("param:"):], []) if name.startswith("param:") else sorted(everyone)
+        values: Dict[str, List[int]] = {}
+        for r in ranks:
+            if name in everyone.get(r, {}):
+                values.setdefault(json.dumps(everyone[r][name], sort_keys=True), []).append(r)
+        if len(values) > 1:
+            shown = "; ".join(f"ranks {rs}: {v}" for v, rs in values.items())
+            label = (f"replicated parameter '{name[len('param:'):]}' (checksums)" if name.startswith("param:")
+                     else name)
+            problems.append(f"{label}: {shown}")
+    return problems
+
+
+def plan_hash(plans) -> str:
+    """One hash of every rank's plan text: equal iff the ranks compiled the same plans."""
+    h = hashlib.sha1()
+    for p in plans:
+        h.update(str(p).encode())
+    return h.hexdigest()[:16]
+
+
+def step_facts(compiled, config, steps: Optional[int]) -> Dict[str, Any]:
+    """What every rank must agree on for a compiled graph."""
+    return {"input shapes and dtypes": [[list(s), str(d)] for s, d in compiled.input_meta],
+            "gradient accumulation steps": config.gradient_accumulation_steps,
+            "pipeline schedule": config.pipeline_schedule,
+            "plan hash": plan_hash(compiled.plans),
+            "checkpoint step": steps}

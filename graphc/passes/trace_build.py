@@ -52,6 +52,12 @@ _REFUSED_CALLS = {
 }
 
 
+# random factories take no tensor input, so fx would run them once while tracing and bake
+# the draw into the graph as a constant; they are recorded as nodes instead
+_RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial",
+                     "poisson", "rand_like", "randn_like", "randint_like")
+
+
 class ShapeProxy(fx.Proxy):
     """An fx Proxy that answers shape questions from the example it was traced with."""
 
@@ -316,11 +322,23 @@ def _patched_calls(tracer: BuildTracer, graph_obj):
             return _assign_buffer(tracer, graph_obj, module, name, value)
         return original_setattr(module, name, value)
 
+    def recorded(name, fn):
+        def call(*args, **kwargs):  # a fresh draw on every step, not a constant of the trace
+            if tracer.running_fake:
+                return fn(*args, **kwargs)
+            return tracer.create_proxy("call_function", fn, args, kwargs)
+        call.__name__ = name
+        return call
+
+    factories = [(torch, name, getattr(torch, name)) for name in _RANDOM_FACTORIES]
+
     import torch.nn.utils as nn_utils
     import torch.nn.utils.clip_grad as clip_grad
     saved = [(obj, name, getattr(obj, name)) for obj in (nn_utils, clip_grad) for name in _REFUSED_CALLS]
     torch.autograd.Function.apply = classmethod(apply)
     torch.nn.Module.__setattr__ = module_setattr
+    for obj, name, fn in factories:
+        setattr(obj, name, recorded(name, fn))
     for obj, name, _ in saved:
         setattr(obj, name, refuse(name))
     try:
@@ -328,6 +346,8 @@ def _patched_calls(tracer: BuildTracer, graph_obj):
     finally:
         torch.autograd.Function.apply = original_apply
         torch.nn.Module.__setattr__ = original_setattr
+        for obj, name, fn in factories:
+            setattr(obj, name, fn)
         for obj, name, fn in saved:
             setattr(obj, name, fn)
 

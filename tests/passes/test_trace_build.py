@@ -382,3 +382,36 @@ def test_buffers_reassigned_in_forward_run_once_per_micro_batch():
     (got, state), (want, ref), _ = train_pair(Reassigning, ClsGraph, cls_batches(3), accumulate)
     assert_same_as_eager(got, state, want, ref, "buffers reassigned in forward")
     assert state["steps"].item() == 6
+
+
+class NoisyGraph(ClsGraph):
+    """Noise drawn inside build() from a factory with no tensor input."""
+
+    def build(self, x, y):
+        noise = torch.randn(x.shape[0], 6) * 0.1
+        loss = F.cross_entropy(self.model(x + noise), y)
+        loss.backward()
+        return loss
+
+
+def test_random_factories_draw_on_every_step():
+    """torch.randn(...) in build() is a node drawing on every step, as eager draws: same RNG
+    stream, same numbers (one process, accumulation 1)."""
+    batches = cls_batches(3)
+    torch.manual_seed(0)
+    model = FnNet()
+    ref = copy.deepcopy(model)
+    graph = NoisyGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), acc=1)
+    torch.manual_seed(5)
+    got = [graph(x, y).to_local().item() for x, y in batches]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(5)
+    want = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = F.cross_entropy(ref(x + torch.randn(x.shape[0], 6) * 0.1), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    assert_same_as_eager(got, model.state_dict(), want, ref.state_dict(), "randn in build()")
+    assert any(getattr(n.target, "__name__", "") == "randn" for n in graph.compiled.gm.graph.nodes)

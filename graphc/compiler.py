@@ -17,6 +17,7 @@ from .errors import GraphcError
 from .meta import BACKWARD_TARGET
 from .passes.annotate_stages import annotate_stages
 from .passes.decompose_modules import decompose_modules
+from .passes.defer_batch_norm import defer_batch_norm
 from .passes.feed_whole_batch import feed_whole_batch
 from .passes.find_batch_dims import batched_inputs, find_batch_dims
 from .passes.infer_sbp import infer_sbp
@@ -116,6 +117,8 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     meshes = stage_meshes(stages, _declared_placements(graph_obj, gm, input_layouts))
     # 5a. nn layers as functional ops on get_attr parameters, so SBP rules see parameters
     gm = _step(h, "decompose_modules", decompose_modules, gm, meshes)
+    # 5a'. with deferred batch norm, running statistics take one whole-mini-batch update per step
+    gm = _step(h, "defer_batch_norm", defer_batch_norm, gm, cfg.deferred_batch_norm, m)
     # 5b. an SBP signature per node, cheapest by bytes moved, honouring the user's layouts
     gm = _step(h, "infer_sbp", infer_sbp, gm, meshes, [l[1] if l else None for l in input_layouts])
     # 5c. every SBP mismatch becomes a collective (with its dual in backward)

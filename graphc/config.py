@@ -50,6 +50,7 @@ class GraphConfig:
         self.trace_path: Optional[str] = None
         self.trace_steps = 5
         self.grad_clip_norm: Optional[float] = None
+        self.deferred_batch_norm = False
 
     def _check_open(self, what: str) -> None:
         if self._graph._compiled is not None:
@@ -113,6 +114,24 @@ class GraphConfig:
             raise GraphcError(f"set_grad_clip_norm: max_norm must be a finite number > 0, found "
                               f"{max_norm!r}. Fix: pass e.g. self.config.set_grad_clip_norm(1.0).")
         self.grad_clip_norm = float(max_norm)
+
+    def set_deferred_batch_norm(self, enabled: bool = True) -> None:
+        """BatchNorm's running statistics of the whole mini-batch, updated once per step.
+
+        With gradient accumulation every micro-batch is normalised with its own batch
+        statistics, as in eager accumulation, and by default also updates the running
+        statistics (m updates per step). Deferred (seed 002's `deferred_batch_norm`), the
+        micro-batches' sums are accumulated and the running mean and variance take one
+        update per step, with the statistics of the whole mini-batch: what eager PyTorch
+        on the whole batch stores. num_batches_tracked then counts steps.
+
+        Example:
+            self.config.set_deferred_batch_norm(True)   # in the Graph's __init__
+        """
+        self._check_open("set_deferred_batch_norm")
+        if not isinstance(enabled, bool):
+            raise GraphcError(f"set_deferred_batch_norm expects True or False, found {enabled!r}")
+        self.deferred_batch_norm = enabled
 
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""

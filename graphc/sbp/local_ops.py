@@ -98,3 +98,26 @@ def batch_norm_update_(running_mean, running_var, num_batches_tracked, stats: to
         if running_var is not None:
             unbiased = var * (count / max(count - 1, 1))
             running_var.mul_(1 - f).add_(unbiased.to(running_var.dtype), alpha=f)
+
+
+# NOTE: deferred batch norm
+# With config.set_deferred_batch_norm(True) each micro-batch normalises with its own sums
+# (batch_norm_apply) but does not update the running statistics; its sums are added to
+# an accumulator instead, and the micro-batch that completes the step updates the running
+# statistics once with the whole mini-batch's sums. The sums are additive because every
+# micro-batch shifts by the same running mean (it does not move until the step's update).
+def batch_norm_deferred_update_(running_mean, running_var, num_batches_tracked, stats: torch.Tensor,
+                                count: int, momentum, microbatches: int) -> None:
+    """Accumulates a micro-batch's sums; the last of `microbatches` applies batch_norm_update_
+    with the whole mini-batch's sums (See NOTE: deferred batch norm). The running sums live
+    on the buffer object itself, so they go with it."""
+    key = running_mean if running_mean is not None else running_var
+    with torch.no_grad():
+        total, seen = getattr(key, "_graphc_deferred", (None, 0))
+        total = stats.detach().clone() if total is None else total + stats.detach()
+        seen += 1
+        if seen < microbatches:
+            key._graphc_deferred = (total, seen)
+            return
+        key._graphc_deferred = (None, 0)
+    batch_norm_update_(running_mean, running_var, num_batches_tracked, total, count * seen, momentum)

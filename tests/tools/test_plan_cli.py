@@ -80,7 +80,9 @@ def test_plan_writes_every_rank_with_the_schedule(tmp_path, n, schedule):
 
 
 # script arguments an example needs ("{tmp}": a scratch folder), after `--`
-EXAMPLE_ARGS = {"train_resume.py": ["--ckpt-dir", "{tmp}"]}
+EXAMPLE_ARGS = {"train_resume.py": ["--ckpt-dir", "{tmp}"],
+                "gpt.py": ["--pp", "2", "--steps", "1"],       # its first documented launch
+                "resnet.py": ["--pp", "2", "--steps", "1"]}
 
 
 def _world_sizes(example):
@@ -151,3 +153,15 @@ def test_python_dash_m_graphc_plan(tmp_path):
     assert "plans verified" in res.stdout
     load_plans(out, 2)
     assert not os.path.exists(os.path.join(out, "schedule.png"))
+
+
+def test_plan_gpt_on_eight_ranks_with_chart(tmp_path):
+    """The GPT example as pipeline x tensor x data 2x2x2, planned on one machine."""
+    out = str(tmp_path / "plans")
+    gpt = os.path.join(ROOT, "examples", "gpt.py")
+    assert main(["plan", gpt, "--nproc", "8", "--out", out, "--",
+                 "--pp", "2", "--tp", "2", "--dp", "2", "--steps", "1"]) == 0
+    plans = load_plans(out, 8)
+    check_files(out, 8, len(glob.glob(os.path.join(out, "stage*.py"))))
+    verify_plans(plans)
+    assert "fallback" not in "".join(str(p) for p in plans)

@@ -9,7 +9,8 @@ whose dim 0 never meets them (class prototypes [C, d] used as x @ P.T) is passed
 to every micro-batch. Rows that an op mixes (a softmax across the batch, z @ z.T, a
 batch mean used nonlinearly) are never split: under accumulation > 1 a graph whose
 batch rows are all mixed (an in-batch contrastive loss) is refused, since per
-micro-batch it would compute something else.
+micro-batch it would compute something else. Only ops the loss (or the outputs) depend
+on count: a buffer updated in forward runs once per micro-batch, as in eager accumulation.
 Requires: propagate_shapes. To decide, run on build() traced for the whole batch.
 """
 from __future__ import annotations
@@ -32,7 +33,12 @@ def find_batch_dims(gm: fx.GraphModule, num_microbatches: int,
     for node in gm.graph.nodes:
         env[node] = _value(gm, node, env, syms, events)
     events += _pairs(env, syms)
-    candidates = _candidates(gm, env, syms)
+    backward = next((n for n in gm.graph.nodes
+                     if n.op == "call_method" and n.target == BACKWARD_TARGET), None)
+    roots = [backward.args[0]] if backward is not None else gm.graph.output_node().all_input_nodes
+    used = _ancestors(roots)  # what the loss (or the outputs) depends on; not buffer updates
+    events = [e for e in events if e.node in used]
+    candidates = _candidates(env, syms, events, roots, training=backward is not None)
     mixed = {c for e in events for c in _classes(e, syms)}
     batch = candidates - mixed
     if candidates and not batch and num_microbatches > 1:
@@ -104,19 +110,30 @@ def _classes(e: Coupling, syms: Symbols) -> FrozenSet[int]:
     return mine if e.meets is None else mine & syms.classes(e.meets)
 
 
-def _candidates(gm: fx.GraphModule, env, syms: Symbols) -> FrozenSet[int]:
-    """The rows the loss averages over; without a loss, the rows of the outputs' dim 0."""
-    backward = next((n for n in gm.graph.nodes
-                     if n.op == "call_method" and n.target == BACKWARD_TARGET), None)
-    if backward is not None:
-        loss = env.get(backward.args[0])
-        return syms.classes(loss.reduced | loss.symbols) if isinstance(loss, Rows) else frozenset()
+def _candidates(env, syms: Symbols, events: List[Coupling], roots: List[fx.Node],
+                training: bool) -> FrozenSet[int]:
+    """Of the roots (the loss, or build()'s outputs without one): the rows the loss averages
+    over, or the rows of the outputs' dim 0. Rows mixed by an op the roots depend on reach
+    them too (torch.cov(x.T) is no mean, but it is the batch): they are candidates, which
+    the mixing then rules out."""
     found: set = set()
-    for out in gm.graph.output_node().all_input_nodes:
-        value = env.get(out)
+    for root in roots:
+        value = env.get(root)
         if isinstance(value, Rows):
-            found |= syms.classes(value.reduced | ({value.dims[0]} - {None} if value.dims else set()))
+            rows = value.symbols if training else ({value.dims[0]} - {None} if value.dims else set())
+            found |= syms.classes(value.reduced | rows)
+    found |= {c for e in events for c in _classes(e, syms)}
     return frozenset(found)
+
+
+def _ancestors(roots: List[fx.Node]) -> set:
+    seen, todo = set(), list(roots)
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(node.all_input_nodes)
+    return seen
 
 
 def _meta(value, batch: FrozenSet[int], syms: Symbols) -> RowsMeta:

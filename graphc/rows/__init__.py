@@ -3,7 +3,8 @@
 Every input's dim 0 starts as a row symbol of its own. A value's `Rows` says, per dim,
 which symbol that dim indexes (None: not a row dim) and which symbols were summed or
 averaged into it (`reduced`: a batch mean is linear in the rows, so micro-batches can
-compute parts of it). Op rules (rules.py) move symbols through ops, unify the symbols an
+compute parts of it). Op rules (rules.py: the table; shapes.py, layers.py: the rules;
+context.py: what a rule sees) move symbols through ops, unify the symbols an
 op lines up (x + y, cross_entropy's input rows and target rows) and report a Coupling
 where an op mixes rows (a softmax over a row dim, a row-by-row product, a batch mean used
 nonlinearly): per micro-batch such an op would compute something else.

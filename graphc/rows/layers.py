@@ -204,19 +204,30 @@ def multihead_attention(ctx: Ctx):
 
 
 def default(ctx: Ctx):
-    """No rule: rows kept where the output keeps its first input's shape or leading size."""
+    """No rule: rows kept where the output keeps its first input's shape or leading size.
+
+    Rows of the inputs that the output does not keep are reported, and so is a batch mean
+    passed through: graphc cannot tell whether the op mixed the rows (torch.cov(x.T) does)
+    or is nonlinear in the mean (torch.logdet(z.T @ z) is)."""
     parts = ctx.tensors()
     out = ctx.shape()
-    if out is None:
-        return None
     if not parts:
-        return Rows.none(len(out))
+        return Rows.none(len(out)) if out is not None else None
     first = parts[0]
     first_node = next(a for a in input_nodes(ctx.node) if ctx.rows(a) is not None)
     ins = ctx.shape(first_node)
-    reduced = combine_reduced(ctx, parts, linear=False)
-    if ins is not None and tuple(ins) == tuple(out):
-        return Rows(first.dims, reduced)
-    if ins and out and ins[0] == out[0]:
-        return Rows((first.dims[0],) + (None,) * (len(out) - 1), reduced)
-    return Rows.none(len(out))
+    reduced = frozenset().union(*(r.reduced for r in parts))
+    if out is None:
+        dims: tuple = ()
+    elif ins is not None and tuple(ins) == tuple(out):
+        dims = first.dims
+    elif ins and out and ins[0] == out[0]:
+        dims = (first.dims[0],) + (None,) * (len(out) - 1)
+    else:
+        dims = (None,) * len(out)
+    lost = frozenset().union(*(r.symbols for r in parts)) - set(dims)
+    ctx.couple(lost, f"graphc has no rule for '{op_name(ctx)}', whose result does not keep these "
+               "rows of the batch apart (it may mix them)")
+    ctx.couple(reduced, f"a sum or mean over the batch goes through '{op_name(ctx)}', which "
+               "graphc has no rule for (it may be nonlinear)")
+    return Rows(dims, reduced) if out is not None else None

@@ -4,8 +4,8 @@
 of tensors, None for anything else. Rules are looked up by the op's name (torch.add,
 Tensor.add, operator.add all read "add"; in-place "add_" reads "add") or module type.
 An op without a rule keeps its first input's rows where its output keeps that input's
-shape (or leading size); otherwise its rows are lost and the inputs feeding only it are
-computed whole in every micro-batch (exact, without the memory saving).
+shape (or leading size); rows it does not keep, and a batch mean passed through it, count
+as mixed (graphc cannot tell what the op did with them).
 """
 from __future__ import annotations
 

@@ -61,6 +61,11 @@ def batch_statistic(model, x, y):
     return F.mse_loss(h - h.mean(0), y)
 
 
+def log_volume(model, x):
+    z = model(x)
+    return -torch.logdet(z.T @ z / B + torch.eye(D))  # a batch sum through an op without a rule
+
+
 def picked_logits(model, x, y):
     logits = model(x)[:, :C]
     return -(logits.log_softmax(1)[torch.arange(x.shape[0]), y]).mean()
@@ -99,6 +104,8 @@ def test_prototypes_in_inference_are_not_split():
     (contrastive, ("x",), "pairs every row of the batch with every other row", "logits = z @ z.T / 0.1"),
     (masked_mean, ("x", "mask"), "divided by a sum or mean over the batch", "return (per_row * mask).sum() / mask.sum()"),
     (batch_statistic, ("x", "t"), "meets the batch's own rows", "return F.mse_loss(h - h.mean(0), y)"),
+    (log_volume, ("x",), "goes through 'logdet', which graphc has no rule for",
+     "return -torch.logdet(z.T @ z / B + torch.eye(D))"),
 ])
 def test_rows_coupled_across_the_batch_are_refused_with_accumulation(fn, names, found, line):
     with pytest.raises(graphc.GraphcError) as info:

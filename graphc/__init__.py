@@ -1,6 +1,6 @@
 """graphc: a static-graph compiler for distributed training on PyTorch.
 
-Public API (see README and ../shared/API.md): Graph, placement, sbp, to_global,
+Public API (see README.md, "The API by example"): Graph, placement, sbp, to_global,
 GlobalTensor, GraphcError, ExecutionPlan.
 """
 from .checkpoint import load, save

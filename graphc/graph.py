@@ -1,4 +1,4 @@
-"""graphc.Graph: the user's entry point (see ../shared/API.md)."""
+"""graphc.Graph: the user's entry point (see README.md, "The API by example")."""
 from __future__ import annotations
 
 from typing import Any, Dict, List

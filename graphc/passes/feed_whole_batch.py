@@ -39,7 +39,8 @@ _POSITIONAL = {F.cross_entropy: ("weight", "size_average", "ignore_index", "redu
 
 def feed_whole_batch(programs: Sequence[StageProgram], gm: fx.GraphModule,
                      num_microbatches: int) -> List[StageProgram]:
-    unsplit = {n.name for n in gm.graph.nodes if n.op == "placeholder" and not n.meta.get(META_BATCHED, True)}
+    unsplit = {n.name for n in gm.graph.nodes
+               if n.op == "placeholder" and not n.meta.get(META_BATCHED, True)}
     for prog in programs:
         prog.whole_inputs = tuple(name for name in prog.user_inputs if name in unsplit)
         losses = [n for n in prog.module.graph.nodes if _needs_whole_count(prog, n, num_microbatches)]
@@ -122,18 +123,20 @@ def _copy_chain(prog: StageProgram, loss: fx.Node, value: fx.Node, pro: fx.Graph
         env[value] = pro.placeholder(value.name)
         inputs.append(value.name)
         return env[value]
-    if value.op == "get_attr":
-        attr = prog.module.get_parameter(value.target) if _is_parameter(prog, value.target) else None
-        if attr is not None and attr.requires_grad:
-            raise _not_from_inputs(loss, value, f"the parameter '{value.target}'")
+    if value.op in ("get_attr", "call_module") and _trained(prog, value):
+        raise _not_from_inputs(loss, value, f"the parameters of '{value.target}'")
     for a in value.all_input_nodes:
         _copy_chain(prog, loss, a, pro, env, inputs)
     env[value] = pro.node_copy(value, lambda a: env[a])
     return env[value]
 
 
-def _is_parameter(prog: StageProgram, target: str) -> bool:
-    return target in dict(prog.module.named_parameters())
+def _trained(prog: StageProgram, node: fx.Node) -> bool:
+    """Does a get_attr or module call read a parameter that requires grad?"""
+    if node.op == "call_module":
+        return any(p.requires_grad for p in prog.module.get_submodule(node.target).parameters())
+    params = dict(prog.module.named_parameters())
+    return node.target in params and params[node.target].requires_grad
 
 
 def _split_groups(node: fx.Node, target: fx.Node) -> tuple:

@@ -170,7 +170,7 @@ _BACKWARD = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all", "slice"
 
 
 def _reduce_outputs(gm, out: fx.Node) -> None:
-    """A partial_sum result is reduced before it is returned (API.md)."""
+    """A partial_sum result is reduced before it is returned, so a loss is the full loss."""
     for a in list(out.all_input_nodes):
         sig = a.meta.get(META_SBP)
         if sig is None or not any(isinstance(s, PartialSum) for s in sig.out):

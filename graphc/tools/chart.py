@@ -3,13 +3,19 @@
 Used for the static schedule (unit costs), the simulated step and a measured trace, so
 the three read the same way. Forward, backward, communication waits, collectives and the
 optimizer step have distinct colours; compute boxes carry their micro-batch number.
+
+matplotlib is the `plan` extra (`pip install "graphc[plan]"`), imported only when a chart
+is drawn, so training nodes install graphc without it.
 """
 from __future__ import annotations
 
 import os
 from typing import Dict, List, Optional, Sequence
 
+from ..errors import GraphcError
 from .simulate import Span
+
+INSTALL_HINT = 'pip install "graphc[plan]"'
 
 COLOURS = {
     "forward": "#4C72B0",
@@ -43,11 +49,7 @@ def draw_timeline(timeline: Dict[int, List[Span]], path: str, title: str,
     Returns:
         The written file paths.
     """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
+    plt, Patch = _pyplot()
     ranks = sorted(timeline)
     end = max((s.end for spans in timeline.values() for s in spans), default=1.0) * scale or 1.0
     fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 4 + 0.12 * _count(timeline))),
@@ -78,6 +80,29 @@ def draw_timeline(timeline: Dict[int, List[Span]], path: str, title: str,
         written.append(out)
     plt.close(fig)
     return written
+
+
+def charts_available() -> bool:
+    """Whether matplotlib (the `plan` extra) can be imported, so draw_timeline() will work."""
+    try:
+        _pyplot()
+    except GraphcError:
+        return False
+    return True
+
+
+def _pyplot():
+    """matplotlib.pyplot (headless) and Patch, or a GraphcError saying what to install."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as e:
+        raise GraphcError(f"graphc's schedule charts need matplotlib, which is not installed "
+                          f"({e}). Fix: {INSTALL_HINT} (the `plan` extra), or pass --no-chart "
+                          f"to graphc plan.") from None
+    return plt, Patch
 
 
 def _count(timeline) -> int:

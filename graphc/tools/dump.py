@@ -5,6 +5,8 @@
   passes.txt                   the compilation history: every pass's output and time
   schedule.png / .svg          the schedule with unit costs (forward 1, backward 2)
   simulation.txt, simulated.png / .svg, simulated_trace.json   with --simulate
+
+Without matplotlib (the `plan` extra) the charts are skipped, said once per run.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import json
 import os
 from typing import List
 
-from .chart import draw_timeline
+from .chart import INSTALL_HINT, charts_available, draw_timeline
 from .costs import CostModel, device_costs, measure_costs
 from .simulate import simulate
 from .trace import timeline_to_chrome
@@ -26,10 +28,14 @@ def write_all(graph, compiled, folder: str, mode) -> List[str]:
     written = write_plans(compiled.plans, folder) + write_programs(compiled, folder)
     written.append(_write(os.path.join(folder, "passes.txt"),
                           "\n\n".join(r.text for r in compiled.history)))
+    if mode.chart and not charts_available():
+        mode.chart = False          # said once, for every graph the script compiles
+        print(f"graphc plan: matplotlib is not installed, so no schedule charts are drawn "
+              f"(plans and tables are written). For charts: {INSTALL_HINT}", flush=True)
     if mode.chart:
         written += write_schedule_chart(compiled, folder, name)
     if mode.simulate:
-        written += write_simulation(graph, compiled, folder, mode.simulate)
+        written += write_simulation(graph, compiled, folder, mode.simulate, mode.chart)
     print(f"graphc plan: {name}: {len(compiled.plans)} rank(s), {len(compiled.stages)} stage(s), "
           f"{compiled.num_microbatches} micro-batch(es); plans verified; wrote {len(written)} "
           f"files to {folder}", flush=True)
@@ -88,7 +94,7 @@ def costs_for(graph, compiled, how: str) -> CostModel:
     return device_costs(compiled, how)
 
 
-def write_simulation(graph, compiled, folder: str, how: str) -> List[str]:
+def write_simulation(graph, compiled, folder: str, how: str, chart: bool = True) -> List[str]:
     costs = costs_for(graph, compiled, how)
     # several steps: the table reports the steady state (a rank starts its next step early)
     result = simulate(compiled.plans, costs, steps=STEADY_STEPS,
@@ -100,8 +106,9 @@ def write_simulation(graph, compiled, folder: str, how: str) -> List[str]:
              f"{result.step_time * 1e3:.3f} ms, first step {result.first_step_time * 1e3:.3f} ms, "
              f"mean bubble {result.bubble_fraction:.1%}")
     out = [_write(os.path.join(folder, "simulation.txt"), table)]
-    out += draw_timeline(result.timeline, os.path.join(folder, "simulated"), title,
-                         row_labels=row_labels(compiled))
+    if chart:
+        out += draw_timeline(result.timeline, os.path.join(folder, "simulated"), title,
+                             row_labels=row_labels(compiled))
     trace = timeline_to_chrome(result.timeline, process_prefix="simulated rank")
     out.append(_write(os.path.join(folder, "simulated_trace.json"), json.dumps(trace)))
     return out

@@ -75,11 +75,13 @@ def test_counts_only_where_they_matter(loss, accumulation):
     assert all(p.prologue is None for p in compiled.programs)
 
 
-def test_targets_known_only_inside_the_step_are_refused():
+@pytest.mark.parametrize("stages, source", [(True, "a value received from another stage"),
+                                            (False, "the parameters of 'model.stage0'")])
+def test_targets_known_only_inside_the_step_are_refused(stages, source):
     with pytest.raises(graphc.GraphcError) as info:
-        compile_graph(LossGraph(targets_from_the_model), _example(), 2)
+        compile_graph(LossGraph(targets_from_the_model, stages=stages), _example(), 2 if stages else 1)
     msg = str(info.value)
-    for part in ("test_feed_whole_batch.py", "return F.cross_entropy(model(x), guess)",
+    for part in ("test_feed_whole_batch.py", "return F.cross_entropy(model(x), guess)", source,
                  "known only while the micro-batches run", "set_gradient_accumulation_steps(1)"):
         assert part in msg, (part, msg)
 

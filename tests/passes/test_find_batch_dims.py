@@ -78,7 +78,8 @@ def regularised_prototypes(model, x, p, y):
 def inputs(*names):
     g = torch.Generator().manual_seed(0)
     make = {"x": lambda: torch.randn(B, D, generator=g), "p": lambda: torch.randn(C, D, generator=g),
-            "y": lambda: torch.randint(0, C, (B,), generator=g), "mask": lambda: (torch.rand(B, generator=g) > 0.5).double(),
+            "y": lambda: torch.randint(0, C, (B,), generator=g),
+            "mask": lambda: (torch.rand(B, generator=g) > 0.5).double(),
             "t": lambda: torch.randn(B, D, generator=g)}
     return [make[n]() for n in names]
 
@@ -102,7 +103,8 @@ def test_prototypes_in_inference_are_not_split():
 
 @pytest.mark.parametrize("fn, names, found, line", [
     (contrastive, ("x",), "pairs every row of the batch with every other row", "logits = z @ z.T / 0.1"),
-    (masked_mean, ("x", "mask"), "divided by a sum or mean over the batch", "return (per_row * mask).sum() / mask.sum()"),
+    (masked_mean, ("x", "mask"), "divided by a sum or mean over the batch",
+     "return (per_row * mask).sum() / mask.sum()"),
     (batch_statistic, ("x", "t"), "meets the batch's own rows", "return F.mse_loss(h - h.mean(0), y)"),
     (log_volume, ("x",), "goes through 'logdet', which graphc has no rule for",
      "return -torch.logdet(z.T @ z / B + torch.eye(D))"),

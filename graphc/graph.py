@@ -147,7 +147,7 @@ class Graph:
         args = _local_and_global(inputs)
         if self._compiled is None:
             self._compile(args)
-        else:
+        elif self._runtime is not None:  # (plan mode has no runtime: it stops just below)
             self._check_inputs(args)
             self._select_plan(args)
         if self._runtime is None:  # plan mode (graphc plan): plans written, no training

@@ -367,7 +367,7 @@ class Reassigning(nn.Module):
 
     def forward(self, x):
         self.steps += 1
-        self.ema = 0.9 * self.ema + 0.1 * x.mean(0)
+        self.ema = 0.9 * self.ema + 0.1 * self.l.weight.detach().mean(0)
         return self.l(x - self.ema) * (1 + self.steps / 100)
 
 

@@ -2,7 +2,8 @@
 
 Each step records its output and time in the compilation history. GRAPHC_DEBUG levels:
 1 a summary line, 2 adds each pass's time, 3 adds every rank's final plan, 4 adds each
-pass's fx graph (the whole compilation history).
+pass's fx graph (the whole compilation history). They go to the `graphc.compile` logger
+(graphc/log.py): rank 0 prints by default, GRAPHC_LOG_RANKS chooses others.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from .errors import GraphcError
+from .log import get_logger
 from .meta import BACKWARD_TARGET
 from .passes.annotate_stages import annotate_stages
 from .passes.decompose_modules import decompose_modules
@@ -66,6 +68,9 @@ class CompiledGraph:
         return self.plans[rank]
 
 
+_log = get_logger("compile")
+
+
 def debug_level() -> int:
     """GRAPHC_DEBUG (default 0): how much of the compilation to print (levels above)."""
     return int_from_env("GRAPHC_DEBUG", 0, minimum=0)
@@ -78,9 +83,9 @@ def _step(history: List[PassRecord], name: str, fn: Callable, *args) -> Any:
     text = out.graph.python_code("self").src if isinstance(out, fx.GraphModule) else ""
     history.append(PassRecord(name, took, f"# Constructed by {name} (took {took * 1e3:.1f} ms)\n{text}"))
     if debug_level() >= 2:
-        print(f"[graphc] pass {name}: {took * 1e3:.1f} ms", flush=True)
+        _log.debug("pass %s: %.1f ms", name, took * 1e3)
     if debug_level() >= 4 and text:
-        print(history[-1].text, flush=True)
+        _log.debug("%s", history[-1].text)
     return out
 
 
@@ -150,12 +155,12 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     compiled = CompiledGraph(gm, stages, programs, plans, training, m, input_meta, h, meshes)
     if debug_level() >= 1:
         total = sum(r.seconds for r in h)
-        print(f"[graphc] compiled {type(graph_obj).__name__}: {len(stages)} stage(s), "
-              f"{m} micro-batch(es), schedule={cfg.pipeline_schedule}, "
-              f"{'training' if training else 'inference'}, {total * 1e3:.0f} ms", flush=True)
+        _log.info("compiled %s: %d stage(s), %d micro-batch(es), schedule=%s, %s, %.0f ms",
+                  type(graph_obj).__name__, len(stages), m, cfg.pipeline_schedule,
+                  "training" if training else "inference", total * 1e3)
     if debug_level() >= 3:
         for plan in plans:
-            print(plan, flush=True)
+            _log.debug("%s", plan)
     return compiled
 
 

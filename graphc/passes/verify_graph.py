@@ -4,12 +4,12 @@ A failure is a GraphcError naming the node, the user's line where known, and the
 """
 from __future__ import annotations
 
-import warnings
 from typing import Dict
 
 import torch.fx as fx
 
 from ..errors import GraphcError
+from ..log import warn_user
 from ..meta import BACKWARD_TARGET, META_STAGE, META_TENSOR
 
 _HOST_SYNC = {"item", "tolist", "numpy", "cpu_numpy"}
@@ -46,15 +46,15 @@ def warn_unused_parameters(root, gm: fx.GraphModule) -> None:
     set_stage (the forward rule places it after its inputs), so only a parameterised module
     that build() never touches is suspicious: no rank owns it, so it is neither trained
     nor checkpointed. It is a warning, not an error: frozen or spare modules are legal.
+    Every rank compiles the same graph, so warn_user says it once per job, at the user's line.
     """
     used = {id(p) for p in gm.parameters()}
     unused = sorted({name.rsplit(".", 1)[0] for name, p in root.named_parameters() if id(p) not in used})
     if unused:
-        warnings.warn(
+        warn_user(
             f"graphc: module(s) {unused} of {type(root).__name__[:-len('Build')]} have parameters "
             "but build() never uses them; no rank owns them, so they are neither trained nor saved "
-            "by graph.state_dict(). Fix: call them in build(), or do not assign them to the Graph.",
-            UserWarning, stacklevel=2)
+            "by graph.state_dict(). Fix: call them in build(), or do not assign them to the Graph.")
 
 
 def verify_annotated(gm: fx.GraphModule, stage_modules: Dict[str, int], num_stages: int) -> None:

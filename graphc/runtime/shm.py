@@ -11,9 +11,13 @@ other machines graphc uses gloo instead. The ring holds all of one step's messag
 its channel, so a sender never waits inside a step and the bounded buffer adds no wait
 that the plan verifier has not already proven deadlock-free. Messages are matched by
 order, which the verifier checks is the same on both sides.
+The counters are read and written as plain 8-byte words through ctypes, not as tensors:
+a wait polls thousands of times, and a tensor read would put an `aten::item` per poll
+into the user's torch.profiler trace (and cost a dispatcher call each).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import time
@@ -56,8 +60,9 @@ class ShmChannel:
             finally:
                 os.close(fd)
         self.mem = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        self.produced = self.mem[0:8].view(torch.int64)
-        self.consumed = self.mem[64:72].view(torch.int64)
+        # aligned 8-byte words: a load or store of one is atomic on x86-64 (self.mem keeps them mapped)
+        self.produced = ctypes.c_int64.from_address(self.mem.data_ptr())
+        self.consumed = ctypes.c_int64.from_address(self.mem.data_ptr() + 64)
         self.seq = 0  # this side's next message number
 
     def slot(self, seq: int, nbytes: int) -> torch.Tensor:
@@ -123,13 +128,13 @@ class _RecvWork:
         if self.done:
             return True
         ch, seq = self.ch, self.seq
-        _wait(lambda: int(ch.produced.item()) > seq, time.monotonic() + self.t.timeout,
+        _wait(lambda: ch.produced.value > seq, time.monotonic() + self.t.timeout,
               f"rank {self.t.rank} waited {self.t.timeout:.0f}s for message {seq} from rank "
               f"{self.peer}; that rank has failed or stalled (GRAPHC_TIMEOUT sets the limit)",
               (self.peer, self.t.pids.get(self.peer, 0)))
         flat = self.out.view(-1).view(torch.uint8) if self.out.numel() else self.out.view(torch.uint8)
         flat.copy_(ch.slot(seq, flat.numel()))
-        ch.consumed.fill_(seq + 1)
+        ch.consumed.value = seq + 1
         self.done = True
         return True
 
@@ -145,12 +150,12 @@ class ShmTransport:
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0):
         ch = self.channels[(self.rank, peer)]
         seq = ch.seq
-        _wait(lambda: seq - int(ch.consumed.item()) < ch.slots, time.monotonic() + self.timeout,
+        _wait(lambda: seq - ch.consumed.value < ch.slots, time.monotonic() + self.timeout,
               f"rank {self.rank} waited {self.timeout:.0f}s for rank {peer} to take message "
               f"{seq - ch.slots}; that rank has failed or stalled", (peer, self.pids.get(peer, 0)))
         data = tensor.contiguous().view(-1).view(torch.uint8)
         ch.slot(seq, data.numel()).copy_(data)
-        ch.produced.fill_(seq + 1)
+        ch.produced.value = seq + 1
         ch.seq += 1
         return _Done()
 

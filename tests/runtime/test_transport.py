@@ -19,7 +19,7 @@ ROUNDS = 4
 
 def _payload(round_: int):
     g = torch.Generator().manual_seed(round_)
-    return [torch.randn(3, 5, generator=g), torch.tensor(round_ * 11),
+    return [torch.randn(3, 5, dtype=torch.float32, generator=g), torch.tensor(round_ * 11),
             torch.rand(7, generator=g) > 0.5, torch.randn(2, 2, 2, dtype=torch.float64, generator=g)]
 
 

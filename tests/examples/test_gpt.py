@@ -81,6 +81,7 @@ def test_gpt_on_two_ranks_matches_eager():
     _check(run_world(_train, 2, configs), configs)
 
 
+@pytest.mark.slow  # pipeline 4 with a tie is also in tests/runtime/test_tied.py
 def test_gpt_pipeline_of_four_matches_eager():
     configs = {"pp4": (4, 1, 1, "1f1b")}
     _check(run_world(_train, 4, configs), configs)

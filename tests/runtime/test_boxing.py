@@ -86,7 +86,7 @@ def _boxing_world(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: -m slow (CI time)
 def test_every_sbp_pair_converts_values_and_gradients(world):
     results = run_world(_boxing_world, world)
     w, c = _tensors()

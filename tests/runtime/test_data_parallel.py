@@ -118,7 +118,7 @@ def _grads_without_optimizer(rank, world, where):
     return model.l1.weight.grad.clone()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: -m slow (CI time)
 def test_data_parallel_matches_eager(world):
     results = run_world(_train, world)
     batches = make_batches(STEPS)

@@ -29,7 +29,7 @@ def _train_configs(rank, world, schedule):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: -m slow (CI time)
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_matches_eager(world, schedule):
     results = run_world(_train_configs, world, schedule)

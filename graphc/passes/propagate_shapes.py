@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..errors import GraphcError
-from .trace_build import run_module_on_fakes
+from .trace_build import microbatch_shape, run_module_on_fakes
 from ..meta import BACKWARD_TARGET, META_BATCHED, META_GRAD_ENABLED, META_TENSOR, TensorMeta
 
 
@@ -53,14 +53,7 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
 def _microbatch_fake(node, value: torch.Tensor, m: int):
     batched = node.meta.get(META_BATCHED, value.dim() >= 1)  # trace_build decided it
     node.meta[META_BATCHED] = batched
-    shape = list(value.shape)
-    if batched:
-        if shape[0] % m:
-            raise GraphcError(
-                f"input '{node.name}' has batch size {shape[0]} along dim 0, which is not divisible "
-                f"by the {m} gradient accumulation steps; use a batch size that is a multiple of {m} "
-                "or change config.set_gradient_accumulation_steps")
-        shape[0] //= m
+    shape = microbatch_shape(value.shape, m, batched, node.name)
     return torch.empty(shape, dtype=value.dtype)  # fake: created under the FakeTensorMode
 
 

@@ -256,8 +256,9 @@ def _input_names(root: torch.nn.Module, n: int) -> List[str]:
     return names + [f"input {i}" for i in range(len(names), n)]
 
 
-def _microbatch_example(tracer: BuildTracer, t: torch.Tensor, m: int, batched: bool, name: str):
-    shape = list(t.shape)
+def microbatch_shape(shape, m: int, batched: bool, name: str) -> List[int]:
+    """One micro-batch's shape of an input: dim 0 divided by the m accumulation steps."""
+    shape = list(shape)
     if batched and m > 1:
         if shape[0] % m:
             raise GraphcError(
@@ -265,6 +266,11 @@ def _microbatch_example(tracer: BuildTracer, t: torch.Tensor, m: int, batched: b
                 f"gradient accumulation steps. Fix: use a batch size that is a multiple of {m}, or "
                 "change config.set_gradient_accumulation_steps")
         shape[0] //= m
+    return shape
+
+
+def _microbatch_example(tracer: BuildTracer, t: torch.Tensor, m: int, batched: bool, name: str):
+    shape = microbatch_shape(t.shape, m, batched, name)
     with tracer.fake_mode:
         return torch.empty(shape, dtype=t.dtype, device=t.device if t.device.type != "meta" else "cpu")
 

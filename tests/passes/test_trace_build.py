@@ -258,15 +258,18 @@ class Counting(nn.Module):
         return self.l(x - self.ema)
 
 
+def accumulate(model, x, y):
+    """Eager gradient accumulation over 2 micro-batches (forward, and buffer updates, twice)."""
+    total = 0.0
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        loss = F.cross_entropy(model(xs), ys) / 2
+        loss.backward()
+        total += loss.item()
+    return total
+
+
 def test_buffers_updated_in_forward_run_once_per_micro_batch():
     """As in eager gradient accumulation: forward (and its buffer updates) once per micro-batch."""
-    def accumulate(model, x, y):
-        total = 0.0
-        for xs, ys in zip(x.chunk(2), y.chunk(2)):
-            loss = F.cross_entropy(model(xs), ys) / 2
-            loss.backward()
-            total += loss.item()
-        return total
     (got, state), (want, ref), _ = train_pair(Counting, ClsGraph, cls_batches(3), accumulate)
     assert_same_as_eager(got, state, want, ref, "buffers updated in forward")
     assert state["calls"].item() == 6
@@ -372,13 +375,6 @@ class Reassigning(nn.Module):
 
 
 def test_buffers_reassigned_in_forward_run_once_per_micro_batch():
-    def accumulate(model, x, y):
-        total = 0.0
-        for xs, ys in zip(x.chunk(2), y.chunk(2)):
-            loss = F.cross_entropy(model(xs), ys) / 2
-            loss.backward()
-            total += loss.item()
-        return total
     (got, state), (want, ref), _ = train_pair(Reassigning, ClsGraph, cls_batches(3), accumulate)
     assert_same_as_eager(got, state, want, ref, "buffers reassigned in forward")
     assert state["steps"].item() == 6

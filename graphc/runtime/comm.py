@@ -11,7 +11,6 @@ GRAPHC_P2P=auto (default) | shm | gloo picks; auto uses shm wherever it can.
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from collections import defaultdict
 from typing import Dict, Iterable, Sequence, Tuple
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from ..errors import GraphcError
 from ..plan.instructions import Send
 from ..plan.plan import ExecutionPlan
-from . import shm
+from . import host, shm
 from .dist_env import int_from_env, timeout_seconds
 
 
@@ -39,9 +38,11 @@ class P2P:
         self.rank = rank
         self.groups: Dict[Tuple[int, int], object] = {}
         self.shm = None
+        self.pairs = []
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
         specs = _channel_specs(plans)
+        self.pairs = sorted(pair for pair in specs if rank in pair)
         cuda_pairs = [pair for pair, (_, _, dev) in specs.items() if dev == "cuda"]
         for src, dst in sorted(cuda_pairs):  # new_group is collective: every rank, same order
             self.groups[(src, dst)] = dist.new_group([src, dst])
@@ -66,7 +67,8 @@ class P2P:
     @property
     def kinds(self) -> Dict[Tuple[int, int], str]:
         """Which transport each of this rank's channels uses (for printing and tests)."""
-        out = {pair: "shm" for pair in (self.shm.channels if self.shm else {})}
+        out = {pair: "gloo" for pair in self.pairs}
+        out.update({pair: "shm" for pair in (self.shm.channels if self.shm else {})})
         out.update({pair: "nccl" for pair in self.groups})
         return out
 
@@ -93,14 +95,11 @@ def _shm_pairs(specs) -> Tuple[list, Dict[int, int]]:
         raise GraphcError(f"GRAPHC_P2P must be auto, shm or gloo, found {mode!r}. Fix: unset it "
                           "(auto: shared memory where it can) or set one of those.")
     max_bytes = shm_max_bytes()  # before the collective below: every rank raises alike
-    hosts = [None] * dist.get_world_size()
-    # collective: every rank calls it, so every rank takes the same decision for a pair
-    dist.all_gather_object(hosts, (socket.gethostname(), shm.free_bytes(), os.getpid()))
-    free = defaultdict(lambda: float("inf"))
-    for host, nbytes, _ in hosts:
-        free[host] = min(free[host], nbytes)
-    pids = {r: pid for r, (_, _, pid) in enumerate(hosts)}  # shm peers share this host
-    hosts = [h for h, _, _ in hosts]
+    # collective: every rank gets the same groups, so every rank decides alike for a pair
+    groups, free, pids = host.shared_memory_groups(probe=mode != "gloo" and shm.supported())
+    me = groups[dist.get_rank()]
+    # process ids mean something only on this host: of the ranks that share its memory
+    pids = {r: pid for r, pid in enumerate(pids) if groups[r] == me}
     if mode == "gloo" or not shm.supported():
         if mode == "shm":
             raise GraphcError("GRAPHC_P2P=shm needs an x86-64 Linux host with /dev/shm")
@@ -108,15 +107,16 @@ def _shm_pairs(specs) -> Tuple[list, Dict[int, int]]:
     pairs, used = [], defaultdict(int)
     for (src, dst), (n, nbytes, dev) in sorted(specs.items()):
         ring = shm.ring_bytes(n, nbytes)
-        host = hosts[src]
+        group = groups[src]
         # half of /dev/shm at most: a ring that outgrows tmpfs would fault mid-step
-        fits = ring <= max_bytes and used[host] + ring <= free[host] // 2
-        if dev == "cpu" and hosts[dst] == host and fits:
+        fits = ring <= max_bytes and used[group] + ring <= free[src] // 2
+        if dev == "cpu" and groups[dst] == group and fits:
             pairs.append((src, dst))
-            used[host] += ring
+            used[group] += ring
         elif mode == "shm":
             raise GraphcError(f"GRAPHC_P2P=shm, but channel rank {src} -> rank {dst} cannot use "
-                              f"shared memory (hosts {hosts[src]}/{hosts[dst]}, device {dev}, "
+                              f"shared memory (same host and /dev/shm: {groups[src] == groups[dst]}, "
+                              f"see NOTE: Same host in runtime/host.py; device {dev}, "
                               f"{n * nbytes} bytes per step)")
     return pairs, pids
 

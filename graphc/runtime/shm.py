@@ -59,6 +59,9 @@ class ShmChannel:
                 os.posix_fallocate(fd, 0, size)  # reserve now: no fault later when tmpfs is full
             finally:
                 os.close(fd)
+        elif not os.path.isfile(path):  # torch.from_file would create it: a leftover, and a hang
+            raise RankFailedError(f"shared-memory ring {path} is not visible on this rank; its "
+                                  "sender is on another host or /dev/shm (see NOTE: Same host)")
         self.mem = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         # aligned 8-byte words: a load or store of one is atomic on x86-64 (self.mem keeps them mapped)
         self.produced = ctypes.c_int64.from_address(self.mem.data_ptr())

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import List
+from typing import Dict, List
 
 from helpers import free_port
 
@@ -48,15 +48,19 @@ def torchrun(script: str, args: List[str], nproc: int, timeout: float, torchrun_
     return Exit(out.returncode, out.stdout, time.monotonic() - start, time.time())
 
 
-def bare_world(script: str, args: List[str], nproc: int, timeout: float, **extra) -> List[Exit]:
-    """One process per rank with torchrun's environment variables, and no supervisor."""
+def bare_world(script: str, args: List[str], nproc: int, timeout: float,
+               wrap: Dict[int, List[str]] = None, **extra) -> List[Exit]:
+    """One process per rank with torchrun's environment variables, and no supervisor.
+
+    wrap[rank] is a command that rank's python runs under (e.g. its own mount namespace).
+    """
     port = str(free_port())
     procs, start = [], time.monotonic()
     for rank in range(nproc):
         rank_env = env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                        LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                        **extra)
-        procs.append(subprocess.Popen([sys.executable, script, *args], stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([*(wrap or {}).get(rank, []), sys.executable, script, *args], stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, env=rank_env))
     exits = []
     try:

@@ -10,16 +10,28 @@ NOTE: Failure propagation
     to stderr and exits the process non-zero (os._exit: the main thread may be blocked
     in a collective that will never complete).
   - A rank that dies without raising (SIGKILL, OOM kill) cannot write the key. Its
-    watchdog also beats a heartbeat counter in the store (BEAT_KEY, once a second); a peer
-    whose counter stops for GRAPHC_HEARTBEAT_TIMEOUT seconds (default 10) without having
-    marked itself done (DONE_KEY, at a normal exit) is declared dead: the rank that notices
-    writes FAILED_KEY for it and exits as above. A gloo transfer from a dead peer usually
+    watchdog also beats a heartbeat counter in the store (BEAT_KEY, once a second), and
+    reads its ring successor's (See NOTE: Watchdog cost); a successor whose counter stops
+    for GRAPHC_HEARTBEAT_TIMEOUT seconds (default 10) without having marked itself done
+    (DONE_KEY, at a normal exit) is declared dead: the rank that notices writes FAILED_KEY
+    for it and exits as above. A gloo transfer from a dead peer usually
     fails sooner ("connection closed"), which run_step turns into a RankFailedError naming
     that peer; the shared-memory transport sees no connection, so there the heartbeat is
     what notices. Everything else is bounded by GRAPHC_TIMEOUT, the transfer timeout
     (see dist_env.timeout_seconds).
   - A lost connection to the store is not taken as a failure: rank 0 legitimately exits
     first at the end of a run.
+
+NOTE: Watchdog cost
+The store is one process (rank 0's TCPStore), so the watchdogs' requests must grow with
+the world, not its square. Each rank, per second: 10 checks of FAILED_KEY (the 0.1 s
+poll that bounds how fast failure news spreads), 1 beat of its own counter, and 1 read
+of its ring successor's (rank r watches r + 1 mod world) - 12 requests, 12 * world in
+total. Every rank is watched by exactly one other; when the watched rank is done, its
+watcher moves on to the next rank, so a normal exit leaves no rank unwatched. A dead rank
+is noticed by its predecessor alone, within GRAPHC_HEARTBEAT_TIMEOUT + 1 s as before,
+and that one FAILED_KEY write reaches everyone through their polls.
+tests/runtime/test_watchdog_cost.py counts the requests at 8, 64 and 256 ranks.
 """
 from __future__ import annotations
 
@@ -50,62 +62,71 @@ _PEER_RE = re.compile(r"rank (\d+)")
 
 
 class Watchdog:
-    """Polls the store for another rank's failure, and beats this rank's heartbeat."""
+    """Polls the store for another rank's failure, beats this rank's heartbeat, and watches
+    its ring successor's (See NOTE: Watchdog cost)."""
 
-    def __init__(self, store, rank: int, world_size: int):
+    def __init__(self, store, rank: int, world_size: int, keys, start: bool = True):
         self.rank, self.world_size = rank, world_size
-        self.store = store
-        self.keys = dist.PrefixStore(f"graphc/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        self.store, self.keys = store, keys
         self.heartbeat_timeout = heartbeat_timeout_seconds()
         self._stopped = False
         self._next_beat = 0.0
-        self._seen = {}  # peer -> (last counter value, time.monotonic() it changed)
+        self.watched = self._successor(rank)  # None once every other rank is done
+        self._seen = (-1, 0.0)  # watched peer's last counter value, time it changed
         self._thread = threading.Thread(target=self._loop, name="graphc-watchdog", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
 
     def _loop(self) -> None:
         while not self._stopped:
             try:
-                failed = self.keys.check([FAILED_KEY])
-                message = self.keys.get(FAILED_KEY).decode() if failed else None
+                message = self.tick(time.monotonic())
             except Exception:  # store gone: see NOTE, let gloo or the timeout decide
                 return
-            if message and not message.startswith(f"rank {self.rank}:"):
+            if message:
                 self._exit_for(message)
-            if time.monotonic() >= self._next_beat:
-                self._next_beat = time.monotonic() + BEAT_SECONDS
-                try:
-                    self.keys.add(BEAT_KEY.format(self.rank), 1)
-                    dead = self._silent_peer()
-                except Exception:
-                    return
-                if dead is not None:
-                    self._declare_dead(dead)
             time.sleep(POLL_SECONDS)
 
-    def _silent_peer(self) -> Optional[int]:
-        """A peer that has beaten before but not for heartbeat_timeout seconds, and is not done."""
-        now = time.monotonic()
-        for peer in range(self.world_size):
-            if peer == self.rank:
-                continue
-            count = self.keys.add(BEAT_KEY.format(peer), 0)
-            last = self._seen.get(peer)
-            if last is None or last[0] != count:
-                self._seen[peer] = (count, now)
-            elif count > 0 and now - last[1] > self.heartbeat_timeout \
-                    and not self.keys.check([DONE_KEY.format(peer)]):
-                return peer
+    def tick(self, now: float) -> Optional[str]:
+        """One poll: the failure this rank must exit for, if any. Raises if the store is gone."""
+        if self.keys.check([FAILED_KEY]):
+            message = self.keys.get(FAILED_KEY).decode()
+            if not message.startswith(f"rank {self.rank}:"):
+                return message
+        if now < self._next_beat:
+            return None
+        self._next_beat = now + BEAT_SECONDS
+        self.keys.add(BEAT_KEY.format(self.rank), 1)
+        dead = self._silent_successor(now)
+        return None if dead is None else self._declare_dead(dead)
+
+    def _silent_successor(self, now: float) -> Optional[int]:
+        """The watched peer if it has beaten before but not for heartbeat_timeout seconds and
+        is not done; a done peer hands the watch on to its own successor."""
+        while self.watched is not None:
+            count = self.keys.add(BEAT_KEY.format(self.watched), 0)
+            if count != self._seen[0]:
+                self._seen = (count, now)
+                return None
+            if now - self._seen[1] <= self.heartbeat_timeout:
+                return None
+            if not self.keys.check([DONE_KEY.format(self.watched)]):
+                return self.watched if count > 0 else None  # one that never beat may be slow to start
+            self.watched, self._seen = self._successor(self.watched), (-1, now)
         return None
 
-    def _declare_dead(self, peer: int) -> None:
+    def _successor(self, peer: int) -> Optional[int]:
+        nxt = (peer + 1) % self.world_size
+        return None if nxt == self.rank else nxt
+
+    def _declare_dead(self, peer: int) -> str:
         message = (f"rank {peer}: no heartbeat for {self.heartbeat_timeout:.0f}s (noticed by rank "
                    f"{self.rank}); the process died, was killed, or is frozen")
         try:
             self.keys.set(FAILED_KEY, message)
         except Exception:
             pass
-        self._exit_for(message)
+        return message
 
     def stop(self) -> None:
         """Ends the polling thread (before interpreter shutdown: a daemon thread caught inside
@@ -166,7 +187,8 @@ def _watchdog() -> Optional[Watchdog]:
         _WATCHDOG.stop()
         _WATCHDOG = None
     if _WATCHDOG is None:
-        _WATCHDOG = Watchdog(store, dist.get_rank(), dist.get_world_size())
+        keys = dist.PrefixStore(f"graphc/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        _WATCHDOG = Watchdog(store, dist.get_rank(), dist.get_world_size(), keys)
     return _WATCHDOG
 
 

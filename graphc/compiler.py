@@ -32,6 +32,7 @@ from .passes.list_collectives import list_collectives
 from .passes.localize_ops import localize_ops
 from .passes.lower_plan import lower_plan
 from .passes.propagate_shapes import propagate_shapes
+from .passes.seed_random_ops import seed_random_ops
 from .passes.split_stages import split_stages
 from .passes.trace_build import trace_build
 from .passes.verify_graph import verify_annotated, verify_traced, warn_unused_parameters
@@ -130,6 +131,8 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     gm = _step(h, "insert_boxing", insert_boxing, gm)
     # 5d. ops reading global sizes (mean over a split dim, reshape) get their local form
     gm = _step(h, "localize_ops", localize_ops, gm)
+    # 5e. random ops draw by layout: replicas the same numbers, shards their own
+    gm = _step(h, "seed_random_ops", seed_random_ops, gm)
     # 6. one fx program per stage, with its sends and receives
     programs = _step(h, "split_stages", split_stages, gm, len(stages))
     # 6b. build()'s no_grad / enable_grad regions kept inside each stage program

@@ -19,6 +19,7 @@ from .runtime.actors import Runtime
 from .runtime.collectives import compiled_groups, create_groups
 from .runtime.comm import P2P
 from .runtime.agreement import check_agreement, fingerprint_tensor, step_facts
+from .runtime.rng import agree_base_seed
 from .runtime.dist_env import device_for, ensure_process_group, timeout_seconds
 from .runtime.watchdog import run_step
 from .state import GraphState, check_state_dict
@@ -95,6 +96,8 @@ class Graph:
         object.__setattr__(self, "_plans_by_shape", {})
         object.__setattr__(self, "_attr_reads", None)
         object.__setattr__(self, "_key", None)
+        object.__setattr__(self, "_base_seed", 0)  # rank 0's torch.initial_seed(), agreed at compile
+        object.__setattr__(self, "_forward_calls", 0)
         # this graph's name in rank agreement: class and creation order, the same on every rank
         _CREATED[type(self).__name__] = _CREATED.get(type(self).__name__, 0) + 1
         object.__setattr__(self, "_instance", f"{type(self).__name__}-{_CREATED[type(self).__name__]}")
@@ -152,10 +155,13 @@ class Graph:
             self._select_plan(args)
         if self._runtime is None:  # plan mode (graphc plan): plans written, no training
             plan_mode.stop_before_step(self)
+        self._set_draw()
         results, stats = run_step(self._runtime.step, [local for local, _ in args])
         object.__setattr__(self, "last_stats", stats)
         self._tracer.after_step(stats)
         self._state.steps += 1 if self._compiled.training else 0
+        if not self._compiled.training:
+            object.__setattr__(self, "_forward_calls", self._forward_calls + 1)
         return self._outputs(results)
 
     @property
@@ -187,6 +193,8 @@ class Graph:
         object.__setattr__(self, "_rank", rank)
         object.__setattr__(self, "_compiled", compiled)
         self._setup_runtime(compiled, rank)
+        # after a pending checkpoint is loaded: its RNG state carries the run's initial seed
+        object.__setattr__(self, "_base_seed", agree_base_seed(self._instance, timeout_seconds()))
         object.__setattr__(self, "_key", self._signature(args))
         self._plans_by_shape[self._key] = (compiled, self._runtime, self._tracer)
 
@@ -271,6 +279,14 @@ class Graph:
                                        for r in compiled.stages[s].ranks})
         tag = f"{self._instance}/{len(self._plans_by_shape)}"
         check_agreement(facts, holders, f"the compiled {type(self).__name__}", tag, timeout_seconds())
+
+    def _set_draw(self) -> None:
+        """What random ops draw for this call: the agreed base seed and the step (a forward-only
+        graph counts its calls), so a resumed run replays the same masks (NOTE: Replica-equal
+        randomness, runtime/rng.py)."""
+        if self._runtime.executor is not None:
+            step = self._state.steps if self._compiled.training else self._forward_calls
+            self._runtime.executor.draw = (self._base_seed, step)
 
     def _check_inputs(self, args) -> None:
         want = self._compiled.input_meta

@@ -12,6 +12,7 @@ import torch
 
 from ..plan.program import StageProgram
 from .collectives import all_reduce_sum
+from .rng import drawing
 
 
 class StageExecutor:
@@ -21,6 +22,7 @@ class StageExecutor:
         self.loss_scale = loss_scale
         self.saved: Dict[int, Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]] = {}
         self.max_live = 0
+        self.draw = (0, 0)  # (base seed, step) random ops draw for (See NOTE: Replica-equal randomness)
 
     def forward(self, mb: int, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """values: every input of the program by name (user inputs and received values)."""
@@ -33,7 +35,7 @@ class StageExecutor:
                 t = t.detach().requires_grad_(True)
                 leaves[name] = t
             args.append(t)
-        with torch.set_grad_enabled(self.training):
+        with torch.set_grad_enabled(self.training), drawing(*self.draw, mb):
             out = prog.module(*args)
         outs = dict(zip(prog.outputs, out))
         if self.training:

@@ -74,14 +74,22 @@ class ShmChannel:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process `pid` on this host still exists (the peer of a channel)."""
+    """Whether process `pid` on this host still runs (the peer of a channel).
+
+    A zombie (exited, not yet reaped by its parent) still answers kill(pid, 0) but will
+    never send again, so it counts as dead.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1:2] for line in f)
+    except OSError:  # gone meanwhile, or no /proc: kill(pid, 0) has answered
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
 
 def _wait(ready, deadline: float, what: str, peer: Tuple[int, int] = (-1, 0)) -> None:

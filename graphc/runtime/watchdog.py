@@ -155,10 +155,12 @@ class Watchdog:
     def report(self, exc: BaseException) -> None:
         """Tells the other ranks this rank failed, and gives them time to read it."""
         text = f"rank {self.rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        dead = re.search(r"rank (\d+) failed", text)  # a peer known dead will never acknowledge
+        expected = self.world_size - 1 - (dead is not None and int(dead.group(1)) != self.rank)
         try:
             self.keys.set(FAILED_KEY, text)
             deadline = time.monotonic() + ACK_WAIT_SECONDS
-            while time.monotonic() < deadline and self.keys.add(ACK_KEY, 0) < self.world_size - 1:
+            while time.monotonic() < deadline and self.keys.add(ACK_KEY, 0) < expected:
                 time.sleep(POLL_SECONDS / 2)
         except Exception:
             pass

@@ -4,7 +4,8 @@
 
 --mode raise: the rank's stage raises inside its backward at step --at-step;
 --mode kill:  the rank sends itself SIGKILL there (no chance to report anything);
---mode hang:  the rank stalls there forever (alive, silent: only the timeout can tell).
+--mode hang:  the rank stalls there forever (alive, silent: only the timeout can tell);
+--mode kill-store-host: the rank SIGKILLs rank 0 (the store host), then itself.
 Every other rank must then exit non-zero promptly instead of waiting forever.
 """
 import argparse
@@ -22,7 +23,7 @@ from models import PipelineGraph, SkipNet, make_batches  # noqa: E402
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--fail-rank", type=int, required=True)
-    parser.add_argument("--mode", choices=["raise", "kill", "hang"], required=True)
+    parser.add_argument("--mode", choices=["raise", "kill", "hang", "kill-store-host"], required=True)
     parser.add_argument("--at-step", type=int, default=3)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
@@ -42,7 +43,10 @@ def _inject(graph, mode):
     executor = graph._runtime.executor
 
     def failing_backward(mb, grads):
-        print(f"injecting {mode} at {time.time():.3f}", flush=True)
+        print(f"injecting {mode.split('-')[0]} at {time.time():.3f}", flush=True)
+        if mode == "kill-store-host":
+            os.kill(graph._runtime.p2p.shm.pids[0], signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "hang":

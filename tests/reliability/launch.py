@@ -49,10 +49,11 @@ def torchrun(script: str, args: List[str], nproc: int, timeout: float, torchrun_
 
 
 def bare_world(script: str, args: List[str], nproc: int, timeout: float,
-               wrap: Dict[int, List[str]] = None, **extra) -> List[Exit]:
+               wrap: Dict[int, List[str]] = None, reap_last: int = None, **extra) -> List[Exit]:
     """One process per rank with torchrun's environment variables, and no supervisor.
 
     wrap[rank] is a command that rank's python runs under (e.g. its own mount namespace).
+    Ranks are reaped in order, reap_last after all others: until then, once dead, it is a zombie.
     """
     port = str(free_port())
     procs, start = [], time.monotonic()
@@ -62,14 +63,15 @@ def bare_world(script: str, args: List[str], nproc: int, timeout: float,
                        **extra)
         procs.append(subprocess.Popen([*(wrap or {}).get(rank, []), sys.executable, script, *args], stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, env=rank_env))
-    exits = []
+    exits = {}
+    order = sorted(range(nproc), key=lambda r: r == reap_last)
     try:
-        for p in procs:
+        for rank in order:
             left = max(1.0, timeout - (time.monotonic() - start))
-            out, _ = p.communicate(timeout=left)
-            exits.append(Exit(p.returncode, out, time.monotonic() - start, time.time()))
+            out, _ = procs[rank].communicate(timeout=left)
+            exits[rank] = Exit(procs[rank].returncode, out, time.monotonic() - start, time.time())
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    return exits
+    return [exits[r] for r in range(nproc)]

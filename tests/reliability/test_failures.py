@@ -18,9 +18,10 @@ HEARTBEAT = "3"  # GRAPHC_HEARTBEAT_TIMEOUT for the kill cases
 
 
 def _names_dead_rank_1(output: str) -> bool:
-    """rank 0 names rank 1: through the transport (gloo: connection closed) or, where the
-    transport cannot tell (shared memory), through the missing heartbeat."""
+    """rank 0 names rank 1: through the transport (gloo: connection closed; shared memory:
+    its process, unreaped here, is a zombie) or through the missing heartbeat."""
     return bool(re.search(r"RankFailedError: rank 0: a transfer with rank 1 failed mid-step", output)
+                or re.search(r"RankFailedError: rank 1 failed: its process \d+ exited", output)
                 or "graphc: rank 1 failed: rank 1: no heartbeat for 3s (noticed by rank 0)" in output)
 
 
@@ -96,3 +97,17 @@ def test_killed_store_host_on_shared_memory_is_noticed_without_heartbeats():
     _report("bare SIGKILL of rank 0 (store host), shm", took)
     assert took < BOUND
     assert re.search(r"rank 0 failed: its process \d+ exited", exits[1].output), exits[1].output[-3000:]
+
+
+def test_zombie_peer_and_dead_store_host_stop_the_world_within_3s():
+    """Rank 2 kills rank 0 (the store host) and itself, and is left unreaped (a zombie that
+    still answers kill(pid, 0)). With heartbeats and the timeout far away (100 s), rank 1,
+    waiting on one of them over shared memory, must take it for dead and exit."""
+    exits = bare_world(SCRIPT, ["--fail-rank", "2", "--mode", "kill-store-host"], 3, TIMEOUT,
+                       reap_last=2, GRAPHC_HEARTBEAT_TIMEOUT="100", GRAPHC_TIMEOUT="100")
+    assert [e.returncode for e in exits] == [-9, 1, -9], [e.output[-2000:] for e in exits]
+    took = max(exits[0].ended, exits[1].ended) - float(
+        re.search(r"injecting kill at ([0-9.]+)", exits[2].output).group(1))
+    _report("bare SIGKILL of rank 0 and zombie rank 2, 3 ranks", took)
+    assert took < 3.0, exits[1].output[-3000:]
+    assert re.search(r"rank [02] failed: its process \d+ exited", exits[1].output), exits[1].output[-3000:]

@@ -227,7 +227,8 @@ class Graph:
             rank, world = self._rank, len(self._compiled.plans)  # one plan per rank
             example = [torch.empty(g_shape, dtype=local.dtype) for local, (g_shape, _, _) in args]
             layouts = [(where, sbp) if sbp is not None else None for _, (_, sbp, where) in args]
-            compiled = self._trace_and_compile(example, world, layouts)
+            with self._state.global_shapes():  # split parameters hold shards by now
+                compiled = self._trace_and_compile(example, world, layouts)
             _check_input_placements(compiled, args)
             _check_same_stages(self._compiled, compiled)
             object.__setattr__(self, "_compiled", compiled)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 import os
 from collections import defaultdict
 from typing import Any, Dict, List, Mapping, Tuple
@@ -161,6 +162,23 @@ class GraphState:
                     t.data = local_component(t.data, layout[1], here, self.rank, self.pieces.get(k)).clone()
             shards[k] = (whole[id(t)], layout[1], mesh)
         return shards
+
+    @contextmanager
+    def global_shapes(self):
+        """Within the block, this rank's split tensors have their global shapes again (values
+        undefined), so a later compile (a new input shape) sees the model as the first did."""
+        tensors = self.root.state_dict(keep_vars=True)
+        held = {}
+        for k, (shape, _, _) in getattr(self, "shards", {}).items():
+            t = tensors[k]
+            if k in self.local_keys and id(t) not in held and tuple(t.shape) != tuple(shape):
+                held[id(t)] = (t, t.data)
+                t.data = torch.empty(shape, dtype=t.dtype, device=t.device)
+        try:
+            yield
+        finally:
+            for t, local in held.values():
+                t.data = local
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Collective over the world: every tensor comes from the first rank of its (first)

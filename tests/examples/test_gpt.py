@@ -28,6 +28,12 @@ def _args(extra=()):
     return parser.parse_args(list(extra))
 
 
+def _batches(ids, args):
+    """STEPS batches, then a last, smaller one (a second plan, compiled for its shape)."""
+    yield from gpt.batches(ids, args.batch, args.block, STEPS)
+    yield from gpt.batches(ids, args.batch // 2, args.block, 1, seed=1)
+
+
 def _train(rank, world, configs):
     out = {}
     ids, vocab = gpt.load_corpus()
@@ -38,7 +44,7 @@ def _train(rank, world, configs):
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         graph = gpt.GPTGraph(model, opt, layout, args.accumulation, schedule)
         losses = []
-        for x, y in gpt.batches(ids, args.batch, args.block, STEPS):
+        for x, y in _batches(ids, args):
             loss = graph(*gpt.global_inputs(layout, rank, x, y)).to_local()
             losses += [loss.item()] if loss.numel() else []
         out[name] = {"losses": losses, "state": graph.full_state_dict(), "plan": str(graph.plan)}
@@ -51,7 +57,7 @@ def _eager():
     model = gpt.make_model(vocab, args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = []
-    for x, y in gpt.batches(ids, args.batch, args.block, STEPS):
+    for x, y in _batches(ids, args):
         loss = gpt.lm_loss(model(x), y)
         opt.zero_grad()
         loss.backward()

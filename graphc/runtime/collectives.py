@@ -21,6 +21,8 @@ Process groups are created once, by every rank in the same order (create_groups)
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
@@ -43,8 +45,29 @@ def create_groups(rank_sets: Iterable[Sequence[int]]) -> None:
             _GROUPS[ranks] = dist.new_group(list(ranks))
 
 
+# NOTE: Shapes only
+# `graphc plan --simulate` counts a stage program's FLOPs by running it on fake tensors in
+# one process, with no process group. Within `shapes_only(rank)` every collective returns a
+# tensor of the shape it would return on that rank, without communicating.
+_SHAPES_ONLY: list = []  # [rank] while counting shapes, else empty
+
+
+@contextmanager
+def shapes_only(rank: int):
+    """Within the block, collectives move nothing and return their output's shape (See NOTE)."""
+    _SHAPES_ONLY.append(rank)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.pop()
+
+
 def _my_group(groups: tuple) -> Tuple[object, int, int]:
     """(process group, my index in it, its size) for this rank's group among `groups`."""
+    if _SHAPES_ONLY:
+        rank = _SHAPES_ONLY[-1]
+        g = next((g for g in groups if rank in g), groups[0])
+        return None, (g.index(rank) if rank in g else 0), len(g)
     rank = dist.get_rank() if dist.is_initialized() else 0
     for g in groups:
         if rank in g:
@@ -72,18 +95,24 @@ def compiled_groups(compiled) -> List[Tuple[int, ...]]:
 
 # -- primitives on the local component ----------------------------------------------------
 def _all_reduce(x, group):
+    if _SHAPES_ONLY:
+        return x.contiguous().clone()
     y = x.contiguous().clone()
     dist.all_reduce(y, group=group)
     return y
 
 
 def _all_gather(x, dim, group, n):
+    if _SHAPES_ONLY:
+        return torch.cat([x] * n, dim)
     parts = [torch.empty_like(x.contiguous()) for _ in range(n)]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim)
 
 
 def _reduce_scatter(x, dim, group, n):
+    if _SHAPES_ONLY:
+        return x.chunk(n, dim)[0].contiguous()
     parts = [p.contiguous() for p in x.chunk(n, dim)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
@@ -92,6 +121,8 @@ def _reduce_scatter(x, dim, group, n):
 
 def _all_to_all(x, src_dim, dst_dim, group, n):
     """Local shard of S(src_dim) -> local shard of S(dst_dim)."""
+    if _SHAPES_ONLY:
+        return torch.cat([x.chunk(n, dst_dim)[0]] * n, src_dim)
     send = [p.contiguous() for p in x.chunk(n, dst_dim)]
     recv = [torch.empty_like(p) for p in send]
     dist.all_to_all(recv, send, group=group)

@@ -232,8 +232,9 @@ class _grads_restored:
 
 
 def stage_inputs(prog, compiled, fake: bool = False) -> Dict[str, torch.Tensor]:
-    """Random values for every input of one stage's program, one micro-batch's shapes."""
-    from ..meta import META_TENSOR
+    """Random values for every input of one stage's program, one micro-batch's local shapes."""
+    from ..meta import META_SBP, META_TENSOR
+    from ..sbp.layout import local_shape
     nodes = {n.name: n for n in compiled.gm.graph.nodes}
     nodes.update({n.name: n for n in prog.module.graph.nodes if n.op == "placeholder"
                   and n.name not in nodes})  # inputs a pass added to the program (a loss's count)
@@ -242,9 +243,10 @@ def stage_inputs(prog, compiled, fake: bool = False) -> Dict[str, torch.Tensor]:
     for name in prog.inputs:
         if name in received:
             shape, dtype = received[name].shape, received[name].dtype
-        else:
-            meta = nodes[name].meta[META_TENSOR]
-            shape, dtype = meta.shape, meta.dtype
+        else:  # a user input: this rank's component of one micro-batch
+            meta, sig = nodes[name].meta[META_TENSOR], nodes[name].meta.get(META_SBP)
+            shape = local_shape(meta.shape, sig.out, sig.mesh) if sig else meta.shape
+            dtype = meta.dtype
         values[name] = _random(tuple(shape), getattr(torch, dtype))
     return values
 
@@ -323,13 +325,28 @@ def device_costs(compiled, device: str = "h100", **overrides) -> CostModel:
     return _for_ranks(costs, compiled)
 
 
+def _local_fake(mode, module, name: str, t: torch.Tensor) -> torch.Tensor:
+    """A fake of this rank's component of a parameter or buffer (plan mode holds whole ones)."""
+    from ..meta import META_SBP
+    from ..sbp.layout import local_shape
+    sig = next((n.meta.get(META_SBP) for n in module.graph.nodes
+                if n.op == "get_attr" and n.target == name and n.meta.get(META_SBP)), None)
+    fake = mode.from_tensor(t)
+    if sig is None or local_shape(t.shape, sig.out, sig.mesh) == tuple(t.shape):
+        return fake
+    with mode:
+        return torch.empty(local_shape(t.shape, sig.out, sig.mesh), dtype=t.dtype,
+                           requires_grad=t.requires_grad)
+
+
 def _count_stage(prog, compiled):
     """Forward FLOPs and saved-activation bytes of one micro-batch, on fake tensors."""
+    from ..runtime.collectives import shapes_only
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    params = {k: mode.from_tensor(v) for k, v in
+    params = {k: _local_fake(mode, prog.module, k, v) for k, v in
               list(prog.module.named_parameters()) + list(prog.module.named_buffers())}
     with mode:
         inputs = stage_inputs(prog, compiled)
@@ -337,7 +354,8 @@ def _count_stage(prog, compiled):
                 for n in prog.inputs]
         counter = FlopCounterMode(display=False)
         with counter, _SavedBytes(prog.module, params.values()) as saved, \
-                torch.set_grad_enabled(compiled.training):
+                torch.set_grad_enabled(compiled.training), \
+                shapes_only(compiled.stages[prog.stage].ranks[0]):
             functional_call(prog.module, params, tuple(args))
     return counter.get_total_flops(), saved.nbytes
 

@@ -156,12 +156,22 @@ def test_python_dash_m_graphc_plan(tmp_path):
 
 
 def test_plan_gpt_on_eight_ranks_with_chart(tmp_path):
-    """The GPT example as pipeline x tensor x data 2x2x2, planned on one machine."""
+    """The GPT example as pipeline x tensor x data 2x2x2, planned and simulated on one machine
+    (collectives run shapes-only while FLOPs are counted: NOTE: Shapes only)."""
     out = str(tmp_path / "plans")
     gpt = os.path.join(ROOT, "examples", "gpt.py")
-    assert main(["plan", gpt, "--nproc", "8", "--out", out, "--",
+    assert main(["plan", gpt, "--nproc", "8", "--out", out, "--simulate", "h100", "--",
                  "--pp", "2", "--tp", "2", "--dp", "2", "--steps", "1"]) == 0
+    assert os.path.exists(os.path.join(out, "simulation.txt")), os.listdir(out)
     plans = load_plans(out, 8)
     check_files(out, 8, len(glob.glob(os.path.join(out, "stage*.py"))))
     verify_plans(plans)
     assert "fallback" not in "".join(str(p) for p in plans)
+
+
+@pytest.mark.parametrize("example,n", [("ddp.py", 2), ("hybrid.py", 4)])
+def test_simulate_data_and_hybrid_examples(tmp_path, example, n):
+    out = str(tmp_path / "plans")
+    assert main(["plan", os.path.join(ROOT, "examples", example), "--nproc", str(n), "--out", out,
+                 "--simulate", "h100"]) == 0
+    assert os.path.exists(os.path.join(out, "simulation.txt")), os.listdir(out)

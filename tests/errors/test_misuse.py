@@ -638,3 +638,71 @@ def test_bad_graphc_debug_is_refused_at_compile(monkeypatch):
     monkeypatch.setenv("GRAPHC_DEBUG", "verbose")
     with raises("GRAPHC_DEBUG must be an int >= 0, found 'verbose'", "GRAPHC_DEBUG=0"):
         Train()(X)
+
+
+# -- what tracing refuses (graphc/passes/trace_build.py) --------------------------------------
+def test_clip_grad_norm_inside_build():
+    def body(self, x):
+        loss = self.model(x).sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        return loss
+    with raises("build() calls torch.nn.utils.clip_grad_norm_", "test_misuse.py",
+                "self.config.set_grad_clip_norm(max_norm)"):
+        Train(body=body)(X)
+
+
+def test_clip_grad_value_inside_build():
+    def body(self, x):
+        loss = self.model(x).sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(self.model.parameters(), 1.0)
+        return loss
+    with raises("build() calls torch.nn.utils.clip_grad_value_", "Fix: remove it"):
+        Train(body=body)(X)
+
+
+def test_control_flow_on_a_tensor_value():
+    def body(self, x):
+        out = self.model(x)
+        if out.mean() > 0:
+            out = -out
+        loss = out.sum()
+        loss.backward()
+        return loss
+    with raises("graphc could not trace Train.build()", "if out.mean() > 0", "torch.where",
+                "control flow on shapes (x.size(), x.shape, len(x)) is fine"):
+        Train(body=body)(X)
+
+
+class _Grads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.register_buffer("last", torch.zeros(8))
+
+    def forward(self, x):
+        y = self.l(x)
+        self.last = y.mean(1).sum() * torch.ones(8)  # keeps the autograd graph: refused
+        return y
+
+
+def test_buffer_assigned_a_value_that_requires_grad():
+    with raises("assigns a value that requires grad to the buffer 'last' of _Grads",
+                "assign value.detach()"):
+        Train(model=_Grads())(X)
+
+
+def test_deferred_batch_norm_not_a_bool():
+    g = Train()
+    with raises("set_deferred_batch_norm expects True or False, found 'yes'"):
+        g.config.set_deferred_batch_norm("yes")
+
+
+def test_replicated_parameters_must_start_equal_is_named_in_the_catalogue():
+    """The multi-rank agreement cases (tests/reliability/test_agreement.py) in one process:
+    the checker itself names the ranks and values that disagree."""
+    from graphc.runtime.agreement import _mismatches
+    problems = _mismatches({0: {"param:w": "aa", "plan hash": "p"}, 1: {"param:w": "bb", "plan hash": "p"}},
+                           {"w": [0, 1]})
+    assert problems == ["replicated parameter 'w' (checksums): ranks [0]: \"aa\"; ranks [1]: \"bb\""]

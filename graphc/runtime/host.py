@@ -29,6 +29,9 @@ PROBE_DIR = "/dev/shm"
 PROBE_PREFIX = "graphc-probe-"
 _MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 _BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+# ranks that share this rank's /dev/shm, itself included, as the last probe found
+# (None before any probe): how many will map the failure page (NOTE: Failure page in shm.py)
+SHARED_RANKS = None
 
 
 def host_identity() -> str:
@@ -67,6 +70,9 @@ def shared_memory_groups(probe: bool) -> Tuple[List[int], List[int], List[int]]:
         if made:
             _unlink(_probe_path(nonce))
     group = [min([r] + [s for s in seen_by[r] if r in seen_by[s]]) for r in range(world)]
+    if probe:
+        global SHARED_RANKS
+        SHARED_RANKS = group.count(group[rank]) if made else 1
     free = [min(f for g, (_, f, _, _) in zip(group, infos) if g == group[r]) for r in range(world)]
     return group, free, [pid for _, _, pid, _ in infos]
 

@@ -14,10 +14,30 @@ order, which the verifier checks is the same on both sides.
 The counters are read and written as plain 8-byte words through ctypes, not as tensors:
 a wait polls thousands of times, and a tensor read would put an `aten::item` per poll
 into the user's torch.profiler trace (and cost a dispatcher call each).
+
+NOTE: Failure page
+Failure news must outlive the store, which rank 0 hosts: once rank 0 exits, a rank that
+waits on nobody through a transfer would otherwise learn of a failure only at its
+transfer timeout. So the ranks of one host also share a failure page, the file
+/dev/shm/graphc-fail-<job> (<job>: a random id the first watchdog puts in the store,
+under graphc/<restart>/, so a restarted world gets a new page). Every rank's watchdog
+opens it (the first creates it), maps it and polls it beside the store; a rank that
+raises, declares a peer dead or exits for a peer's failure writes the message there
+before the store, and keeps polling the page after the store is gone. Layout: the
+message length (0: no failure yet) at byte 0, written after the text at byte 64; the
+number of ranks that opened it at byte 8 and of those still holding it at byte 16. Writes
+and the counts are under flock, and the first message wins. The rank whose open brings
+the count to the number of ranks sharing this /dev/shm (host.SHARED_RANKS from the probe,
+else LOCAL_WORLD_SIZE) unlinks the name: the mappings live on, and not even a SIGKILL can
+leave the file behind. Failing that, the last rank to let go unlinks it (a clean exit or
+an exit for a failure). Ranks on other hosts have their own page and still rely on the
+store and the transfers.
 """
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import mmap
 import os
 import platform
 import time
@@ -175,3 +195,69 @@ class ShmTransport:
         work = _RecvWork(self, ch, ch.seq, tensor, peer)
         ch.seq += 1
         return work
+
+
+PAGE_PREFIX = "/dev/shm/graphc-fail-"
+_PAGE_BYTES = 4096
+_TEXT = 64
+
+
+class FailurePage:
+    """The host's failure page (See NOTE: Failure page)."""
+
+    def __init__(self, path: str, sharers: int):
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.closed = False
+        with self._locked():
+            if os.fstat(self.fd).st_size < _PAGE_BYTES:
+                os.ftruncate(self.fd, _PAGE_BYTES)
+            self.mem = mmap.mmap(self.fd, _PAGE_BYTES)
+            self.length = ctypes.c_int64.from_buffer(self.mem, 0)
+            opened = ctypes.c_int64.from_buffer(self.mem, 8)
+            self.holders = ctypes.c_int64.from_buffer(self.mem, 16)
+            opened.value += 1
+            self.holders.value += 1
+            if opened.value >= sharers:  # every rank of this host has it mapped
+                _unlink(path)
+
+    def _locked(self):
+        fd = self.fd
+
+        class _Lock:
+            def __enter__(self):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+
+            def __exit__(self, *exc):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        return _Lock()
+
+    def read(self):
+        """The failure written here, or None."""
+        n = self.length.value
+        return self.mem[_TEXT:_TEXT + n].decode(errors="replace") if n else None
+
+    def write(self, message: str) -> None:
+        """Records `message` unless a failure is already recorded (the first one wins)."""
+        data = message.encode()[:_PAGE_BYTES - _TEXT]
+        with self._locked():
+            if not self.length.value:
+                self.mem[_TEXT:_TEXT + len(data)] = data
+                self.length.value = len(data)  # published after the text (x86-64 TSO)
+
+    def close(self) -> None:
+        """This rank lets go; the last one unlinks the file if it is still named."""
+        if self.closed:
+            return
+        self.closed = True
+        with self._locked():
+            self.holders.value -= 1
+            if self.holders.value <= 0:
+                _unlink(self.path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -20,7 +20,9 @@ NOTE: Failure propagation
     what notices. Everything else is bounded by GRAPHC_TIMEOUT, the transfer timeout
     (see dist_env.timeout_seconds).
   - A lost connection to the store is not taken as a failure: rank 0 legitimately exits
-    first at the end of a run.
+    first at the end of a run. The watchdog then goes on polling the host's failure page
+    (See NOTE: Failure page in shm.py), which every failure message is written to first,
+    so ranks on rank 0's host still hear of a failure reported after the store is gone.
 
 NOTE: Watchdog cost
 The store is one process (rank 0's TCPStore), so the watchdogs' requests must grow with
@@ -41,17 +43,20 @@ import re
 import sys
 import threading
 import time
+import uuid
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
 from ..errors import GraphcError, RankFailedError
+from . import host, shm
 from .dist_env import seconds_from_env
 
 # Keys live under graphc/<torchrun restart count>/, so a restarted world (torchrun
 # --max-restarts, whose store may outlive a round) never reads the last round's failure.
 FAILED_KEY = "failed"
 ACK_KEY = "failed_acks"
+PAGE_KEY = "failure_page"
 BEAT_KEY = "beat/{}"
 DONE_KEY = "done/{}"
 POLL_SECONDS = 0.1
@@ -65,9 +70,10 @@ class Watchdog:
     """Polls the store for another rank's failure, beats this rank's heartbeat, and watches
     its ring successor's (See NOTE: Watchdog cost)."""
 
-    def __init__(self, store, rank: int, world_size: int, keys, start: bool = True):
+    def __init__(self, store, rank: int, world_size: int, keys, start: bool = True, page=None):
         self.rank, self.world_size = rank, world_size
-        self.store, self.keys = store, keys
+        self.store, self.keys, self.page = store, keys, page
+        self.store_gone = False
         self.heartbeat_timeout = heartbeat_timeout_seconds()
         self._stopped = False
         self._next_beat = 0.0
@@ -81,14 +87,22 @@ class Watchdog:
         while not self._stopped:
             try:
                 message = self.tick(time.monotonic())
-            except Exception:  # store gone: see NOTE, let gloo or the timeout decide
-                return
+            except Exception:  # store gone: see NOTE; the page alone may still tell
+                self.store_gone = True
+                if self.page is None:
+                    return
+                message = None
             if message:
                 self._exit_for(message)
             time.sleep(POLL_SECONDS)
 
     def tick(self, now: float) -> Optional[str]:
         """One poll: the failure this rank must exit for, if any. Raises if the store is gone."""
+        message = self.page.read() if self.page is not None else None
+        if message and not message.startswith(f"rank {self.rank}:"):
+            return message
+        if self.store_gone:
+            return None
         if self.keys.check([FAILED_KEY]):
             message = self.keys.get(FAILED_KEY).decode()
             if not message.startswith(f"rank {self.rank}:"):
@@ -122,6 +136,7 @@ class Watchdog:
     def _declare_dead(self, peer: int) -> str:
         message = (f"rank {peer}: no heartbeat for {self.heartbeat_timeout:.0f}s (noticed by rank "
                    f"{self.rank}); the process died, was killed, or is frozen")
+        self._to_page(message)
         try:
             self.keys.set(FAILED_KEY, message)
         except Exception:
@@ -146,17 +161,35 @@ class Watchdog:
         sys.stderr.write(f"graphc: {_failed_rank_text(message)} failed: {message}; "
                          f"exiting rank {self.rank}\n")
         sys.stderr.flush()
+        self._to_page(message)  # relays news from the store to this host's ranks
         try:
-            self.keys.add(ACK_KEY, 1)
+            if not self.store_gone:
+                self.keys.add(ACK_KEY, 1)
         except Exception:
             pass
+        self.close_page()
         os._exit(1)
+
+    def _to_page(self, message: str) -> None:
+        if self.page is not None:
+            try:
+                self.page.write(message)
+            except Exception:
+                pass
+
+    def close_page(self) -> None:
+        if self.page is not None:
+            try:
+                self.page.close()
+            except Exception:
+                pass
 
     def report(self, exc: BaseException) -> None:
         """Tells the other ranks this rank failed, and gives them time to read it."""
         text = f"rank {self.rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         dead = re.search(r"rank (\d+) failed", text)  # a peer known dead will never acknowledge
         expected = self.world_size - 1 - (dead is not None and int(dead.group(1)) != self.rank)
+        self._to_page(text)  # first: the store may already be gone with rank 0
         try:
             self.keys.set(FAILED_KEY, text)
             deadline = time.monotonic() + ACK_WAIT_SECONDS
@@ -187,11 +220,25 @@ def _watchdog() -> Optional[Watchdog]:
     store = dist.distributed_c10d._get_default_store()
     if _WATCHDOG is not None and _WATCHDOG.store is not store:  # a new process group
         _WATCHDOG.stop()
+        _WATCHDOG.close_page()
         _WATCHDOG = None
     if _WATCHDOG is None:
         keys = dist.PrefixStore(f"graphc/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-        _WATCHDOG = Watchdog(store, dist.get_rank(), dist.get_world_size(), keys)
+        _WATCHDOG = Watchdog(store, dist.get_rank(), dist.get_world_size(), keys,
+                             page=_open_page(keys))
     return _WATCHDOG
+
+
+def _open_page(keys) -> Optional["shm.FailurePage"]:
+    """This host's failure page for this job (See NOTE: Failure page in shm.py), or None."""
+    if not shm.supported():
+        return None
+    try:
+        job = keys.compare_set(PAGE_KEY, "", uuid.uuid4().hex).decode()
+        sharers = host.SHARED_RANKS or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return shm.FailurePage(shm.PAGE_PREFIX + job, sharers)
+    except Exception:
+        return None
 
 
 @atexit.register
@@ -199,6 +246,7 @@ def _stop_at_exit() -> None:
     if _WATCHDOG is not None:
         _WATCHDOG.mark_done()
         _WATCHDOG.stop()
+        _WATCHDOG.close_page()
 
 
 def run_step(step: Callable, *args):

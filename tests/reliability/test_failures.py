@@ -111,3 +111,20 @@ def test_zombie_peer_and_dead_store_host_stop_the_world_within_3s():
     _report("bare SIGKILL of rank 0 and zombie rank 2, 3 ranks", took)
     assert took < 3.0, exits[1].output[-3000:]
     assert re.search(r"rank [02] failed: its process \d+ exited", exits[1].output), exits[1].output[-3000:]
+
+
+def test_failure_news_outlives_the_store_host_on_one_host():
+    """Rank 2 kills rank 0 (the store host), then raises: its report can reach no store.
+    Rank 1 sleeps 30 s between steps, waiting on nobody through a transfer, with heartbeats
+    and the timeout at 100 s: only the host's failure page (NOTE: Failure page in shm.py)
+    can tell it, and it must be gone within 3 s."""
+    exits = bare_world(SCRIPT, ["--fail-rank", "2", "--mode", "raise-after-store-host",
+                                "--sleep-rank", "1", "--sleep-seconds", "30"], 3, TIMEOUT,
+                       GRAPHC_HEARTBEAT_TIMEOUT="100", GRAPHC_TIMEOUT="100", GRAPHC_P2P="shm")
+    assert [e.returncode for e in exits] == [-9, 1, 1], [e.output[-2000:] for e in exits]
+    assert "rank 1 sleeping" in exits[1].output, exits[1].output[-3000:]
+    took = exits[1].since_failure(exits[2].output)
+    _report("bare raise after killing the store host, rank 1 asleep, 3 ranks", took)
+    assert took < 3.0, exits[1].output[-3000:]
+    assert "graphc: rank 2 failed: rank 2: ValueError: injected failure after the store host died; " \
+           "exiting rank 1" in exits[1].output, exits[1].output[-3000:]

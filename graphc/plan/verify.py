@@ -2,21 +2,29 @@
 
 Every rank can compute every rank's plan, so one process checks that:
   1. each send meets a recv on its peer, in the same order, with equal payload specs;
-  2. each collective is issued by exactly its ranks, in the same order on all of them;
+  2. each collective (gradient bucket, tie or clip all-reduce, boxing collective) is issued
+     by exactly its ranks: each rank's k-th collective over a group has the same kind,
+     ranks, tensors (shapes, dtypes) or conversion as every other member's k-th;
   3. the union of all plans, with sends joined to their recvs and collectives joined
-     across ranks, is acyclic (so no rank can wait forever on another).
+     across ranks, is acyclic (so no rank can wait forever on another); a cycle is
+     printed rank by rank.
 A failure raises PlanError naming the rank and instruction, with the plan listing marked.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Dict, List, Sequence, Tuple
 
 import networkx as nx
 
 from ..errors import PlanError
-from .instructions import AllReduce, Instruction, Recv, Send
+from .instructions import AllReduce, Collective, Instruction, Recv, Send
 from .plan import ExecutionPlan
+
+
+# every instruction that waits for all ranks of its group: gradient buckets, tie and clip
+# all-reduces (AllReduce subclasses) and the boxing conversions list_collectives lists
+COLLECTIVES = (AllReduce, Collective)
 
 
 def verify_plans(plans: Sequence[ExecutionPlan]) -> None:
@@ -76,56 +84,164 @@ def _same_transfer(s: Send, r: Recv) -> bool:
             and s.stage == r.peer_stage and s.peer_stage == r.stage)
 
 
-def _pair_collectives(by_rank) -> List[List[Tuple[int, int]]]:
-    """Groups each collective's instances across its ranks, checking order and membership."""
-    seqs: Dict[Tuple[int, ...], Dict[int, List[Tuple[int, Instruction]]]] = defaultdict(dict)
+def _signature(ins: Instruction) -> tuple:
+    """What must agree on every rank of a collective's group for the ranks to pair up.
+
+    A boxing Collective's `nbytes` is what this rank sends, which may differ by rank (an
+    uneven split), so it is left out; the conversion node fixes the shapes and dtype, since
+    every rank of a group runs the same stage program. Tie and clip collectives leave out
+    their per-rank `params` (see their docstrings).
+    """
+    if isinstance(ins, Collective):
+        return ("collective", ins.kind, ins.ranks, ins.stage, ins.microbatch, ins.direction,
+                ins.node, ins.sbp_in, ins.sbp_out)
+    return (type(ins).__name__, ins.ranks, ins.tensors, getattr(ins, "max_norm", None))
+
+
+def _collective_queues(by_rank) -> Dict[Tuple[int, ...], Dict[int, List[Tuple[int, Instruction]]]]:
+    """group (sorted ranks) -> rank -> [(index, collective)...] in that rank's issue order."""
+    queues: Dict[Tuple[int, ...], Dict[int, List[Tuple[int, Instruction]]]] = defaultdict(dict)
     for rank, plan in by_rank.items():
         for i, ins in enumerate(plan.instructions):
-            if isinstance(ins, AllReduce):
-                if rank not in ins.ranks:
-                    _fail(plan, i, f"rank {rank} issues a collective over ranks {list(ins.ranks)} "
-                          "that it is not part of")
-                seqs[ins.ranks].setdefault(rank, []).append((i, ins))
-    groups = []
-    for ranks, per_rank in seqs.items():
-        counts = {r: len(per_rank.get(r, [])) for r in ranks}
-        if len(set(counts.values())) != 1:
-            short = min(counts, key=counts.get)
-            long_ = max(counts, key=counts.get)
-            i, ins = per_rank[long_][counts[short]]
-            _fail(by_rank[long_], i, f"collective missing on rank {short}: ranks {list(ranks)} "
-                  f"issue {counts} collectives over this group")
-        for k in range(counts[ranks[0]]):
-            first_rank = ranks[0]
-            i0, ins0 = per_rank[first_rank][k]
-            for r in ranks[1:]:
-                i, ins = per_rank[r][k]
-                if ins != ins0:
-                    _fail(by_rank[r], i, f"collective order differs: rank {first_rank} issues "
-                          f"`{ins0}` (#{i0}) at this point")
-            groups.append([(r, per_rank[r][k][0]) for r in ranks])
-    return groups
+            if not isinstance(ins, COLLECTIVES):
+                continue
+            if rank not in ins.ranks:
+                _fail(plan, i, f"rank {rank} issues a collective over ranks {list(ins.ranks)} "
+                      "that it is not part of")
+            outside = [r for r in ins.ranks if r not in by_rank]
+            if outside:
+                _fail(plan, i, f"ranks {outside} of this collective are outside the world of "
+                      f"{len(by_rank)} ranks")
+            group = tuple(sorted(ins.ranks))
+            for r in group:
+                queues[group].setdefault(r, [])
+            queues[group][rank].append((i, ins))
+    return queues
 
 
-def _check_acyclic(by_rank, pairs, groups) -> None:
+def _pair_collectives(by_rank) -> List[List[Tuple[int, int]]]:
+    """Pairs each rank's k-th collective over a group with the other members' k-th.
+
+    Gradient buckets, tie and clip all-reduces and boxing collectives over one group share
+    one queue: a rank issuing them in another order than its peers would pair (and hang)
+    with the wrong partner. Returns each collective as its members' (rank, index).
+    """
+    hubs = []
+    for group, seqs in sorted(_collective_queues(by_rank).items()):
+        sigs = {r: [_signature(ins) for _, ins in seqs[r]] for r in group}
+        for k in range(max(len(s) for s in sigs.values())):
+            if len({s[k] if k < len(s) else None for s in sigs.values()}) > 1:
+                _explain_mismatch(by_rank, group, seqs, sigs, k)
+            hubs.append([(r, seqs[r][k][0]) for r in group])
+    return hubs
+
+
+def _explain_mismatch(by_rank, group, seqs, sigs, k: int) -> None:
+    """Fails naming the odd rank: a collective missing, extra, swapped or different."""
+    def at(r, j):
+        return sigs[r][j] if j < len(sigs[r]) else None
+    votes = Counter(at(r, k) for r in group)
+    # the reference is the k-th collective most ranks agree on (then the longest sequence)
+    ref = min(group, key=lambda r: (-votes[at(r, k)], at(r, k) is None, -len(sigs[r]), r))
+    odd = next(r for r in group if at(r, k) != at(ref, k))
+    agree = [r for r in group if at(r, k) == at(ref, k)]
+    where = f"collective #{k} over ranks {list(group)}"
+    if at(ref, k) is not None and (at(odd, k) is None or sigs[odd][k:] == sigs[ref][k + 1:]):
+        i, ins = seqs[ref][k]
+        instead = (f"rank {odd} issues `{seqs[odd][k][1]}` (#{seqs[odd][k][0]}) there instead"
+                   if at(odd, k) is not None else f"rank {odd} issues no more collectives there")
+        _fail(by_rank[ref], i, f"collective missing on rank {odd}: ranks {agree} issue it as "
+              f"{where}; {instead}. The compiler passes that insert collectives must give every "
+              "rank of the group the same one")
+    i, ins = seqs[odd][k]
+    if at(ref, k) is None or sigs[ref][k:] == sigs[odd][k + 1:]:
+        _fail(by_rank[odd], i, f"extra collective on rank {odd}: ranks {agree} issue no such "
+              f"{where}")
+    j0, ref_ins = seqs[ref][k]
+    if at(odd, k) == at(ref, k + 1) and at(odd, k + 1) == at(ref, k):
+        j = seqs[odd][k + 1][0]
+        _fail(by_rank[odd], i, f"collectives swapped on rank {odd}: it issues this (#{i}) before "
+              f"`{seqs[odd][k + 1][1]}` (#{j}); rank {ref} issues them the other way round "
+              f"(#{seqs[ref][k + 1][0]}, #{j0}), so {where} would pair different collectives")
+    _fail(by_rank[odd], i, f"{where} differs from rank {ref}'s `{ref_ins}` (#{j0})"
+          f"{_difference(ins, ref_ins, odd, ref)}")
+
+
+def _difference(ins: Instruction, other: Instruction, rank: int, other_rank: int) -> str:
+    """The first differing tensor of two same-kind all-reduces (a gradient bucket's shapes)."""
+    if type(ins) is not type(other) or isinstance(ins, Collective):
+        return ""
+    if ins.ranks != other.ranks:
+        return f": ranks {list(ins.ranks)} here, {list(other.ranks)} there"
+    if len(ins.tensors) != len(other.tensors):
+        return f": {len(ins.tensors)} tensors here, {len(other.tensors)} on rank {other_rank}"
+    for a, b in zip(ins.tensors, other.tensors):
+        if a != b:
+            return f": rank {rank} reduces {a} where rank {other_rank} reduces {b}"
+    return ""
+
+
+def _check_acyclic(by_rank, pairs, hubs) -> None:
+    """Fails if the wait-for graph of all plans has a cycle (a deadlock), rank by rank.
+
+    Nodes are instructions, plus one node per collective that every member joins: it waits
+    for each member's previous instruction and its members' collective instructions wait
+    for it. Sends do not block (isend), so a send only makes its recv wait.
+    """
     g = nx.DiGraph()
     for rank, plan in by_rank.items():
         nodes = [(rank, i) for i in range(len(plan.instructions))]
         g.add_nodes_from(nodes)
         g.add_edges_from(zip(nodes, nodes[1:]))
     g.add_edges_from(pairs)
-    for k, members in enumerate(groups):
+    for k, members in enumerate(hubs):
         hub = ("collective", k)
-        for member in members:
-            # a collective completes on no rank before every member has issued it
-            g.add_edge((member[0], member[1] - 1) if member[1] > 0 else ("start", member[0]), hub)
-            g.add_edge(hub, member)
+        for rank, i in members:
+            if i > 0:
+                g.add_edge((rank, i - 1), hub)
+            g.add_edge(hub, (rank, i))
     try:
-        cycle = nx.find_cycle(g)
+        cycle = [u for u, _ in nx.find_cycle(g)]
     except nx.NetworkXNoCycle:
         return
-    waits = [n for edge in cycle for n in edge if isinstance(n[0], int) and n[0] in by_rank]
-    rank, i = waits[0]
-    path = " -> ".join(f"rank {r} #{j} `{by_rank[r].instructions[j]}`" for r, j in
-                       dict.fromkeys(waits))
-    _fail(by_rank[rank], i, f"deadlock: these instructions wait on each other in a cycle: {path}")
+    _fail_deadlock(by_rank, cycle, hubs)
+
+
+def _fail_deadlock(by_rank, cycle, hubs) -> None:
+    involved: Dict[int, set] = defaultdict(set)
+    steps = []
+    for node in cycle:
+        if node[0] == "collective":
+            members = hubs[node[1]]
+            for r, i in members:
+                involved[r].add(i)
+            r, i = members[0]
+            steps.append(f"`{by_rank[r].instructions[i]}` joined by "
+                         + ", ".join(f"rank {r} #{i}" for r, i in members))
+        else:
+            involved[node[0]].add(node[1])
+            steps.append(f"rank {node[0]} #{node[1]}")
+    lines = [f"  rank {r}: " + ", ".join(f"#{i} `{by_rank[r].instructions[i]}`" for i in sorted(ix))
+             for r, ix in sorted(involved.items())]
+    first = min(involved)
+    listings = "\n".join(_marked_listing(by_rank[r], involved[r]) for r in sorted(involved))
+    raise PlanError(
+        f"plan verification failed on rank {first}, instruction #{min(involved[first])}: "
+        f"deadlock: these instructions wait on each other in a cycle, rank by rank:\n"
+        + "\n".join(lines) + "\n  cycle: " + " -> ".join(steps + steps[:1]) + "\n"
+        "Fix: order the sends, recvs and collectives alike on every rank of a group.\n" + listings)
+
+
+def _marked_listing(plan: ExecutionPlan, marks, context: int = 3) -> str:
+    """The rank's listing around the marked instructions, each flagged `<-- ERROR HERE`."""
+    lines = str(plan).splitlines()
+    keep = {0} | {j for i in marks for j in range(i + 1 - context, i + 2 + context) if 0 < j < len(lines)}
+    out, last = [], 0
+    for j in sorted(keep):
+        if j > last + 1:
+            out.append("   ...")
+        out.append(lines[j] + ("   <-- ERROR HERE" if j - 1 in marks else ""))
+        last = j
+    if last < len(lines) - 1:
+        out.append("   ...")
+    return "\n".join(out)

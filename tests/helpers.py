@@ -102,6 +102,17 @@ def eager_train(model: torch.nn.Module, make_opt: Callable, make_sched, loss_fn:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def accumulate_grads(model, loss_fn: Callable, x, y, m: int) -> float:
+    """Eager gradient accumulation over m micro-batches (forward and buffer updates m times):
+    backward of each micro-batch's loss / m; returns the step's loss (their sum)."""
+    total = 0.0
+    for xs, ys in zip(x.chunk(m), y.chunk(m)):
+        loss = loss_fn(model(xs), ys) / m
+        loss.backward()
+        total += loss.item()
+    return total
+
+
 def assert_same_as_eager(losses: Sequence[float], state: Dict[str, torch.Tensor],
                          ref_losses: Sequence[float], ref_state: Dict[str, torch.Tensor],
                          what: str = "") -> None:

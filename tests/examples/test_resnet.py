@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_same_as_eager, run_world
+from helpers import accumulate_grads, assert_same_as_eager, run_world
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import resnet  # noqa: E402
@@ -43,13 +43,8 @@ def _eager(acc):
     losses = []
     for x, y in resnet.data(STEPS, BATCH):
         opt.zero_grad()
-        total = 0.0
-        for xs, ys in zip(x.chunk(acc), y.chunk(acc)):
-            loss = F.cross_entropy(model(xs), ys) / acc
-            loss.backward()
-            total += loss.item()
+        losses.append(accumulate_grads(model, F.cross_entropy, x, y, acc))
         opt.step()
-        losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -7,15 +7,13 @@ running statistics take one update per step with the statistics of the whole min
 The eager reference runs accumulation with momentum 0 (no per-micro-batch update), records
 each BatchNorm's inputs, and applies that one update after the step.
 """
-import copy
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import graphc
-from helpers import assert_same_as_eager, run_world
+from helpers import accumulate_grads, assert_same_as_eager, run_world
 
 STEPS, ACC = 3, 2
 
@@ -65,11 +63,7 @@ def eager_deferred(model):
         saved = {bn: (bn.momentum, bn.running_mean.clone(), bn.running_var.clone(),
                       bn.num_batches_tracked.clone()) for bn in bns}
         opt.zero_grad()
-        total = 0.0
-        for xs, ys in zip(x.chunk(ACC), y.chunk(ACC)):
-            loss = F.cross_entropy(model(xs), ys) / ACC
-            loss.backward()
-            total += loss.item()
+        total = accumulate_grads(model, F.cross_entropy, x, y, ACC)
         opt.step()
         for h in hooks:
             h.remove()

@@ -62,7 +62,18 @@ def _cases(rank, world):
     g = DataParallel(nn.Linear(3, 2))
     out["one rank"] = _message(lambda: g(*_dp_inputs(rank))) if rank == 0 else None
     os.environ["GRAPHC_TIMEOUT"] = "60"
-    # 5. the same program everywhere: no error, and the next exchange still pairs up
+    # 5. a checkpoint set whose ranks were saved at different steps
+    torch.manual_seed(0)
+    g = DataParallel(nn.Linear(3, 2))
+    g(*_dp_inputs(rank))
+    first = g.state_dict()
+    g(*_dp_inputs(rank))
+    second = g.state_dict()
+    torch.manual_seed(0)
+    g = DataParallel(nn.Linear(3, 2))
+    g.load_state_dict(first if rank == 0 else second)
+    out["checkpoint"] = _message(lambda: g(*_dp_inputs(rank)))
+    # 6. the same program everywhere: no error, and the next exchange still pairs up
     torch.manual_seed(0)
     g = DataParallel(nn.Linear(3, 2))
     out["agree"] = _message(lambda: g(*_dp_inputs(rank)))
@@ -71,7 +82,7 @@ def _cases(rank, world):
 
 def test_ranks_that_disagree_stop_with_the_same_error():
     results = run_world(_cases, 2, timeout=240)
-    for case in ("shapes", "accumulation", "replicas"):
+    for case in ("shapes", "accumulation", "replicas", "checkpoint"):
         msgs = [r[case] for r in results]
         assert all(m is not None for m in msgs), f"{case}: some rank did not raise: {msgs}"
         assert all("the ranks disagree" in m for m in msgs), msgs
@@ -80,4 +91,5 @@ def test_ranks_that_disagree_stop_with_the_same_error():
     assert "replicated parameter 'model.weight'" in results[0]["replicas"], results[0]["replicas"]
     assert "torch.manual_seed" in results[0]["replicas"]
     assert "rank(s) [1] did not reach" in results[0]["one rank"], results[0]["one rank"]
+    assert all("checkpoint step" in r["checkpoint"] for r in results), results[0]["checkpoint"]
     assert results[0]["agree"] is None and results[1]["agree"] is None

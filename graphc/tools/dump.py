@@ -39,7 +39,21 @@ def write_all(graph, compiled, folder: str, mode) -> List[str]:
     print(f"graphc plan: {name}: {len(compiled.plans)} rank(s), {len(compiled.stages)} stage(s), "
           f"{compiled.num_microbatches} micro-batch(es); plans verified; wrote {len(written)} "
           f"files to {folder}", flush=True)
+    idle = [p.rank for p in compiled.plans if not p.local_stages]
+    if idle:
+        print(f"graphc plan: {name}: rank(s) {_ranges(idle)} of --nproc {len(compiled.plans)} hold no "
+              "stage (no placement names them): they only call the graph", flush=True)
     return written
+
+
+def _ranges(ranks: List[int]) -> str:
+    """[2, 3, 4, 7] -> '2-4, 7'."""
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a != start else f"{a}")
+            start = b
+    return ", ".join(out)
 
 
 def _write(path: str, text: str) -> str:

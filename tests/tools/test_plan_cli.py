@@ -175,3 +175,11 @@ def test_simulate_data_and_hybrid_examples(tmp_path, example, n):
     assert main(["plan", os.path.join(ROOT, "examples", example), "--nproc", str(n), "--out", out,
                  "--simulate", "h100"]) == 0
     assert os.path.exists(os.path.join(out, "simulation.txt")), os.listdir(out)
+
+
+def test_plan_names_the_ranks_without_a_stage(tmp_path, capsys):
+    """examples/pipeline.py places its two stages on ranks 0 and 1: with --nproc 8 the others idle."""
+    out = str(tmp_path / "plans")
+    assert main(["plan", os.path.join(ROOT, "examples", "pipeline.py"), "--nproc", "8", "--out", out,
+                 "--no-chart"]) == 0
+    assert "rank(s) 2-7 of --nproc 8 hold no stage" in capsys.readouterr().out

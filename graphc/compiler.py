@@ -7,6 +7,7 @@ pass's fx graph (the whole compilation history). They go to the `graphc.compile`
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Sequence
@@ -77,6 +78,9 @@ def debug_level() -> int:
     return int_from_env("GRAPHC_DEBUG", 0, minimum=0)
 
 
+SLOW_PASS_SECONDS = 1.0  # a pass slower than this is reported at a terminal, whatever GRAPHC_DEBUG
+
+
 def _step(history: List[PassRecord], name: str, fn: Callable, *args) -> Any:
     start = time.perf_counter()
     out = fn(*args)
@@ -85,6 +89,8 @@ def _step(history: List[PassRecord], name: str, fn: Callable, *args) -> Any:
     history.append(PassRecord(name, took, f"# Constructed by {name} (took {took * 1e3:.1f} ms)\n{text}"))
     if debug_level() >= 2:
         _log.debug("pass %s: %.1f ms", name, took * 1e3)
+    elif took > SLOW_PASS_SECONDS and sys.stderr.isatty():  # progress on long compiles, at a terminal
+        _log.info("pass %s took %.1f s", name, took)
     if debug_level() >= 4 and text:
         _log.debug("%s", history[-1].text)
     return out

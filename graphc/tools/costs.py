@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
@@ -147,9 +148,11 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
         torch.set_num_threads(threads)
     try:
         fwd, bwd, act, opt = {}, {}, {}, {}
-        for prog in compiled.programs:
+        start = time.perf_counter()
+        for i, prog in enumerate(compiled.programs):
             fwd[prog.stage], bwd[prog.stage], opt[prog.stage], act[prog.stage] = \
                 _replay_stage(prog, compiled, optimizer, repeats)
+            _progress("measured", i + 1, len(compiled.programs), time.perf_counter() - start)
     finally:
         torch.set_num_threads(saved_threads)
     costs = CostModel(fwd, bwd, opt, act, latency, bandwidth, overhead=overhead,
@@ -160,6 +163,15 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
         tc = measure_transport(transport, max(sizes) if sizes else 4, threads=threads or 1)
         costs = tc.apply(costs)
     return _for_ranks(costs, compiled)
+
+
+def _progress(what: str, done: int, total: int, elapsed: float) -> None:
+    """A line per stage with an ETA while costs are measured, at a terminal only."""
+    if not sys.stderr.isatty() or total < 2:
+        return
+    eta = elapsed / done * (total - done)
+    from ..log import get_logger
+    get_logger("plan").info("%s stage %d/%d (%.1f s, about %.1f s left)", what, done, total, elapsed, eta)
 
 
 def _replay_stage(prog, compiled, optimizer, repeats: int):

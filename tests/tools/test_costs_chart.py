@@ -47,3 +47,24 @@ def test_chart_files(tmp_path, compiled_graph):
     with open(paths[1]) as f:
         svg = f.read()
     assert "test chart" in svg and "rank 1" in svg
+
+
+def test_cost_measurement_reports_progress_with_an_eta_at_a_terminal(monkeypatch):
+    import logging
+    import sys
+
+    from graphc.tools import costs
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("graphc.plan").addHandler(handler)
+    try:
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+        costs._progress("measured", 1, 4, 2.0)
+        assert seen == []
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+        costs._progress("measured", 1, 4, 2.0)
+        assert seen == ["measured stage 1/4 (2.0 s, about 6.0 s left)"]
+    finally:
+        logging.getLogger("graphc.plan").removeHandler(handler)

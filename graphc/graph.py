@@ -185,10 +185,7 @@ class Graph:
         _check_cuda_available(self, args)  # before torch's own AssertionError, on every rank
         device_types = {c.placement.type for c in self._module_configs.values() if c.placement}
         rank, world = ensure_process_group(device_types or {"cpu"})
-        example = [torch.empty(g_shape, dtype=local.dtype) for local, g_shape in
-                   ((a[0], a[1][0]) for a in args)]
-        layouts = [(a[1][2], a[1][1]) if a[1][1] is not None else None for a in args]
-        compiled = self._trace_and_compile(example, world, layouts)
+        compiled = self._trace_and_compile(args, world)
         _check_input_placements(compiled, args)
         object.__setattr__(self, "_rank", rank)
         object.__setattr__(self, "_compiled", compiled)
@@ -198,8 +195,11 @@ class Graph:
         object.__setattr__(self, "_key", self._signature(args))
         self._plans_by_shape[self._key] = (compiled, self._runtime, self._tracer)
 
-    def _trace_and_compile(self, example, world, layouts) -> compiler.CompiledGraph:
-        """compiler.compile, recording which Graph attributes build() reads (and their values)."""
+    def _trace_and_compile(self, args, world: int) -> compiler.CompiledGraph:
+        """compiler.compile for these inputs' global shapes and layouts, recording which Graph
+        attributes build() reads (and their values)."""
+        example = [torch.empty(g_shape, dtype=local.dtype) for local, (g_shape, _, _) in args]
+        layouts = [(where, sbp) if sbp is not None else None for _, (_, sbp, where) in args]
         object.__setattr__(self, "_attr_reads", {})
         try:
             compiled = compiler.compile(self, example, world, layouts)
@@ -224,16 +224,13 @@ class Graph:
         if key == self._key:
             return
         if key not in self._plans_by_shape:
-            rank, world = self._rank, len(self._compiled.plans)  # one plan per rank
-            example = [torch.empty(g_shape, dtype=local.dtype) for local, (g_shape, _, _) in args]
-            layouts = [(where, sbp) if sbp is not None else None for _, (_, sbp, where) in args]
             with self._state.global_shapes():  # split parameters hold shards by now
-                compiled = self._trace_and_compile(example, world, layouts)
+                compiled = self._trace_and_compile(args, len(self._compiled.plans))  # a plan per rank
             _check_input_placements(compiled, args)
             _check_same_stages(self._compiled, compiled)
             object.__setattr__(self, "_compiled", compiled)
             self._state.compiled = compiled
-            self._setup_runtime(compiled, rank, new_state=False)
+            self._setup_runtime(compiled, self._rank, new_state=False)
             key = self._signature(args)
             self._plans_by_shape[key] = (compiled, self._runtime, self._tracer)
         compiled, runtime, tracer = self._plans_by_shape[key]

@@ -401,7 +401,17 @@ def _function_apply(cls):
 
 
 def _caller_line(graph_obj) -> str:
-    frames = traceback.extract_stack()
+    """'file:line: code' of the user's frame that is calling now (see _deepest_user_frame)."""
+    return _deepest_user_frame(graph_obj, traceback.extract_stack())
+
+
+def _user_line(graph_obj, tb) -> str:
+    """'file:line: code' of the user's frame in a traceback (see _deepest_user_frame)."""
+    return _deepest_user_frame(graph_obj, traceback.extract_tb(tb))
+
+
+def _deepest_user_frame(graph_obj, frames) -> str:
+    """The deepest frame of the user's Graph file, else of any file outside torch and graphc."""
     try:
         user_file = inspect.getsourcefile(type(graph_obj))
     except TypeError:
@@ -411,20 +421,6 @@ def _caller_line(graph_obj) -> str:
     if not mine:
         return "build()"
     f = mine[-1]
-    return f"{f.filename}:{f.lineno}: {f.line}"
-
-
-def _user_line(graph_obj, tb) -> str:
-    """'file:line: code' of the deepest frame of the user's Graph file in a traceback."""
-    try:
-        user_file = inspect.getsourcefile(type(graph_obj))
-    except TypeError:
-        user_file = None
-    frames = [f for f in traceback.extract_tb(tb) if f.filename == user_file] or \
-        [f for f in traceback.extract_tb(tb) if not f.filename.startswith((_TORCH_DIR, _GRAPHC_DIR))]
-    if not frames:
-        return "build()"
-    f = frames[-1]
     return f"{f.filename}:{f.lineno}: {f.line}"
 
 

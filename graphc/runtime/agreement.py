@@ -65,11 +65,9 @@ def check_agreement(facts: Dict[str, Any], holders: Dict[str, List[int]], what: 
 def _gather(store, prefix: str, world: int, timeout: float, what: str) -> Dict[int, Dict[str, Any]]:
     deadline = time.monotonic() + timeout
     keys = [prefix + str(r) for r in range(world)]
-    while True:
-        present = [store.check([k]) for k in keys]
-        if all(present):
-            break
+    while not store.check(keys):  # one request per poll: true once every rank has written
         if time.monotonic() > deadline:
+            present = [store.check([k]) for k in keys]
             missing = [r for r, ok in enumerate(present) if not ok]
             raise GraphcError(
                 f"rank(s) {missing} did not reach {what} within GRAPHC_TIMEOUT ({timeout:.0f} s) "

@@ -68,7 +68,7 @@ def shared_memory_groups(probe: bool) -> Tuple[List[int], List[int], List[int]]:
         dist.all_gather_object(seen_by, seen)
     finally:
         if made:
-            _unlink(_probe_path(nonce))
+            shm._unlink(_probe_path(nonce))
     group = [min([r] + [s for s in seen_by[r] if r in seen_by[s]]) for r in range(world)]
     if probe:
         global SHARED_RANKS
@@ -90,7 +90,7 @@ def _create_probe(nonce: str) -> bool:
         os.write(fd, nonce.encode())
         return True
     except OSError:
-        _unlink(_probe_path(nonce))
+        shm._unlink(_probe_path(nonce))
         return False
     finally:
         os.close(fd)
@@ -110,8 +110,3 @@ def _read_probe(nonce: str) -> bool:
         os.close(fd)
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -24,9 +24,10 @@ def defer_batch_norm(gm: fx.GraphModule, enabled: bool, microbatches: int) -> fx
     if not enabled:
         return gm
     for node in list(gm.graph.nodes):
-        if node.op == "call_module" and type(gm.get_submodule(node.target)) in _BATCH_NORMS:
+        module = gm.get_submodule(node.target) if node.op == "call_module" else None
+        if type(module) in _BATCH_NORMS:
             with gm.graph.inserting_before(node):
-                new = _batch_norm(gm, node, gm.get_submodule(node.target))
+                new = _batch_norm(gm, node, module)
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
     for node in gm.graph.nodes:

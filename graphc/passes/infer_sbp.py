@@ -110,7 +110,7 @@ def _param_sbp(gm: fx.GraphModule, node: fx.Node, mesh: tuple) -> tuple:
     if layout is None:
         return _all_b(mesh)
     where, sbp = layout
-    if sorted(where.flat_ranks) != sorted(flat(mesh)) and mesh_shape(where.ranks) == mesh_shape(mesh) \
+    if sorted(where.flat_ranks) != sorted(flat(mesh)) and same_shape(where.ranks, mesh) \
             and len(sbp) == len(mesh_shape(mesh)) and _shared_across_stages(gm, t):
         return sbp  # a tied weight: its layout holds on each stage that holds a copy (the
         # whole-graph scan runs only for a parameter read off its declared placement)

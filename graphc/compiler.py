@@ -39,6 +39,7 @@ from .passes.trace_build import trace_build
 from .passes.verify_graph import verify_annotated, verify_traced, warn_unused_parameters
 from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
+from .plan.schedules import pipeline_ranks
 from .plan.verify import verify_plans
 from .runtime.dist_env import int_from_env
 from .sbp.meshes import stage_meshes
@@ -193,16 +194,8 @@ def collect_stages(graph_obj, world_size: int):
         missing = sorted(set(range(max(ids) + 1)) - set(ids))
         raise GraphcError(f"stage ids must be 0, 1, ..., p-1 without gaps; found {ids} "
                           f"(missing {missing}). Fix: renumber the set_stage calls.")
-    seen: Dict[int, int] = {}
-    for sid in ids:
-        for r in by_id[sid][1].flat_ranks:
-            if r in seen:
-                raise GraphcError(
-                    f"rank {r} is in the placement of stage {seen[r]} and of stage {sid} "
-                    f"(module '{by_id[sid][0]}'); each rank runs at most one stage. Fix: give the "
-                    "stages disjoint placements.")
-            seen[r] = sid
     stages = [StageInfo(sid, by_id[sid][1].flat_ranks, by_id[sid][1].type) for sid in ids]
+    pipeline_ranks(stages, graph_obj.config.pipeline_schedule, training=False)  # overlaps
     return stages, {name: c.stage_id for name, c in configured.items()}
 
 

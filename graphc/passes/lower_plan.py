@@ -1,9 +1,10 @@
 """lower_plan: turns stage programs and a schedule into one ExecutionPlan per rank.
 
-Invariant: rank r's plan lists, in issue order, its stage's compute in schedule order,
-each forward preceded by a recv of every value it reads from another stage and followed
-by a send of every value another stage reads, each backward likewise for gradients,
-and one optimizer step at the end of a training step. Replica k of a stage talks to
+Invariant: rank r's plan lists, in issue order, its stages' compute in schedule order,
+each forward preceded by a recv of every value it reads from a stage on other ranks and
+followed by a send of every value such a stage reads, each backward (or backward_input)
+likewise for gradients, and one optimizer step at the end of a training step. Values
+between two stages (chunks) on the same ranks are handed over in memory. Replica k of a stage talks to
 replica k of another stage; between stages of n and m ranks (n-to-m), rank j of the
 receiving stage gets each value from replica j mod n of the sender, and sender i gets its
 gradient back from replica i mod m (the value is broadcast then, see insert_boxing).
@@ -13,21 +14,24 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
-from ..plan.instructions import ACT, GRAD, Backward, Forward, Instruction, OptimizerStep, Recv, Send
+from ..plan.instructions import (ACT, GRAD, Backward, BackwardInput, Forward, Instruction,
+                                 OptimizerStep, OverlapFB, Recv, Send)
 from ..plan.plan import ExecutionPlan, StageInfo
 from ..plan.program import StageProgram
-from ..plan.schedules import compute_order
+from ..plan.schedules import compute_order, pipeline_ranks
 
 
 def lower_plan(programs: Sequence[StageProgram], stages: Sequence[StageInfo], schedule: str,
                num_microbatches: int, training: bool, world_size: int) -> List[ExecutionPlan]:
-    stage_of_rank = {r: s.stage_id for s in stages for r in s.ranks}
+    position = pipeline_ranks(stages, schedule, training)
+    p = max(position) + 1
+    pp_rank_of = {r: position[s.stage_id] for s in stages for r in s.ranks}
     plans = []
     for rank in range(world_size):
         instrs: List[Instruction] = []
-        if rank in stage_of_rank:
-            s = stage_of_rank[rank]
-            order = compute_order(schedule, s, len(stages), num_microbatches, training)
+        if rank in pp_rank_of:
+            order = compute_order(schedule, pp_rank_of[rank], p, len(stages), num_microbatches,
+                                  training)
             instrs = _with_p2p(order, programs, stages, rank)
         if training:
             instrs.append(OptimizerStep())
@@ -49,27 +53,54 @@ def _targets(stages: Sequence[StageInfo], rank: int, mine: int, other: int) -> L
 
 
 def _with_p2p(order, programs, stages, rank) -> List[Instruction]:
+    """Each compute instruction wrapped in its receives and sends. A value between two chunks
+    of this rank (stages on the same ranks) is handed over in memory: no transfer is listed."""
     out: List[Instruction] = []
     for ins in order:
-        s, mb = ins.stage, ins.microbatch
-        prog = programs[s]
-        if isinstance(ins, Forward):
-            for a, specs in sorted(prog.recv_from.items()):
-                out.append(Recv(s, mb, _source(stages, rank, s, a), ACT, a, tuple(specs)))
+        if isinstance(ins, OverlapFB):
+            f, b = ins.forward, ins.backward
+            out += _recvs(f, programs, stages, rank) + _recvs(b, programs, stages, rank)
             out.append(ins)
-            for b, specs in sorted(prog.send_to.items()):
-                out += [Send(s, mb, peer, ACT, b, tuple(specs)) for peer in _targets(stages, rank, s, b)]
-        elif isinstance(ins, Backward):
-            for b, specs in sorted(prog.send_to.items()):
-                grads = tuple(prog.grad_specs(specs))
-                if grads:
-                    out.append(Recv(s, mb, _source(stages, rank, s, b), GRAD, b, grads))
-            out.append(ins)
-            for a, specs in sorted(prog.recv_from.items()):
-                grads = tuple(prog.grad_specs(specs))
-                if grads:
-                    out += [Send(s, mb, peer, GRAD, a, grads) for peer in _targets(stages, rank, s, a)]
+            out += _sends(f, programs, stages, rank) + _sends(b, programs, stages, rank)
         else:
-            out.append(ins)
+            out += _recvs(ins, programs, stages, rank) + [ins] + _sends(ins, programs, stages, rank)
+    return out
+
+
+def _local(stages, rank: int, other: int) -> bool:
+    return rank in stages[other].ranks
+
+
+def _recvs(ins, programs, stages, rank) -> List[Instruction]:
+    if not isinstance(ins, (Forward, Backward, BackwardInput)):
+        return []
+    s, mb, prog = ins.stage, ins.microbatch, programs[ins.stage]
+    out: List[Instruction] = []
+    if isinstance(ins, Forward):
+        for a, specs in sorted(prog.recv_from.items()):
+            if not _local(stages, rank, a):
+                out.append(Recv(s, mb, _source(stages, rank, s, a), ACT, a, tuple(specs)))
+        return out
+    for b, specs in sorted(prog.send_to.items()):
+        grads = tuple(prog.grad_specs(specs))
+        if grads and not _local(stages, rank, b):
+            out.append(Recv(s, mb, _source(stages, rank, s, b), GRAD, b, grads))
+    return out
+
+
+def _sends(ins, programs, stages, rank) -> List[Instruction]:
+    if not isinstance(ins, (Forward, Backward, BackwardInput)):
+        return []
+    s, mb, prog = ins.stage, ins.microbatch, programs[ins.stage]
+    out: List[Instruction] = []
+    if isinstance(ins, Forward):
+        for b, specs in sorted(prog.send_to.items()):
+            if not _local(stages, rank, b):
+                out += [Send(s, mb, peer, ACT, b, tuple(specs)) for peer in _targets(stages, rank, s, b)]
+        return out
+    for a, specs in sorted(prog.recv_from.items()):
+        grads = tuple(prog.grad_specs(specs))
+        if grads and not _local(stages, rank, a):
+            out += [Send(s, mb, peer, GRAD, a, grads) for peer in _targets(stages, rank, s, a)]
     return out
 

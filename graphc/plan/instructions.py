@@ -87,6 +87,54 @@ class Backward(Instruction):
 
 
 @dataclass(frozen=True)
+class BackwardInput(Instruction):
+    """First half of a split backward: gradients of the stage's inputs only (sent upstream at
+    once); the stage keeps what its BackwardWeight of the same micro-batch needs."""
+
+    op: ClassVar[str] = "backward_input"
+    stage: int
+    microbatch: int
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "stage": self.stage, "microbatch": self.microbatch}
+
+    def __str__(self) -> str:
+        return f"{self.stage}I{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class BackwardWeight(Instruction):
+    """Second half of a split backward: the parameter gradients of one micro-batch."""
+
+    op: ClassVar[str] = "backward_weight"
+    stage: int
+    microbatch: int
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "stage": self.stage, "microbatch": self.microbatch}
+
+    def __str__(self) -> str:
+        return f"{self.stage}W{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class OverlapFB(Instruction):
+    """DualPipeV's pair: a forward of one chunk and a (whole) backward of another, meant to
+    overlap (one's compute under the other's communication). Printed as torch prints it,
+    `(2F3;1B1)OVERLAP_F_B`; on a CPU the two run one after the other."""
+
+    op: ClassVar[str] = "overlap_f_b"
+    forward: Forward
+    backward: Backward
+
+    def __str__(self) -> str:
+        return f"({self.forward};{self.backward})OVERLAP_F_B"
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "forward": self.forward.to_json(), "backward": self.backward.to_json()}
+
+
+@dataclass(frozen=True)
 class _P2P(Instruction):
     stage: int
     microbatch: int
@@ -231,10 +279,12 @@ class Collective(Instruction):
                 "note": self.note}
 
 
-COMPUTE = (Forward, Backward)
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight, OverlapFB)
 P2P = (Send, Recv)
 
-_COMPUTE_RE = re.compile(r"(\d+)([FB])(\d+)")
+_COMPUTE_RE = re.compile(r"(\d+)([FBIW])(\d+)")
+_COMPUTE_CLS = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
+_OVERLAP_RE = re.compile(r"\((\d+F\d+);(\d+B\d+)\)OVERLAP_F_B")
 _P2P_RE = re.compile(r"(\d+)(SEND|RECV)_([FB])(\d+) (to|from)=(\d+) stage=(\d+) \[(.*)\]")
 _COLL_RE = re.compile(r"(\d+)([FB])(\d+)\.(\w+) (\S+) (.+)->(.+) ranks=\[([\d, ]*)\] bytes=(\d+)(?: # (.*))?")
 _AR_RE = re.compile(r"ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\]")
@@ -248,8 +298,9 @@ def parse_instruction(text: str) -> Instruction:
     if text == "OPTIMIZER_STEP":
         return OptimizerStep()
     if m := _COMPUTE_RE.fullmatch(text):
-        cls = Forward if m.group(2) == "F" else Backward
-        return cls(int(m.group(1)), int(m.group(3)))
+        return _COMPUTE_CLS[m.group(2)](int(m.group(1)), int(m.group(3)))
+    if m := _OVERLAP_RE.fullmatch(text):
+        return OverlapFB(parse_instruction(m.group(1)), parse_instruction(m.group(2)))
     if m := _P2P_RE.fullmatch(text):
         cls = Send if m.group(2) == "SEND" else Recv
         specs = tuple(TensorSpec.parse(s) for s in m.group(8).split())
@@ -280,6 +331,12 @@ def instruction_from_json(d: dict) -> Instruction:
         return Forward(d["stage"], d["microbatch"])
     if op == "backward":
         return Backward(d["stage"], d["microbatch"])
+    if op == "backward_input":
+        return BackwardInput(d["stage"], d["microbatch"])
+    if op == "backward_weight":
+        return BackwardWeight(d["stage"], d["microbatch"])
+    if op == "overlap_f_b":
+        return OverlapFB(instruction_from_json(d["forward"]), instruction_from_json(d["backward"]))
     if op in ("send", "recv"):
         cls = Send if op == "send" else Recv
         return cls(d["stage"], d["microbatch"], d["peer"], d["direction"], d["peer_stage"], specs)

@@ -6,7 +6,7 @@ from graphc.plan.schedules import compute_order
 
 
 def order(schedule, stage, p, m):
-    return " ".join(str(i)[len(str(stage)):] for i in compute_order(schedule, stage, p, m))
+    return " ".join(str(i)[len(str(stage)):] for i in compute_order(schedule, stage, p, p, m))
 
 
 def test_1f1b_p4_m8_matches_the_canonical_order():
@@ -41,7 +41,7 @@ def test_gpipe_p2_small_m(m):
 def test_1f1b_holds_at_most_min_p_minus_s_m(p, m):
     for s in range(p):
         live = peak = 0
-        for ins in compute_order("1f1b", s, p, m):
+        for ins in compute_order("1f1b", s, p, p, m):
             live += 1 if str(ins)[len(str(s))] == "F" else -1
             peak = max(peak, live)
         assert peak == min(p - s, m)
@@ -49,4 +49,4 @@ def test_1f1b_holds_at_most_min_p_minus_s_m(p, m):
 
 def test_unknown_schedule_is_a_user_error():
     with pytest.raises(GraphcError, match="unknown pipeline schedule 'zb'"):
-        compute_order("zb", 0, 2, 2)
+        compute_order("zb", 0, 2, 2, 2)

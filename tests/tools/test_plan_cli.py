@@ -75,7 +75,7 @@ def test_plan_writes_every_rank_with_the_schedule(tmp_path, n, schedule):
     check_pairing(plans)
     for p in plans:
         compute = [i for i in p.instructions if isinstance(i, (Forward, Backward))]
-        assert compute == compute_order(schedule, p.rank, n, 4), f"rank {p.rank}"
+        assert compute == compute_order(schedule, p.rank, n, n, 4), f"rank {p.rank}"
         assert p.schedule == schedule and p.num_microbatches == 4
 
 

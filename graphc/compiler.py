@@ -32,6 +32,7 @@ from .passes.insert_tie_sync import insert_tie_sync
 from .passes.list_collectives import list_collectives
 from .passes.localize_ops import localize_ops
 from .passes.lower_plan import lower_plan
+from .passes.place_by_layout import found_stages, place_by_layout
 from .passes.propagate_shapes import propagate_shapes
 from .passes.seed_random_ops import seed_random_ops
 from .passes.split_stages import split_stages
@@ -119,7 +120,12 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     _step(h, "verify_traced", verify_traced, gm)
     warn_unused_parameters(graph_obj._root, gm)
     training = any(n.op == "call_method" and n.target == BACKWARD_TARGET for n in gm.graph.nodes)
-    # 3. a pipeline stage for every node, from set_stage and data flow
+    if not stage_of_module:
+        # 2a. without set_stage every op runs where its inputs and parameters are placed; each
+        #     placement is a stage, in data-flow order (NOTE: Stages from placements)
+        gm = _step(h, "place_by_layout", place_by_layout, gm, input_layouts)
+        stages = placed_stages(gm, graph_obj.config.pipeline_schedule, world_size) or stages
+    # 3. a pipeline stage for every node, from set_stage (or the placements) and data flow
     gm = _step(h, "annotate_stages", annotate_stages, gm, stage_of_module)
     # 4. per-micro-batch shapes, so every transfer's buffer is known before running
     gm = _step(h, "propagate_shapes", propagate_shapes, gm, example_inputs, m)
@@ -163,6 +169,11 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     _step(h, "verify_plans", verify_plans, plans)
     input_meta = [(tuple(t.shape), t.dtype) for t in example_inputs]
     compiled = CompiledGraph(gm, stages, programs, plans, training, m, input_meta, h, meshes)
+    note = stages_note(gm, world_size)
+    if note:  # the stages nobody wrote down: said once, and kept on every rank's plan
+        _log.info("%s: %s", type(graph_obj).__name__, note)
+        for plan in plans:
+            plan.notes["stages"] = note
     if debug_level() >= 1:
         total = sum(r.seconds for r in h)
         _log.info("compiled %s: %d stage(s), %d micro-batch(es), schedule=%s, %s, %.0f ms",
@@ -182,7 +193,7 @@ def collect_stages(graph_obj, world_size: int):
         return [StageInfo(0, ranks, _default_device_type(graph_obj))], {}
     by_id: Dict[int, Any] = {}
     for name, c in sorted(configured.items(), key=lambda kv: kv[1].stage_id):
-        _check_ranks(name, c.placement, world_size)
+        _check_ranks(f"module '{name}'", c.placement, world_size)
         prev = by_id.setdefault(c.stage_id, (name, c.placement))
         if prev[1] != c.placement:
             raise GraphcError(
@@ -199,11 +210,31 @@ def collect_stages(graph_obj, world_size: int):
     return stages, {name: c.stage_id for name, c in configured.items()}
 
 
-def _check_ranks(name: str, placement, world_size: int) -> None:
+def placed_stages(gm: fx.GraphModule, schedule: str, world_size: int) -> List[StageInfo]:
+    """The stages place_by_layout found, checked as set_stage's are ([] if none was placed)."""
+    found = found_stages(gm)
+    for f in found:
+        _check_ranks(f.sources[0], f.placement, world_size)
+    stages = [StageInfo(i, f.placement.flat_ranks, f.placement.type) for i, f in enumerate(found)]
+    if stages:
+        pipeline_ranks(stages, schedule, training=False)  # overlaps
+    return stages
+
+
+def stages_note(gm: fx.GraphModule, world_size: int) -> str:
+    """'stages found from placements: stage 0 = ranks [0, 1] (...), ...', or '' when the
+    placements give the one stage on every rank that a program without them runs on."""
+    found = found_stages(gm)
+    if not found or (len(found) == 1 and sorted(found[0].placement.flat_ranks) == list(range(world_size))):
+        return ""
+    return "stages found from placements: " + ", ".join(f"stage {i} = {f}" for i, f in enumerate(found))
+
+
+def _check_ranks(who: str, placement, world_size: int) -> None:
     bad = [r for r in placement.flat_ranks if r >= world_size]
     if bad:
         raise GraphcError(
-            f"module '{name}': placement {placement} names rank(s) {bad}, but the world has "
+            f"{who}: placement {placement} names rank(s) {bad}, but the world has "
             f"{world_size} rank(s) (0..{world_size - 1}). Fix: launch with torchrun "
             f"--nproc_per_node {max(placement.flat_ranks) + 1}, or use ranks below {world_size}.")
 

@@ -355,7 +355,8 @@ class Graph:
         if self._compiled is None:
             mods = ", ".join(f"{k}: {type(v).__name__}" for k, v in self._root._modules.items())
             return f"{name}(not compiled; modules: {mods})"
-        parts = [f"{name} (compiled)"] + [str(p) for p in self._compiled.programs] + [str(self.plan)]
+        notes = "".join(f"\n# {note}" for note in self.plan.notes.values())  # e.g. stages found
+        parts = [f"{name} (compiled){notes}"] + [str(p) for p in self._compiled.programs] + [str(self.plan)]
         return "\n\n".join(parts)
 
 

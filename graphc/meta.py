@@ -10,6 +10,8 @@ META_TENSOR = "graphc_tensor"        # TensorMeta | None: per-micro-batch value 
 META_BATCHED = "graphc_batched"      # bool: placeholder split into micro-batches along dim 0
 META_ROWS = "graphc_rows"            # RowsMeta: where the value holds the batch's rows (find_batch_dims)
 META_GRAD_ENABLED = "graphc_grad_enabled"  # bool: grad mode build() traced the node in (no_grad regions)
+META_PLACEMENT = "graphc_placement"  # placement: where the op runs without set_stage (place_by_layout)
+META_FOUND_STAGES = "graphc_found_stages"  # gm.meta: tuple[FoundStage], stages in data-flow order (place_by_layout)
 
 BACKWARD_TARGET = "backward"         # call_method target of `loss.backward()` in build()
 
@@ -40,6 +42,20 @@ class RowsMeta:
 
     def __str__(self) -> str:
         return f"rows@{self.dim}" if self.dim is not None else ("rows-mean" if self.reduced else "whole")
+
+
+@dataclass(frozen=True)
+class FoundStage:
+    """A pipeline stage found from placements: the placement, and what the program placed
+    there (parameters, inputs, to_global targets), for printing."""
+
+    placement: object            # graphc.placement
+    sources: Tuple[str, ...]
+
+    def __str__(self) -> str:
+        shown = ", ".join(self.sources[:3]) + (", ..." if len(self.sources) > 3 else "")
+        ranks = [list(r) if isinstance(r, tuple) else r for r in self.placement.ranks]
+        return f"ranks {ranks} ({shown})"
 
 
 def tensor_meta(node) -> Optional[TensorMeta]:

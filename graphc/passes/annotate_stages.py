@@ -2,6 +2,8 @@
 
 Invariant: every node has node.meta[META_STAGE] (an index into ctx.stages) and
 META_STAGE_WHY naming the rule that set it. The rules, in order:
+  0. placement - without set_stage, a node place_by_layout placed keeps its stage (See
+               NOTE: Stages from placements);
   1. module  - a node inside (or calling) a module configured with set_stage takes the
                innermost such module's stage;
   2. forward - any other node with staged inputs takes the latest of its inputs' stages
@@ -12,7 +14,8 @@ META_STAGE_WHY naming the rule that set it. The rules, in order:
 A module called on two stages (shared) takes its caller's stage at each call, and a
 parameter or buffer read on several stages is one get_attr node per stage: every stage
 that uses a parameter holds it (tied parameters, see insert_tie_sync).
-Requires: trace_build; ctx.stage_of_module maps configured qualified names to stages.
+Requires: trace_build (and place_by_layout without set_stage); stage_of_module maps
+configured qualified names to stages.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from ..meta import BACKWARD_TARGET, META_STAGE, META_STAGE_WHY
 def annotate_stages(gm: fx.GraphModule, stage_of_module: Dict[str, int]) -> fx.GraphModule:
     nodes = list(gm.graph.nodes)
     for node in nodes:
+        if META_STAGE in node.meta:  # placed by place_by_layout
+            continue
         stage = _module_stage(node, stage_of_module)
         if stage is not None:
             _set(node, stage, "module")

@@ -91,13 +91,14 @@ def rows_of(t: torch.Tensor, where: graphc.placement, rank: int) -> torch.Tensor
 
 
 def reference(steps: int):
-    """Eager PyTorch on the whole batch, same initial weights."""
+    """Eager PyTorch on the whole batch, same initial weights (the stages called in turn:
+    outside build(), to_global makes a GlobalTensor rather than moving a value)."""
     torch.manual_seed(0)
     model = ModuleModel(placed=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
     for x, y in data(steps):
-        loss = F.mse_loss(model(x)[1], y)
+        loss = F.mse_loss(model.m_stage1(model.m_stage0(x)), y)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -7,7 +7,9 @@ Every rank can compute every rank's plan, so one process checks that:
      ranks, tensors (shapes, dtypes) or conversion as every other member's k-th;
   3. the union of all plans, with sends joined to their recvs and collectives joined
      across ranks, is acyclic (so no rank can wait forever on another); a cycle is
-     printed rank by rank.
+     printed rank by rank;
+  4. each rank computes every (stage, micro-batch) it starts as a program: one forward,
+     then one backward, whole (B) or split into I and, after it, W; in training, all of it.
 A failure raises PlanError naming the rank and instruction, with the plan listing marked.
 """
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Dict, List, Sequence, Tuple
 import networkx as nx
 
 from ..errors import PlanError
-from .instructions import AllReduce, Collective, Instruction, Recv, Send
+from .instructions import (AllReduce, Backward, BackwardInput, BackwardWeight, Collective,
+                           Forward, Instruction, OverlapFB, Recv, Send)
 from .plan import ExecutionPlan
 
 
@@ -30,6 +33,8 @@ COLLECTIVES = (AllReduce, Collective)
 def verify_plans(plans: Sequence[ExecutionPlan]) -> None:
     """Raises PlanError if the plans cannot run together to completion."""
     by_rank = {p.rank: p for p in plans}
+    for plan in plans:
+        _check_compute_order(plan)
     pairs = _pair_p2p(by_rank)
     groups = _pair_collectives(by_rank)
     _check_acyclic(by_rank, pairs, groups)
@@ -38,6 +43,48 @@ def verify_plans(plans: Sequence[ExecutionPlan]) -> None:
 def _fail(plan: ExecutionPlan, index: int, why: str) -> None:
     raise PlanError(f"plan verification failed on rank {plan.rank}, instruction #{index} "
                     f"`{plan.instructions[index]}`: {why}\n{plan.format(mark=index)}")
+
+
+# the compute of one (stage, micro-batch) on its rank, in order: a whole or a split backward
+_PASSES = {Forward: "F", Backward: "B", BackwardInput: "I", BackwardWeight: "W"}
+_PROGRAMS = ("FB", "FIW")
+
+
+def _check_compute_order(plan: ExecutionPlan) -> None:
+    """Fails unless each (stage, micro-batch) runs F, then B or I then W, each once (check 4)."""
+    seen: Dict[Tuple[int, int], str] = {}
+    last: Dict[Tuple[int, int], int] = {}
+    for i, ins in enumerate(plan.instructions):
+        parts = (ins.forward, ins.backward) if isinstance(ins, OverlapFB) else (ins,)
+        for part in parts:
+            if type(part) not in _PASSES:
+                continue
+            key, step = (part.stage, part.microbatch), _PASSES[type(part)]
+            done = seen.get(key, "")
+            if not any(prog.startswith(done + step) for prog in _PROGRAMS):
+                _fail(plan, i, _misordered(part, done, step, plan.schedule))
+            seen[key], last[key] = done + step, i
+    for key, done in seen.items():
+        if plan.training and done not in _PROGRAMS:
+            missing = "B (or I and W)" if done == "F" else "W"
+            _fail(plan, last[key], f"stage {key[0]} micro-batch {key[1]} ran {'+'.join(done)} "
+                  f"and never its {missing}: its backward is incomplete. The schedule "
+                  f"'{plan.schedule}' (graphc/plan/schedules.py) must list it")
+
+
+def _misordered(part: Instruction, done: str, step: str, schedule: str) -> str:
+    after = "+".join(done) or "nothing"
+    what = f"`{part}` (stage {part.stage} micro-batch {part.microbatch}, after {after})"
+    if step in done:
+        why = f"{what} runs a second time"
+    elif step == "W":
+        why = f"{what} comes before its I: a weight gradient needs the input gradient's pass first"
+    elif not done:
+        why = f"{what} comes before its forward"
+    else:
+        why = f"{what} mixes a whole backward (B) with a split one (I, W)"
+    return (f"{why}. Each (stage, micro-batch) runs F, then B or I then W, each once; the "
+            f"schedule '{schedule}' (graphc/plan/schedules.py) or a pass that moved compute broke it")
 
 
 def _p2p_queues(by_rank) -> Dict[Tuple[int, int], Dict[str, List[Tuple[int, Instruction]]]]:

@@ -1,8 +1,31 @@
-"""Golden compute orders of the pipeline schedules."""
+"""Compute orders of the pipeline schedules: golden ones, torch's, valid programs, plans.
+
+torch.distributed.pipelining is the oracle: each schedule's per-rank order must be the
+compute torch's schedule of the same name runs, action for action (torch's idle slots and
+REDUCE_GRAD dropped).
+"""
+import logging
+from collections import defaultdict
+from unittest import mock
+
 import pytest
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+from torch.distributed.pipelining.stage import PipelineStage
 
 from graphc.errors import GraphcError
-from graphc.plan.schedules import compute_order
+from graphc.passes.lower_plan import lower_plan
+from graphc.plan.instructions import (Backward, BackwardInput, BackwardWeight, Forward,
+                                      OverlapFB, TensorSpec)
+from graphc.plan.plan import StageInfo
+from graphc.plan.program import StageProgram
+from graphc.plan.schedules import (ONE_STAGE, SCHEDULES, V_SHAPED, check_schedule,
+                                   compute_order, layout, peak_live)
+from graphc.plan.verify import verify_plans
+
+TORCH_NAME = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+              "looped_bfs": "LoopedBFS", "zero_bubble": "InterleavedZeroBubble",
+              "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
 
 
 def order(schedule, stage, p, m):
@@ -40,13 +63,183 @@ def test_gpipe_p2_small_m(m):
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 3), (4, 8), (4, 2), (8, 3)])
 def test_1f1b_holds_at_most_min_p_minus_s_m(p, m):
     for s in range(p):
-        live = peak = 0
-        for ins in compute_order("1f1b", s, p, p, m):
-            live += 1 if str(ins)[len(str(s))] == "F" else -1
-            peak = max(peak, live)
-        assert peak == min(p - s, m)
+        assert peak_live(compute_order("1f1b", s, p, p, m)) == min(p - s, m)
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 3), (4, 8), (8, 3)])
+def test_gpipe_holds_every_microbatch(p, m):
+    for s in range(p):
+        assert peak_live(compute_order("gpipe", s, p, p, m)) == m
 
 
 def test_unknown_schedule_is_a_user_error():
     with pytest.raises(GraphcError, match="unknown pipeline schedule 'zb'"):
         compute_order("zb", 0, 2, 2, 2)
+
+
+# --- torch.distributed.pipelining as the oracle ---
+
+def torch_order(schedule, p, m, v):
+    """Per pipeline rank, the compute torch runs under `schedule`, printed as graphc prints it."""
+    cls = get_schedule_class(TORCH_NAME[schedule])
+    if v == 1 and issubclass(cls, PipelineScheduleMulti):
+        ops = _one_chunk_per_rank(cls, p, m)
+    else:
+        ops = get_schedule_ops(TORCH_NAME[schedule], p, m, num_stages_per_rank=v)
+    return [[str(a) for a in rank if a is not None and a.is_compute_op] for rank in ops]
+
+
+def _one_chunk_per_rank(cls, p, m):
+    """The visualizer takes v >= 2 for multi-stage schedules; this builds one with v = 1 as it
+    does, from a stand-in stage (the schedule reads only its rank, group size and count)."""
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, p, None, p
+    return [cls([stage], m).pipeline_order[r] for r in range(p)]
+
+
+def _grid():
+    for schedule in sorted(SCHEDULES):
+        for p in (2, 4):
+            vs = (1,) if schedule in ONE_STAGE else (2,) if schedule in V_SHAPED else (1, 2)
+            for v in vs:
+                for m in (p, 2 * p, 4 * p):
+                    if not (schedule == "dualpipev" and m < 2 * p):   # torch refuses it too
+                        yield schedule, p, v, m
+
+
+GRID = list(_grid())
+
+
+@pytest.fixture(autouse=True)
+def _quiet_torch():
+    # torch's zero bubble logs a warning per schedule it pads with idle slots
+    logging.disable(logging.WARNING)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+@pytest.mark.parametrize("schedule,p,v,m", GRID)
+def test_order_is_torchs(schedule, p, v, m):
+    want = torch_order(schedule, p, m, v)
+    got = [[str(i) for i in compute_order(schedule, r, p, p * v, m)] for r in range(p)]
+    if schedule == "1f1b":
+        # the visualizer numbers the last rank's forwards from 1 (1F1..1F4 for p = m = 4): an
+        # off-by-one of Schedule1F1B's drawing, not of its run. The goldens above check that rank.
+        got, want = got[:-1], want[:-1]
+    assert got == want
+
+
+# --- every order is a program: F, then B or I then W, once per (stage, micro-batch) ---
+
+PASS = {Forward: "F", Backward: "B", BackwardInput: "I", BackwardWeight: "W"}
+
+
+def passes_run(order):
+    """(stage, micro-batch) -> the passes run on it, in order, e.g. 'FIW'."""
+    ran = defaultdict(str)
+    for ins in order:
+        for part in (ins.forward, ins.backward) if isinstance(ins, OverlapFB) else (ins,):
+            ran[part.stage, part.microbatch] += PASS[type(part)]
+    return ran
+
+
+def _accepted(schedule, p, v, m):
+    try:
+        check_schedule(schedule, p, p * v, m)
+        return True
+    except GraphcError:
+        return False
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_every_rank_runs_a_valid_program(schedule):
+    for p in (1, 2, 3, 4, 5):
+        for v in (1, 2, 3):
+            for m in range(1, 3 * p + 2):
+                if not _accepted(schedule, p, v, m):
+                    continue
+                chunks = layout(schedule, p, p * v)
+                for r in range(p):
+                    ran = passes_run(compute_order(schedule, r, p, p * v, m))
+                    where = f"{schedule} p={p} v={v} m={m} rank {r}"
+                    assert set(ran) == {(s, i) for s in chunks[r] for i in range(m)}, where
+                    assert {k: x for k, x in ran.items() if x not in ("FB", "FIW")} == {}, where
+
+
+# --- preconditions: torch's, as GraphcErrors that say what to change ---
+
+@pytest.mark.parametrize("schedule", sorted(set(SCHEDULES) - {"1f1b"}))
+@pytest.mark.parametrize("p", [2, 3])
+def test_accepts_the_microbatch_counts_torch_accepts(schedule, p):
+    v = 1 if schedule in ONE_STAGE else 2
+    for m in range(1, 4 * p + 2):
+        try:
+            torch_order(schedule, p, m, v)
+            torch_ok = True
+        except ValueError:
+            torch_ok = False
+        assert _accepted(schedule, p, v, m) == torch_ok, (schedule, p, m)
+
+
+def test_1f1b_takes_fewer_microbatches_than_ranks():
+    # torch's Schedule1F1B needs m >= p; graphc's warm-up of min(p - s, m) does not
+    check_schedule("1f1b", 4, 4, 1)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+def test_rounds_must_divide_the_microbatches(schedule):
+    with pytest.raises(GraphcError, match=rf"'{schedule}' with 4 pipeline ranks runs micro-batches "
+                       r"in .* found 9 micro-batches, which do not split into 2 equal rounds.*"
+                       r"set_gradient_accumulation_steps\(8\) or \(10\)"):
+        compute_order(schedule, 0, 4, 8, 9)
+
+
+def test_dualpipev_needs_a_microbatch_per_stage():
+    with pytest.raises(GraphcError, match=r"'dualpipev' with 2 pipeline ranks needs at least .* 4; "
+                       r"found 3\. Fix: .*set_gradient_accumulation_steps\(4\).*'zbv'"):
+        compute_order("dualpipev", 1, 2, 4, 3)
+
+
+@pytest.mark.parametrize("schedule,p,n,match", [
+    ("1f1b", 2, 4, r"'1f1b' with 2 pipeline ranks runs one stage per rank; found 4 stages"),
+    ("interleaved_1f1b", 2, 5, r"same number of stages on every rank .* found 5 stages\. "
+                               r"Fix: split the model into 4 or 6 stages"),
+    ("zbv", 2, 6, r"'zbv' .* exactly two stages per rank, 4 in all; found 6"),
+    ("dualpipev", 3, 4, r"'dualpipev' .* exactly two stages per rank, 6 in all; found 4"),
+])
+def test_stages_per_rank_are_checked(schedule, p, n, match):
+    with pytest.raises(GraphcError, match=match):
+        check_schedule(schedule, p, n, 4 * p)
+
+
+def test_inference_orders_are_not_checked():
+    # forward_only runs any micro-batch count
+    assert len(compute_order("dualpipev", 0, 2, 4, 1, training=False)) == 2
+
+
+# --- plans lowered from every schedule verify ---
+
+SPEC = TensorSpec("h", (4, 8), "float32")
+
+
+def chain_plans(schedule, p, v, m):
+    """Plans of a chain of p*v stages, each sending one tensor to the next, laid out as
+    `schedule` needs (one rank per pipeline rank) and lowered as the compiler lowers them."""
+    n = p * v
+    progs = [StageProgram(s, None, [], [], {}, {s - 1: [SPEC]} if s else {},
+                          {s + 1: [SPEC]} if s < n - 1 else {}, {"h": True}) for s in range(n)]
+    rank_of = {s: r for r, chunks in enumerate(layout(schedule, p, n)) for s in chunks}
+    stages = [StageInfo(s, (rank_of[s],)) for s in range(n)]
+    return lower_plan(progs, stages, schedule, m, True, p)
+
+
+@pytest.mark.parametrize("schedule,p,v,m", GRID)
+def test_lowered_plans_verify(schedule, p, v, m):
+    # with two chunks per rank a channel carries activations and gradients, in an order
+    # lower_plan must make the sender's and the receiver's alike
+    verify_plans(chain_plans(schedule, p, v, m))
+
+
+def test_a_bad_microbatch_count_fails_when_lowering():
+    with pytest.raises(GraphcError, match="'dualpipev' .* needs at least"):
+        chain_plans("dualpipev", 2, 2, 2)

@@ -47,7 +47,7 @@ def place_by_layout(gm: fx.GraphModule, input_layouts: Sequence = ()) -> fx.Grap
         claim = _own_claim(gm, node, given)
         if claim is None or node.op == "call_module":
             held = [(_what(a, placed[a]), placed[a]) for a in node.all_input_nodes if a in placed]
-            claim = _agreed(node, ([(f"its {claim[1]}", claim)] if claim else []) + held)
+            claim = _agreed(node, held + ([(f"its {claim[1]}", claim)] if claim else []))
         if claim is not None:
             placed[node] = claim
     found = _stages_in_data_flow_order(placed)
@@ -123,16 +123,22 @@ def _what(value: fx.Node, claim: Claim) -> str:
 
 
 def _disagree(node: fx.Node, a: Tuple[str, Claim], b: Tuple[str, Claim]) -> GraphcError:
+    if _is_parameter(a[0]) and not _is_parameter(b[0]):  # parameters stay; values move
+        a, b = b, a
     (a_what, (a_where, _)), (b_what, (b_where, _)) = a, b
-    ranks = [list(r) if isinstance(r, tuple) else r for r in a_where.ranks]
+    ranks = [list(r) if isinstance(r, tuple) else r for r in b_where.ranks]
     op = f"module '{node.target}'" if node.op == "call_module" else f"'{node.name}'"
     return GraphcError(
         f"{op} at {user_line(node)} reads {a_what} on {a_where} and {b_what} on {b_where}. "
         "Without set_stage an op runs where its inputs and parameters are placed, and a value "
-        "moves to another placement only where build() calls graphc.to_global. Fix: move one "
-        "of them before this op, e.g. graphc.to_global(<that value>, placement=graphc.placement("
-        f"\"{a_where.type}\", ranks={ranks}), sbp=graphc.sbp.broadcast), or declare both on one "
-        "placement.")
+        "moves to another placement only where build() calls graphc.to_global. Fix: move "
+        f"{a_what.split(' (')[0]} to ranks {ranks} before this op, with graphc.to_global(value, "
+        f"placement=graphc.placement(\"{b_where.type}\", ranks={ranks}), sbp=graphc.sbp.broadcast) "
+        "(or the sbp the op needs), or declare both on one placement.")
+
+
+def _is_parameter(what: str) -> bool:
+    return what.startswith(("parameter ", "its parameter "))
 
 
 def _stages_in_data_flow_order(placed: Dict[fx.Node, Claim]) -> List[FoundStage]:

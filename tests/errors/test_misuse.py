@@ -380,6 +380,40 @@ def test_to_global_without_a_placement():
         graphc.to_global(X, placement=[0, 1], sbp=S.broadcast)
 
 
+def _placed(a_ranks, b_ranks):
+    model = TwoStage()
+    graphc.to_global(model.a, placement=P("cpu", ranks=a_ranks), sbp=S.broadcast)
+    graphc.to_global(model.b, placement=P("cpu", ranks=b_ranks), sbp=S.broadcast)
+    return model
+
+
+def test_op_reading_values_on_two_placements_without_set_stage():
+    with raises("module 'model.b' at", "test_misuse.py", "reads 'model_a' (placed by parameter "
+                "model.a.weight) on placement(type=\"cpu\", ranks=[0])", "its parameter "
+                "model.b.weight on placement(type=\"cpu\", ranks=[1])", "graphc.to_global", "Fix"):
+        compile_for(Train(model=_placed([0], [1])), 2)
+
+
+def test_placements_sharing_some_ranks_without_set_stage():
+    def body(g, x):
+        h = graphc.to_global(g.model.a(x), placement=P("cpu", ranks=[1, 2]), sbp=S.broadcast)
+        loss = g.model.b(h).sum()
+        loss.backward()
+        return loss
+    with raises("share rank(s) [1] without being the same ranks", "Fix"):
+        compile_for(Train(model=_placed([0, 1], [1, 2]), body=body), 3)
+
+
+def test_value_sent_back_to_an_earlier_placement_without_set_stage():
+    def body(g, x):
+        h = g.model.b(graphc.to_global(g.model.a(x), placement=P("cpu", ranks=[1]), sbp=S.broadcast))
+        loss = (graphc.to_global(h, placement=P("cpu", ranks=[0]), sbp=S.broadcast) * 2).sum()
+        loss.backward()
+        return loss
+    with raises("build() moves values between", "in both directions", "Fix"):
+        compile_for(Train(model=_placed([0], [1]), body=body), 2)
+
+
 # -- state ----------------------------------------------------------------------------------
 def test_state_dict_before_compiling():
     with raises("state_dict() needs a compiled graph", "graph.compile(*inputs)"):

@@ -1,4 +1,4 @@
-"""Seed 003's hybrid program (examples/global_tensors.py) on 4 gloo ranks equals eager PyTorch.
+"""examples/global_tensors.py: seed 003's hybrid program on 4 gloo ranks equals eager PyTorch.
 
 Both of the guide's tabs: the global program without set_stage (graphc finds the stages from
 the placements, NOTE: Stages from placements in passes/place_by_layout.py) and the Graph with

@@ -183,7 +183,7 @@ class Graph:
             object.__setattr__(self, "_compiled", plan_mode.compile_graph(self, args))
             return
         _check_cuda_available(self, args)  # before torch's own AssertionError, on every rank
-        device_types = {c.placement.type for c in self._module_configs.values() if c.placement}
+        device_types = {where.type for _, where in _named_placements(self, args)}  # set_stage or not
         rank, world = ensure_process_group(device_types or {"cpu"})
         compiled = self._trace_and_compile(args, world)
         _check_input_placements(compiled, args)
@@ -360,17 +360,23 @@ class Graph:
         return "\n\n".join(parts)
 
 
-def _check_cuda_available(graph: Graph, args) -> None:
-    """A "cuda" placement needs a CUDA device on this machine (graphc plan needs none)."""
-    if torch.cuda.is_available():
-        return
+def _named_placements(graph: Graph, args) -> list:
+    """(who, placement) for every placement the program names: set_stage, to_global on
+    parameters and buffers, GlobalTensor inputs."""
     named = [(f"module '{name}'", c.placement) for name, c in graph._module_configs.items()
              if c.placement is not None]
     for key, t in graph._root.state_dict(keep_vars=True).items():
         layout = declared_layout(t)
         named += [(f"parameter or buffer '{key}'", layout[0])] if layout else []
     named += [(f"input {i}", where) for i, (_, (_, _, where)) in enumerate(args) if where is not None]
-    for who, where in named:
+    return named
+
+
+def _check_cuda_available(graph: Graph, args) -> None:
+    """A "cuda" placement needs a CUDA device on this machine (graphc plan needs none)."""
+    if torch.cuda.is_available():
+        return
+    for who, where in _named_placements(graph, args):
         if where.type == "cuda":
             raise GraphcError(
                 f"{who} is placed on {where}, but this machine has no CUDA device "

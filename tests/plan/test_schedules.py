@@ -6,6 +6,7 @@ REDUCE_GRAD dropped).
 """
 import logging
 from collections import defaultdict
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -243,3 +244,35 @@ def test_lowered_plans_verify(schedule, p, v, m):
 def test_a_bad_microbatch_count_fails_when_lowering():
     with pytest.raises(GraphcError, match="'dualpipev' .* needs at least"):
         chain_plans("dualpipev", 2, 2, 2)
+
+
+PEAK = {  # rank r's peak live chunk-micro-batches, as the docstrings state (k: round size)
+    "interleaved_1f1b": lambda p, v, m, k, r: min((v - 1) * k + 2 * (p - r) - 1, v * m),
+    "looped_bfs": lambda p, v, m, k, r: v * m,
+    "zero_bubble": lambda p, v, m, k, r: min((v - 1) * k + p, v * m),
+    "zbv": lambda p, v, m, k, r: min(2 * p, 2 * m, m + r + 1),
+    "dualpipev": lambda p, v, m, k, r: 2 * p + 1,
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(PEAK))
+def test_peak_live_of_the_multi_chunk_schedules(schedule):
+    for p in (1, 2, 3, 4):
+        for v in ((2,) if schedule in V_SHAPED else (1, 2, 3)):
+            for m in range(1, 4 * p + 1):
+                if _accepted(schedule, p, v, m):
+                    k = m // max(1, m // p)
+                    got = [peak_live(compute_order(schedule, r, p, p * v, m)) for r in range(p)]
+                    assert got == [PEAK[schedule](p, v, m, k, r) for r in range(p)], (p, v, m)
+
+
+def test_docs_peak_column_is_peak_live():
+    """docs/schedules.md's example column (p=4, m=16) is what peak_live finds."""
+    doc = Path(__file__).parents[2] / "docs" / "schedules.md"
+    rows = [line.split("|") for line in doc.read_text().splitlines() if line.startswith("| `")]
+    assert {row[1].split("`")[1] for row in rows} == set(SCHEDULES)
+    for row in rows:
+        schedule, p = row[1].split("`")[1], 4
+        v = 1 if schedule in ONE_STAGE else 2
+        want = [peak_live(compute_order(schedule, r, p, p * v, 16)) for r in range(p)]
+        assert row[-2].strip() == ", ".join(map(str, want)), schedule

@@ -45,9 +45,10 @@ def place_by_layout(gm: fx.GraphModule, input_layouts: Sequence = ()) -> fx.Grap
         if node.op == "output" or _is_backward(node):
             continue
         claim = _own_claim(gm, node, given)
-        if claim is None or node.op == "call_module":
+        if claim is None or node.op == "call_module":  # a module's inputs must agree with it
             held = [(_what(a, placed[a]), placed[a]) for a in node.all_input_nodes if a in placed]
-            claim = _agreed(node, held + ([(f"its {claim[1]}", claim)] if claim else []))
+            agreed = _agreed(node, held + ([(f"its {claim[1]}", claim)] if claim else []))
+            claim = claim or agreed
         if claim is not None:
             placed[node] = claim
     found = _stages_in_data_flow_order(placed)

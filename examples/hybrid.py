@@ -34,8 +34,8 @@ class ModuleModel(nn.Module):
         super().__init__()
         # stage 0: data parallel on ranks 0 and 1; stage 1: model parallel on ranks 2 and 3
         self.m_stage0 = StageModule(5, 8, *((P01, graphc.sbp.broadcast) if placed else ()))
-        # 8 x 4 rather than the guide's 8 x 3: graphc splits into equal shards
-        self.m_stage1 = StageModule(8, 4, *((P23, graphc.sbp.split(1)) if placed else ()))
+        # 8 x 3 split(1) over 2 ranks: rank 2 holds 2 columns, rank 3 one (torch.chunk's shards)
+        self.m_stage1 = StageModule(8, 3, *((P23, graphc.sbp.split(1)) if placed else ()))
 
     def forward(self, x):
         out_stage0 = self.m_stage0(x)
@@ -62,7 +62,7 @@ class GraphModel(graphc.Graph):
 
 def data(steps: int):
     g = torch.Generator().manual_seed(7)
-    return [(torch.randn(4, 5, generator=g), torch.randn(4, 4, generator=g)) for _ in range(steps)]
+    return [(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)) for _ in range(steps)]
 
 
 def reference(steps: int):

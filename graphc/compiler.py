@@ -139,7 +139,7 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     # 5a'. with deferred batch norm, running statistics take one whole-mini-batch update per step
     gm = _step(h, "defer_batch_norm", defer_batch_norm, gm, cfg.deferred_batch_norm, m)
     # 5b. an SBP signature per node, cheapest by bytes moved, honouring the user's layouts
-    gm = _step(h, "infer_sbp", infer_sbp, gm, meshes, [l[1] if l else None for l in input_layouts])
+    gm = _step(h, "infer_sbp", infer_sbp, gm, meshes, [l[1] if l else None for l in input_layouts], m)
     # 5c. every SBP mismatch becomes a collective (with its dual in backward)
     gm = _step(h, "insert_boxing", insert_boxing, gm)
     # 5d. ops reading global sizes (mean over a split dim, reshape) get their local form

@@ -1,6 +1,7 @@
 """GlobalTensor and graphc.to_global."""
 from __future__ import annotations
 
+import os
 from typing import Tuple
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn as nn
 from .errors import GraphcError
 from .placement import Broadcast, PartialSum, Split, normalize_sbp
 from .placement import placement as Placement
+from .sbp.layout import local_shape
 
 
 class GlobalTensor:
@@ -45,13 +47,23 @@ class GlobalTensor:
                 f"local={self._local!r})")
 
 
-def to_global(obj, placement: Placement, sbp):
+def to_global(obj, placement: Placement, sbp, shape=None):
     """Declares where a module, parameter or tensor lives and how it is laid out.
 
     On an nn.Module: placement/sbp for all its parameters and buffers; returns the module.
     On an nn.Parameter or buffer: that tensor's placement/sbp; returns it unchanged.
     On a tensor outside build(): a GlobalTensor whose local component is the tensor.
     On a tensor inside build(): a conversion point in the traced graph.
+
+    Args:
+        shape: the global shape of a tensor outside build(), needed when a split dim does
+            not divide evenly over the ranks (the local shapes then differ by rank; rank k
+            holds chunk k of torch.chunk, see docs/sbp.md); by default the local shape times
+            the ranks of each split axis.
+
+    Example:
+        x = graphc.to_global(torch.randn(10, 5).chunk(4)[rank], placement=P0123,
+                             sbp=graphc.sbp.split(0), shape=(10, 5))   # 3, 3, 3, 1 rows
     """
     if not isinstance(placement, Placement):
         raise GraphcError(f"to_global needs placement=graphc.placement(...), found {placement!r}")
@@ -74,7 +86,10 @@ def to_global(obj, placement: Placement, sbp):
         obj = obj.to_local()
     if isinstance(obj, torch.Tensor):
         where = f"to_global on a tensor of shape {list(obj.shape)}"
-        return global_from_local(obj, placement, normalize_sbp(sbp, obj.dim(), where))
+        sbp_t = normalize_sbp(sbp, obj.dim(), where)
+        if shape is not None:
+            _check_local_shape(obj, placement, sbp_t, tuple(shape))
+        return global_from_local(obj, placement, sbp_t, shape)
     raise GraphcError(f"to_global expects an nn.Module, a parameter or a tensor, found {type(obj).__name__}")
 
 
@@ -105,16 +120,46 @@ def declared_layout(t: torch.Tensor):
     return entry[0], entry[1]
 
 
-def global_from_local(local: torch.Tensor, placement: Placement, sbp: tuple) -> GlobalTensor:
+def global_from_local(local: torch.Tensor, placement: Placement, sbp: tuple, shape=None) -> GlobalTensor:
+    """A GlobalTensor of global `shape` (default: the local shape times each split axis's ranks)."""
     if len(sbp) != placement.ndim:
         raise GraphcError(f"to_global: a {placement.ndim}-D placement needs {placement.ndim} sbp "
                           f"values, found {len(sbp)}: {sbp}")
+    if shape is not None:
+        return GlobalTensor(local, placement, sbp, tuple(shape))
     shape = list(local.shape)
     mesh = [len(placement.ranks)] if placement.ndim == 1 else [len(placement.ranks), len(placement.ranks[0])]
     for axis, s in enumerate(sbp):
         if isinstance(s, Split):
             shape[s.dim] *= mesh[axis]
     return GlobalTensor(local, placement, sbp, tuple(shape))
+
+
+def _check_local_shape(local: torch.Tensor, placement: Placement, sbp: tuple, shape: tuple) -> None:
+    """This rank's component must be its shard of `shape` (ranks outside pass any tensor)."""
+    if len(shape) != local.dim():
+        raise GraphcError(f"to_global: shape={list(shape)} has {len(shape)} dims, but the local "
+                          f"tensor has {local.dim()} (shape {list(local.shape)}). Fix: pass the "
+                          "global shape of the same tensor.")
+    rank = _this_rank()
+    if rank is None or rank not in placement.flat_ranks:
+        return
+    want = local_shape(shape, sbp, placement.ranks, rank)
+    if tuple(local.shape) != want:
+        raise GraphcError(
+            f"to_global on rank {rank}: the local tensor has shape {list(local.shape)}, but rank "
+            f"{rank}'s shard of a {list(shape)} tensor laid out as "
+            f"{sbp[0] if len(sbp) == 1 else sbp} on {placement} is {list(want)} (rank k holds "
+            "chunk k of torch.chunk along a split dim). Fix: pass this rank's chunk, "
+            "t.chunk(n, dim)[k] of the whole tensor t, or the right global shape.")
+
+
+def _this_rank():
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    rank = os.environ.get("RANK")
+    return int(rank) if rank is not None and rank.isdigit() else None
 
 
 def to_global_op(t: torch.Tensor, placement: tuple, sbp: tuple) -> torch.Tensor:

@@ -12,7 +12,7 @@ from .block import ModuleBlock
 from .config import GraphConfig
 from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
-from .meta import META_ROWS, META_SBP, META_STAGE
+from .meta import META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .placement import placement as Placement
 from .plan.plan import ExecutionPlan
 from .runtime.actors import Runtime
@@ -23,6 +23,7 @@ from .runtime.rng import agree_base_seed
 from .runtime.dist_env import device_for, ensure_process_group, timeout_seconds
 from .runtime.watchdog import run_step
 from .state import GraphState, check_state_dict
+from .sbp.layout import is_even
 from .tools import plan_mode
 from .tools.trace import Tracer
 
@@ -313,7 +314,8 @@ class Graph:
             sbp = sig.out if sig else (_broadcast(),)
             if node.name not in results:
                 return GlobalTensor(torch.empty(0), where, sbp, ())
-            return global_from_local(_merge(results[node.name], node.meta.get(META_ROWS)), where, sbp)
+            return global_from_local(_merge(results[node.name], node.meta.get(META_ROWS)), where, sbp,
+                                     _uneven_global_shape(node, self._compiled.num_microbatches))
 
         return fx.node.map_arg(out_node.args[0], wrap)
 
@@ -474,6 +476,20 @@ def _local_and_global(inputs) -> list:
 
 def _check_input_placements(compiled, args) -> None:
     placeholders = [n for n in compiled.gm.graph.nodes if n.op == "placeholder"]
+def _uneven_global_shape(node: fx.Node, m: int):
+    """The global shape of an output split unevenly (its local shape differs by rank, so it
+    does not tell the global one); None for any other output. Micro-batches concatenate
+    along the dim _merge joins them on."""
+    sig, meta = node.meta.get(META_SBP), node.meta.get(META_TENSOR)
+    if sig is None or meta is None or is_even(meta.shape, sig.out, sig.mesh):
+        return None
+    shape, rows = list(meta.shape), node.meta.get(META_ROWS)
+    joined = rows.dim if rows is not None else (0 if shape else None)
+    if m > 1 and joined is not None:
+        shape[joined] *= m
+    return tuple(shape)
+
+
     for node, (_, (_, _, where)) in zip(placeholders, args):
         if where is None:
             continue

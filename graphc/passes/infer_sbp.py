@@ -19,15 +19,16 @@ import torch.fx as fx
 
 from ..errors import GraphcError
 from ..global_tensor import conversion_target, declared_layout, to_global_op
-from ..meta import (BACKWARD_TARGET, META_GRAD_PARTIAL, META_PIECES, META_SBP, META_STAGE,
+from ..meta import (BACKWARD_TARGET, META_BATCHED, META_GRAD_PARTIAL, META_PIECES, META_SBP, META_STAGE,
                     META_TENSOR, SbpSignature)
-from ..placement import Broadcast, Split, normalize_sbp
+from ..placement import Broadcast, normalize_sbp
 from ..sbp.cost import conversion_cost, tensor_bytes
-from ..sbp.layout import B, flat, fmt, mesh_shape, same_shape
+from ..sbp.layout import B, flat, fmt, is_even, local_shape, mesh_shape, same_shape
 from ..sbp.rules import RuleCtx, draws_random, rule_for
 
 
-def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence) -> fx.GraphModule:
+def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence,
+              num_microbatches: int = 1) -> fx.GraphModule:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     given = dict(zip(placeholders, list(input_sbp) + [None] * len(placeholders)))
     for node in gm.graph.nodes:
@@ -44,28 +45,30 @@ def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence) 
             sig = _conversion(node, mesh)
         else:
             sig = _choose(node, mesh)
-        if node.op in ("placeholder", "get_attr"):
-            _check_even(node, sig)
+        if node.op == "placeholder":
+            _check_microbatches(node, sig, num_microbatches)
         node.meta[META_SBP] = _single_rank_axes_broadcast(sig)
     _mark_grad_partial(gm)
     return gm
 
 
-def _check_even(node: fx.Node, sig: SbpSignature) -> None:
+def _check_microbatches(node: fx.Node, sig: SbpSignature, m: int) -> None:
+    """A split input's micro-batch k is every rank's k-th chunk of its rows: with uneven
+    shards (See NOTE: Uneven splits) those must still be each rank's shard of micro-batch k."""
     meta = node.meta.get(META_TENSOR)
-    if meta is None:
+    if meta is None or m == 1 or not node.meta.get(META_BATCHED) or is_even(meta.shape, sig.out, sig.mesh):
         return
-    shape = list(meta.shape)
-    for n, s in zip(mesh_shape(sig.mesh), sig.out):
-        if isinstance(s, Split) and n > 1:
-            if shape[s.dim] % n:
-                what = "input" if node.op == "placeholder" else "parameter"
-                raise GraphcError(
-                    f"{what} '{node.target}' (shape {list(meta.shape)}{' per micro-batch' if what == 'input' else ''}) "
-                    f"is laid out as {fmt(sig.out)} on {n} ranks, but dim {s.dim} of size "
-                    f"{shape[s.dim]} does not split evenly; graphc splits into equal shards. Fix: make "
-                    f"dim {s.dim} a multiple of {n}, or split another dim.")
-            shape[s.dim] //= n
+    whole = (meta.shape[0] * m,) + tuple(meta.shape[1:])
+    ranks = flat(sig.mesh)
+    rows = [local_shape(whole, sig.out, sig.mesh, r)[0] for r in ranks]
+    per_mb = [local_shape(meta.shape, sig.out, sig.mesh, r)[0] for r in ranks]
+    if rows != [m * k for k in per_mb]:
+        raise GraphcError(
+            f"input '{node.target}' (batch of {whole[0]} rows) is laid out as {fmt(sig.out)} on "
+            f"ranks {list(ranks)}, which hold {rows} rows (torch.chunk's shards), but each of "
+            f"the {m} micro-batches is every rank's next chunk of its rows, and {whole[0] // m} "
+            f"rows per micro-batch would be held as {per_mb}. Fix: a batch whose shards divide "
+            f"into {m} (e.g. a multiple of {m * len(ranks)} rows), or gradient accumulation 1.")
 
 
 def _single_rank_axes_broadcast(sig: SbpSignature) -> SbpSignature:

@@ -16,13 +16,12 @@ from typing import Dict, Optional, Tuple
 
 import torch.fx as fx
 
-from ..errors import GraphcError
 from ..meta import (META_BOXING, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
                     BoxingInfo, SbpSignature)
 from ..placement import Broadcast, PartialSum, Split
 from ..runtime.collectives import box
 from ..sbp.cost import moved_bytes, tensor_bytes
-from ..sbp.layout import B, axis_groups, fmt, mesh_shape, same_shape
+from ..sbp.layout import B, axis_groups, is_even, mesh_shape, same_shape, split_extent
 from .infer_sbp import sharded_use
 
 
@@ -138,17 +137,14 @@ def _box_node(gm, value: fx.Node, consumer: fx.Node, mesh: tuple, axis: int, kin
     the consumer itself)."""
     n = mesh_shape(mesh)[axis]
     meta = value.meta[META_TENSOR]
-    for s in (src[axis], dst[axis]):
-        if isinstance(s, Split) and meta.shape[s.dim] % n:
-            raise GraphcError(
-                f"'{value.name}' (shape {list(meta.shape)}) must be converted to {fmt(dst)} for "
-                f"'{consumer.name}', but dim {s.dim} of size {meta.shape[s.dim]} does not split "
-                f"evenly over {n} ranks. Fix: make that dim a multiple of {n} (per micro-batch).")
     groups = axis_groups(mesh, axis)
     src_dim = src[axis].dim if isinstance(src[axis], Split) else -1
     dst_dim = dst[axis].dim if isinstance(dst[axis], Split) else -1
+    args = (value, kind, groups, src_dim, dst_dim)
+    if src_dim >= 0 and not is_even(meta.shape, src, mesh):  # See NOTE: Uneven splits
+        args += (tuple(split_extent(meta.shape, src, mesh, axis, g[0]) for g in groups),)
     with gm.graph.inserting_before(where if where is not None else consumer):
-        node = gm.graph.call_function(box, (value, kind, groups, src_dim, dst_dim))
+        node = gm.graph.call_function(box, args)
     node.meta[META_STAGE] = consumer.meta.get(META_STAGE, value.meta.get(META_STAGE))
     node.meta[META_TENSOR] = meta
     node.meta[META_SBP] = SbpSignature(mesh, dst, ((value.name, src),))

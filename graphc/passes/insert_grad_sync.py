@@ -52,9 +52,11 @@ def _partial_grads(gm: fx.GraphModule) -> Dict[int, Dict[Tuple[int, ...], List[T
             continue
         seen.add(key)
         sig = node.meta[META_SBP]
-        spec = TensorSpec(str(node.target), local_shape(meta.shape, sig.out, sig.mesh), meta.dtype)
         for axis in axes:
             for group in axis_groups(sig.mesh, axis):
+                # the group's ranks hold shards of one shape (uneven splits differ by group)
+                spec = TensorSpec(str(node.target), local_shape(meta.shape, sig.out, sig.mesh, group[0]),
+                                  meta.dtype)
                 if len(group) > 1:
                     for r in group:
                         out[r][group].append(spec)

@@ -3,7 +3,7 @@
 Invariant: run on each rank's local components, every node computes its local component
 of the global value its signature names: a mean, cross_entropy or mse_loss mean over a
 split dim divides a local sum by the global count; view/reshape/unflatten get local target
-shapes; size()/shape/numel() of a split value read the global sizes; an embedding with a
+shapes (a dim split unevenly takes its input's local size at run time); size()/shape/numel() of a split value read the global sizes; an embedding with a
 vocabulary-split table masks indices outside this rank's rows.
 Requires: insert_boxing (inputs already arrive in the signature's SBP).
 """
@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from ..meta import META_SBP, META_TENSOR
 from ..placement import PartialSum, Split
 from ..runtime.collectives import vocab_parallel_embedding
-from ..sbp.layout import axis_groups, local_shape
+from ..sbp.layout import axis_groups, flat, local_shape
 from ..sbp.local_ops import (cross_entropy_partial, global_numel, global_size, mean_as_partial,
-                             mse_loss_partial)
+                             mse_loss_partial, reshape_keeping)
 
 _MEAN = (torch.mean, "mean")
 _RESHAPE = (torch.reshape, "view", "reshape")
@@ -88,6 +88,12 @@ def _localize_loss(gm, node: fx.Node, sig) -> None:
 def _localize_reshape(node: fx.Node, sig) -> None:
     if not any(isinstance(s, Split) for s in sig.out):
         return
+    kept = _uneven_dims(node, sig)
+    if kept:
+        node.target, node.op = reshape_keeping, "call_function"
+        node.args, node.kwargs = (node.args[0], local_shape(node.meta[META_TENSOR].shape, sig.out,
+                                                            sig.mesh), kept), {}
+        return
     shape = local_shape(node.meta[META_TENSOR].shape, sig.out, sig.mesh)
     node.args = (node.args[0], tuple(shape)) if node.target is torch.reshape else \
         (node.args[0], *shape)
@@ -98,7 +104,21 @@ def _localize_unflatten(gm, node: fx.Node, sig) -> None:
     """unflatten's -1 would be solved from the local size: reshape to the local shape instead."""
     if any(isinstance(s, Split) for s in sig.out):
         shape = local_shape(node.meta[META_TENSOR].shape, sig.out, sig.mesh)
-        _replace(gm, node, torch.reshape, (node.args[0], tuple(shape)), {})
+        kept = _uneven_dims(node, sig)
+        if kept:
+            _replace(gm, node, reshape_keeping, (node.args[0], shape, kept), {})
+        else:
+            _replace(gm, node, torch.reshape, (node.args[0], tuple(shape)), {})
+
+
+def _uneven_dims(node: fx.Node, sig) -> tuple:
+    """(output dim, input dim) of each split dim whose shards differ by rank: a reshape keeps
+    such a dim as it is (rules.reshape), so it takes the input's local size at run time."""
+    x = node.args[0]
+    shape, need = node.meta[META_TENSOR].shape, sig.needs(x.name)
+    sizes = {local_shape(shape, sig.out, sig.mesh, r) for r in flat(sig.mesh)}
+    return tuple((s.dim, d.dim) for s, d in zip(sig.out, need)
+                 if isinstance(s, Split) and len({size[s.dim] for size in sizes}) > 1)
 
 
 def _localize_size(gm, node: fx.Node, sig) -> None:
@@ -123,7 +143,7 @@ def _localize_embedding(node: fx.Node, sig) -> None:
     if not axes:
         return
     node.target = vocab_parallel_embedding
-    node.args = (idx, w, axis_groups(sig.mesh, axes[0]))
+    node.args = (idx, w, axis_groups(sig.mesh, axes[0]), w.meta[META_TENSOR].shape[0])
     node.kwargs = {}
 
 

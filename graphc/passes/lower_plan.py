@@ -79,10 +79,11 @@ def _recvs(ins, programs, stages, rank) -> List[Instruction]:
     if isinstance(ins, Forward):
         for a, specs in sorted(prog.recv_from.items()):
             if not _local(stages, rank, a):
-                out.append(Recv(s, mb, _source(stages, rank, s, a), ACT, a, tuple(specs)))
+                src = _source(stages, rank, s, a)
+                out.append(Recv(s, mb, src, ACT, a, prog.specs_of(specs, src)))
         return out
     for b, specs in sorted(prog.send_to.items()):
-        grads = tuple(prog.grad_specs(specs))
+        grads = prog.specs_of(prog.grad_specs(specs), rank)
         if grads and not _local(stages, rank, b):
             out.append(Recv(s, mb, _source(stages, rank, s, b), GRAD, b, grads))
     return out
@@ -96,11 +97,13 @@ def _sends(ins, programs, stages, rank) -> List[Instruction]:
     if isinstance(ins, Forward):
         for b, specs in sorted(prog.send_to.items()):
             if not _local(stages, rank, b):
-                out += [Send(s, mb, peer, ACT, b, tuple(specs)) for peer in _targets(stages, rank, s, b)]
+                out += [Send(s, mb, peer, ACT, b, prog.specs_of(specs, rank))
+                        for peer in _targets(stages, rank, s, b)]
         return out
     for a, specs in sorted(prog.recv_from.items()):
-        grads = tuple(prog.grad_specs(specs))
+        grads = prog.grad_specs(specs)
         if grads and not _local(stages, rank, a):
-            out += [Send(s, mb, peer, GRAD, a, grads) for peer in _targets(stages, rank, s, a)]
+            out += [Send(s, mb, peer, GRAD, a, prog.specs_of(grads, peer))
+                    for peer in _targets(stages, rank, s, a)]
     return out
 

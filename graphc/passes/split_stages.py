@@ -20,7 +20,7 @@ from ..errors import GraphcError
 from ..meta import BACKWARD_TARGET, META_SBP, META_STAGE, META_TENSOR
 from ..plan.instructions import TensorSpec
 from ..plan.program import StageProgram
-from ..sbp.layout import local_shape
+from ..sbp.layout import flat, is_even, local_shape
 
 
 # NOTE: Boundary order
@@ -63,6 +63,15 @@ def _spec(node: fx.Node, stage: int, other: int) -> TensorSpec:
     return TensorSpec(node.name, shape, meta.dtype)
 
 
+def _uneven(node: fx.Node) -> Dict[int, tuple]:
+    """Each producing rank's local shape of a value whose shards differ by rank, else {}
+    (lower_plan writes each transfer with its sender's shape, See NOTE: Uneven splits)."""
+    sig = node.meta.get(META_SBP)
+    if sig is None or is_even(node.meta[META_TENSOR].shape, sig.out, sig.mesh):
+        return {}
+    return {r: local_shape(node.meta[META_TENSOR].shape, sig.out, sig.mesh, r) for r in flat(sig.mesh)}
+
+
 def _stage_program(gm, s: int, nodes, loss, results, arg_index) -> StageProgram:
     g = fx.Graph()
     env: Dict[fx.Node, fx.Node] = {}
@@ -70,12 +79,14 @@ def _stage_program(gm, s: int, nodes, loss, results, arg_index) -> StageProgram:
     user_inputs: Dict[str, int] = {}
     recv_from: Dict[int, List[TensorSpec]] = defaultdict(list)
     requires_grad: Dict[str, bool] = {}
+    uneven: Dict[str, Dict[int, tuple]] = {}
 
     def value(n: fx.Node) -> fx.Node:
         if n not in env:  # produced on another stage: received
             producer = n.meta[META_STAGE]
             recv_from[producer].append(_spec(n, producer, s))
             requires_grad[n.name] = n.meta[META_TENSOR].requires_grad
+            uneven[n.name] = _uneven(n)
             env[n] = _placeholder(g, n)
             inputs.append(n.name)
         return env[n]
@@ -97,6 +108,7 @@ def _stage_program(gm, s: int, nodes, loss, results, arg_index) -> StageProgram:
         for c in consumers:
             send_to[c].append(_spec(n, s, c))
             requires_grad[n.name] = n.meta[META_TENSOR].requires_grad
+            uneven[n.name] = _uneven(n)
         if consumers or n is loss or n in results:
             outputs.append(n.name)
     g.output(tuple(env[next(n for n in mine if n.name == name)] for name in outputs))
@@ -105,7 +117,8 @@ def _stage_program(gm, s: int, nodes, loss, results, arg_index) -> StageProgram:
         stage=s, module=module, inputs=inputs, outputs=outputs, user_inputs=user_inputs,
         recv_from=dict(recv_from), send_to=dict(send_to), requires_grad=requires_grad,
         loss=loss.name if loss is not None and loss in env and loss.meta[META_STAGE] == s else None,
-        results=[n.name for n in mine if n in results])
+        results=[n.name for n in mine if n in results],
+        uneven={name: shapes for name, shapes in uneven.items() if shapes})
 
 
 def _placeholder(g: fx.Graph, n: fx.Node) -> fx.Node:

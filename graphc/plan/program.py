@@ -1,7 +1,7 @@
 """StageProgram: the fx program one stage runs for one micro-batch, and its interface."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 import torch.fx as fx
@@ -47,10 +47,19 @@ class StageProgram:
     results: List[str] = field(default_factory=list)  # build() outputs computed here
     whole_inputs: Tuple[str, ...] = ()               # user inputs not split into micro-batches
     prologue: Optional[Prologue] = None              # per-step values from the whole batch
+    # value -> rank of its producing stage -> that rank's local shape, for the values crossing
+    # a boundary whose shards differ by rank (NOTE: Uneven splits, docs/sbp.md)
+    uneven: Dict[str, Dict[int, Tuple[int, ...]]] = field(default_factory=dict)
 
     def grad_specs(self, specs: List[TensorSpec]) -> List[TensorSpec]:
         """The subset of transferred values whose gradients flow back."""
         return [s for s in specs if self.requires_grad.get(s.name, False)]
+
+    def specs_of(self, specs, producer: int) -> Tuple[TensorSpec, ...]:
+        """`specs` as rank `producer` (the replica that computes the values) holds them: a
+        value split unevenly has its own shape there, and so does its gradient."""
+        return tuple(replace(s, shape=self.uneven[s.name][producer]) if s.name in self.uneven
+                     else s for s in specs)
 
     @property
     def code(self) -> str:

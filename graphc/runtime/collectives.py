@@ -1,8 +1,9 @@
 """Collectives on sub-groups of a placement, as autograd functions, plus gradient sync.
 
-`box(x, kind, groups, src_dim, dst_dim)` is the op insert_boxing puts into stage
-programs: one SBP conversion along one mesh axis. `groups` lists every rank group along
-that axis; this rank uses the one it belongs to. Each conversion's backward is its dual
+`box(x, kind, groups, src_dim, dst_dim[, extents])` is the op insert_boxing puts into
+stage programs: one SBP conversion along one mesh axis (`extents` for shards of unequal
+size). `groups` lists every rank group along that axis; this rank uses the one it belongs
+to. Each conversion's backward is its dual
 under graphc's gradient convention (NOTE: gradient layouts, docs/sbp.md): the gradient
 of a broadcast value is held whole on every rank, of a split value split the same way,
 of a partial_sum value whole on every rank.
@@ -27,6 +28,8 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from ..sbp.layout import chunk_range, chunk_sizes
 
 _GROUPS: Dict[Tuple[int, ...], object] = {}
 
@@ -94,6 +97,15 @@ def compiled_groups(compiled) -> List[Tuple[int, ...]]:
 
 
 # -- primitives on the local component ----------------------------------------------------
+# Shards may differ in size (See NOTE: Uneven splits, docs/sbp.md): each collective pads
+# them to the largest, moves equal pieces, and cuts the padding off again. `extent` is the
+# size of the split dim that the group's shards make up together.
+def _pad_to(x, dim, size):
+    if x.shape[dim] == size:
+        return x.contiguous()
+    return torch.cat([x, x.new_zeros(_with(x.shape, dim, size - x.shape[dim]))], dim)
+
+
 def _all_reduce(x, group):
     if _SHAPES_ONLY:
         return x.contiguous().clone()
@@ -102,31 +114,43 @@ def _all_reduce(x, group):
     return y
 
 
-def _all_gather(x, dim, group, n):
+def _all_gather(x, dim, group, n, extent):
+    sizes = chunk_sizes(extent, n)
     if _SHAPES_ONLY:
-        return torch.cat([x] * n, dim)
-    parts = [torch.empty_like(x.contiguous()) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim)
+        return x.new_empty(_with(x.shape, dim, extent))
+    mine = _pad_to(x, dim, sizes[0])
+    parts = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(parts, mine, group=group)
+    return torch.cat([p.narrow(dim, 0, size) for p, size in zip(parts, sizes)], dim)
 
 
-def _reduce_scatter(x, dim, group, n):
+def _reduce_scatter(x, dim, group, n, k):
+    sizes = chunk_sizes(x.shape[dim], n)
     if _SHAPES_ONLY:
-        return x.chunk(n, dim)[0].contiguous()
-    parts = [p.contiguous() for p in x.chunk(n, dim)]
+        return x.new_empty(_with(x.shape, dim, sizes[k]))
+    parts = [_pad_to(p, dim, sizes[0]) for p in x.split(sizes, dim)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
-    return out
+    return out.narrow(dim, 0, sizes[k])
 
 
-def _all_to_all(x, src_dim, dst_dim, group, n):
-    """Local shard of S(src_dim) -> local shard of S(dst_dim)."""
+def _all_to_all(x, src_dim, dst_dim, group, n, k, extent):
+    """Local shard of S(src_dim) -> local shard of S(dst_dim); `extent`: of src_dim."""
+    src_sizes, dst_sizes = chunk_sizes(extent, n), chunk_sizes(x.shape[dst_dim], n)
     if _SHAPES_ONLY:
-        return torch.cat([x.chunk(n, dst_dim)[0]] * n, src_dim)
-    send = [p.contiguous() for p in x.chunk(n, dst_dim)]
+        return x.new_empty(_with(_with(x.shape, dst_dim, dst_sizes[k]), src_dim, extent))
+    send = [_pad_to(_pad_to(p, dst_dim, dst_sizes[0]), src_dim, src_sizes[0])
+            for p in x.split(dst_sizes, dst_dim)]
     recv = [torch.empty_like(p) for p in send]
     dist.all_to_all(recv, send, group=group)
-    return torch.cat(recv, src_dim)
+    return torch.cat([p.narrow(src_dim, 0, size).narrow(dst_dim, 0, dst_sizes[k])
+                      for p, size in zip(recv, src_sizes)], src_dim)
+
+
+def _with(shape, dim, size) -> list:
+    shape = list(shape)
+    shape[dim] = size
+    return shape
 
 
 def all_reduce_sum(x: torch.Tensor, groups: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -136,65 +160,77 @@ def all_reduce_sum(x: torch.Tensor, groups: Sequence[Sequence[int]]) -> torch.Te
 
 
 def _slice(x, dim, k, n):
-    return x.chunk(n, dim)[k].contiguous()
+    start, size = chunk_range(x.shape[dim], n, k)
+    return x.narrow(dim, start, size).contiguous()
 
 
-def _pad(x, dim, k, n):
-    shape = list(x.shape)
-    shape[dim] *= n
-    out = x.new_zeros(shape)
-    out.narrow(dim, k * x.shape[dim], x.shape[dim]).copy_(x)
+def _pad(x, dim, k, n, extent):
+    out = x.new_zeros(_with(x.shape, dim, extent))
+    out.narrow(dim, chunk_range(extent, n, k)[0], x.shape[dim]).copy_(x)
     return out
 
 
 class _Box(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, kind, groups, src_dim, dst_dim):
+    def forward(ctx, x, kind, groups, src_dim, dst_dim, extents):
         group, k, n = _my_group(groups)
-        ctx.meta = (kind, group, k, n, src_dim, dst_dim)
+        # the sizes the group's shards make up together: of the split dim, from the box's
+        # argument (one per group, uneven splits) or n equal shards; of the whole dim, local
+        src_extent = -1 if src_dim < 0 else (
+            extents[_group_index(groups)] if extents else x.shape[src_dim] * n)
+        dst_extent = -1 if dst_dim < 0 else x.shape[dst_dim]
+        ctx.meta = (kind, group, k, n, src_dim, dst_dim, src_extent, dst_extent)
         if n == 1:
             return x.clone() if kind != "grad_all_reduce" else x.view_as(x)
         if kind == "all_reduce":
             return _all_reduce(x, group)
         if kind == "reduce_scatter":
-            return _reduce_scatter(x, dst_dim, group, n)
+            return _reduce_scatter(x, dst_dim, group, n, k)
         if kind == "all_gather":
-            return _all_gather(x, src_dim, group, n)
+            return _all_gather(x, src_dim, group, n, src_extent)
         if kind == "all_to_all":
-            return _all_to_all(x, src_dim, dst_dim, group, n)
+            return _all_to_all(x, src_dim, dst_dim, group, n, k, src_extent)
         if kind == "slice":
             return _slice(x, dst_dim, k, n)
         if kind == "to_partial":
             return x.clone() if k == 0 else torch.zeros_like(x)
         if kind == "split_partial":
-            return _pad(x, src_dim, k, n)
+            return _pad(x, src_dim, k, n, src_extent)
         if kind == "grad_all_reduce":
             return x.view_as(x)
         raise RuntimeError(f"internal: unknown boxing kind {kind!r}")
 
     @staticmethod
     def backward(ctx, g):
-        kind, group, k, n, src_dim, dst_dim = ctx.meta
+        kind, group, k, n, src_dim, dst_dim, src_extent, dst_extent = ctx.meta
         if n == 1 or kind in ("all_reduce", "to_partial"):
-            return g, None, None, None, None
+            return g, None, None, None, None, None
         if kind == "reduce_scatter":
-            out = _all_gather(g, dst_dim, group, n)
+            out = _all_gather(g, dst_dim, group, n, dst_extent)
         elif kind == "all_gather":
             out = _slice(g, src_dim, k, n)
         elif kind == "all_to_all":
-            out = _all_to_all(g, dst_dim, src_dim, group, n)
+            out = _all_to_all(g, dst_dim, src_dim, group, n, k, dst_extent)
         elif kind == "slice":
-            out = _all_gather(g, dst_dim, group, n)
+            out = _all_gather(g, dst_dim, group, n, dst_extent)
         elif kind == "split_partial":
             out = _slice(g, src_dim, k, n)
         else:  # grad_all_reduce
             out = _all_reduce(g, group)
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
-def box(x: torch.Tensor, kind: str, groups: tuple, src_dim: int, dst_dim: int) -> torch.Tensor:
-    """One SBP conversion along one mesh axis (see the table above)."""
-    return _Box.apply(x, kind, groups, src_dim, dst_dim)
+def _group_index(groups: tuple) -> int:
+    """Which of `groups` is this rank's (a box's per-group arguments line up with them)."""
+    rank = _SHAPES_ONLY[-1] if _SHAPES_ONLY else (dist.get_rank() if dist.is_initialized() else 0)
+    return next((i for i, g in enumerate(groups) if rank in g), 0)
+
+
+def box(x: torch.Tensor, kind: str, groups: tuple, src_dim: int, dst_dim: int,
+        extents: tuple = ()) -> torch.Tensor:
+    """One SBP conversion along one mesh axis (see the table above). `extents`, for a value
+    split unevenly on this axis: per group, the size of its split dim over the group."""
+    return _Box.apply(x, kind, groups, src_dim, dst_dim, extents)
 
 
 def mesh_coordinate(groups: tuple) -> Tuple[int, int]:
@@ -315,11 +351,14 @@ class GradSync:
 
 
 def vocab_parallel_embedding(idx: torch.Tensor, weight: torch.Tensor, groups: tuple,
-                             padding_idx=None) -> torch.Tensor:
+                             rows: int = 0) -> torch.Tensor:
     """Embedding with the table split by rows (vocabulary): rows outside this rank's range
-    give zeros, so the ranks' outputs are addends (partial_sum) of the full lookup."""
-    k, _ = mesh_coordinate(groups)
-    start = k * weight.shape[0]
+    give zeros, so the ranks' outputs are addends (partial_sum) of the full lookup. `rows`
+    is the whole table's, which places this rank's shard (See NOTE: Uneven splits)."""
+    k, n = mesh_coordinate(groups)
+    if weight.shape[0] == 0:  # an empty shard (fewer rows than ranks): every row elsewhere
+        return weight.new_zeros(tuple(idx.shape) + tuple(weight.shape[1:])) + weight.sum()
+    start = chunk_range(rows, n, k)[0] if rows else k * weight.shape[0]
     local = idx - start
     inside = (local >= 0) & (local < weight.shape[0])
     out = torch.nn.functional.embedding(local.clamp(0, weight.shape[0] - 1), weight)

@@ -54,13 +54,57 @@ def coord(mesh: tuple, rank: int) -> Tuple[int, ...]:
     return (tuple(mesh).index(rank),)
 
 
-def local_shape(shape: Sequence[int], sbp: tuple, mesh: tuple) -> Tuple[int, ...]:
-    """The local component's shape of a value with global `shape` laid out as `sbp` on `mesh`."""
-    out = list(shape)
-    for n, s in zip(mesh_shape(mesh), sbp):
-        if isinstance(s, Split):
-            out[s.dim] //= n
-    return tuple(out)
+# A split dim need not divide over its ranks: it is cut as torch.chunk cuts it, as DTensor's
+# Shard does (See NOTE: Uneven splits, docs/sbp.md). These helpers are the one home of that
+# arithmetic.
+
+
+def chunk_sizes(size: int, n: int) -> Tuple[int, ...]:
+    """The n shard sizes of a dim of `size` (See NOTE: Uneven splits)."""
+    c = -(-size // n)
+    return tuple(max(0, min(c, size - k * c)) for k in range(n))
+
+
+def chunk_range(size: int, n: int, k: int) -> Tuple[int, int]:
+    """(start, length) of shard k of n of a dim of `size`."""
+    c = -(-size // n)
+    start = min(size, k * c)
+    return start, min(c, size - start)
+
+
+def _zero_coord(mesh: tuple) -> Tuple[int, ...]:
+    return (0,) * len(mesh_shape(mesh))
+
+
+def _shard_box(shape: Sequence[int], sbp: tuple, mesh: tuple, at: Sequence[int], upto=None):
+    """(starts, sizes) of the shard at mesh coordinate `at`, cut by the axes before `upto`."""
+    sizes, starts = list(shape), [0] * len(shape)
+    for axis, (n, s, k) in enumerate(zip(mesh_shape(mesh), sbp, at)):
+        if upto is not None and axis >= upto:
+            break
+        if isinstance(s, Split):  # axis 0 splits first, later axes within its shard
+            start, sizes[s.dim] = chunk_range(sizes[s.dim], n, k)
+            starts[s.dim] += start
+    return starts, sizes
+
+
+def local_shape(shape: Sequence[int], sbp: tuple, mesh: tuple, rank=None) -> Tuple[int, ...]:
+    """The local component's shape on `rank` of a value with global `shape` laid out as `sbp`
+    on `mesh`; rank None: the first rank's, the largest (See NOTE: Uneven splits)."""
+    at = _zero_coord(mesh) if rank is None else coord(mesh, rank)
+    return tuple(_shard_box(shape, sbp, mesh, at)[1])
+
+
+def is_even(shape: Sequence[int], sbp: tuple, mesh: tuple) -> bool:
+    """Does every rank of `mesh` hold a shard of the same shape?"""
+    return len({local_shape(shape, sbp, mesh, r) for r in flat(mesh)}) == 1
+
+
+def split_extent(shape: Sequence[int], sbp: tuple, mesh: tuple, axis: int, rank: int) -> int:
+    """The size of the dim `sbp[axis]` splits, as the group of `rank` along `axis` shares it:
+    cut by the earlier axes only (what that axis's shards make up together)."""
+    dim = sbp[axis].dim
+    return _shard_box(shape, sbp, mesh, coord(mesh, rank), upto=axis)[1][dim]
 
 
 def fmt(sbp: tuple) -> str:
@@ -69,16 +113,8 @@ def fmt(sbp: tuple) -> str:
 
 def shard_slices(shape: Sequence[int], sbp: tuple, mesh: tuple, rank: int) -> tuple:
     """The index (a tuple of slices) of `rank`'s shard within the global tensor."""
-    index = [slice(None)] * len(shape)
-    sizes = list(shape)
-    starts = [0] * len(shape)
-    for n, s, k in zip(mesh_shape(mesh), sbp, coord(mesh, rank)):
-        if isinstance(s, Split):  # axis 0 splits first, later axes within its shard
-            sizes[s.dim] //= n
-            starts[s.dim] += k * sizes[s.dim]
-    for d in range(len(shape)):
-        index[d] = slice(starts[d], starts[d] + sizes[d])
-    return tuple(index)
+    starts, sizes = _shard_box(shape, sbp, mesh, coord(mesh, rank))
+    return tuple(slice(a, a + n) for a, n in zip(starts, sizes))
 
 
 def local_component(full, sbp: tuple, mesh: tuple, rank: int, pieces=None):

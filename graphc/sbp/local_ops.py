@@ -39,6 +39,16 @@ def global_numel(x: torch.Tensor, numel: int) -> int:
     return numel
 
 
+def reshape_keeping(x: torch.Tensor, shape: tuple, kept: tuple) -> torch.Tensor:
+    """view/reshape of a split x to its local `shape`, but output dim j is x's dim d for each
+    (j, d) in `kept`: a dim split unevenly has another size on each rank (See NOTE: Uneven
+    splits, docs/sbp.md)."""
+    shape = list(shape)
+    for j, d in kept:
+        shape[j] = x.shape[d]
+    return x.reshape(shape)
+
+
 # NOTE: synchronised batch norm
 # A BatchNorm in training normalises with the statistics of its whole (micro-)batch. When
 # graphc lays the batch out split, the module becomes three ops (decompose_modules):

@@ -46,7 +46,14 @@ class RuleCtx:
         args = list(self.node.args) + list(self.node.kwargs.values())
         return [a for a in args if self.meta(a) is not None]
 
+    def splits(self, size: int) -> bool:
+        """Can a dim of `size` be split on this axis? Shards may differ in size (See NOTE:
+        Uneven splits, docs/sbp.md), so any dim of at least n."""
+        return size >= self.n
+
     def divisible(self, size: int) -> bool:
+        """Equal shards: for local forms that need them (a reshape merging or cutting a split
+        dim, grouped-query heads, a parameter stored in pieces)."""
         return size % self.n == 0 and size >= self.n
 
 
@@ -59,7 +66,7 @@ def _split_candidates(ctx: RuleCtx) -> List[Candidate]:
     r = len(out.shape)
     cands = []
     for d in range(r):
-        if not ctx.divisible(out.shape[d]):
+        if not ctx.splits(out.shape[d]):
             continue
         req = {}
         for t in ctx.tensors():
@@ -115,13 +122,13 @@ def matmul(ctx: RuleCtx) -> List[Candidate]:
         return cands
     for d in range(r - 1):  # batch dims and rows of a
         ad, bd = d - (r - ra), d - (r - rb)
-        if ad < 0 or ma.shape[ad] != out.shape[d] or not ctx.divisible(out.shape[d]):
+        if ad < 0 or ma.shape[ad] != out.shape[d] or not ctx.splits(out.shape[d]):
             continue
         b_req = S(bd) if d < r - 2 and bd >= 0 and mb.shape[bd] == out.shape[d] else B
         cands.append(({a: S(ad), b: b_req}, S(d)))
-    if ctx.divisible(out.shape[-1]):
+    if ctx.splits(out.shape[-1]):
         cands.append(({a: B, b: S(rb - 1)}, S(r - 1)))
-    if ctx.divisible(ma.shape[-1]):
+    if ctx.splits(ma.shape[-1]):
         cands.append(({a: S(ra - 1), b: S(rb - 2)}, P))
     return cands
 
@@ -137,19 +144,19 @@ def linear(ctx: RuleCtx) -> List[Candidate]:
     with_bias = ctx.meta(bias) is not None
     cands: List[Candidate] = []
     for d in range(r - 1):
-        if ctx.divisible(out.shape[d]):
+        if ctx.splits(out.shape[d]):
             req = {x: S(d), w: B}
             if with_bias:
                 req[bias] = B
             cands.append((req, S(d)))
-    if ctx.divisible(out.shape[-1]):
+    if ctx.splits(out.shape[-1]):
         req = {x: B, w: S(0)}
         if with_bias:
             req[bias] = S(0)
         cands.append((req, S(r - 1)))
     if not with_bias:
         cands.append(({x: P, w: B}, P))
-        if ctx.divisible(mx.shape[-1]):
+        if ctx.splits(mx.shape[-1]):
             cands.append(({x: S(len(mx.shape) - 1), w: S(1)}, P))
     return cands
 
@@ -160,10 +167,10 @@ def addmm(ctx: RuleCtx) -> List[Candidate]:
     if mbias is None or out is None:
         return []
     cands = []
-    if ctx.divisible(out.shape[0]):
+    if ctx.splits(out.shape[0]):
         rows = S(0) if len(mbias.shape) == 2 and mbias.shape[0] == out.shape[0] else B
         cands.append(({bias: rows, a: S(0), b: B}, S(0)))
-    if ctx.divisible(out.shape[1]):
+    if ctx.splits(out.shape[1]):
         cols = S(len(mbias.shape) - 1) if mbias.shape[-1] == out.shape[1] else B
         cands.append(({bias: cols, a: B, b: S(1)}, S(1)))
     return cands
@@ -189,7 +196,7 @@ def layer_norm(ctx: RuleCtx) -> List[Candidate]:
     keep = nd - len(shape if isinstance(shape, (list, tuple)) else [shape])
     cands = []
     for d in range(keep):
-        if ctx.divisible(ctx.meta(x).shape[d]):
+        if ctx.splits(ctx.meta(x).shape[d]):
             cands.append(({t: (S(d) if t is x else B) for t in ctx.tensors()}, S(d)))
     return cands
 
@@ -200,11 +207,11 @@ def embedding(ctx: RuleCtx) -> List[Candidate]:
     mi, mw, out = ctx.meta(idx), ctx.meta(w), ctx.out
     cands: List[Candidate] = []
     for d in range(len(mi.shape)):
-        if ctx.divisible(mi.shape[d]):
+        if ctx.splits(mi.shape[d]):
             cands.append(({idx: S(d), w: B}, S(d)))
-    if ctx.divisible(mw.shape[1]):
+    if ctx.splits(mw.shape[1]):
         cands.append(({idx: B, w: S(1)}, S(len(out.shape) - 1)))
-    if ctx.divisible(mw.shape[0]):
+    if ctx.splits(mw.shape[0]):
         cands.append(({idx: B, w: S(0)}, P))
     return cands
 
@@ -228,7 +235,7 @@ def reduction(ctx: RuleCtx) -> List[Candidate]:
     dims, keepdim = reduce_dims(ctx)
     cands: List[Candidate] = [({x: P}, P)]
     for d in range(len(mx.shape)):
-        if not ctx.divisible(mx.shape[d]):
+        if not ctx.splits(mx.shape[d]):
             continue
         if d in dims:
             cands.append(({x: S(d)}, P))
@@ -242,7 +249,7 @@ def cross_entropy(ctx: RuleCtx) -> List[Candidate]:
     x, y = ctx.node.args[0], ctx.node.args[1]
     if ctx.node.kwargs.get("weight") is not None or ctx.arg(2, "weight") is not None:
         return []
-    if not ctx.divisible(ctx.meta(x).shape[0]):
+    if not ctx.splits(ctx.meta(x).shape[0]):
         return []
     red = ctx.node.kwargs.get("reduction", "mean")
     return [({x: S(0), y: S(0)}, S(0) if red == "none" else P)]
@@ -254,7 +261,7 @@ def mse_loss(ctx: RuleCtx) -> List[Candidate]:
     if ctx.meta(a).shape != ctx.meta(b).shape:
         return []
     return [({a: S(d), b: S(d)}, S(d) if red == "none" else P)
-            for d, size in enumerate(ctx.meta(a).shape) if ctx.divisible(size)]
+            for d, size in enumerate(ctx.meta(a).shape) if ctx.splits(size)]
 
 
 # -- shape ops -------------------------------------------------------------------------
@@ -268,17 +275,20 @@ def _prefix(shape) -> List[int]:
 
 def reshape(ctx: RuleCtx) -> List[Candidate]:
     """view/reshape/flatten/unflatten: a split dim maps to the output dim that starts at the
-    same offset."""
+    same offset. A dim kept as it is may be split unevenly; merging it with the dims after
+    it, or cutting it, needs equal shards (chunks of the merged dim would cut elsewhere)."""
     x = ctx.node.args[0]
     ins, outs = ctx.meta(x).shape, ctx.out.shape
     pin, pout = _prefix(ins), _prefix(outs)
     cands: List[Candidate] = [({x: P}, P)]
     for d, size in enumerate(ins):
-        if not ctx.divisible(size) or size == 1:
+        if not ctx.splits(size) or size == 1:
             continue
         for j, osize in enumerate(outs):
-            if pout[j] == pin[d] and osize != 1 and ctx.divisible(osize):
-                cands.append(({x: S(d)}, S(j)))
+            if pout[j] == pin[d] and osize != 1:
+                kept = osize == size
+                if kept or (ctx.divisible(size) and ctx.divisible(osize)):
+                    cands.append(({x: S(d)}, S(j)))
                 break
     return cands
 
@@ -288,7 +298,7 @@ def permute(ctx: RuleCtx) -> List[Candidate]:
     nd = len(ctx.meta(x).shape)
     perm = permutation(ctx.node, nd)
     return [({x: P}, P)] + [({x: S(perm[j])}, S(j)) for j in range(nd)
-                            if ctx.divisible(ctx.meta(x).shape[perm[j]])]
+                            if ctx.splits(ctx.meta(x).shape[perm[j]])]
 
 
 def permutation(node: fx.Node, nd: int) -> List[int]:
@@ -311,7 +321,7 @@ def cat(ctx: RuleCtx) -> List[Candidate]:
     dim = (ctx.arg(1, "dim", 0)) % nd
     cands: List[Candidate] = [({t: P for t in tensors}, P)]
     for d in range(nd):
-        if d != dim and ctx.divisible(ctx.out.shape[d]):
+        if d != dim and ctx.splits(ctx.out.shape[d]):
             cands.append(({t: S(d) for t in tensors}, S(d)))
     return cands
 
@@ -326,7 +336,8 @@ def split_op(ctx: RuleCtx) -> List[Candidate]:
     pieces = (ctx.node.target in (torch.chunk, "chunk") and isinstance(x, fx.Node)
               and x.meta.get(META_PIECES) == (ctx.arg(1, "chunks"), dim))
     return [({x: P}, P)] + [({x: S(d)}, S(d)) for d in range(nd)
-                            if (d != dim or pieces) and ctx.divisible(mx.shape[d])]
+                            if (d != dim and ctx.splits(mx.shape[d]))
+                            or (d == dim and pieces and ctx.divisible(mx.shape[d]))]
 
 
 def passthrough(ctx: RuleCtx) -> List[Candidate]:
@@ -365,7 +376,7 @@ def attention(ctx: RuleCtx) -> List[Candidate]:
     gqa = bool(ctx.arg(7, "enable_gqa", False))
     cands: List[Candidate] = []
     for d in range(r - 2):
-        if not ctx.divisible(out.shape[d]):
+        if not ctx.splits(out.shape[d]):
             continue
         req = {q: _aligned(ctx, q, d, r, out.shape[d])}
         for t in (k, v):
@@ -396,7 +407,7 @@ def cast(ctx: RuleCtx) -> List[Candidate]:
     if mx is None or out is None:
         return []
     cands: List[Candidate] = [({x: S(d)}, S(d)) for d, size in enumerate(mx.shape)
-                              if ctx.divisible(size)]
+                              if ctx.splits(size)]
     if mx.dtype in _FLOATS and out.dtype in _FLOATS:
         cands.append(({x: P}, P))
     return cands
@@ -452,7 +463,7 @@ def index(ctx: RuleCtx) -> List[Candidate]:
         return None
     cands: List[Candidate] = [({x: P}, P)]
     for d, (j, whole) in enumerate(dims):
-        if whole and ctx.divisible(mx.shape[d]):
+        if whole and ctx.splits(mx.shape[d]):
             cands.append(({x: S(d)}, S(j)))
     return cands
 
@@ -473,11 +484,11 @@ def conv(ctx: RuleCtx) -> List[Candidate]:
 
     def with_bias(req, sb):
         return {**req, bias: sb} if has_bias else req
-    if c == 1 and ctx.divisible(out.shape[0]):
+    if c == 1 and ctx.splits(out.shape[0]):
         cands.append((with_bias({x: S(0), w: B}, B), S(0)))
-    if groups == 1 and ctx.divisible(out.shape[c]):
+    if groups == 1 and ctx.splits(out.shape[c]):
         cands.append((with_bias({x: B, w: S(0)}, S(0)), S(c)))
-    if groups == 1 and not has_bias and ctx.divisible(mx.shape[c]):
+    if groups == 1 and not has_bias and ctx.splits(mx.shape[c]):
         cands.append(({x: S(c), w: S(1)}, P))
     return cands
 
@@ -498,7 +509,7 @@ def _pool(spatial: int, linear: bool):
 def per_sample(ctx: RuleCtx) -> List[Candidate]:
     """group_norm(x, groups, w, b): statistics per sample, so split the batch only."""
     x, out = ctx.node.args[0], ctx.out
-    if out is None or len(out.shape) < 2 or not ctx.divisible(out.shape[0]):
+    if out is None or len(out.shape) < 2 or not ctx.splits(out.shape[0]):
         return []
     return [({t: (S(0) if t is x else B) for t in ctx.tensors()}, S(0))]
 
@@ -509,7 +520,7 @@ def _channel_split(ctx: RuleCtx, x, per_channel, out_dim_ok) -> List[Candidate]:
     mx = ctx.meta(x)
     cands: List[Candidate] = []
     for d, size in enumerate(mx.shape):
-        if not ctx.divisible(size):
+        if not ctx.splits(size):
             continue
         if d == 1:
             cands.append(({x: S(1), **{t: S(0) for t in per_channel}}, S(1)))
@@ -536,7 +547,7 @@ def batch_norm_stats(ctx: RuleCtx) -> List[Candidate]:
     has_shift = ctx.meta(shift) is not None
     cands: List[Candidate] = []
     for d, size in enumerate(ctx.meta(x).shape):
-        if not ctx.divisible(size):
+        if not ctx.splits(size):
             continue
         req = {x: S(d)}
         if has_shift:

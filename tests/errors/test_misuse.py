@@ -146,12 +146,11 @@ def test_stages_of_different_sizes_exchange_values_n_to_m():
     assert {(0, 1, "F"), (0, 2, "F"), (1, 0, "B")} <= sends and (2, 0, "B") not in sends
 
 
-def test_split_dim_that_does_not_divide_evenly():
-    p3 = graphc.placement("cpu", [0, 1, 2])
-    model = TwoStage()
-    graphc.to_global(model.a.weight, placement=p3, sbp=graphc.sbp.split(0))
-    with raises("does not split evenly", "Fix"):
-        compile_for(Train(model), 3)
+def test_split_input_whose_shards_do_not_divide_into_microbatches():
+    """10 rows over 4 ranks are held 3, 3, 3, 1 (torch.chunk): no rank's rows halve alike."""
+    p4 = graphc.placement("cpu", [0, 1, 2, 3])
+    with raises("input 'x'", "hold [3, 3, 3, 1] rows", "2 micro-batches", "[2, 2, 1, 0]", "Fix"):
+        compiler.compile(Train(acc=2), [torch.randn(10, 8)], 4, [(p4, (S.split(0),))])
 
 
 def test_parameter_shared_by_stages_of_different_sizes():
@@ -463,18 +462,11 @@ def test_unused_module_with_parameters_warns():
         Train(body=body)(X)
 
 
-def test_split_parameter_dim_not_divisible_by_the_ranks():
-    class Odd(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(8, 5)
-
-        def forward(self, x):
-            return self.a(x)
-    model = Odd()
-    graphc.to_global(model, placement=P("cpu", ranks=[0, 1]), sbp=S.split(0))
-    with raises("model.a", "[5, 8]", "dim 0 of size 5 does not split evenly", "multiple of 2"):
-        compile_for(Train(model), 2)
+def test_local_tensor_that_is_not_its_ranks_shard(monkeypatch):
+    monkeypatch.setenv("RANK", "3")  # as torchrun sets it, before graphc starts the group
+    with raises("rank 3", "has shape [3, 8]", "[10, 8]", "is [1, 8]", "Fix"):
+        graphc.to_global(torch.randn(3, 8), placement=P("cpu", ranks=[0, 1, 2, 3]),
+                         sbp=S.split(0), shape=(10, 8))
 
 
 def test_to_global_inside_build_to_no_stages_placement():

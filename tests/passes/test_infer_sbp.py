@@ -107,12 +107,15 @@ def test_view_and_mean_rules_remap_split_dims():
     assert (Split(2), Split(1)) in mean           # a kept dim after it moves down
 
 
-def test_uneven_split_is_a_user_error():
+def test_uneven_split_keeps_its_layout():
+    """16 rows over 3 ranks hold 6, 6 and 4 (NOTE: Uneven splits): no longer an error, and
+    the column-parallel linear still runs on the shards."""
     p012 = graphc.placement("cpu", [0, 1, 2])
     model = graphc.to_global(Net(), placement=p012, sbp=sbp.broadcast)
     graphc.to_global(model.fc1.weight, placement=p012, sbp=sbp.split(0))  # 16 rows on 3 ranks
-    with pytest.raises(graphc.GraphcError, match="does not split evenly"):
-        compile_for(LossGraph(model), world=3)
+    graphc.to_global(model.fc1.bias, placement=p012, sbp=sbp.split(0))
+    cg = compile_for(LossGraph(model), world=3)
+    assert [s.out for s in sig_of(cg, lambda n: n.target is F.linear)][0] == (Split(1),)
 
 
 def test_parameter_declared_off_its_stage_is_a_user_error():

@@ -7,6 +7,8 @@ taken on dst. Checked in float64 with tolerance 1e-10 (ATOL/RTOL of helpers.py):
     output is reduced before it is returned, so it equals W);
   - the loss equals eager's, and after one SGD step (lr=1) W == W0 - C and C == C0 - W0,
     i.e. the gradients flowing back through both conversions equal eager's.
+The 5 x 3 shape splits unevenly (NOTE: Uneven splits): every collective moves shards of
+unequal size, and across placements each rank sends and receives its own shard's shape.
 """
 import itertools
 
@@ -20,7 +22,7 @@ from graphc.sbp.layout import local_component
 from helpers import ATOL, RTOL, run_world
 
 LAYOUTS = {"S0": sbp.split(0), "S1": sbp.split(1), "B": sbp.broadcast, "P": sbp.partial_sum}
-SHAPE = (8, 8)
+SHAPE, UNEVEN = (8, 8), (5, 3)  # 5 x 3 over 2 ranks: 3 + 2 rows, 2 + 1 columns
 
 
 class Source(nn.Module):
@@ -63,13 +65,13 @@ class BoxingGraph(graphc.Graph):
         return v_src, v_dst, loss
 
 
-def _tensors():
+def _tensors(shape=SHAPE):
     g = torch.Generator().manual_seed(3)
-    return torch.randn(SHAPE, generator=g), torch.randn(SHAPE, generator=g)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
-def _boxing_world(rank, world):
-    w, c = _tensors()
+def _boxing_world(rank, world, shape):
+    w, c = _tensors(shape)
     half = world // 2
     placements = {"same": (graphc.placement("cpu", list(range(world))),) * 2,
                   "cross": (graphc.placement("cpu", list(range(half))),
@@ -79,22 +81,26 @@ def _boxing_world(rank, world):
                                                              itertools.product(LAYOUTS, LAYOUTS)):
         model = Model(w, c)
         graph = BoxingGraph(model, LAYOUTS[a], LAYOUTS[b], p_src, p_dst)
-        v_src, v_dst, loss = graph(torch.ones(SHAPE))
+        v_src, v_dst, loss = graph(torch.ones(shape))
         out[(where, a, b)] = {"src": v_src.to_local(), "dst": v_dst.to_local(),
+                              "shapes": {"src": tuple(v_src.shape), "dst": tuple(v_dst.shape)},
                               "loss": loss.to_local(), "state": graph.full_state_dict(),
                               "plan": str(graph.plan)}
     return out
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: -m slow (CI time)
-def test_every_sbp_pair_converts_values_and_gradients(world):
-    results = run_world(_boxing_world, world)
-    w, c = _tensors()
+@pytest.mark.parametrize("world,shape", [  # 4 ranks: -m slow (CI time)
+    pytest.param(2, SHAPE, id="2-even"), pytest.param(2, UNEVEN, id="2-uneven"),
+    pytest.param(4, SHAPE, id="4-even", marks=pytest.mark.slow),
+    pytest.param(4, UNEVEN, id="4-uneven", marks=pytest.mark.slow)])
+def test_every_sbp_pair_converts_values_and_gradients(world, shape):
+    results = run_world(_boxing_world, world, shape)
+    w, c = _tensors(shape)
     half = world // 2
     ref_loss = (w * c).sum()
     for rank, got in enumerate(results):
         for (where, a, b), r in got.items():
-            what = f"world={world} {where} {a}->{b} rank {rank}"
+            what = f"world={world} {list(shape)} {where} {a}->{b} rank {rank}"
             p_src = list(range(world)) if where == "same" else list(range(half))
             p_dst = list(range(world)) if where == "same" else list(range(half, world))
             for key, layout, ranks in (("src", a, p_src), ("dst", b, p_dst)):
@@ -105,6 +111,7 @@ def test_every_sbp_pair_converts_values_and_gradients(world):
                     local_component(w, (LAYOUTS[layout],), tuple(ranks), rank)
                 torch.testing.assert_close(r[key], want, atol=ATOL, rtol=RTOL,
                                            msg=lambda m: f"{what}: {key} value\n{m}")
+                assert r["shapes"][key] == shape, f"{what}: {key} global shape"
             if rank in p_dst:
                 torch.testing.assert_close(r["loss"], ref_loss, atol=ATOL, rtol=RTOL)
             state = r["state"]

@@ -25,6 +25,7 @@ from .passes.feed_whole_batch import feed_whole_batch
 from .passes.find_batch_dims import batched_inputs, find_batch_dims
 from .passes.infer_sbp import infer_sbp
 from .passes.insert_boxing import insert_boxing
+from .passes.insert_checkpoints import insert_checkpoints
 from .passes.insert_grad_clip import insert_grad_clip
 from .passes.insert_grad_modes import insert_grad_modes
 from .passes.insert_grad_sync import insert_grad_sync
@@ -152,9 +153,13 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     programs = _step(h, "insert_grad_modes", insert_grad_modes, programs, training)
     # 6c. inputs without a batch dim fed whole; token-mean losses divided by the whole batch's count
     programs = _step(h, "feed_whole_batch", feed_whole_batch, programs, gm, m)
+    # 6d. modules marked for activation checkpointing run as recomputed regions
+    checkpointed = {name for name, c in graph_obj._module_configs.items() if c.activation_checkpointing}
+    programs = _step(h, "insert_checkpoints", insert_checkpoints, programs,
+                     checkpointed if training else set())
     # 7. schedule + point-to-point lowering into every rank's execution plan
     plans = _step(h, "lower_plan", lower_plan, programs, stages, cfg.pipeline_schedule, m,
-                  training, world_size)
+                  training, world_size, cfg.activation_checkpointing)
     # 7b. all-reduce of partial_sum gradients (data parallel), bucketed, before the step
     plans = _step(h, "insert_grad_sync", insert_grad_sync, plans, gm,
                   cfg.gradient_bucket_bytes)

@@ -19,6 +19,7 @@ class ModuleConfig:
         self._graph = graph
         self.stage_id: Optional[int] = None
         self.placement: Optional[Placement] = None
+        self.activation_checkpointing = False
 
     def set_stage(self, stage_id: int, placement: Placement) -> None:
         """Runs this module (and everything inside it) as pipeline stage `stage_id` on `placement`."""
@@ -33,6 +34,19 @@ class ModuleConfig:
                               f"found {placement!r}; use graphc.placement(\"cpu\", ranks=[...])")
         self.stage_id = stage_id
         self.placement = placement
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> None:
+        """Recomputes this module's forward in its backward instead of keeping its activations
+        (OneFlow's per-module switch): its stage keeps only the module's inputs per micro-batch.
+        Numbers are those of no checkpointing (random masks are replayed, running statistics
+        are not updated twice). See NOTE: Activation checkpointing (runtime/executor.py)."""
+        if self._graph._compiled is not None:
+            raise GraphcError(f"module '{self._qualname}': set_activation_checkpointing was called "
+                              "after the graph was compiled. Call it in the Graph's __init__.")
+        if not isinstance(enabled, bool):
+            raise GraphcError(f"module '{self._qualname}': set_activation_checkpointing expects "
+                              f"True or False, found {enabled!r}")
+        self.activation_checkpointing = enabled
 
     def __repr__(self) -> str:
         return f"ModuleConfig({self._qualname!r}, stage_id={self.stage_id}, placement={self.placement})"
@@ -51,6 +65,7 @@ class GraphConfig:
         self.trace_steps = 5
         self.grad_clip_norm: Optional[float] = None
         self.deferred_batch_norm = False
+        self.activation_checkpointing = "never"
 
     def _check_open(self, what: str) -> None:
         if self._graph._compiled is not None:
@@ -65,7 +80,10 @@ class GraphConfig:
         self.gradient_accumulation_steps = steps
 
     def set_pipeline_schedule(self, name: str) -> None:
-        """"1f1b" (default: least activation memory) or "gpipe"."""
+        """The order each pipeline rank runs its forwards and backwards in: "1f1b" (default)
+        or "gpipe" with one stage per rank; "interleaved_1f1b", "looped_bfs", "zero_bubble"
+        with stage s on the ranks of stage s mod p; "zbv", "dualpipev" with stages s and
+        2p-1-s on one rank. See docs/schedules.md."""
         from .plan.schedules import SCHEDULES
         self._check_open("set_pipeline_schedule")
         if not isinstance(name, str) or name not in SCHEDULES:
@@ -132,6 +150,23 @@ class GraphConfig:
         if not isinstance(enabled, bool):
             raise GraphcError(f"set_deferred_batch_norm expects True or False, found {enabled!r}")
         self.deferred_batch_norm = enabled
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """Which micro-batches recompute their forward in their backward, on every stage (seed
+        002's `checkpoint`): "always", "except_last" (every micro-batch but the last, whose
+        backward follows its forward soonest) or "never" (default). A checkpointed micro-batch
+        keeps only its stage inputs; numbers are those of no checkpointing.
+
+        Example:
+            self.config.set_activation_checkpointing("except_last")   # in the Graph's __init__
+        """
+        from .runtime.executor import CHECKPOINT_MODES
+        self._check_open("set_activation_checkpointing")
+        if mode not in CHECKPOINT_MODES:
+            raise GraphcError(f"set_activation_checkpointing: mode must be one of "
+                              f"{list(CHECKPOINT_MODES)}, found {mode!r}. For one module, use "
+                              "module.config.set_activation_checkpointing(True).")
+        self.activation_checkpointing = mode
 
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""

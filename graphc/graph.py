@@ -244,7 +244,7 @@ class Graph:
     def _setup_runtime(self, compiled: compiler.CompiledGraph, rank: int, new_state: bool = True) -> None:
         plan = compiled.plan_for(rank)
         local = plan.local_stages
-        program = compiled.programs[local[0]] if local else None
+        programs = {s: compiled.programs[s] for s in local}
         stage = compiled.stages[local[0]] if local else None
         device = device_for(stage.device_type) if stage else torch.device("cpu")
         if new_state:
@@ -259,7 +259,7 @@ class Graph:
         create_groups(compiled_groups(compiled))  # collective: every rank, same order
         tracer = Tracer.from_config(self.config, rank)
         object.__setattr__(self, "_tracer", tracer)
-        object.__setattr__(self, "_runtime", Runtime(plan, program, p2p, device, self._optimizer,
+        object.__setattr__(self, "_runtime", Runtime(plan, programs, p2p, device, self._optimizer,
                                                      self._lr_scheduler, self.config.recv_window,
                                                      tracer.record))
 
@@ -283,9 +283,8 @@ class Graph:
         """What random ops draw for this call: the agreed base seed and the step (a forward-only
         graph counts its calls), so a resumed run replays the same masks (NOTE: Replica-equal
         randomness, runtime/rng.py)."""
-        if self._runtime.executor is not None:
-            step = self._state.steps if self._compiled.training else self._forward_calls
-            self._runtime.executor.draw = (self._base_seed, step)
+        step = self._state.steps if self._compiled.training else self._forward_calls
+        self._runtime.set_draw(self._base_seed, step)
 
     def _check_inputs(self, args) -> None:
         want = self._compiled.input_meta

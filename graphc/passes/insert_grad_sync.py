@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..meta import META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR
 from ..plan.instructions import AllReduce, OptimizerStep, TensorSpec
 from ..plan.plan import ExecutionPlan
-from ..sbp.layout import axis_groups, local_shape
+from ..sbp.layout import axis_groups, flat, local_shape
 
 DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
 FIRST_BUCKET_BYTES = 2 ** 20  # small, so the first all-reduce starts early in the backward
@@ -42,11 +42,13 @@ def insert_grad_sync(plans: Sequence[ExecutionPlan], gm: fx.GraphModule,
 def _partial_grads(gm: fx.GraphModule) -> Dict[int, Dict[Tuple[int, ...], List[TensorSpec]]]:
     """rank -> group -> gradient specs (local shapes), in backward order."""
     out: Dict[int, Dict[Tuple[int, ...], List[TensorSpec]]] = defaultdict(lambda: defaultdict(list))
-    seen = set()  # (parameter, stage): a tied parameter's names share one .grad, reduced once
+    # (parameter, ranks): a tied parameter's names share one .grad, reduced once; so do two
+    # chunks on the same ranks that use it
+    seen = set()
     for node in reversed(list(gm.graph.nodes)):
         axes = node.meta.get(META_GRAD_PARTIAL, ()) if node.op == "get_attr" else ()
         meta = node.meta.get(META_TENSOR)
-        key = (id(gm.get_parameter(str(node.target))), node.meta[META_STAGE]) \
+        key = (id(gm.get_parameter(str(node.target))), tuple(sorted(flat(node.meta[META_SBP].mesh)))) \
             if axes and meta is not None and meta.requires_grad else None
         if key is None or key in seen:
             continue

@@ -42,10 +42,17 @@ def insert_tie_sync(plans: Sequence[ExecutionPlan], programs: Sequence[StageProg
         _check_sizes(holders, tied, stages)
         specs = tuple(spec for spec, _ in tied)
         for k in range(len(stages[holders[0]].ranks)):
-            group = tuple(sorted(stages[s].ranks[k] for s in holders))
+            # two holding chunks on one rank share the parameter object (and its .grad): the
+            # rank takes part once, and a tie held by one rank's chunks only needs no sum
+            by_rank = {}
             for s in holders:
+                by_rank.setdefault(stages[s].ranks[k], s)
+            if len(by_rank) < 2:
+                continue
+            group = tuple(sorted(by_rank))
+            for r, s in by_rank.items():
                 names = tuple(local[s] for _, local in tied)
-                per_rank[stages[s].ranks[k]].append(TieAllReduce(group, specs, names))
+                per_rank[r].append(TieAllReduce(group, specs, names))
     for plan in plans:
         if plan.training and per_rank.get(plan.rank):
             at = next(i for i, ins in enumerate(plan.instructions) if isinstance(ins, OptimizerStep))

@@ -12,7 +12,8 @@ Requires: split_stages.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections import defaultdict
+from typing import Dict, List, Sequence, Tuple
 
 from ..plan.instructions import (ACT, GRAD, Backward, BackwardInput, Forward, Instruction,
                                  OptimizerStep, OverlapFB, Recv, Send)
@@ -22,7 +23,8 @@ from ..plan.schedules import compute_order, pipeline_ranks
 
 
 def lower_plan(programs: Sequence[StageProgram], stages: Sequence[StageInfo], schedule: str,
-               num_microbatches: int, training: bool, world_size: int) -> List[ExecutionPlan]:
+               num_microbatches: int, training: bool, world_size: int,
+               checkpointing: str = "never") -> List[ExecutionPlan]:
     position = pipeline_ranks(stages, schedule, training)
     p = max(position) + 1
     pp_rank_of = {r: position[s.stage_id] for s in stages for r in s.ranks}
@@ -36,8 +38,9 @@ def lower_plan(programs: Sequence[StageProgram], stages: Sequence[StageInfo], sc
         if training:
             instrs.append(OptimizerStep())
         plans.append(ExecutionPlan(rank, world_size, instrs, num_microbatches, schedule,
-                                   tuple(stages), training))
-    return plans
+                                   tuple(stages), training,
+                                   checkpointing=checkpointing if training else "never"))
+    return _in_receive_order(plans)
 
 
 def _source(stages: Sequence[StageInfo], rank: int, mine: int, other: int) -> int:
@@ -107,3 +110,40 @@ def _sends(ins, programs, stages, rank) -> List[Instruction]:
                     for peer in _targets(stages, rank, s, a)]
     return out
 
+
+
+def _in_receive_order(plans: List[ExecutionPlan]) -> List[ExecutionPlan]:
+    """Moves sends later where needed so that each channel (src -> dst) carries its transfers
+    in the order dst receives them: transports are FIFO per channel (shared-memory rings,
+    NCCL). With one stage per rank the orders agree already; with several chunks per rank
+    they need not (a skip connection from chunk 0 to chunk 3 is sent at 0F0 but received at
+    3F0, after 1F1's input). A send goes out right after its compute, or, if an earlier
+    transfer of its channel (in dst's order) is not computed yet, right after that one.
+    Sends never block compute (send actors), so this only delays them; verify_plans proves
+    the result deadlock-free.
+    """
+    wanted: Dict[Tuple[int, int], List[tuple]] = defaultdict(list)
+    for plan in plans:
+        for ins in plan.instructions:
+            if isinstance(ins, Recv):
+                wanted[(ins.peer, plan.rank)].append((ins.peer_stage, ins.stage, ins.direction, ins.microbatch))
+    for plan in plans:
+        out: List[Instruction] = []
+        pending: Dict[Tuple[int, int], Dict[tuple, Send]] = defaultdict(dict)
+        nxt: Dict[Tuple[int, int], int] = defaultdict(int)
+        for ins in plan.instructions:
+            if not isinstance(ins, Send):
+                if isinstance(ins, OptimizerStep):  # nothing may stay behind (verify flags a mismatch)
+                    out += [s for q in pending.values() for s in q.values()]
+                    pending.clear()
+                out.append(ins)
+                continue
+            ch = (plan.rank, ins.peer)
+            pending[ch][(ins.stage, ins.peer_stage, ins.direction, ins.microbatch)] = ins
+            order = wanted.get(ch, [])
+            while nxt[ch] < len(order) and order[nxt[ch]] in pending[ch]:
+                out.append(pending[ch].pop(order[nxt[ch]]))
+                nxt[ch] += 1
+        out += [s for q in pending.values() for s in q.values()]
+        plan.instructions[:] = out
+    return plans

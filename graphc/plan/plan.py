@@ -33,6 +33,7 @@ class ExecutionPlan:
     stages: Tuple[StageInfo, ...] = ()
     training: bool = True
     notes: Dict[str, str] = field(default_factory=dict)
+    checkpointing: str = "never"   # activation checkpointing of micro-batches (runtime/executor.py)
 
     @property
     def local_stages(self) -> List[int]:
@@ -41,7 +42,8 @@ class ExecutionPlan:
     def __str__(self) -> str:
         head = (f"# graphc plan: rank {self.rank} of {self.world_size}, schedule={self.schedule}, "
                 f"microbatches={self.num_microbatches}, stages={self.local_stages}, "
-                f"{'training' if self.training else 'inference'}")
+                f"{'training' if self.training else 'inference'}"
+                + (f", checkpointing={self.checkpointing}" if self.checkpointing != "never" else ""))
         lines = [head] + [f"{i:4d}  {ins}" for i, ins in enumerate(self.instructions)]
         return "\n".join(lines)
 
@@ -60,6 +62,7 @@ class ExecutionPlan:
             "schedule": self.schedule,
             "num_microbatches": self.num_microbatches,
             "training": self.training,
+            "checkpointing": self.checkpointing,
             "stages": [{"stage": s.stage_id, "ranks": list(s.ranks), "device_type": s.device_type}
                        for s in self.stages],
             "instructions": [ins.to_json() for ins in self.instructions],
@@ -72,7 +75,8 @@ class ExecutionPlan:
         return ExecutionPlan(d["rank"], d["world_size"],
                              [instruction_from_json(i) for i in d["instructions"]],
                              d.get("num_microbatches", 1), d.get("schedule", "1f1b"),
-                             stages, d.get("training", True))
+                             stages, d.get("training", True),
+                             checkpointing=d.get("checkpointing", "never"))
 
     @staticmethod
     def parse(text: str) -> "ExecutionPlan":
@@ -83,4 +87,6 @@ class ExecutionPlan:
         rank = int(head.split("rank ")[1].split()[0])
         world = int(head.split(" of ")[1].split(",")[0])
         instrs = [parse_instruction(line.split(None, 1)[1]) for line in lines[1:]]
-        return ExecutionPlan(rank, world, instrs, int(fields["microbatches"]), fields["schedule"])
+        return ExecutionPlan(rank, world, instrs, int(fields["microbatches"]), fields["schedule"],
+                             training="inference" not in head,
+                             checkpointing=fields.get("checkpointing", "never"))

@@ -24,19 +24,21 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.profiler import record_function
 
-from ..plan.instructions import (ACT, AllReduce, Backward, ClipGradNorm, Collective, Forward,
-                                 OptimizerStep, Recv, Send)
+from ..plan.instructions import (ACT, COMPUTE, AllReduce, BackwardInput, BackwardWeight, ClipGradNorm,
+                                 Collective, Forward, OptimizerStep, OverlapFB, Recv, Send)
 from ..plan.plan import ExecutionPlan
 from ..plan.program import StageProgram
 from .collectives import GradSync, all_reduce_sum
-from .executor import StageExecutor
+from .executor import StageExecutor, checkpointed_microbatches
 
 
 @dataclass
 class StepStats:
-    """What one step did: peak live activations per stage, wall time, optional timeline."""
+    """What one step did: peak live activations per stage (micro-batches and bytes), wall time,
+    optional timeline."""
 
     max_live_activations: Dict[int, int] = field(default_factory=dict)
+    max_live_bytes: Dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
     events: List[Tuple[str, float, float]] = field(default_factory=list)
 
@@ -123,16 +125,23 @@ def _wait(work, peer: int) -> None:
 
 
 class Runtime:
-    """Runs one rank's plan, one call of `step` per training (or inference) step."""
+    """Runs one rank's plan, one call of `step` per training (or inference) step.
 
-    def __init__(self, plan: ExecutionPlan, program: Optional[StageProgram], p2p, device,
+    The rank holds one executor per stage (model chunk) its plan computes. A value between
+    two of its chunks is handed over in memory when its producer computes it (the plan
+    lists no transfer for it, see lower_plan).
+    """
+
+    def __init__(self, plan: ExecutionPlan, programs: Dict[int, StageProgram], p2p, device,
                  optimizer=None, lr_scheduler=None, window: int = 2, trace: bool = False):
         self.plan, self.p2p, self.device = plan, p2p, device
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.window, self.trace = window, trace
         m = plan.num_microbatches
-        self.executor = StageExecutor(program, plan.training, 1.0 / m) if program else None
-        self.grad_sync = GradSync.from_plan(plan, program)  # None without partial_sum grads
+        ckpt = checkpointed_microbatches(plan.checkpointing, m)
+        self.executors: Dict[int, StageExecutor] = {
+            s: StageExecutor(prog, plan.training, 1.0 / m, ckpt) for s, prog in programs.items()}
+        self.grad_sync = GradSync.from_plan(plan, list(programs.values()))  # None without synced grads
         # each peer's receives in plan order, and the peers sent to: fixed by the plan
         self.recv_queues: Dict[int, List[Recv]] = defaultdict(list)
         for ins in plan.instructions:
@@ -141,6 +150,21 @@ class Runtime:
         self.send_peers = sorted({ins.peer for ins in plan.instructions if isinstance(ins, Send)})
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.range_names = range_names(plan.instructions)
+        # values between this rank's own chunks: (from stage, to stage, names)
+        self.local_acts = {s: [(b, [t.name for t in specs]) for b, specs in sorted(prog.send_to.items())
+                               if b in programs] for s, prog in programs.items()}
+        self.local_grads = {s: [(a, [t.name for t in prog.grad_specs(specs)])
+                                for a, specs in sorted(prog.recv_from.items()) if a in programs]
+                            for s, prog in programs.items()}
+
+    @property
+    def executor(self) -> Optional[StageExecutor]:
+        """The executor of this rank's first stage (None on a rank without a stage)."""
+        return next(iter(self.executors.values()), None)
+
+    def set_draw(self, base_seed: int, step: int) -> None:
+        for ex in self.executors.values():
+            ex.draw = (base_seed, step)
 
     def step(self, user_inputs: List[torch.Tensor]) -> Tuple[Dict[str, List[torch.Tensor]], StepStats]:
         """Runs the plan once. Returns each build() result computed here, per micro-batch."""
@@ -158,22 +182,22 @@ class Runtime:
         send_actors = {p: SendActor(p, self.p2p) for p in self.send_peers}
         return recv_actors, send_actors
 
-    def _microbatches(self, user_inputs: List[torch.Tensor]) -> List[Dict[str, torch.Tensor]]:
+    def _microbatches(self, user_inputs: List[torch.Tensor]) -> Dict[Tuple[int, int], Dict[str, torch.Tensor]]:
+        """(stage, micro-batch) -> the user inputs that stage's program reads."""
         m = self.plan.num_microbatches
-        per_mb: List[Dict[str, torch.Tensor]] = [dict() for _ in range(m)]
-        if self.executor is None:
-            return per_mb
-        prog = self.executor.program
-        for name, idx in prog.user_inputs.items():
-            t = user_inputs[idx].to(self.device, non_blocking=True)
-            whole = t.dim() == 0 or name in prog.whole_inputs  # no batch dim (find_batch_dims)
-            pieces = [t] * m if whole else t.tensor_split(m)
-            for mb in range(m):
-                per_mb[mb][name] = pieces[mb]
-        if prog.prologue is not None:  # values of the whole batch, e.g. a loss's token count
-            totals = self.executor.prologue(per_mb)
-            for values in per_mb:
-                values.update(totals)
+        per_mb: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = defaultdict(dict)
+        for s, ex in self.executors.items():
+            prog = ex.program
+            for name, idx in prog.user_inputs.items():
+                t = user_inputs[idx].to(self.device, non_blocking=True)
+                whole = t.dim() == 0 or name in prog.whole_inputs  # no batch dim (find_batch_dims)
+                pieces = [t] * m if whole else t.tensor_split(m)
+                for mb in range(m):
+                    per_mb[(s, mb)][name] = pieces[mb]
+            if prog.prologue is not None:  # values of the whole batch, e.g. a loss's token count
+                totals = ex.prologue([per_mb[(s, mb)] for mb in range(m)])
+                for mb in range(m):
+                    per_mb[(s, mb)].update(totals)
         return per_mb
 
     def _run(self, user_inputs):
@@ -182,11 +206,12 @@ class Runtime:
         recv_actors, send_actors = self._actors()
         for actor in recv_actors.values():
             actor.pump()
-        values = dict(enumerate(self._microbatches(user_inputs)))
-        grads: Dict[int, List[Tuple[str, torch.Tensor]]] = defaultdict(list)
-        produced: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
+        values = self._microbatches(user_inputs)
+        grads: Dict[Tuple[int, int], List[Tuple[str, torch.Tensor]]] = defaultdict(list)
+        produced: Dict[Tuple[int, int, str], Dict[str, torch.Tensor]] = {}
         results: Dict[str, List[torch.Tensor]] = defaultdict(list)
-        ex = self.executor
+        if self.grad_sync is not None and self.plan.training:
+            self.grad_sync.start_step()
         profiling = torch.autograd.profiler._is_profiler_enabled  # checked once per step: cheap
         for ins, range_name in zip(self.plan.instructions, self.range_names):
             t0 = time.perf_counter() if self.trace else 0.0
@@ -194,25 +219,17 @@ class Runtime:
                 if isinstance(ins, Recv):
                     got = recv_actors[ins.peer].take(ins)
                     if ins.direction == ACT:
-                        values[ins.microbatch].update(got)
+                        values[(ins.stage, ins.microbatch)].update(got)
                     else:
-                        grads[ins.microbatch].extend(got.items())
-                elif isinstance(ins, Forward):
-                    outs = ex.forward(ins.microbatch, values.pop(ins.microbatch))
-                    produced[(ins.microbatch, ACT)] = outs
-                    for name in ex.program.results:
-                        results[name].append(outs[name].detach())
-                elif isinstance(ins, Backward):
-                    if self.grad_sync and ins.microbatch == 0:
-                        self.grad_sync.carry()  # gradients of earlier steps are not reduced again
-                    if self.grad_sync and ins.microbatch == self.plan.num_microbatches - 1:
-                        self.grad_sync.arm()  # buckets start during the last backward
-                    produced[(ins.microbatch, "B")] = ex.backward(ins.microbatch,
-                                                                  grads.pop(ins.microbatch, []))
-                    produced.pop((ins.microbatch, ACT), None)
+                        grads[(ins.stage, ins.microbatch)].extend(got.items())
                 elif isinstance(ins, Send):
-                    key = (ins.microbatch, ACT if ins.direction == ACT else "B")
+                    key = (ins.stage, ins.microbatch, ACT if ins.direction == ACT else "B")
                     send_actors[ins.peer].post(ins, produced[key])
+                elif isinstance(ins, OverlapFB):  # on one stream: the forward, then the backward
+                    self._compute(ins.forward, values, grads, produced, results)
+                    self._compute(ins.backward, values, grads, produced, results)
+                elif isinstance(ins, COMPUTE):
+                    self._compute(ins, values, grads, produced, results)
                 elif isinstance(ins, OptimizerStep):
                     for actor in send_actors.values():
                         actor.drain()
@@ -225,24 +242,46 @@ class Runtime:
                 stats.events.append((str(ins), t0, time.perf_counter()))
         for actor in send_actors.values():
             actor.drain()
-        if ex is not None:
-            stats.max_live_activations[ex.program.stage] = ex.max_live
-            ex.max_live = 0
+        for s, ex in self.executors.items():
+            stats.max_live_activations[s] = ex.max_live
+            stats.max_live_bytes[s] = ex.max_live_bytes
+            ex.max_live = ex.max_live_bytes = 0
         stats.seconds = time.perf_counter() - start
         return dict(results), stats
+
+    def _compute(self, ins, values, grads, produced, results) -> None:
+        s, mb = ins.stage, ins.microbatch
+        ex = self.executors[s]
+        if isinstance(ins, Forward):
+            outs = ex.forward(mb, values.pop((s, mb)))
+            produced[(s, mb, ACT)] = outs
+            for name in ex.program.results:
+                results[name].append(outs[name].detach())
+            for b, names in self.local_acts[s]:
+                values[(b, mb)].update({n: outs[n] for n in names})
+            return
+        if isinstance(ins, BackwardWeight):
+            ex.backward_weight(mb)
+            return
+        run = ex.backward_input if isinstance(ins, BackwardInput) else ex.backward
+        got = run(mb, grads.pop((s, mb), []))
+        produced[(s, mb, "B")] = got
+        produced.pop((s, mb, ACT), None)
+        for a, names in self.local_grads[s]:
+            grads[(a, mb)].extend((n, got[n]) for n in names)
 
     def _clip_grad_norm(self, ins: ClipGradNorm) -> None:
         """clip_grad_norm_ over the whole model: this rank's share of the squared norm, summed
         over every training rank, then every local gradient scaled (see insert_grad_clip)."""
-        module = self.executor.program.module
-        grads = [g for g in (module.get_parameter(n).grad for n in ins.params) if g is not None]
+        params = _local_parameters([ex.program for ex in self.executors.values()])
+        grads = [g for g in (params[n].grad for n in ins.params) if g is not None]
         dtype = getattr(torch, ins.tensors[0].dtype)
         sq = torch.zeros((), dtype=dtype, device=self.device)
         if grads:
             sq = torch.stack([torch.linalg.vector_norm(g, 2).to(dtype) for g in grads]).square().sum()
         norm = all_reduce_sum(sq, (ins.ranks,)).sqrt()
         coef = (ins.max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch: no host sync
-        for p in module.parameters():
+        for p in {id(p): p for p in params.values()}.values():  # a tie held twice: scaled once
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.dtype))
 
@@ -253,3 +292,13 @@ class Runtime:
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+
+
+def _local_parameters(programs) -> Dict[str, torch.nn.Parameter]:
+    """Every parameter of this rank's stage programs by name (names are the user's: two chunks
+    holding a parameter hold the same object)."""
+    out: Dict[str, torch.nn.Parameter] = {}
+    for prog in programs:
+        for name, p in prog.module.named_parameters():
+            out.setdefault(name, p)
+    return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -242,17 +242,20 @@ def mesh_coordinate(groups: tuple) -> Tuple[int, int]:
 # -- gradient synchronisation ----------------------------------------------------------------
 class GradSync:
     """Bucketed all-reduce of partial_sum gradients, and of tied parameters' gradients among
-    the stages holding them (TieAllReduce, a bucket of its own), launched during the last
-    backward.
+    the stages holding them (TieAllReduce, a bucket of its own), launched as soon as they
+    are final.
 
-    Each bucket is armed before the last micro-batch's backward; a hook on every parameter
-    counts down as its gradient is final, and the bucket's all-reduce starts (async) as
-    soon as all its gradients are, overlapping the rest of that backward. `wait(ins)`
-    finishes an AllReduce instruction's bucket (launching it first if its hooks did not
-    fire, e.g. unused parameters). Buckets launch in plan order on every rank.
+    A hook on every parameter counts its gradient accumulations in the step; a parameter is
+    final after `expected` of them (one per micro-batch and per local stage program that
+    uses it: a rank holding two chunks that share a parameter accumulates it from both). A
+    bucket's all-reduce starts (async) once all its gradients are final, overlapping the
+    rest of the backward, whatever the schedule's order of chunks and micro-batches.
+    `wait(ins)` finishes an AllReduce instruction's bucket (launching it first if its hooks
+    did not fire, e.g. unused parameters). Buckets launch in plan order on every rank.
     """
 
-    def __init__(self, buckets: List[Tuple[Tuple[int, ...], List[torch.nn.Parameter]]]):
+    def __init__(self, buckets: List[Tuple[Tuple[int, ...], List[torch.nn.Parameter]]],
+                 expected: Optional[Dict[int, int]] = None):
         self.buckets = buckets
         self.armed = False
         self.remaining: List[int] = []
@@ -264,36 +267,54 @@ class GradSync:
         self.carried: Dict[int, torch.Tensor] = {}
         self.last_of = {id(p): i for i, (_, params) in enumerate(buckets) for p in params}
         self.index: Dict[object, int] = {}
+        self.expected = expected or {}      # id(param) -> accumulations per step (default 1)
+        self.count: Dict[int, int] = {}
         # a gradient partial on two mesh axes is reduced over one, then the other: a bucket
         # holding a gradient of an earlier bucket starts only once that one is back (wait)
         seen: set = set()
         self.deferred = []
+        self.in_buckets: Dict[int, List[int]] = {}
         for i, (_, params) in enumerate(buckets):
             self.deferred.append(any(id(p) in seen for p in params))
             seen |= {id(p) for p in params}
             for p in params:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+                self.in_buckets.setdefault(id(p), []).append(i)
+        by_id = {id(p): p for _, params in buckets for p in params}
+        for key, p in by_id.items():
+            self.handles.append(p.register_post_accumulate_grad_hook(self._hook(key)))
 
     @staticmethod
-    def from_plan(plan, program) -> "GradSync | None":
+    def from_plan(plan, programs) -> "GradSync | None":
         from ..plan.instructions import AllReduce, TieAllReduce
         # gradient all-reduces and ties (not ClipGradNorm); a tie names its parameters as
-        # this stage's program knows them
+        # this rank's stage programs know them
         syncs = [ins for ins in plan.instructions if type(ins) in (AllReduce, TieAllReduce)]
-        if not syncs or program is None:
+        if not syncs or not programs:
             return None
+        params: Dict[str, torch.nn.Parameter] = {}
+        uses: Dict[int, int] = {}
+        for prog in programs:
+            for name, p in prog.module.named_parameters():
+                params.setdefault(name, p)
+            for p in {id(p): p for p in prog.module.parameters()}.values():
+                uses[id(p)] = uses.get(id(p), 0) + 1
         names = [ins.params if isinstance(ins, TieAllReduce) else [t.name for t in ins.tensors]
                  for ins in syncs]
-        sync = GradSync([(ins.ranks, [program.module.get_parameter(n) for n in ns])
-                         for ins, ns in zip(syncs, names)])
+        m = plan.num_microbatches
+        sync = GradSync([(ins.ranks, [params[n] for n in ns]) for ins, ns in zip(syncs, names)],
+                        {k: m * n for k, n in uses.items()})
         sync.index = {ins: i for i, ins in enumerate(syncs)}
         return sync
 
-    def _hook(self, i: int):
+    def _hook(self, key: int):
         def fire(_param):
             if not self.armed:
                 return
-            self.remaining[i] -= 1
+            self.count[key] = self.count.get(key, 0) + 1
+            if self.count[key] != self.expected.get(key, 1):
+                return  # more micro-batches (or chunks) still add to this gradient
+            for i in self.in_buckets[key]:
+                self.remaining[i] -= 1
             # launch in bucket order on every rank: collectives on a group must match
             while (self.next < len(self.buckets) and self.remaining[self.next] == 0
                    and not self.deferred[self.next]):
@@ -301,18 +322,18 @@ class GradSync:
                 self._launch(self.next)
         return fire
 
-    def carry(self) -> None:
+    def start_step(self) -> None:
         """Before a step's first backward: set aside gradients left from earlier steps (no
-        optimizer zeroed them), so only this step's partial sums are all-reduced."""
+        optimizer zeroed them), so only this step's partial sums are all-reduced; count
+        this step's accumulations from zero."""
         self.carried = {}
         for _, params in self.buckets:
             for p in params:
                 if p.grad is not None and id(p) not in self.carried:
                     self.carried[id(p)] = p.grad.clone()  # it may view a reused bucket
                     p.grad = None
-
-    def arm(self) -> None:
         self.armed = True
+        self.count = {}
         self.remaining = [len(params) for _, params in self.buckets]
         self.works = {}
         self.next = 0

@@ -3,10 +3,30 @@
 Backward uses PyTorch's autograd on the stage's own forward (per-stage autograd): the
 kernels are exactly eager's, and parameter gradients accumulate in `.grad` across
 micro-batches as in eager gradient accumulation. See docs/design.md.
+
+A backward runs whole (`backward`) or split (`backward_input` then `backward_weight`, for
+the zero-bubble schedules): the first computes only the gradients of the stage's inputs
+(autograd prunes every path that does not lead to them) and keeps the graph; the second
+computes the parameters' gradients from the same roots, then frees the graph. Each
+gradient is computed by the same kernels as in a whole backward, so the numbers are the
+same; the price is that W walks again the part of the graph I walked.
+
+NOTE: Activation checkpointing
+A checkpointed micro-batch runs its forward without recording autograd (torch.no_grad)
+and keeps only its inputs, plus a copy of the stage's buffers when it has any. Its
+backward first recomputes the forward, recording, with the buffers as they were at the
+forward (then puts back their current values: a recompute updates no running statistic
+twice) and inside the same random draw (runtime/rng.py: masks are a pure function of
+step and micro-batch), so every value, and therefore every gradient, is the forward's.
+
+Live activation bytes: every tensor autograd saves during a forward is counted once (by
+storage) against its micro-batch until that micro-batch's backward frees it; a
+checkpointed micro-batch counts its kept inputs. `max_live_bytes` is the step's peak.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from contextlib import nullcontext
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -15,15 +35,37 @@ from .collectives import all_reduce_sum
 from .rng import drawing
 
 
+class _Saved:
+    """What a micro-batch keeps between its forward and its backward."""
+
+    __slots__ = ("leaves", "outs", "inputs", "buffers", "nbytes", "roots", "grads")
+
+    def __init__(self, leaves, outs, inputs=None, buffers=None, nbytes=0):
+        self.leaves, self.outs, self.inputs, self.buffers = leaves, outs, inputs, buffers
+        self.nbytes = nbytes
+        self.roots: Optional[list] = None   # set by backward_input for backward_weight
+        self.grads: Optional[list] = None
+
+
 class StageExecutor:
-    def __init__(self, program: StageProgram, training: bool, loss_scale: float):
+    def __init__(self, program: StageProgram, training: bool, loss_scale: float,
+                 checkpointed=frozenset()):
         self.program = program
         self.training = training
         self.loss_scale = loss_scale
-        self.saved: Dict[int, Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]] = {}
+        self.checkpointed = frozenset(checkpointed)  # micro-batches whose forward is recomputed
+        self.saved: Dict[int, _Saved] = {}
         self.max_live = 0
+        self.live_bytes = 0
+        self.max_live_bytes = 0
         self.draw = (0, 0)  # (base seed, step) random ops draw for (See NOTE: Replica-equal randomness)
+        module = program.module
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._fixed = {t.untyped_storage().data_ptr() for t in
+                       list(module.parameters()) + list(module.buffers())}
+        self._buffers = dict(module.named_buffers())
 
+    # -- forward ---------------------------------------------------------------------
     def forward(self, mb: int, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """values: every input of the program by name (user inputs and received values)."""
         prog = self.program
@@ -35,13 +77,43 @@ class StageExecutor:
                 t = t.detach().requires_grad_(True)
                 leaves[name] = t
             args.append(t)
-        with torch.set_grad_enabled(self.training), drawing(*self.draw, mb):
-            out = prog.module(*args)
-        outs = dict(zip(prog.outputs, out))
-        if self.training:
-            self.saved[mb] = (leaves, outs)
-            self.max_live = max(self.max_live, len(self.saved))
+        if not self.training:
+            with torch.no_grad(), drawing(*self.draw, mb):
+                return dict(zip(prog.outputs, prog.module(*args)))
+        if mb in self.checkpointed:
+            buffers = {n: b.clone() for n, b in self._buffers.items()} if self._buffers else None
+            with torch.no_grad(), drawing(*self.draw, mb):
+                out = prog.module(*args)
+            outs = dict(zip(prog.outputs, out))
+            saved = _Saved(leaves, outs, args, buffers, self._bytes_of(args))
+        else:
+            seen: Dict[int, int] = {}
+            with torch.enable_grad(), drawing(*self.draw, mb), \
+                    torch.autograd.graph.saved_tensors_hooks(self._counter(seen), _identity):
+                out = prog.module(*args)
+            outs = dict(zip(prog.outputs, out))
+            saved = _Saved(leaves, outs, nbytes=sum(seen.values()))
+        self.saved[mb] = saved
+        self.live_bytes += saved.nbytes
+        self.max_live = max(self.max_live, len(self.saved))
+        self.max_live_bytes = max(self.max_live_bytes, self.live_bytes)
         return outs
+
+    def _counter(self, seen: Dict[int, int]):
+        fixed = self._fixed
+
+        def pack(t: torch.Tensor):
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in fixed and ptr not in seen:
+                seen[ptr] = storage.nbytes()
+            return t
+        return pack
+
+    def _bytes_of(self, tensors) -> int:
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tensors if isinstance(t, torch.Tensor)}
+        return sum(n for p, n in storages.items() if p not in self._fixed)
 
     def prologue(self, per_mb: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """The program's per-step values: its prologue summed over the micro-batches' inputs,
@@ -55,9 +127,48 @@ class StageExecutor:
             return {name: all_reduce_sum(total, groups) if groups else total
                     for name, total, groups in zip(pro.outputs, sums, pro.groups)}
 
+    # -- backward --------------------------------------------------------------------
     def backward(self, mb: int, grads: List[Tuple[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """grads: (value name, gradient) received from consumer stages; returns input grads."""
-        leaves, outs = self.saved.pop(mb)
+        saved = self._pop(mb)
+        roots, root_grads = self._roots(mb, saved, grads)
+        if roots:
+            with drawing(*self.draw, mb):
+                torch.autograd.backward(roots, root_grads)
+        return self._input_grads(saved)
+
+    def backward_input(self, mb: int, grads: List[Tuple[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        """Gradients of the stage's inputs only; the parameters' wait for backward_weight."""
+        saved = self.saved[mb]
+        roots, root_grads = self._roots(mb, saved, grads)
+        saved.roots, saved.grads = roots, root_grads
+        leaves = [t for t in saved.leaves.values()]
+        if roots and leaves:
+            with drawing(*self.draw, mb):
+                got = torch.autograd.grad(roots, leaves, root_grads, retain_graph=True,
+                                          allow_unused=True)
+            return {name: (g if g is not None else torch.zeros_like(t))
+                    for (name, t), g in zip(saved.leaves.items(), got)}
+        return {name: torch.zeros_like(t) for name, t in saved.leaves.items()}
+
+    def backward_weight(self, mb: int) -> None:
+        """The parameters' gradients of micro-batch mb (after its backward_input)."""
+        saved = self._pop(mb)
+        params = self._params if saved.roots else []
+        if params:  # (a parameter the roots do not lead to simply gets no gradient)
+            with drawing(*self.draw, mb):
+                torch.autograd.backward(saved.roots, saved.grads, inputs=params)
+        saved.roots = saved.grads = None
+
+    def _pop(self, mb: int) -> _Saved:
+        saved = self.saved.pop(mb)
+        self.live_bytes -= saved.nbytes
+        return saved
+
+    def _roots(self, mb: int, saved: _Saved, grads) -> Tuple[list, list]:
+        if saved.inputs is not None:
+            self._recompute(mb, saved)
+        outs = saved.outs
         roots, root_grads = [], []
         if self.program.loss is not None:
             loss = outs[self.program.loss]
@@ -67,11 +178,53 @@ class StageExecutor:
             if outs[name].requires_grad:
                 roots.append(outs[name])
                 root_grads.append(g)
-        if roots:
-            torch.autograd.backward(roots, root_grads)
+        return roots, root_grads
+
+    def _recompute(self, mb: int, saved: _Saved) -> None:
+        """The forward of a checkpointed micro-batch again, recording (NOTE: Activation
+        checkpointing): same inputs, same buffers, same random draw."""
+        current = None
+        if saved.buffers:
+            current = {n: b.clone() for n, b in self._buffers.items()}
+            with torch.no_grad():
+                for n, b in self._buffers.items():
+                    b.copy_(saved.buffers[n])
+        try:
+            with torch.enable_grad(), drawing(*self.draw, mb):
+                out = self.program.module(*saved.inputs)
+        finally:
+            if current is not None:
+                with torch.no_grad():
+                    for n, b in self._buffers.items():
+                        b.copy_(current[n])
+        saved.outs = dict(zip(self.program.outputs, out))
+        saved.inputs = saved.buffers = None
+
+    @staticmethod
+    def _input_grads(saved: _Saved) -> Dict[str, torch.Tensor]:
         return {name: (t.grad if t.grad is not None else torch.zeros_like(t))
-                for name, t in leaves.items()}
+                for name, t in saved.leaves.items()}
 
     @property
     def live(self) -> int:
         return len(self.saved)
+
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset:
+    """The micro-batches whose forward is recomputed in their backward (seed 002's Pipe):
+    all of them ("always"), all but the last ("except_last": its backward follows at once),
+    or none ("never")."""
+    m = num_microbatches
+    if mode == "always":
+        return frozenset(range(m))
+    if mode == "except_last":
+        return frozenset(range(m - 1))
+    return frozenset()
+
+
+def _identity(t):
+    return t
+

@@ -1,0 +1,153 @@
+"""insert_checkpoints: a module marked `config.set_activation_checkpointing(True)` recomputes
+its forward in its backward instead of keeping its activations.
+
+Invariant: in every stage program, the nodes traced inside a checkpointed module (its
+calls, as `nn_module_stack` records them) are moved, in order, into one sub-GraphModule
+per call, and a single `graphc_checkpoint_<k>` call_module node takes their place: a
+`CheckpointedRegion` that runs the sub-program under torch.utils.checkpoint (non-reentrant),
+so autograd saves only the region's inputs. The recompute happens inside the stage's
+backward, where the executor re-enters the micro-batch's random draw (runtime/rng.py), and
+sees the module's buffers as they were at the forward (NOTE: Activation checkpointing in
+runtime/executor.py), so the numbers are those of no checkpointing. A region that
+communicates (an SBP conversion inside it) is refused: its collectives would run again.
+Requires: split_stages (programs), insert_grad_modes.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+from typing import Dict, List, Sequence, Set
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import GraphcError
+from ..meta import META_BOXING
+from ..plan.program import StageProgram
+
+
+class CheckpointedRegion(nn.Module):
+    """Runs `body` (the nodes of one call of a checkpointed module) without keeping its
+    activations: they are recomputed in the backward, with the buffers of the forward."""
+
+    def __init__(self, body: fx.GraphModule, module_name: str):
+        super().__init__()
+        self.body = body
+        self.module_name = module_name
+
+    def forward(self, *args):
+        if not torch.is_grad_enabled():
+            return self.body(*args)
+        return checkpoint(self.body, *args, use_reentrant=False, context_fn=self._contexts)
+
+    def _contexts(self):
+        """(forward, recompute) contexts of one call, sharing its snapshot: the recompute sees
+        the forward's buffers and leaves the current ones (running statistics the forward
+        already updated) as they are."""
+        buffers = list(self.body.buffers())
+        if not buffers:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        snapshot: List[torch.Tensor] = []
+        return _snapshot(buffers, snapshot), _as_at_forward(buffers, snapshot)
+
+
+@contextlib.contextmanager
+def _snapshot(buffers: List[torch.Tensor], into: List[torch.Tensor]):
+    into[:] = [b.clone() for b in buffers]
+    yield
+
+
+@contextlib.contextmanager
+def _as_at_forward(buffers: List[torch.Tensor], saved: List[torch.Tensor]):
+    current = [b.clone() for b in buffers]
+    with torch.no_grad():
+        for b, v in zip(buffers, saved):
+            b.copy_(v)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in zip(buffers, current):
+                b.copy_(v)
+
+
+def insert_checkpoints(programs: Sequence[StageProgram], checkpointed: Set[str]) -> List[StageProgram]:
+    if not checkpointed:
+        return list(programs)
+    for prog in programs:
+        regions = _regions(prog.module.graph, checkpointed)
+        for k, (name, nodes) in enumerate(regions):
+            _outline(prog.module, nodes, name, f"graphc_checkpoint_{k}")
+        if regions:
+            prog.module.graph.lint()
+            prog.module.recompile()
+    return list(programs)
+
+
+def _owner(node: fx.Node, checkpointed: Set[str]):
+    """(module, call) of the outermost checkpointed module the node was traced in, or None."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for key, value in stack.items():
+        path = value[0] if isinstance(value, tuple) else key.split("@")[0]
+        if path in checkpointed:
+            return path, key
+    return None
+
+
+def _regions(graph: fx.Graph, checkpointed: Set[str]):
+    """Runs of consecutive nodes of one call of a checkpointed module, in graph order."""
+    regions, current, key, name = [], [], None, None
+    for node in graph.nodes:
+        owner = _owner(node, checkpointed) if node.op not in ("placeholder", "output") else None
+        if owner is not None and current and owner[1] == key:
+            current.append(node)
+            continue
+        if current:
+            regions.append((name, current))
+        current, key, name = ([node], owner[1], owner[0]) if owner is not None else ([], None, None)
+    if current:
+        regions.append((name, current))
+    for name, nodes in regions:
+        boxed = [n.name for n in nodes if META_BOXING in n.meta]
+        if boxed:
+            raise GraphcError(
+                f"module '{name}' is marked set_activation_checkpointing(True), but its forward "
+                f"communicates (SBP conversions {boxed}); recomputing it would run those "
+                "collectives again. Fix: checkpoint a module whose computation is local to "
+                "each rank (e.g. the block inside the tensor-parallel layer), or use the "
+                "graph-wide config.set_activation_checkpointing(...), which recomputes whole "
+                "stages.")
+    return regions
+
+
+def _outline(module: fx.GraphModule, nodes: List[fx.Node], name: str, attr: str) -> None:
+    """Moves `nodes` into a CheckpointedRegion called in their place."""
+    inside = set(nodes)
+    inputs: List[fx.Node] = []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    body = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = body.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for n in nodes:
+        env[n] = body.node_copy(n, lambda x: env[x])
+    body.output(tuple(env[o] for o in outputs))
+    region = CheckpointedRegion(fx.GraphModule(module, body), name)
+    module.add_submodule(attr, region)
+    with module.graph.inserting_before(nodes[0]):
+        call = module.graph.call_module(attr, tuple(inputs))
+        call.meta.update(nodes[-1].meta)
+        for i, o in enumerate(outputs):
+            got = module.graph.call_function(operator.getitem, (call, i))
+            got.meta = dict(o.meta)
+            o.replace_all_uses_with(got)
+    for n in reversed(nodes):
+        module.graph.erase_node(n)
+

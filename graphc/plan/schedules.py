@@ -316,10 +316,11 @@ def peak_live(order: Sequence[Instruction]) -> int:
     return peak
 
 
-def forward_only(rank: int, num_ranks: int, num_stages: int, num_microbatches: int) -> List[Instruction]:
-    """Inference: each chunk's forwards in micro-batch order, chunks in stage order."""
-    return [Forward(s, i) for s in layout("gpipe" if num_stages == num_ranks else "interleaved_1f1b",
-                                         num_ranks, num_stages)[rank]
+def forward_only(rank: int, num_ranks: int, num_stages: int, num_microbatches: int,
+                 schedule: str = "interleaved_1f1b") -> List[Instruction]:
+    """Inference: each chunk's forwards in micro-batch order, chunks in stage order; the
+    chunks are those `schedule`'s layout gives the rank (a V for zbv and dualpipev)."""
+    return [Forward(s, i) for s in layout(schedule, num_ranks, num_stages)[rank]
             for i in range(num_microbatches)]
 
 
@@ -351,7 +352,7 @@ def compute_order(schedule: str, rank: int, num_ranks: int, num_stages: int,
     """Pipeline rank `rank`'s compute in order: `schedule`'s in training (checked first by
     check_schedule), each chunk's forwards in stage order in inference."""
     if not training:
-        return forward_only(rank, num_ranks, num_stages, num_microbatches)
+        return forward_only(rank, num_ranks, num_stages, num_microbatches, schedule)
     check_schedule(schedule, num_ranks, num_stages, num_microbatches)
     return SCHEDULES[schedule](rank, num_ranks, num_stages, num_microbatches)
 

@@ -223,15 +223,19 @@ def test_inference_orders_are_not_checked():
 SPEC = TensorSpec("h", (4, 8), "float32")
 
 
-def chain_plans(schedule, p, v, m):
-    """Plans of a chain of p*v stages, each sending one tensor to the next, laid out as
-    `schedule` needs (one rank per pipeline rank) and lowered as the compiler lowers them."""
+def _chain(schedule, p, v):
+    """Programs and stages of a chain of p*v stages, each sending one tensor to the next,
+    laid out as `schedule` needs (one rank per pipeline rank)."""
     n = p * v
     progs = [StageProgram(s, None, [], [], {}, {s - 1: [SPEC]} if s else {},
                           {s + 1: [SPEC]} if s < n - 1 else {}, {"h": True}) for s in range(n)]
     rank_of = {s: r for r, chunks in enumerate(layout(schedule, p, n)) for s in chunks}
-    stages = [StageInfo(s, (rank_of[s],)) for s in range(n)]
-    return lower_plan(progs, stages, schedule, m, True, p)
+    return progs, [StageInfo(s, (rank_of[s],)) for s in range(n)]
+
+
+def chain_plans(schedule, p, v, m):
+    """The chain's training plans, lowered as the compiler lowers them."""
+    return lower_plan(*_chain(schedule, p, v), schedule, m, True, p)
 
 
 @pytest.mark.parametrize("schedule,p,v,m", GRID)
@@ -244,6 +248,17 @@ def test_lowered_plans_verify(schedule, p, v, m):
 def test_a_bad_microbatch_count_fails_when_lowering():
     with pytest.raises(GraphcError, match="'dualpipev' .* needs at least"):
         chain_plans("dualpipev", 2, 2, 2)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_inference_runs_the_schedules_layout(schedule):
+    p, v = 2, 1 if schedule in ONE_STAGE else 2
+    chunks = layout(schedule, p, p * v)
+    for r in range(p):
+        order = compute_order(schedule, r, p, p * v, 3, training=False)
+        assert [str(i) for i in order] == [f"{s}F{i}" for s in chunks[r] for i in range(3)]
+    plans = lower_plan(*_chain(schedule, p, v), schedule, 3, False, p)
+    verify_plans(plans)
 
 
 PEAK = {  # rank r's peak live chunk-micro-batches, as the docstrings state (k: round size)

@@ -44,14 +44,15 @@ class ExecutionPlan:
                 f"microbatches={self.num_microbatches}, stages={self.local_stages}, "
                 f"{'training' if self.training else 'inference'}"
                 + (f", checkpointing={self.checkpointing}" if self.checkpointing != "never" else ""))
-        lines = [head] + [f"{i:4d}  {ins}" for i, ins in enumerate(self.instructions)]
+        notes = [f"# {key}: {text}" for key, text in sorted(self.notes.items())]
+        lines = [head] + notes + [f"{i:4d}  {ins}" for i, ins in enumerate(self.instructions)]
         return "\n".join(lines)
 
     def format(self, mark: Optional[int] = None, note: str = "") -> str:
         """The listing with instruction `mark` flagged `<-- ERROR HERE`."""
         lines = str(self).splitlines()
         if mark is not None:
-            lines[mark + 1] += f"   <-- ERROR HERE{': ' + note if note else ''}"
+            lines[mark + 1 + len(self.notes)] += f"   <-- ERROR HERE{': ' + note if note else ''}"
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -65,6 +66,7 @@ class ExecutionPlan:
             "checkpointing": self.checkpointing,
             "stages": [{"stage": s.stage_id, "ranks": list(s.ranks), "device_type": s.device_type}
                        for s in self.stages],
+            "notes": dict(self.notes),
             "instructions": [ins.to_json() for ins in self.instructions],
         }
 
@@ -76,17 +78,21 @@ class ExecutionPlan:
                              [instruction_from_json(i) for i in d["instructions"]],
                              d.get("num_microbatches", 1), d.get("schedule", "1f1b"),
                              stages, d.get("training", True),
+                             notes=dict(d.get("notes", {})),
                              checkpointing=d.get("checkpointing", "never"))
 
     @staticmethod
     def parse(text: str) -> "ExecutionPlan":
-        """Parses `str(plan)` back (header fields rank/world/schedule/microbatches)."""
+        """Parses `str(plan)` back (header fields rank/world/schedule/microbatches/checkpointing,
+        training or inference, and the notes)."""
         lines = text.strip().splitlines()
         head = lines[0]
         fields = dict(kv.split("=", 1) for kv in head.replace(",", " ").split() if "=" in kv)
         rank = int(head.split("rank ")[1].split()[0])
         world = int(head.split(" of ")[1].split(",")[0])
-        instrs = [parse_instruction(line.split(None, 1)[1]) for line in lines[1:]]
+        notes = dict(line[2:].split(": ", 1) for line in lines[1:] if line.startswith("# "))
+        instrs = [parse_instruction(line.split(None, 1)[1]) for line in lines[1:]
+                  if not line.startswith("#")]
         return ExecutionPlan(rank, world, instrs, int(fields["microbatches"]), fields["schedule"],
-                             training="inference" not in head,
+                             training="inference" not in head, notes=notes,
                              checkpointing=fields.get("checkpointing", "never"))

@@ -444,6 +444,20 @@ def _broadcast():
     return sbp.broadcast
 
 
+def _uneven_global_shape(node: fx.Node, m: int):
+    """The global shape of an output split unevenly (its local shape differs by rank, so it
+    does not tell the global one); None for any other output. Micro-batches concatenate
+    along the dim _merge joins them on."""
+    sig, meta = node.meta.get(META_SBP), node.meta.get(META_TENSOR)
+    if sig is None or meta is None or is_even(meta.shape, sig.out, sig.mesh):
+        return None
+    shape, rows = list(meta.shape), node.meta.get(META_ROWS)
+    joined = rows.dim if rows is not None else (0 if shape else None)
+    if m > 1 and joined is not None:
+        shape[joined] *= m
+    return tuple(shape)
+
+
 def _merge(per_mb: List[torch.Tensor], rows=None) -> torch.Tensor:
     """One output from its micro-batches' values: concatenated along the batch's rows, a
     mean of a batch mean, or (no batch dim) the value every micro-batch computed alike."""
@@ -475,20 +489,6 @@ def _local_and_global(inputs) -> list:
 
 def _check_input_placements(compiled, args) -> None:
     placeholders = [n for n in compiled.gm.graph.nodes if n.op == "placeholder"]
-def _uneven_global_shape(node: fx.Node, m: int):
-    """The global shape of an output split unevenly (its local shape differs by rank, so it
-    does not tell the global one); None for any other output. Micro-batches concatenate
-    along the dim _merge joins them on."""
-    sig, meta = node.meta.get(META_SBP), node.meta.get(META_TENSOR)
-    if sig is None or meta is None or is_even(meta.shape, sig.out, sig.mesh):
-        return None
-    shape, rows = list(meta.shape), node.meta.get(META_ROWS)
-    joined = rows.dim if rows is not None else (0 if shape else None)
-    if m > 1 and joined is not None:
-        shape[joined] *= m
-    return tuple(shape)
-
-
     for node, (_, (_, _, where)) in zip(placeholders, args):
         if where is None:
             continue

@@ -8,8 +8,8 @@ Requires: split_stages, lower_plan (programs hold the box nodes insert_boxing ma
 """
 from __future__ import annotations
 
-from typing import List, Sequence
-
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
 
 from ..meta import META_BOXING, META_TENSOR
 from ..placement import Broadcast, PartialSum
@@ -27,18 +27,36 @@ _BACKWARD = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all", "slice"
 
 
 def list_collectives(plans: Sequence[ExecutionPlan], programs: Sequence[StageProgram]) -> List[ExecutionPlan]:
+    """Ranks of one stage list the same conversions; each member of a group gets the same
+    Collective objects (one per conversion and micro-batch), so a thousand-rank plan holds
+    each collective once per group, not once per rank."""
+    conversions = {(prog.stage, fwd): _conversions(prog, fwd) for prog in programs for fwd in (True, False)}
+    shared: Dict[tuple, Collective] = {}
     for plan in plans:
         out: List[Instruction] = []
         for ins in plan.instructions:
             out.append(ins)
             if isinstance(ins, (Forward, Backward)):
-                out += _collectives(programs[ins.stage], ins, plan.rank)
+                out += _collectives(conversions[(ins.stage, isinstance(ins, Forward))], ins,
+                                    plan.rank, shared)
         plan.instructions[:] = out
     return list(plans)
 
 
-def _collectives(prog: StageProgram, ins, rank: int) -> List[Collective]:
-    forward = isinstance(ins, Forward)
+@dataclass(frozen=True)
+class _Conversion:
+    """One communicating conversion of a stage, in the order its forward (backward) runs it."""
+
+    kind: str
+    groups: Tuple[Tuple[int, ...], ...]
+    node: str
+    sbp_in: str
+    sbp_out: str
+    nbytes: int                 # bytes each rank sends, for a group of len(groups[0]) ranks
+    note: str
+
+
+def _conversions(prog: StageProgram, forward: bool) -> List[_Conversion]:
     nodes = [n for n in prog.module.graph.nodes if META_BOXING in n.meta]
     found = []
     for node in (nodes if forward else reversed(nodes)):
@@ -46,13 +64,28 @@ def _collectives(prog: StageProgram, ins, rank: int) -> List[Collective]:
         meta = node.meta[META_TENSOR]
         kind = _FORWARD.get(info.kind) if forward else \
             (_BACKWARD.get(info.kind) if meta.requires_grad else None)
-        group = next((g for g in info.groups if rank in g), ())
-        if kind is None or len(group) < 2:
+        groups = tuple(tuple(g) for g in info.groups if len(g) > 1)
+        if kind is None or not groups:
             continue
-        nbytes = moved_bytes(kind, tensor_bytes(meta), len(group))
         before, after = (fmt(info.src), fmt(info.dst)) if forward else _gradient_sbp(info)
-        found.append(Collective(kind, ins.stage, ins.microbatch, ACT if forward else GRAD,
-                                tuple(group), node.name, before, after, nbytes, info.note))
+        found.append(_Conversion(kind, groups, node.name, before, after,
+                                 tensor_bytes(meta), info.note))
+    return found
+
+
+def _collectives(conversions: List[_Conversion], ins, rank: int, shared: dict) -> List[Collective]:
+    forward = isinstance(ins, Forward)
+    found = []
+    for c in conversions:
+        group = next((g for g in c.groups if rank in g), ())
+        if not group:
+            continue
+        key = (ins, c.node, group)
+        if key not in shared:
+            shared[key] = Collective(c.kind, ins.stage, ins.microbatch, ACT if forward else GRAD,
+                                     group, c.node, c.sbp_in, c.sbp_out,
+                                     moved_bytes(c.kind, c.nbytes, len(group)), c.note)
+        found.append(shared[key])
     return found
 
 

@@ -12,6 +12,7 @@ Requires: split_stages.
 """
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Dict, List, Sequence, Tuple
 
@@ -29,12 +30,17 @@ def lower_plan(programs: Sequence[StageProgram], stages: Sequence[StageInfo], sc
     p = max(position) + 1
     pp_rank_of = {r: position[s.stage_id] for s in stages for r in s.ranks}
     plans = []
+    orders: Dict[int, List[Instruction]] = {}   # ranks of one pipeline position share these
     for rank in range(world_size):
         instrs: List[Instruction] = []
         if rank in pp_rank_of:
-            order = compute_order(schedule, pp_rank_of[rank], p, len(stages), num_microbatches,
-                                  training)
-            instrs = _with_p2p(order, programs, stages, rank)
+            pos = pp_rank_of[rank]
+            if pos not in orders and not training:  # each chunk's forwards, chunks in stage order
+                orders[pos] = [Forward(s, i) for s, g in enumerate(position) if g == pos
+                               for i in range(num_microbatches)]
+            if pos not in orders:
+                orders[pos] = compute_order(schedule, pos, p, len(stages), num_microbatches, training)
+            instrs = _with_p2p(orders[pos], programs, stages, rank)
         if training:
             instrs.append(OptimizerStep())
         plans.append(ExecutionPlan(rank, world_size, instrs, num_microbatches, schedule,
@@ -49,10 +55,15 @@ def _source(stages: Sequence[StageInfo], rank: int, mine: int, other: int) -> in
     return theirs[stages[mine].ranks.index(rank) % len(theirs)]
 
 
-def _targets(stages: Sequence[StageInfo], rank: int, mine: int, other: int) -> List[int]:
+def _targets(stages: Sequence[StageInfo], rank: int, mine: int, other: int) -> Tuple[int, ...]:
     """The replicas of stage `other` that receive from replica k of stage `mine`."""
-    k, n = stages[mine].ranks.index(rank), len(stages[mine].ranks)
-    return [r for j, r in enumerate(stages[other].ranks) if j % n == k]
+    return _replicas_fed(tuple(stages[mine].ranks), tuple(stages[other].ranks), rank)
+
+
+@functools.lru_cache(maxsize=65536)   # asked once per transfer: 10^5 times at a thousand ranks
+def _replicas_fed(mine: Tuple[int, ...], theirs: Tuple[int, ...], rank: int) -> Tuple[int, ...]:
+    k, n = mine.index(rank), len(mine)
+    return tuple(r for j, r in enumerate(theirs) if j % n == k)
 
 
 def _with_p2p(order, programs, stages, rank) -> List[Instruction]:

@@ -14,10 +14,8 @@ A failure raises PlanError naming the rank and instruction, with the plan listin
 """
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from typing import Dict, List, Sequence, Tuple
-
-import networkx as nx
 
 from ..errors import PlanError
 from .instructions import (AllReduce, Backward, BackwardInput, BackwardWeight, Collective,
@@ -233,25 +231,89 @@ def _check_acyclic(by_rank, pairs, hubs) -> None:
 
     Nodes are instructions, plus one node per collective that every member joins: it waits
     for each member's previous instruction and its members' collective instructions wait
-    for it. Sends do not block (isend), so a send only makes its recv wait.
+    for it. Sends do not block (isend), so a send only makes its recv wait. Each rank's
+    nodes form a chain, so the graph is acyclic exactly when walking every rank's pointer
+    through its plan, passing a recv once its send is passed and a collective once every
+    member has reached it, ends every plan: linear in the number of instructions.
     """
-    g = nx.DiGraph()
-    for rank, plan in by_rank.items():
-        nodes = [(rank, i) for i in range(len(plan.instructions))]
-        g.add_nodes_from(nodes)
-        g.add_edges_from(zip(nodes, nodes[1:]))
-    g.add_edges_from(pairs)
-    for k, members in enumerate(hubs):
-        hub = ("collective", k)
-        for rank, i in members:
-            if i > 0:
-                g.add_edge((rank, i - 1), hub)
-            g.add_edge(hub, (rank, i))
-    try:
-        cycle = [u for u, _ in nx.find_cycle(g)]
-    except nx.NetworkXNoCycle:
-        return
-    _fail_deadlock(by_rank, cycle, hubs)
+    walk = _Walk(by_rank, pairs, hubs)
+    walk.run()
+    if any(walk.pc[r] < len(p.instructions) for r, p in by_rank.items()):
+        _fail_deadlock(by_rank, walk.cycle(), hubs)
+
+
+class _Walk:
+    """The pointer walk of _check_acyclic: a worklist of ranks that may move on."""
+
+    def __init__(self, by_rank, pairs, hubs):
+        self.by_rank, self.hubs = by_rank, hubs
+        self.pc = {r: 0 for r in by_rank}
+        self.send_for = {r: {} for r in by_rank}     # rank -> recv index -> (rank, send index)
+        for send, (r, i) in pairs:
+            self.send_for[r][i] = send
+        self.hub_at = {r: {} for r in by_rank}       # rank -> index -> collective (hub) number
+        for k, members in enumerate(hubs):
+            for r, i in members:
+                self.hub_at[r][i] = k
+        self.arrived = [0] * len(hubs)
+        self.woken_by: Dict[Tuple[int, int], List[int]] = defaultdict(list)  # send -> recv ranks
+
+    def run(self) -> None:
+        ready = deque(self.by_rank)
+        while ready:
+            ready.extend(self._advance(ready.popleft()))
+
+    def _advance(self, r: int) -> List[int]:
+        """Moves rank r on until it must wait; returns the ranks its progress frees."""
+        freed: List[int] = []
+        n, sends, hub_at, pc = len(self.by_rank[r].instructions), self.send_for[r], self.hub_at[r], self.pc
+        while pc[r] < n:
+            i = pc[r]
+            send = sends.get(i)
+            if send is not None and pc[send[0]] <= send[1]:
+                self.woken_by[send].append(r)
+                return freed
+            k = hub_at.get(i)
+            if k is not None and self.arrived[k] < len(self.hubs[k]):
+                self.arrived[k] += 1
+                if self.arrived[k] < len(self.hubs[k]):
+                    return freed
+                freed += [m for m, _ in self.hubs[k] if m != r]   # the last member opens it
+            pc[r] = i + 1
+            freed += self.woken_by.pop((r, i), ())
+        return freed
+
+    def _waits_on(self, r: int) -> Tuple[int, int, object]:
+        """(rank, index it must pass, link) for a stuck rank r; link is a hub number or None."""
+        i = self.pc[r]
+        send = self.send_for[r].get(i)
+        if send is not None and self.pc[send[0]] <= send[1]:
+            return send[0], send[1], None
+        k = self.hub_at[r][i]
+        m, j = next((m, j) for m, j in self.hubs[k] if self.pc[m] < j)
+        return m, j - 1, k
+
+    def cycle(self) -> list:
+        """The cycle among stuck ranks as wait-for graph nodes, in edge order."""
+        r = next(r for r, p in self.by_rank.items() if self.pc[r] < len(p.instructions))
+        order: List[int] = []
+        while r not in order:
+            order.append(r)
+            r = self._waits_on(r)[0]
+        ring = order[order.index(r):]          # ring[t] waits on ring[t + 1]
+        nodes: list = []
+        for t in reversed(range(len(ring))):   # each waited-on rank before its waiter
+            rank, target, hub = self._waits_on(ring[t])
+            nodes += [(rank, i) for i in self._segment(rank, target)]
+            nodes += [("collective", hub)] if hub is not None else []
+        return nodes
+
+    def _segment(self, rank: int, target: int) -> List[int]:
+        """Where a stuck rank waits, the collectives it must pass first, and `target`."""
+        plan, start = self.by_rank[rank], self.pc[rank]
+        between = [i for i in range(start + 1, target)
+                   if isinstance(plan.instructions[i], COLLECTIVES)]
+        return [start] + between + ([target] if target > start else [])
 
 
 def _fail_deadlock(by_rank, cycle, hubs) -> None:

@@ -41,9 +41,9 @@ class ModuleModel(nn.Module):
         super().__init__()
         # stage 0: data parallel on ranks 0 and 1
         self.m_stage0 = StageModule(5, 8, *((P01, graphc.sbp.broadcast) if placed else ()))
-        # stage 1: model parallel on ranks 2 and 3 (8 x 4, not the guide's 8 x 3: graphc
-        # splits into equal shards for now)
-        self.m_stage1 = StageModule(8, 4, *((P23, graphc.sbp.split(1)) if placed else ()))
+        # stage 1: model parallel on ranks 2 and 3 (the guide's 8 x 3: rank 2 holds 2 columns,
+        # rank 3 one, as torch.chunk cuts them)
+        self.m_stage1 = StageModule(8, 3, *((P23, graphc.sbp.split(1)) if placed else ()))
 
     def forward(self, x):
         out_stage0 = self.m_stage0(x)
@@ -80,7 +80,7 @@ class GraphModel(GlobalProgram):
 
 def data(steps: int):
     g = torch.Generator().manual_seed(7)
-    return [(torch.randn(4, 5, generator=g), torch.randn(4, 4, generator=g)) for _ in range(steps)]
+    return [(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)) for _ in range(steps)]
 
 
 def rows_of(t: torch.Tensor, where: graphc.placement, rank: int) -> torch.Tensor:

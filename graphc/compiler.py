@@ -126,6 +126,8 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
         #     placement is a stage, in data-flow order (NOTE: Stages from placements)
         gm = _step(h, "place_by_layout", place_by_layout, gm, input_layouts)
         stages = placed_stages(gm, graph_obj.config.pipeline_schedule, world_size) or stages
+    if training:  # 2b. the stages' layout is one the schedule can run (with the modules named)
+        _check_layout(stages, stage_of_module, cfg.pipeline_schedule)
     # 3. a pipeline stage for every node, from set_stage (or the placements) and data flow
     gm = _step(h, "annotate_stages", annotate_stages, gm, stage_of_module)
     # 4. per-micro-batch shapes, so every transfer's buffer is known before running
@@ -213,6 +215,17 @@ def collect_stages(graph_obj, world_size: int):
     stages = [StageInfo(sid, by_id[sid][1].flat_ranks, by_id[sid][1].type) for sid in ids]
     pipeline_ranks(stages, graph_obj.config.pipeline_schedule, training=False)  # overlaps
     return stages, {name: c.stage_id for name, c in configured.items()}
+
+
+def _check_layout(stages, stage_of_module: Dict[str, int], schedule: str) -> None:
+    try:
+        pipeline_ranks(stages, schedule, training=True)
+    except GraphcError as exc:
+        first: Dict[int, str] = {}
+        for name, sid in sorted(stage_of_module.items()):
+            first.setdefault(sid, name)
+        where = ", ".join(f"stage {sid}: module '{name}'" for sid, name in sorted(first.items()))
+        raise GraphcError(f"{exc}{' (' + where + ')' if where else ''}") from None
 
 
 def placed_stages(gm: fx.GraphModule, schedule: str, world_size: int) -> List[StageInfo]:

@@ -90,7 +90,8 @@ def test_same_stage_id_with_two_placements():
 
 def test_rank_in_two_stages():
     g = Train(stages={"a": (0, [0]), "b": (1, [0])})
-    with raises("rank 0 is in the placement of stage 0 and of stage 1", "module 'model.b'", "Fix"):
+    with raises("'1f1b' runs one stage per rank", "ranks [0]: stages [0, 1]", "module 'model.b'",
+                "Fix", "interleaved_1f1b"):
         compile_for(g, 2)
 
 

@@ -38,10 +38,10 @@ from ..sbp.layout import local_shape
 def insert_tie_sync(plans: Sequence[ExecutionPlan], programs: Sequence[StageProgram],
                     stages: Sequence[StageInfo]) -> List[ExecutionPlan]:
     per_rank: Dict[int, List[TieAllReduce]] = defaultdict(list)
-    for holders, tied in _ties(programs).items():
+    for holders, tied in _ties(programs, stages).items():
         _check_sizes(holders, tied, stages)
-        specs = tuple(spec for spec, _ in tied)
         for k in range(len(stages[holders[0]].ranks)):
+            specs = tuple(spec[k] for spec, _ in tied)  # replica k's shards (uneven splits)
             # two holding chunks on one rank share the parameter object (and its .grad): the
             # rank takes part once, and a tie held by one rank's chunks only needs no sum
             by_rank = {}
@@ -60,35 +60,40 @@ def insert_tie_sync(plans: Sequence[ExecutionPlan], programs: Sequence[StageProg
     return list(plans)
 
 
-def _ties(programs: Sequence[StageProgram]) -> Dict[Tuple[int, ...], List[Tuple[TensorSpec, Dict[int, str]]]]:
-    """holding stages -> [(spec under the parameter's first name, stage -> its local name)]."""
-    first: Dict[int, Tuple[TensorSpec, Dict[int, str]]] = {}
+def _ties(programs: Sequence[StageProgram], stages: Sequence[StageInfo]
+          ) -> Dict[Tuple[int, ...], List[Tuple[Tuple[TensorSpec, ...], Dict[int, str]]]]:
+    """holding stages -> [(spec per replica under the parameter's first name, stage -> its
+    local name)]."""
+    first: Dict[int, Tuple[Tuple[TensorSpec, ...], Dict[int, str]]] = {}
     for prog in programs:
         for name, p in prog.module.named_parameters():
             if not p.requires_grad:
                 continue
-            spec, local = first.setdefault(id(p), (_spec(prog, name, p), {}))
+            spec, local = first.setdefault(id(p), (_spec(prog, name, p, stages[prog.stage].ranks), {}))
             local.setdefault(prog.stage, name)
-    out: Dict[Tuple[int, ...], List[Tuple[TensorSpec, Dict[int, str]]]] = defaultdict(list)
+    out: Dict[Tuple[int, ...], List[Tuple[Tuple[TensorSpec, ...], Dict[int, str]]]] = defaultdict(list)
     for spec, local in first.values():
         if len(local) > 1:
             out[tuple(sorted(local))].append((spec, local))
     return dict(out)
 
 
-def _spec(prog: StageProgram, name: str, p: torch.Tensor) -> TensorSpec:
-    """The gradient this rank sums: a split (vocabulary-parallel) tie sums shard with shard."""
+def _spec(prog: StageProgram, name: str, p: torch.Tensor, ranks) -> Tuple[TensorSpec, ...]:
+    """The gradient replica k (on ranks[k]) sums: a split (vocabulary-parallel) tie sums shard
+    with shard, in that replica's shape (NOTE: Uneven splits, docs/sbp.md)."""
     read = next((n for n in prog.module.graph.nodes if n.op == "get_attr" and n.target == name
                  and META_SBP in n.meta), None)
-    shape = tuple(p.shape) if read is None else \
-        local_shape(read.meta[META_TENSOR].shape, read.meta[META_SBP].out, read.meta[META_SBP].mesh)
-    return TensorSpec(name, shape, str(p.dtype).replace("torch.", ""))
+    dtype = str(p.dtype).replace("torch.", "")
+    if read is None:
+        return tuple(TensorSpec(name, tuple(p.shape), dtype) for _ in ranks)
+    meta, sig = read.meta[META_TENSOR], read.meta[META_SBP]
+    return tuple(TensorSpec(name, local_shape(meta.shape, sig.out, sig.mesh, r), dtype) for r in ranks)
 
 
 def _check_sizes(holders: Tuple[int, ...], tied, stages: Sequence[StageInfo]) -> None:
     sizes = {s: len(stages[s].ranks) for s in holders}
     if len(set(sizes.values())) > 1:
-        names = [spec.name for spec, _ in tied]
+        names = [spec[0].name for spec, _ in tied]
         raise GraphcError(
             f"parameter(s) {names} are used on stages {list(holders)}, which run on "
             f"{[sizes[s] for s in holders]} ranks; a parameter shared by several stages "

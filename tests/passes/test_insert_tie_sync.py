@@ -63,9 +63,9 @@ def test_a_module_called_on_two_stages_runs_on_each_callers_stage():
 class HeadReadsEmbedding(nn.Module):
     """The LM head written as F.linear on the embedding's weight: a get_attr on stage 1."""
 
-    def __init__(self):
+    def __init__(self, vocab=16):
         super().__init__()
-        self.wte, self.body = nn.Embedding(16, 8), nn.Linear(8, 8)
+        self.wte, self.body = nn.Embedding(vocab, 8), nn.Linear(8, 8)
 
     def forward(self, idx):
         return F.linear(self.body(self.wte(idx)), self.wte.weight)
@@ -137,3 +137,14 @@ def test_a_vocabulary_parallel_tie_across_stages_sums_shard_with_shard():
     assert [t.ranks for t in ties[0]] == [(0, 2)] and [t.ranks for t in ties[1]] == [(1, 3)]
     assert ties[0] == ties[2] and ties[1] == ties[3]
     assert ties[0][0].tensors[0].shape == (8, 8)  # this rank's shard of the [16, 8] table
+
+
+def test_an_uneven_vocabulary_parallel_tie_sums_each_replicas_shard():
+    """15 rows over 2 ranks: replica 0 holds 8, replica 1 seven (NOTE: Uneven splits)."""
+    model = HeadReadsEmbedding(vocab=15)
+    p0, p1 = _ranks(0, 1), _ranks(2, 3)
+    graphc.to_global(model.wte.weight, placement=p0, sbp=sbp.split(0))
+    c = compiler.compile(HeadGraph(model, (p0, p1)), [IDX, TARGETS], 4)
+    ties = {r: _ties(c.plans[r]) for r in range(4)}
+    assert ties[0] == ties[2] and ties[1] == ties[3]
+    assert ties[0][0].tensors[0].shape == (8, 8) and ties[1][0].tensors[0].shape == (7, 8)

@@ -9,7 +9,9 @@ PyTorch on the whole batch, float64, tolerance 1e-10 (helpers.assert_same_as_eag
            parallel on a 5-row batch (gradient sync); accumulation 1 and 2; a checkpoint
            round trip (graphc.save / load) of the uneven shards;
   4 ranks (slow): 10 rows or columns over 4 ranks through the same ops, and a 14-row batch
-           with accumulation 2 (shards 4, 4, 4, 2: 2, 2, 2, 1 per micro-batch).
+           with accumulation 2 (shards 4, 4, 4, 2: 2, 2, 2, 1 per micro-batch); data x
+           tensor on a 2 x 2 mesh, 5 rows over the data axis and 3 hidden over the tensor
+           axis (each tensor column's gradient all-reduced in its own shape).
 """
 import os
 
@@ -80,13 +82,16 @@ class TrainGraph(graphc.Graph):
 
 
 def _declare(model, kind, where):
-    """The layouts of each config: `kind` names the split parameters."""
-    graphc.to_global(model, placement=where, sbp=sbp.broadcast)
-    split = {"matmul": {"w": 1}, "linear": {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1},
-             "vocab": {"emb.weight": 0}, "columns": {"emb.weight": 1}, "data": {}}[kind]
+    """The layouts of each config: `kind` names the split parameters. On the 2 x 2 mesh they
+    split along axis 1 (tensor) and are broadcast along axis 0 (data)."""
+    on = (lambda s: (sbp.broadcast, s)) if kind == "mesh" else (lambda s: s)
+    graphc.to_global(model, placement=where, sbp=on(sbp.broadcast))
+    linear = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}
+    split = {"matmul": {"w": 1}, "linear": linear, "mesh": linear, "vocab": {"emb.weight": 0},
+             "columns": {"emb.weight": 1}, "data": {}}[kind]
     params = dict(model.named_parameters())
     for name, dim in split.items():
-        graphc.to_global(params[name], placement=where, sbp=sbp.split(dim))
+        graphc.to_global(params[name], placement=where, sbp=on(sbp.split(dim)))
 
 
 def _batch(kind, rows, step, vocab=0):
@@ -99,7 +104,8 @@ def _batch(kind, rows, step, vocab=0):
 def _model(kind, size):
     torch.manual_seed(0)
     return {"matmul": lambda: nn.Sequential(MatmulNet(size), nn.Linear(size, 4)),
-            "linear": lambda: LinearNet(size), "vocab": lambda: EmbedNet(size, 6),
+            "linear": lambda: LinearNet(size), "mesh": lambda: LinearNet(size),
+            "vocab": lambda: EmbedNet(size, 6),
             "columns": lambda: EmbedNet(7, size), "data": MLP}[kind]()
 
 
@@ -110,17 +116,17 @@ def _declare_any(model, kind, where):
 
 
 def _feed(kind, x, y, where, rank):
-    """A data-parallel config splits the batch (each rank its chunk, the global shape given);
-    the others pass it whole."""
-    if kind != "data":
+    """A data-parallel config splits the batch (each rank its chunk, the global shape given),
+    on the mesh along axis 0; the others pass it whole."""
+    if kind not in ("data", "mesh"):
         return x, y
-    ranks = tuple(where.flat_ranks)
-    return tuple(graphc.to_global(local_component(t, (sbp.split(0),), ranks, rank), placement=where,
-                                  sbp=sbp.split(0), shape=t.shape) for t in (x, y))
+    rows = (sbp.split(0), sbp.broadcast) if kind == "mesh" else (sbp.split(0),)
+    return tuple(graphc.to_global(local_component(t, rows, where.ranks, rank), placement=where,
+                                  sbp=rows, shape=t.shape) for t in (x, y))
 
 
 def _run_config(rank, world, kind, size, rows, accumulation):
-    where = graphc.placement("cpu", list(range(world)))
+    where = graphc.placement("cpu", [[0, 1], [2, 3]] if kind == "mesh" else list(range(world)))
     model = _model(kind, size)
     _declare_any(model, kind, where)
     graph = TrainGraph(model, accumulation)
@@ -152,7 +158,7 @@ CONFIGS = {
     2: [("matmul", 3, 4, 1), ("matmul", 3, 4, 2), ("linear", 3, 4, 1), ("linear", 3, 4, 2),
         ("vocab", 5, 4, 2), ("columns", 3, 4, 1), ("data", 0, 5, 1)],
     4: [("matmul", 10, 4, 2), ("linear", 10, 4, 1), ("vocab", 10, 4, 2), ("data", 0, 10, 1),
-        ("data", 0, 14, 2)],
+        ("data", 0, 14, 2), ("mesh", 3, 5, 1)],
 }
 
 
@@ -194,6 +200,7 @@ def test_ten_rows_over_four_ranks_match_eager():
     _check(results, 4)
     assert [r[("linear", 10, 4, 1)]["shards"]["fc1.weight"][0] for r in results] == [3, 3, 3, 1]
     assert [r[("vocab", 10, 4, 2)]["shards"]["emb.weight"][0] for r in results] == [3, 3, 3, 1]
+    assert [r[("mesh", 3, 5, 1)]["shards"]["fc1.weight"][0] for r in results] == [2, 1, 2, 1]
 
 
 # -- checkpoints ---------------------------------------------------------------------------

@@ -97,13 +97,22 @@ def _convert(gm, a: fx.Node, need: tuple, consumer: fx.Node) -> fx.Node:
     if not same_shape(a.meta[META_SBP].mesh, mesh):
         cur = (B,) * len(need)  # arrived whole from a stage of another mesh shape
     value = a
-    for axis, (s, d) in enumerate(zip(cur, need)):
-        if s == d:
-            continue
+    for axis in _conversion_order(cur, need):
+        s, d = cur[axis], need[axis]
         after = cur[:axis] + (d,) + cur[axis + 1:]
         value = _box_node(gm, value, consumer, mesh, axis, kind_of(s, d), cur, after)
         cur = after
     return value
+
+
+def _conversion_order(cur: tuple, need: tuple) -> list:
+    """The axes to convert, in an order that keeps every shard a box: where two axes split one
+    dim, the later axis cuts within the earlier one's shard, so splits are undone innermost
+    axis first and made outermost first (a gather of the outer axis first would interleave
+    the inner shards, and with uneven shards would not even fit)."""
+    undo = [axis for axis in reversed(range(len(need)))
+            if isinstance(cur[axis], Split) and cur[axis] != need[axis]]
+    return undo + [axis for axis in range(len(need)) if cur[axis] != need[axis] and axis not in undo]
 
 
 # NOTE: shared boxes

@@ -11,7 +11,8 @@ PyTorch on the whole batch, float64, tolerance 1e-10 (helpers.assert_same_as_eag
   4 ranks (slow): 10 rows or columns over 4 ranks through the same ops, and a 14-row batch
            with accumulation 2 (shards 4, 4, 4, 2: 2, 2, 2, 1 per micro-batch); data x
            tensor on a 2 x 2 mesh, 5 rows over the data axis and 3 hidden over the tensor
-           axis (each tensor column's gradient all-reduced in its own shape).
+           axis (each tensor column's gradient all-reduced in its own shape); 7 rows split
+           by both axes of the mesh (2, 2, 2, 1) and gathered for an op without a rule.
 """
 import os
 
@@ -68,6 +69,14 @@ class MLP(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+class NestedNet(MLP):
+    """cumsum has no SBP rule: on a batch split by both mesh axes its input is gathered,
+    innermost axis first (axis 1 cuts each of axis 0's shards)."""
+
+    def forward(self, x):
+        return self.fc2(torch.cumsum(torch.relu(self.fc1(x)), 1) / 16)
+
+
 class TrainGraph(graphc.Graph):
     def __init__(self, model, accumulation):
         super().__init__()
@@ -84,11 +93,11 @@ class TrainGraph(graphc.Graph):
 def _declare(model, kind, where):
     """The layouts of each config: `kind` names the split parameters. On the 2 x 2 mesh they
     split along axis 1 (tensor) and are broadcast along axis 0 (data)."""
-    on = (lambda s: (sbp.broadcast, s)) if kind == "mesh" else (lambda s: s)
+    on = (lambda s: (sbp.broadcast, s)) if kind in ("mesh", "nested") else (lambda s: s)
     graphc.to_global(model, placement=where, sbp=on(sbp.broadcast))
     linear = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}
     split = {"matmul": {"w": 1}, "linear": linear, "mesh": linear, "vocab": {"emb.weight": 0},
-             "columns": {"emb.weight": 1}, "data": {}}[kind]
+             "columns": {"emb.weight": 1}, "data": {}, "nested": {}}[kind]
     params = dict(model.named_parameters())
     for name, dim in split.items():
         graphc.to_global(params[name], placement=where, sbp=on(sbp.split(dim)))
@@ -106,7 +115,7 @@ def _model(kind, size):
     return {"matmul": lambda: nn.Sequential(MatmulNet(size), nn.Linear(size, 4)),
             "linear": lambda: LinearNet(size), "mesh": lambda: LinearNet(size),
             "vocab": lambda: EmbedNet(size, 6),
-            "columns": lambda: EmbedNet(7, size), "data": MLP}[kind]()
+            "columns": lambda: EmbedNet(7, size), "data": MLP, "nested": NestedNet}[kind]()
 
 
 def _declare_any(model, kind, where):
@@ -118,15 +127,17 @@ def _declare_any(model, kind, where):
 def _feed(kind, x, y, where, rank):
     """A data-parallel config splits the batch (each rank its chunk, the global shape given),
     on the mesh along axis 0; the others pass it whole."""
-    if kind not in ("data", "mesh"):
+    if kind not in ("data", "mesh", "nested"):
         return x, y
-    rows = (sbp.split(0), sbp.broadcast) if kind == "mesh" else (sbp.split(0),)
+    rows = {"data": (sbp.split(0),), "mesh": (sbp.split(0), sbp.broadcast),
+            "nested": (sbp.split(0), sbp.split(0))}[kind]
     return tuple(graphc.to_global(local_component(t, rows, where.ranks, rank), placement=where,
                                   sbp=rows, shape=t.shape) for t in (x, y))
 
 
 def _run_config(rank, world, kind, size, rows, accumulation):
-    where = graphc.placement("cpu", [[0, 1], [2, 3]] if kind == "mesh" else list(range(world)))
+    where = graphc.placement("cpu", [[0, 1], [2, 3]] if kind in ("mesh", "nested")
+                             else list(range(world)))
     model = _model(kind, size)
     _declare_any(model, kind, where)
     graph = TrainGraph(model, accumulation)
@@ -158,7 +169,7 @@ CONFIGS = {
     2: [("matmul", 3, 4, 1), ("matmul", 3, 4, 2), ("linear", 3, 4, 1), ("linear", 3, 4, 2),
         ("vocab", 5, 4, 2), ("columns", 3, 4, 1), ("data", 0, 5, 1)],
     4: [("matmul", 10, 4, 2), ("linear", 10, 4, 1), ("vocab", 10, 4, 2), ("data", 0, 10, 1),
-        ("data", 0, 14, 2), ("mesh", 3, 5, 1)],
+        ("data", 0, 14, 2), ("mesh", 3, 5, 1), ("nested", 0, 7, 1)],
 }
 
 

@@ -299,6 +299,6 @@ def _local_parameters(programs) -> Dict[str, torch.nn.Parameter]:
     holding a parameter hold the same object)."""
     out: Dict[str, torch.nn.Parameter] = {}
     for prog in programs:
-        for name, p in prog.module.named_parameters():
+        for name, p in prog.module.named_parameters(remove_duplicate=False):
             out.setdefault(name, p)
     return out

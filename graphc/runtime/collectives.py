@@ -294,7 +294,7 @@ class GradSync:
         params: Dict[str, torch.nn.Parameter] = {}
         uses: Dict[int, int] = {}
         for prog in programs:
-            for name, p in prog.module.named_parameters():
+            for name, p in prog.module.named_parameters(remove_duplicate=False):
                 params.setdefault(name, p)
             for p in {id(p): p for p in prog.module.parameters()}.values():
                 uses[id(p)] = uses.get(id(p), 0) + 1

@@ -103,6 +103,6 @@ def test_history_records_every_pass():
                      "annotate_stages", "propagate_shapes", "find_batch_dims", "verify_annotated",
                      "decompose_modules", "defer_batch_norm", "infer_sbp", "insert_boxing", "localize_ops",
                      "seed_random_ops",
-                     "split_stages", "insert_grad_modes", "feed_whole_batch", "lower_plan",
+                     "split_stages", "insert_grad_modes", "feed_whole_batch", "insert_checkpoints", "lower_plan",
                      "insert_grad_sync", "insert_tie_sync", "insert_grad_clip", "list_collectives",
                      "verify_plans"]

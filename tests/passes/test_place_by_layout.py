@@ -23,7 +23,7 @@ def compile_seed(program, accumulation=1):
     torch.manual_seed(0)
     model = seed.ModuleModel()
     graph = program(model, torch.optim.SGD(model.parameters(), lr=0.05), accumulation)
-    return compiler.compile(graph, [torch.randn(4, 5), torch.randn(4, 4)], 4, SEED_LAYOUTS)
+    return compiler.compile(graph, [torch.randn(4, 5), torch.randn(4, 3)], 4, SEED_LAYOUTS)
 
 
 def node(cg, name):

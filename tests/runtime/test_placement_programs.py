@@ -6,7 +6,6 @@ the to_global (it runs on [1], where its input was moved), and plain inputs and 
 undeclared head that go where their users run. Float64, 1e-10 (helpers.py). Seed 003's
 program in both tabs: tests/examples/test_global_tensors.py.
 """
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -68,8 +67,7 @@ def _train(rank, world, accumulation):
             "stages": [s.ranks for s in graph.compiled.stages]}
 
 
-@pytest.mark.parametrize("accumulation", [2])
-def test_ops_follow_their_placements_and_train_like_eager(accumulation):
+def test_ops_follow_their_placements_and_train_like_eager(accumulation=2):
     results = run_world(_train, 2, accumulation)
     torch.manual_seed(0)
     ref_losses, ref_state = eager_train(Placed(placed=False), OPTIMIZERS["adam"], None,

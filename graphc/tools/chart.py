@@ -1,8 +1,14 @@
-"""draw_timeline(): a schedule chart, one row per rank, one box per instruction over time.
+"""draw_timeline(): a schedule chart, one row per distinct timeline, one box per instruction.
 
 Used for the static schedule (unit costs), the simulated step and a measured trace, so
-the three read the same way. Forward, backward, communication waits, collectives and the
-optimizer step have distinct colours; compute boxes carry their micro-batch number.
+the three read the same way. Ranks that run identical timelines share one row
+(`ranks 0-7, stage 0`, see rows.py). Forward (F), backward (B), its split halves
+backward_input (I) and backward_weight (W), DualPipeV's overlapped pair (F|B),
+communication waits, collectives and the optimizer step have distinct colours; compute
+boxes wide enough for it carry their letter and micro-batch (`F3`, `I3`, `F3|B1`).
+
+Boxes are drawn as one PolyCollection per colour, not one artist per box, so a chart of a
+thousand ranks and hundreds of thousands of boxes draws in seconds.
 
 matplotlib is the `plan` extra (`pip install "graphc[plan]"`), imported only when a chart
 is drawn, so training nodes install graphc without it.
@@ -10,34 +16,46 @@ is drawn, so training nodes install graphc without it.
 from __future__ import annotations
 
 import os
+import re
 from typing import Dict, List, Optional, Sequence
 
 from ..errors import GraphcError
-from .simulate import Span
+from .rows import fold_ranks, row_label
+from .simulate import Span, Timeline
 
 INSTALL_HINT = 'pip install "graphc[plan]"'
 
 COLOURS = {
     "forward": "#4C72B0",
     "backward": "#DD8452",
+    "backward_input": "#E9B949",
+    "backward_weight": "#937860",
+    "overlap": "#2A9D8F",
     "send": "#8C8C8C",
     "recv": "#C44E52",
     "collective": "#8172B3",
     "optimizer": "#55A868",
 }
 LEGEND = {
-    "forward": "forward (micro-batch number on the box)",
-    "backward": "backward",
+    "forward": "F: forward (micro-batch on the box)",
+    "backward": "B: backward",
+    "backward_input": "I: backward, input gradients",
+    "backward_weight": "W: backward, weight gradients",
+    "overlap": "F|B: forward and backward overlapped",
     "recv": "recv: waiting for data",
     "send": "send: posting the transfer",
-    "collective": "collective (all-reduce)",
+    "collective": "collective (all-reduce, boxing)",
     "optimizer": "optimizer step",
 }
+TALL = ("forward", "backward", "backward_input", "backward_weight", "overlap", "optimizer",
+        "collective")
+MAX_TEXTS = 3000        # box captions drawn at most (each is an artist)
+EDGE_BOXES = 20000      # above this many boxes, no white outlines (they would hide the boxes)
 
 
-def draw_timeline(timeline: Dict[int, List[Span]], path: str, title: str,
+def draw_timeline(timeline: Timeline, path: str, title: str,
                   time_unit: str = "ms", scale: float = 1e3,
-                  row_labels: Optional[Dict[int, str]] = None,
+                  notes: Optional[Dict[int, str]] = None,
                   formats: Sequence[str] = ("png", "svg")) -> List[str]:
     """Draws the chart; writes `path`.png and `path`.svg (path without extension).
 
@@ -45,29 +63,43 @@ def draw_timeline(timeline: Dict[int, List[Span]], path: str, title: str,
         timeline: rank -> spans (simulate().timeline, or trace.timeline_from_trace()).
         title: the chart's title (say what the times are: unit costs, simulated, measured).
         time_unit, scale: axis label unit and the factor from span times to it.
-        row_labels: rank -> label of its row (default "rank r").
+        notes: rank -> what it runs ("stage 0"), shown in its row's label.
     Returns:
         The written file paths.
+
+    Example:
+        draw_timeline(simulate(plans, costs).timeline, "plans/simulated", "simulated step",
+                      notes={0: "stage 0", 1: "stage 1"})
     """
-    plt, Patch = _pyplot()
-    ranks = sorted(timeline)
-    end = max((s.end for spans in timeline.values() for s in spans), default=1.0) * scale or 1.0
-    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 4 + 0.12 * _count(timeline))),
-                                    max(1.8, 1.2 + 0.6 * len(ranks))))
-    used = set()
-    for row, rank in enumerate(ranks):
-        for span in timeline[rank]:
-            used.add(span.kind)
-            _box(ax, span, len(ranks) - 1 - row, scale, end)
-    ax.set_yticks(range(len(ranks)))
-    labels = row_labels or {}
-    ax.set_yticklabels([labels.get(r, f"rank {r}") for r in reversed(ranks)])
-    ax.set_ylim(-0.6, len(ranks) - 0.4)
+    plt, Patch, PolyCollection = _pyplot()
+    rows = fold_ranks(timeline)
+    spans = [timeline[ranks[0]] for ranks in rows]    # one drawn row per group of ranks
+    end = max((s.end for row in spans for s in row), default=1.0) * scale or 1.0
+    boxes = sum(len(row) for row in spans)
+    row_inches = min(0.6, 120.0 / max(len(rows), 1))   # at most ~120 inches tall
+    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 4 + 0.12 * max(map(len, spans), default=0))),
+                                    max(1.8, 1.2 + row_inches * len(rows))))
+    verts: Dict[str, list] = {}
+    for y, row in zip(range(len(rows) - 1, -1, -1), spans):
+        for s in row:
+            h = 0.4 if s.kind in TALL else 0.2
+            x0, x1 = s.start * scale, s.end * scale
+            verts.setdefault(s.kind, []).append(((x0, y - h), (x0, y + h), (x1, y + h), (x1, y - h)))
+    edge = boxes <= EDGE_BOXES
+    for kind, vs in verts.items():
+        ax.add_collection(PolyCollection(vs, facecolors=COLOURS.get(kind, "#333333"),
+                                         edgecolors="white" if edge else "none",
+                                         linewidths=0.5 if edge else 0.0))
+    _captions(ax, fig, spans, scale, end)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([row_label(ranks, notes) for ranks in reversed(rows)],
+                       fontsize=8 if row_inches >= 0.3 else 5)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xlim(0, end * 1.01)
     ax.set_xlabel(f"time ({time_unit})")
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
-    handles = [Patch(color=COLOURS[k], label=LEGEND[k]) for k in COLOURS if k in used]
+    handles = [Patch(color=COLOURS[k], label=LEGEND[k]) for k in COLOURS if k in verts]
     # beside the rows, so it never covers the time axis whatever the number of ranks
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), ncol=1,
               fontsize=8, frameon=False)
@@ -82,6 +114,32 @@ def draw_timeline(timeline: Dict[int, List[Span]], path: str, title: str,
     return written
 
 
+def box_text(span: Span) -> Optional[str]:
+    """A compute box's caption: its letter and micro-batch (`F3`, `W0`, `F3|B1`); else None."""
+    if span.kind == "overlap":
+        m = re.fullmatch(r"\(\d+([FB]\d+);\d+([FB]\d+)\)OVERLAP_F_B", span.label)
+        return f"{m.group(1)}|{m.group(2)}" if m else None
+    m = re.fullmatch(r"\d+([FBIW]\d+)", span.label)
+    return m.group(1) if m else None
+
+
+def _captions(ax, fig, spans: List[List[Span]], scale: float, end: float) -> None:
+    """Letters on the compute boxes wide enough for them (about 7 points a character)."""
+    points_per_unit = fig.get_size_inches()[0] * 72 * 0.8 / end
+    texts = 0
+    for y, row in zip(range(len(spans) - 1, -1, -1), spans):
+        for s in row:
+            width = (s.end - s.start) * scale
+            text = box_text(s) if width * points_per_unit > 14 else None
+            if text is None or width * points_per_unit < 6 * len(text):
+                continue
+            ax.text(s.start * scale + width / 2, y, text, ha="center", va="center", fontsize=7,
+                    color="white", fontweight="bold")
+            texts += 1
+            if texts >= MAX_TEXTS:
+                return
+
+
 def charts_available() -> bool:
     """Whether matplotlib (the `plan` extra) can be imported, so draw_timeline() will work."""
     try:
@@ -92,28 +150,16 @@ def charts_available() -> bool:
 
 
 def _pyplot():
-    """matplotlib.pyplot (headless) and Patch, or a GraphcError saying what to install."""
+    """matplotlib.pyplot (headless), Patch and PolyCollection, or a GraphcError saying what
+    to install."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.collections import PolyCollection
         from matplotlib.patches import Patch
     except ImportError as e:
         raise GraphcError(f"graphc's schedule charts need matplotlib, which is not installed "
                           f"({e}). Fix: {INSTALL_HINT} (the `plan` extra), or pass --no-chart "
                           f"to graphc plan.") from None
-    return plt, Patch
-
-
-def _count(timeline) -> int:
-    return max((len(v) for v in timeline.values()), default=0)
-
-
-def _box(ax, span: Span, y: float, scale: float, end: float) -> None:
-    start, width = span.start * scale, (span.end - span.start) * scale
-    height = 0.8 if span.kind in ("forward", "backward", "optimizer", "collective") else 0.4
-    ax.barh(y, width, left=start, height=height, color=COLOURS.get(span.kind, "#333333"),
-            edgecolor="white", linewidth=0.5)
-    if span.kind in ("forward", "backward") and span.microbatch is not None and width > end * 0.012:
-        ax.text(start + width / 2, y, str(span.microbatch), ha="center", va="center",
-                fontsize=8, color="white", fontweight="bold")
+    return plt, Patch, PolyCollection

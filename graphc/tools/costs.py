@@ -6,7 +6,12 @@ Three ways to get a CostModel:
   * `measure_costs(compiled)`: runs each stage's program forward and backward on random
     inputs of the planned shapes, here, with the runtime's own StageExecutor;
   * `device_costs(compiled, "h100")`: FLOPs (counted on fake tensors) over a preset's
-    peak rate, bytes over its memory bandwidth, links from the preset.
+    peak rate, bytes over its memory bandwidth, links and collectives from the preset
+    (NVLink inside a node, the network between nodes: graphc/tools/network.py).
+
+A split backward costs half a backward for each of its halves (BackwardInput, BackwardWeight)
+unless they were measured; DualPipeV's OverlapFB costs its forward plus its backward (on a
+CPU the two run one after the other).
 """
 from __future__ import annotations
 
@@ -20,27 +25,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..errors import GraphcError
-from ..plan.instructions import AllReduce, Backward, Forward, Instruction, OptimizerStep, Send
+from ..plan.instructions import (Backward, BackwardInput, BackwardWeight, Collective,
+                                 Forward, Instruction, OptimizerStep, OverlapFB, Send)
+from ..sbp.cost import moved_bytes
+from .network import DEVICES, DevicePreset, Network, collective_seconds  # noqa: F401 (DEVICES: API)
 from .transport_costs import measure_transport
 
-
-@dataclass(frozen=True)
-class DevicePreset:
-    """Peak rates of one accelerator and its links (per direction)."""
-
-    name: str
-    tflops: float            # dense bf16 tensor-core TFLOP/s
-    hbm_gbps: float          # memory bandwidth, GB/s
-    link_gbps: float         # point-to-point bandwidth between two devices, GB/s
-    latency_us: float        # per-transfer latency, microseconds
-    efficiency: float = 0.5  # fraction of peak FLOP/s a real kernel mix reaches
-
-
-DEVICES: Dict[str, DevicePreset] = {
-    "h100": DevicePreset("h100", tflops=989, hbm_gbps=3350, link_gbps=450, latency_us=5),
-    "h200": DevicePreset("h200", tflops=989, hbm_gbps=4800, link_gbps=450, latency_us=5),
-    "a100": DevicePreset("a100", tflops=312, hbm_gbps=2039, link_gbps=300, latency_us=5),
-}
 
 # gloo over loopback on one machine: the defaults measured costs use for links
 CPU_LINK_LATENCY_S = 100e-6
@@ -68,6 +58,10 @@ class CostModel:
     overhead: float = 0.0                           # seconds the runtime adds per compute
     source: str = "uniform"
     stage_of_rank: Dict[int, int] = field(default_factory=dict)  # for the optimizer's cost
+    backward_input: Dict[int, float] = field(default_factory=dict)   # measured halves of a
+    backward_weight: Dict[int, float] = field(default_factory=dict)  # split backward, if any
+    # links between nodes (None: every pair of ranks has the link above)
+    network: Optional[Network] = None
 
     @staticmethod
     def uniform(num_stages: int, forward: float = 1.0, backward: float = 2.0) -> "CostModel":
@@ -80,9 +74,24 @@ class CostModel:
             return self.forward.get(ins.stage, 0.0) + self.overhead
         if isinstance(ins, Backward):
             return self.backward.get(ins.stage, 0.0) + self.overhead
+        if isinstance(ins, BackwardInput):
+            return self._half(self.backward_input, ins.stage) + self.overhead
+        if isinstance(ins, BackwardWeight):
+            return self._half(self.backward_weight, ins.stage) + self.overhead
+        if isinstance(ins, OverlapFB):
+            return self.compute(ins.forward, rank) + self.compute(ins.backward, rank)
         if isinstance(ins, OptimizerStep):
             return self.optimizer.get(self.stage_of_rank.get(rank, -1), 0.0)
         return 0.0
+
+    def _half(self, measured: Dict[int, float], stage: int) -> float:
+        return measured[stage] if stage in measured else self.backward.get(stage, 0.0) / 2
+
+    def link(self, src: int, dst: int) -> Tuple[float, float]:
+        """(bandwidth, latency) of the link from rank src to rank dst."""
+        if self.network is not None and self.network.crosses((src, dst)):
+            return self.network.bandwidth, self.network.latency
+        return self.bandwidth, self.latency
 
     def send_cost(self, nbytes: int) -> float:
         """CPU seconds one send occupies the sending rank."""
@@ -104,11 +113,21 @@ class CostModel:
                 return d0 + (d1 - d0) * (waited - w0) / (w1 - w0)
         return pts[-1][1]
 
-    def all_reduce(self, ins: AllReduce) -> float:
-        """Ring all-reduce: 2(n-1)/n of the bytes over each link, 2(n-1) latencies."""
+    def collective(self, ins) -> float:
+        """Seconds of a gradient bucket, tie or clip all-reduce, or a boxing collective, from
+        the faster of a ring and a tree over the group's slowest link (graphc/tools/network.py,
+        NOTE: Collective costs)."""
         n = len(ins.ranks)
-        nbytes = sum(t.nbytes for t in ins.tensors)
-        return 2 * (n - 1) * (nbytes / n / self.bandwidth + self.latency)
+        if n < 2:
+            return 0.0
+        link = (self.bandwidth, self.latency)
+        if self.network is not None and self.network.crosses(ins.ranks):
+            link = (self.network.bandwidth, self.network.latency)
+        if isinstance(ins, Collective):     # nbytes: what this rank sends in the ring
+            whole = ins.nbytes * n // (2 * (n - 1)) if ins.kind == "all_reduce" else 0
+            return collective_seconds(ins.kind, ins.nbytes, whole, n, link)
+        whole = sum(t.nbytes for t in ins.tensors)
+        return collective_seconds("all_reduce", moved_bytes("all_reduce", whole, n), whole, n, link)
 
 
 def _for_ranks(costs: CostModel, compiled) -> CostModel:
@@ -147,16 +166,23 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
     if threads:
         torch.set_num_threads(threads)
     try:
-        fwd, bwd, act, opt = {}, {}, {}, {}
+        times = {}
         start = time.perf_counter()
         for i, prog in enumerate(compiled.programs):
-            fwd[prog.stage], bwd[prog.stage], opt[prog.stage], act[prog.stage] = \
-                _replay_stage(prog, compiled, optimizer, repeats)
+            times[prog.stage] = _replay_stage(prog, compiled, optimizer, repeats)
             _progress("measured", i + 1, len(compiled.programs), time.perf_counter() - start)
     finally:
         torch.set_num_threads(saved_threads)
-    costs = CostModel(fwd, bwd, opt, act, latency, bandwidth, overhead=overhead,
-                      source=f"measured on this machine, {threads or saved_threads} thread(s)")
+    costs = CostModel({s: t.forward for s, t in times.items()},
+                      {s: t.backward for s, t in times.items()},
+                      {s: t.optimizer for s, t in times.items()},
+                      {s: t.activation for s, t in times.items()}, latency, bandwidth,
+                      overhead=overhead,
+                      source=f"measured on this machine, {threads or saved_threads} thread(s)",
+                      backward_input={s: t.backward_input for s, t in times.items()
+                                      if t.backward_input is not None},
+                      backward_weight={s: t.backward_weight for s, t in times.items()
+                                       if t.backward_weight is not None})
     if transport is not None:
         sizes = sorted({t.nbytes for p in compiled.plans for ins in p.instructions
                         if isinstance(ins, Send) for t in ins.tensors})
@@ -174,8 +200,20 @@ def _progress(what: str, done: int, total: int, elapsed: float) -> None:
     get_logger("plan").info("%s stage %d/%d (%.1f s, about %.1f s left)", what, done, total, elapsed, eta)
 
 
-def _replay_stage(prog, compiled, optimizer, repeats: int):
-    """(forward, backward, optimizer seconds, activation bytes) of one stage, replayed."""
+@dataclass
+class _StageTimes:
+    """One stage's replayed step: seconds per micro-batch (medians over steps), bytes."""
+
+    forward: float = 0.0
+    backward: float = 0.0           # a whole backward, or I + W where the plan splits it
+    backward_input: Optional[float] = None
+    backward_weight: Optional[float] = None
+    optimizer: float = 0.0
+    activation: int = 0
+
+
+def _replay_stage(prog, compiled, optimizer, repeats: int) -> _StageTimes:
+    """Times one stage's compute instructions of one step in plan order (see measure_costs)."""
     from ..runtime.executor import StageExecutor
     module = copy.deepcopy(prog.module)
     for p in module.parameters():
@@ -185,36 +223,49 @@ def _replay_stage(prog, compiled, optimizer, repeats: int):
     opt = _rebuild_optimizer(module, optimizer) if compiled.training else None
     rank = compiled.stages[prog.stage].ranks[0]
     plan = compiled.plan_for(rank) if hasattr(compiled, "plan_for") else compiled.plans[rank]
-    order = [ins for ins in plan.instructions
-             if isinstance(ins, (Forward, Backward, OptimizerStep)) and getattr(ins, "stage", prog.stage) == prog.stage]
+    order = [part for ins in plan.instructions for part in _parts(ins)
+             if getattr(part, "stage", prog.stage) == prog.stage]
     inputs = stage_inputs(prog, compiled)
-    f_steps, b_steps, o_steps, act = [], [], [], 0
+    per_step: Dict[str, List[float]] = {k: [] for k in "FBIWO"}
+    act = 0
     for step in range(repeats + 1):
-        f_times, b_times, o_time, outs = [], [], 0.0, {}
+        times: Dict[str, List[float]] = {k: [] for k in "FBIWO"}
+        outs: Dict[int, dict] = {}
         for ins in order:
+            t0 = time.perf_counter()
             if isinstance(ins, Forward):
-                t0 = time.perf_counter()
-                with _SavedBytes(module) as saved:
-                    outs[ins.microbatch] = ex.forward(ins.microbatch, dict(inputs))
-                f_times.append(time.perf_counter() - t0)
-                act = saved.nbytes + sum(t.nbytes for t in outs[ins.microbatch].values()
-                                         if isinstance(t, torch.Tensor))
-            elif isinstance(ins, Backward):
+                outs[ins.microbatch] = ex.forward(ins.microbatch, dict(inputs))
+                times["F"].append(time.perf_counter() - t0)
+                saved = ex.saved.get(ins.microbatch)  # the executor counts what autograd saves
+                act = (saved.nbytes if saved is not None else 0) + sum(
+                    t.nbytes for t in outs[ins.microbatch].values() if isinstance(t, torch.Tensor))
+            elif isinstance(ins, (Backward, BackwardInput)):
                 grads = _output_grads(prog, outs.pop(ins.microbatch))   # what recvs deliver
                 t0 = time.perf_counter()
-                ex.backward(ins.microbatch, grads)
-                b_times.append(time.perf_counter() - t0)
+                (ex.backward if isinstance(ins, Backward) else ex.backward_input)(ins.microbatch, grads)
+                times["B" if isinstance(ins, Backward) else "I"].append(time.perf_counter() - t0)
+            elif isinstance(ins, BackwardWeight):
+                ex.backward_weight(ins.microbatch)
+                times["W"].append(time.perf_counter() - t0)
             elif opt is not None:
-                t0 = time.perf_counter()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                o_time = time.perf_counter() - t0
+                times["O"].append(time.perf_counter() - t0)
         if step:    # the first step warms caches, allocators and optimizer state
-            f_steps.append(statistics.mean(f_times) if f_times else 0.0)
-            b_steps.append(statistics.mean(b_times) if b_times else 0.0)
-            o_steps.append(o_time)
-    return (statistics.median(f_steps), statistics.median(b_steps),
-            statistics.median(o_steps), act)
+            for k, v in times.items():
+                per_step[k].append(statistics.mean(v) if v else 0.0)
+    med = {k: statistics.median(v) for k, v in per_step.items()}
+    split = any(isinstance(ins, BackwardInput) for ins in order)
+    return _StageTimes(med["F"], med["B"] if not split else med["I"] + med["W"],
+                       med["I"] if split else None, med["W"] if split else None, med["O"], act)
+
+
+def _parts(ins: Instruction) -> tuple:
+    """The compute (and optimizer step) an instruction runs: an OverlapFB's two halves."""
+    if isinstance(ins, OverlapFB):
+        return ins.forward, ins.backward
+    return (ins,) if isinstance(ins, (Forward, Backward, BackwardInput, BackwardWeight,
+                                      OptimizerStep)) else ()
 
 
 def _rebuild_optimizer(module, graph_opt):
@@ -319,11 +370,13 @@ def device_costs(compiled, device: str = "h100", **overrides) -> CostModel:
 
     forward = max(FLOPs / (peak * efficiency), bytes / HBM bandwidth), where bytes are the
     stage's parameters plus its saved activations; backward is twice forward (input and
-    weight gradients). `overrides` replace preset fields, e.g. tflops=400, link_gbps=50.
+    weight gradients). Transfers and collectives inside a node of `gpus_per_node` ranks use
+    NVLink, between nodes the network (graphc/tools/network.py has the numbers and their
+    sources). `overrides` replace preset fields, e.g. tflops=400, link_gbps=50, net_gbps=25.
     """
     if device not in DEVICES:
         raise GraphcError(f"unknown device preset {device!r}; choose one of {sorted(DEVICES)} "
-                          "or pass tflops=..., hbm_gbps=..., link_gbps=..., latency_us=...")
+                          "or pass tflops=..., hbm_gbps=..., link_gbps=..., latency_us=..., net_gbps=...")
     dev = replace(DEVICES[device], **overrides)
     fwd, bwd, act = {}, {}, {}
     for prog in compiled.programs:
@@ -332,8 +385,10 @@ def device_costs(compiled, device: str = "h100", **overrides) -> CostModel:
         t = max(flops / (dev.tflops * 1e12 * dev.efficiency), (params + saved) / (dev.hbm_gbps * 1e9))
         fwd[prog.stage], bwd[prog.stage], act[prog.stage] = t, 2 * t, saved
     costs = CostModel(fwd, bwd, {}, act, dev.latency_us * 1e-6, dev.link_gbps * 1e9,
+                      network=Network.of(dev),
                       source=f"modelled for {dev.name}: {dev.tflops} TFLOP/s x {dev.efficiency}, "
-                             f"HBM {dev.hbm_gbps} GB/s, link {dev.link_gbps} GB/s")
+                             f"HBM {dev.hbm_gbps} GB/s, NVLink {dev.link_gbps} GB/s in nodes of "
+                             f"{dev.gpus_per_node}, network {dev.net_gbps} GB/s between them")
     return _for_ranks(costs, compiled)
 
 

@@ -1,31 +1,42 @@
 """write_all(): the files `graphc plan` writes for one compiled graph.
 
-  rank<r>.json / rank<r>.txt   every rank's plan (plan.to_json(), str(plan))
+  rank<r>.json / rank<r>.txt   the plans of the chosen ranks (plan.to_json(), str(plan)):
+                               all below ALL_RANKS_BELOW ranks, else the first and last
+                               rank of each stage, or `--ranks 0,7,-1`
+  stages.txt                   every stage in a few lines (summary.py)
   stage<s>.py                  each stage's fx program as Python, with its interface
   passes.txt                   the compilation history: every pass's output and time
   schedule.png / .svg          the schedule with unit costs (forward 1, backward 2)
   simulation.txt, simulated.png / .svg, simulated_trace.json   with --simulate
 
+Charts and the simulated trace fold ranks with identical timelines into one row.
 Without matplotlib (the `plan` extra) the charts are skipped, said once per run.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import List
+from typing import List, Optional, Tuple
 
+from ..errors import GraphcError
 from .chart import INSTALL_HINT, charts_available, draw_timeline
 from .costs import CostModel, device_costs, measure_costs
+from .rows import ranges
 from .simulate import simulate
+from .summary import stage_summary
 from .trace import timeline_to_chrome
 
+ALL_RANKS_BELOW = 64    # worlds this small get every rank's plan file by default
 STEADY_STEPS = 4
 
 
 def write_all(graph, compiled, folder: str, mode) -> List[str]:
     os.makedirs(folder, exist_ok=True)
     name = type(graph).__name__
-    written = write_plans(compiled.plans, folder) + write_programs(compiled, folder)
+    chosen, why = select_ranks(getattr(mode, "ranks", None), compiled)
+    written = write_plans([compiled.plans[r] for r in chosen], folder)
+    written.append(_write(os.path.join(folder, "stages.txt"), stage_summary(name, compiled, chosen)))
+    written += write_programs(compiled, folder)
     written.append(_write(os.path.join(folder, "passes.txt"),
                           "\n\n".join(r.text for r in compiled.history)))
     if mode.chart and not charts_available():
@@ -39,21 +50,54 @@ def write_all(graph, compiled, folder: str, mode) -> List[str]:
     print(f"graphc plan: {name}: {len(compiled.plans)} rank(s), {len(compiled.stages)} stage(s), "
           f"{compiled.num_microbatches} micro-batch(es); plans verified; wrote {len(written)} "
           f"files to {folder}", flush=True)
+    if why:
+        print(f"graphc plan: {name}: {why}", flush=True)
     idle = [p.rank for p in compiled.plans if not p.local_stages]
     if idle:
-        print(f"graphc plan: {name}: rank(s) {_ranges(idle)} of --nproc {len(compiled.plans)} hold no "
+        print(f"graphc plan: {name}: rank(s) {ranges(idle)} of --nproc {len(compiled.plans)} hold no "
               "stage (no placement names them): they only call the graph", flush=True)
     return written
 
 
-def _ranges(ranks: List[int]) -> str:
-    """[2, 3, 4, 7] -> '2-4, 7'."""
-    out, start = [], ranks[0]
-    for a, b in zip(ranks, ranks[1:] + [None]):
-        if b != a + 1:
-            out.append(f"{start}-{a}" if a != start else f"{a}")
-            start = b
-    return ", ".join(out)
+def select_ranks(spec: Optional[str], compiled) -> Tuple[List[int], str]:
+    """The ranks whose plan files to write, and a note when that is not every rank.
+
+    spec: None (every rank below ALL_RANKS_BELOW ranks, else the first and last rank of
+    each stage), "all", or a comma list of ranks, negative ones counted from the end
+    ("0,7,-1").
+    """
+    world = len(compiled.plans)
+    if spec is None and world < ALL_RANKS_BELOW:
+        return list(range(world)), ""
+    if spec is not None and spec.strip() == "all":
+        return list(range(world)), ""
+    if spec is None:
+        chosen = sorted({r for s in compiled.stages for r in (s.ranks[0], s.ranks[-1])})
+        return chosen, (f"plans written for {len(chosen)} of {world} ranks (the first and last "
+                        f"of each stage; a stage's ranks differ only in peers and groups, see "
+                        f"stages.txt); --ranks all or --ranks 0,7,-1 chooses others")
+    chosen = parse_ranks(spec, world)
+    return chosen, f"plans written for rank(s) {ranges(chosen)} of {world} (--ranks {spec})"
+
+
+def parse_ranks(spec: str, world: int) -> List[int]:
+    """"0,7,-1" -> [0, 7, world - 1]; a GraphcError names a token that is not a rank."""
+    chosen = sorted({_rank(tok, world) for tok in spec.split(",") if tok.strip()})
+    if not chosen:
+        raise GraphcError(f"graphc plan --ranks {spec!r} names no rank. Fix: e.g. --ranks 0,7,-1")
+    return chosen
+
+
+def _rank(token: str, world: int) -> int:
+    try:
+        r = int(token)
+    except ValueError:
+        r = None
+    if r is None or not -world <= r < world:
+        raise GraphcError(f"graphc plan --ranks: {token.strip()!r} is not a rank of a world of "
+                          f"{world} (0..{world - 1}, or -1..-{world} from the end). Fix: e.g. "
+                          f"--ranks 0,7,-1, or --ranks all")
+    return r % world
 
 
 def _write(path: str, text: str) -> str:
@@ -84,10 +128,14 @@ def write_programs(compiled, folder: str) -> List[str]:
     return out
 
 
-def row_labels(compiled):
-    stage_of = {r: s.stage_id for s in compiled.stages for r in s.ranks}
-    return {r: f"rank {r}" + (f" (stage {stage_of[r]})" if r in stage_of else " (idle)")
-            for r in range(len(compiled.plans))}
+def rank_notes(compiled):
+    """rank -> what it runs ("stage 1", "stages 0, 4", "idle"), for chart rows."""
+    notes = {r: "idle" for r in range(len(compiled.plans))}
+    for p in compiled.plans:
+        held = p.local_stages
+        if held:
+            notes[p.rank] = ("stage " if len(held) == 1 else "stages ") + ", ".join(map(str, held))
+    return notes
 
 
 def write_schedule_chart(compiled, folder: str, name: str) -> List[str]:
@@ -98,7 +146,7 @@ def write_schedule_chart(compiled, folder: str, name: str) -> List[str]:
              f"unit costs (forward 1, backward 2, communication free): "
              f"bubble {result.bubble_fraction:.1%}")
     return draw_timeline(result.timeline, os.path.join(folder, "schedule"), title,
-                         time_unit="cost units", scale=1.0, row_labels=row_labels(compiled))
+                         time_unit="cost units", scale=1.0, notes=rank_notes(compiled))
 
 
 def costs_for(graph, compiled, how: str) -> CostModel:
@@ -122,7 +170,8 @@ def write_simulation(graph, compiled, folder: str, how: str, chart: bool = True)
     out = [_write(os.path.join(folder, "simulation.txt"), table)]
     if chart:
         out += draw_timeline(result.timeline, os.path.join(folder, "simulated"), title,
-                             row_labels=row_labels(compiled))
-    trace = timeline_to_chrome(result.timeline, process_prefix="simulated rank")
+                             notes=rank_notes(compiled))
+    trace = timeline_to_chrome(result.timeline, process_prefix="simulated", fold=True,
+                               notes=rank_notes(compiled))
     out.append(_write(os.path.join(folder, "simulated_trace.json"), json.dumps(trace)))
     return out

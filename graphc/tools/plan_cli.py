@@ -1,4 +1,4 @@
-"""`graphc plan SCRIPT [SCRIPT_ARGS...] --nproc N --out DIR [--simulate [HOW]]`.
+"""`graphc plan SCRIPT [SCRIPT_ARGS...] --nproc N --out DIR [--simulate [HOW]] [--ranks R]`.
 
 Runs SCRIPT in this process (runpy, sys.argv = [SCRIPT, *SCRIPT_ARGS]) in plan mode (see
 plan_mode.py): every Graph it compiles is compiled for N ranks and written to DIR, and
@@ -16,14 +16,16 @@ from typing import List, Tuple
 from ..errors import GraphcError
 
 # graphc plan's options -> whether each takes a value (for splitting them from the script's)
-OPTIONS = {"--nproc": True, "--out": True, "--simulate": None, "--no-chart": False}
+OPTIONS = {"--nproc": True, "--out": True, "--simulate": None, "--no-chart": False,
+           "--ranks": True}
+USAGE = ("graphc plan SCRIPT [SCRIPT_ARGS...] --nproc N --out DIR "
+         "[--simulate [measure|h100|h200|a100]] [--ranks 0,7,-1|all] [--no-chart] [-- SCRIPT_ARGS]")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="compile a training script's graphs for N ranks; write plans",
                        description=__doc__.split("\n\n")[1] if __doc__ else None,
-                       usage="graphc plan SCRIPT [SCRIPT_ARGS...] --nproc N --out DIR "
-                             "[--simulate [measure|h100|h200|a100]] [--no-chart] [-- SCRIPT_ARGS]")
+                       usage=USAGE)
     p.add_argument("script", help="the training script, as you would run it under torchrun")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=run_plan_command)
@@ -59,14 +61,17 @@ def split_argv(argv: List[str]) -> Tuple[List[str], str, List[str]]:
 
 def parse(argv: List[str]) -> argparse.Namespace:
     mine, script, theirs = split_argv(argv)
-    p = argparse.ArgumentParser(prog="graphc plan", usage="graphc plan SCRIPT [SCRIPT_ARGS...] "
-                                "--nproc N --out DIR [--simulate [measure|h100|h200|a100]] [--no-chart]")
+    p = argparse.ArgumentParser(prog="graphc plan", usage=USAGE)
     p.add_argument("--nproc", type=int, required=True, help="number of ranks to compile for")
     p.add_argument("--out", required=True, help="folder for rank<r>.json/.txt, stage<s>.py, charts")
     p.add_argument("--simulate", nargs="?", const="measure", default=None,
                    help="predict the step: 'measure' (time the stages on this machine, default) "
                         "or a device preset (h100, h200, a100)")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG/SVG charts")
+    p.add_argument("--ranks", default=None,
+                   help="whose rank<r>.json/.txt to write: a list like 0,7,-1 (negative: from "
+                        "the end) or 'all'; default all below 64 ranks, else the first and last "
+                        "rank of each stage (stages.txt summarises every stage)")
     args = p.parse_args(mine)
     if script is None:
         p.error("missing SCRIPT: graphc plan train.py --nproc 4 --out plans")
@@ -77,19 +82,22 @@ def parse(argv: List[str]) -> argparse.Namespace:
 def run_plan_command(args: argparse.Namespace) -> int:
     """`graphc plan`, from parse()'s namespace (cli.main sends `plan` argv here directly)."""
     return run_plan(args.script, args.script_args, args.nproc, args.out, args.simulate,
-                    not args.no_chart)
+                    not args.no_chart, args.ranks)
 
 
 def run_plan(script: str, script_args: List[str], nproc: int, out: str,
-             simulate: str = None, chart: bool = True) -> int:
+             simulate: str = None, chart: bool = True, ranks: str = None) -> int:
     """Runs `script` in plan mode; returns 0 once at least one graph's plans are written."""
     from .costs import DEVICES
+    from .dump import parse_ranks
     from .plan_mode import PlanModeExit, plan_mode
     if not os.path.isfile(script):
         raise GraphcError(f"graphc plan: script {script!r} not found")
     if simulate not in (None, "measure", *DEVICES):
         raise GraphcError(f"graphc plan --simulate {simulate!r}: choose 'measure' or one of "
                           f"{sorted(DEVICES)}")
+    if ranks is not None and ranks.strip() != "all":
+        parse_ranks(ranks, nproc)       # a wrong --ranks fails before the script runs
     saved_argv, saved_path, saved_env = sys.argv[:], sys.path[:], dict(os.environ)
     sys.argv = [script] + list(script_args)
     # the script sees rank 0 of a torchrun world of N (without MASTER_ADDR: no process group)
@@ -97,7 +105,7 @@ def run_plan(script: str, script_args: List[str], nproc: int, out: str,
         os.environ.setdefault(k, str(v))
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        with plan_mode(nproc, out, simulate, chart) as mode:
+        with plan_mode(nproc, out, simulate, chart, ranks) as mode:
             try:
                 runpy.run_path(script, run_name="__main__")
             except PlanModeExit as stop:

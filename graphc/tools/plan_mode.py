@@ -8,8 +8,9 @@ catches. Graphs compiled with `graph.compile(...)` before that step are all writ
 the first to DIR, the k-th (k >= 1, in compile order) to DIR/graph<k>_<ClassName>/.
 
 The mode is set by `plan_mode(...)` (the CLI) or by the environment variables
-GRAPHC_PLAN_NPROC and GRAPHC_PLAN_OUT (and GRAPHC_PLAN_SIMULATE=measure|h100|...),
-so `GRAPHC_PLAN_NPROC=4 GRAPHC_PLAN_OUT=plans python train.py` works too.
+GRAPHC_PLAN_NPROC and GRAPHC_PLAN_OUT (and GRAPHC_PLAN_SIMULATE=measure|h100|...,
+GRAPHC_PLAN_RANKS=0,7,-1 for the ranks whose plan files are written), so
+`GRAPHC_PLAN_NPROC=4 GRAPHC_PLAN_OUT=plans python train.py` works too.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class PlanMode:
     out: str
     simulate: Optional[str] = None      # None, "measure", or a device preset name
     chart: bool = True
+    ranks: Optional[str] = None         # whose plan files: None (default), "all", "0,7,-1"
     written: List[str] = field(default_factory=list)   # one output folder per graph
 
     def folder_for(self, graph) -> str:
@@ -49,15 +51,17 @@ def active() -> Optional[PlanMode]:
     if _ACTIVE is None and os.environ.get("GRAPHC_PLAN_NPROC"):
         _ACTIVE = PlanMode(_nproc(os.environ["GRAPHC_PLAN_NPROC"], "GRAPHC_PLAN_NPROC"),
                            os.environ.get("GRAPHC_PLAN_OUT", "graphc_plan"),
-                           os.environ.get("GRAPHC_PLAN_SIMULATE") or None)
+                           os.environ.get("GRAPHC_PLAN_SIMULATE") or None,
+                           ranks=os.environ.get("GRAPHC_PLAN_RANKS") or None)
     return _ACTIVE
 
 
 @contextmanager
-def plan_mode(nproc: int, out: str, simulate: Optional[str] = None, chart: bool = True):
+def plan_mode(nproc: int, out: str, simulate: Optional[str] = None, chart: bool = True,
+              ranks: Optional[str] = None):
     """Within the block, compiling a Graph writes its plans instead of preparing to train."""
     global _ACTIVE
-    previous, _ACTIVE = _ACTIVE, PlanMode(_nproc(nproc), out, simulate, chart)
+    previous, _ACTIVE = _ACTIVE, PlanMode(_nproc(nproc), out, simulate, chart, ranks)
     try:
         yield _ACTIVE
     finally:

@@ -1,16 +1,20 @@
 """simulate(): predicts a step's timeline from every rank's plan and per-instruction costs.
 
 Each rank issues its instructions in plan order, one at a time, as the runtime does:
-  * compute takes its measured cost (CostModel.compute);
+  * compute (forward, backward, its split halves backward_input / backward_weight, and
+    DualPipeV's overlapped pair) takes its cost (CostModel.compute);
   * a send occupies the SENDER for send_overhead + bytes * send_per_byte (the CPU the
     transport spends in isend: a memcpy into the shared-memory ring, or gloo's hand-off),
     then its data arrives at the peer after the link's latency plus bytes / bandwidth
-    (transfers on one directed link queue behind each other);
+    (transfers on one directed link queue behind each other; CostModel.link picks NVLink
+    or the network between nodes);
   * a recv ends recv_overhead + bytes * recv_per_byte after its data has arrived or it
     was issued, whichever is later (the runtime posts receives ahead, so only the wait and
     the copy out are charged); a receiver that had to wait notices the data
     `costs.noticed(wait)` late (a polling receiver backs off while it waits);
-  * a collective starts when its last member issues it;
+  * a collective (gradient bucket, tie or clip all-reduce, or a boxing conversion listed
+    after its compute) starts when its last member issues it and takes
+    CostModel.collective (a ring or tree over the group's slowest link);
   * with `sends_complete_on_delivery` (gloo), the optimizer step and the end of a step
     wait until every send of the rank has been delivered (the runtime drains its sends).
 With `steps` > 1 the plans run that many times back to back, as a training loop calls
@@ -22,6 +26,12 @@ If the ranks that compute outnumber `cores`, every compute span is stretched by
 ranks / cores: processor sharing with all ranks busy (an upper bound; see docs/inspect.md).
 Link contention between different rank pairs is not modelled.
 
+The ranks run from a worklist: a rank moves on until it must wait for a message or a
+collective, and the rank that satisfies the wait puts it back on the list, so the work is
+linear in the number of instructions times steps (a thousand ranks, four steps: two
+million instructions). The times land in one array per rank; `SimResult.timeline` builds
+a rank's Spans when asked, and `signature(rank)` compares ranks without building them.
+
 Example:
     from graphc.tools.costs import CostModel
     result = simulate(compiled.plans, CostModel.uniform(num_stages=4))
@@ -29,38 +39,67 @@ Example:
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from array import array
+from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..errors import PlanError
-from ..plan.instructions import AllReduce, Backward, Forward, Instruction, OptimizerStep, Recv, Send
+from ..plan.instructions import (AllReduce, Backward, BackwardInput, BackwardWeight, Collective,
+                                 Forward, Instruction, OptimizerStep, OverlapFB, Recv, Send)
 from ..plan.plan import ExecutionPlan
 from .costs import CostModel
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """One instruction on one rank's timeline (seconds, or cost units for unit costs)."""
 
     rank: int
     index: int
     label: str
-    kind: str                  # forward | backward | send | recv | collective | optimizer
+    kind: str                  # see KINDS
     microbatch: Optional[int]
     start: float
     end: float
     step: int = 0              # which step (simulate(..., steps=n) runs several)
 
 
-Timeline = Dict[int, List[Span]]
+Timeline = Mapping  # rank -> List[Span]: a dict, or simulate()'s SimTimeline
+
+# what each instruction shows as on a timeline; the compute kinds count as busy time
+COMPUTE_KINDS = ("forward", "backward", "backward_input", "backward_weight", "overlap")
+KINDS = COMPUTE_KINDS + ("send", "recv", "collective", "optimizer")
+_KIND = {Forward: "forward", Backward: "backward", BackwardInput: "backward_input",
+         BackwardWeight: "backward_weight", OverlapFB: "overlap", Send: "send", Recv: "recv",
+         OptimizerStep: "optimizer"}
+# activations a kind adds to the micro-batches a rank holds: a forward keeps its micro-batch
+# until the backward (whole, or its weight half) frees it
+_LIVE = {"forward": 1, "backward": -1, "backward_weight": -1}
+
+
+def kind_of(ins: Instruction) -> str:
+    for cls in type(ins).__mro__:
+        if cls in _KIND:
+            return _KIND[cls]
+    return "collective"
+
+
+def label_of(ins: Instruction) -> str:
+    """The instruction's listing up to its first space: `1F3`, `0SEND_F3`, `1F0.ALL_GATHER`."""
+    if isinstance(ins, (Send, Recv)):
+        what = "SEND" if isinstance(ins, Send) else "RECV"
+        return f"{ins.stage}{what}_{ins.direction}{ins.microbatch}"
+    if isinstance(ins, Collective):
+        return f"{ins.stage}{ins.direction}{ins.microbatch}.{ins.kind.upper()}"
+    return str(ins).split(" ", 1)[0]
 
 
 @dataclass
 class RankSummary:
     rank: int
     stages: List[int]
-    busy: float                # time spent in forward/backward compute
+    busy: float                # time spent in compute
     finish: float              # when the rank's last instruction ends
     bubble: float              # 1 - busy / step_time (ranks that compute)
     peak_live_microbatches: int
@@ -101,20 +140,6 @@ class SimResult:
         return "\n".join(rows)
 
 
-def kind_of(ins: Instruction) -> str:
-    if isinstance(ins, Forward):
-        return "forward"
-    if isinstance(ins, Backward):
-        return "backward"
-    if isinstance(ins, Send):
-        return "send"
-    if isinstance(ins, Recv):
-        return "recv"
-    if isinstance(ins, OptimizerStep):
-        return "optimizer"
-    return "collective"
-
-
 def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
              cores: Optional[int] = None) -> SimResult:
     """Runs every rank's plan against `costs`; returns the timeline and per-rank summary.
@@ -136,6 +161,67 @@ def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
     return sim.result()
 
 
+class SimTimeline(Mapping):
+    """rank -> its Spans in issue order, built on demand from the simulated times."""
+
+    def __init__(self, plans: Dict[int, ExecutionPlan], shown: Dict[int, tuple],
+                 starts: Dict[int, array], ends: Dict[int, array]):
+        self._plans, self._shown, self._starts, self._ends = plans, shown, starts, ends
+
+    def __getitem__(self, rank: int) -> List[Span]:
+        labels, kinds, mbs = self._shown[rank]
+        n = len(labels)
+        return [Span(rank, k % n, labels[k % n], kinds[k % n], mbs[k % n], t0, t1, k // n)
+                for k, (t0, t1) in enumerate(zip(self._starts[rank], self._ends[rank]))]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._plans)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def signature(self, rank: int) -> tuple:
+        """Equal for two ranks exactly when their timelines show the same boxes at the same
+        times (ranks of one stage usually do): charts fold them into one row."""
+        return self._shown[rank][0], self._starts[rank].tobytes(), self._ends[rank].tobytes()
+
+
+# what the simulator does per instruction (the first item of each op)
+_COMPUTE, _SEND, _RECV, _COLLECTIVE, _OPTIMIZER = range(5)
+
+
+class _Link:
+    """One directed link: its messages' arrival times, how many were received, when it is
+    free for the next message, and the receiver waiting on it."""
+
+    __slots__ = ("arrivals", "taken", "free", "waiter")
+
+    def __init__(self):
+        self.arrivals: List[float] = []
+        self.taken, self.free, self.waiter = 0, 0.0, None
+
+
+class _Issue:
+    """The k-th collective over one group: members arrived, the latest arrival, members done,
+    and those waiting for the rest."""
+
+    __slots__ = ("issued", "latest", "done", "waiters")
+
+    def __init__(self):
+        self.issued, self.latest, self.done, self.waiters = 0, 0.0, 0, []
+
+
+class _Group:
+    """The collectives over one group of ranks, matched in issue order."""
+
+    __slots__ = ("size", "next_k", "open")
+
+    def __init__(self, size: int):
+        self.size = size
+        self.next_k: Dict[int, int] = {}    # rank -> the number of its next collective here
+        self.open: Dict[int, _Issue] = {}
+
+
 class _Simulation:
     def __init__(self, plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
                  cores: Optional[int] = None):
@@ -143,100 +229,151 @@ class _Simulation:
         self.costs, self.steps = costs, steps
         computing = sum(1 for p in plans if p.local_stages)
         self.stretch = max(1.0, computing / cores) if cores else 1.0
+        self._cache: Dict[int, tuple] = {}      # id(instruction) -> (label, kind, mb, op)
+        self.links: Dict[Tuple[int, int], _Link] = {}      # (src, dst)
+        self.groups: Dict[Tuple[int, ...], _Group] = {}    # sorted ranks
+        self.ops, self.shown = {}, {}
+        for r, plan in self.plans.items():
+            self.ops[r], self.shown[r] = self._lower(r, plan)
         self.clock = {r: 0.0 for r in self.plans}
         self.pc = {r: 0 for r in self.plans}       # position in the plan repeated `steps` times
-        self.timeline: Timeline = {r: [] for r in self.plans}
-        self.arrivals: Dict[Tuple[int, int], List[float]] = defaultdict(list)   # (src, dst)
-        self.taken: Dict[Tuple[int, int], int] = defaultdict(int)
-        self.link_free: Dict[Tuple[int, int], float] = defaultdict(float)
-        self.delivered: Dict[int, float] = defaultdict(float)   # rank -> its last send's arrival
-        self.collectives: Dict[Tuple[int, ...], Dict[int, List[float]]] = defaultdict(lambda: defaultdict(list))
-        self.coll_done: Dict[Tuple[int, ...], Dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.starts = {r: array("d") for r in self.plans}
+        self.ends = {r: array("d") for r in self.plans}
+        self.delivered: Dict[int, float] = {r: 0.0 for r in self.plans}   # last send's arrival
         self.step_end: Dict[int, List[float]] = {r: [] for r in self.plans}
 
-    def _total(self, rank: int) -> int:
-        return len(self.plans[rank].instructions) * self.steps
+    # -- each instruction once: what it shows as, and what the simulator does -----------
+    def _lower(self, rank: int, plan: ExecutionPlan):
+        ops, labels, kinds, mbs = [], [], [], []
+        for ins in plan.instructions:
+            label, kind, mb, op = self._cache.get(id(ins)) or self._describe(ins, rank)
+            ops.append(op or self._op(ins, rank, kind))
+            labels.append(label)
+            kinds.append(kind)
+            mbs.append(mb)
+        return ops, (tuple(labels), tuple(kinds), tuple(mbs))
 
+    def _describe(self, ins: Instruction, rank: int) -> tuple:
+        """What an instruction shows as, and its op where that is alike on every rank
+        (instruction objects are shared between ranks: see lower_plan, list_collectives)."""
+        kind = kind_of(ins)
+        alike = kind not in ("send", "recv", "optimizer")
+        out = (label_of(ins), kind, getattr(ins, "microbatch", None),
+               self._op(ins, rank, kind) if alike else None)
+        self._cache[id(ins)] = out
+        return out
+
+    def _op(self, ins: Instruction, rank: int, kind: str) -> tuple:
+        costs = self.costs
+        if kind == "send":
+            bandwidth, latency = costs.link(rank, ins.peer)
+            nbytes = ins.nbytes
+            return _SEND, costs.send_cost(nbytes), self._link(rank, ins.peer), nbytes / bandwidth, latency
+        if kind == "recv":
+            return _RECV, self._link(ins.peer, rank), costs.recv_cost(ins.nbytes)
+        if isinstance(ins, (AllReduce, Collective)):
+            group = tuple(sorted(ins.ranks))
+            if group not in self.groups:
+                self.groups[group] = _Group(len(group))
+            return _COLLECTIVE, self.groups[group], costs.collective(ins)
+        if kind == "optimizer":
+            return _OPTIMIZER, costs.compute(ins, rank) * self.stretch
+        return _COMPUTE, costs.compute(ins, rank) * self.stretch
+
+    def _link(self, src: int, dst: int) -> "_Link":
+        if (src, dst) not in self.links:
+            self.links[(src, dst)] = _Link()
+        return self.links[(src, dst)]
+
+    # -- running ------------------------------------------------------------------------
     def run(self) -> None:
-        while any(self.pc[r] < self._total(r) for r in self.plans):
-            if not any(self._advance(r) for r in self.plans):
-                self._stuck()
+        ready = deque(self.plans)
+        while ready:
+            ready.extend(self._advance(ready.popleft()))
+        if any(self.pc[r] < len(p.instructions) * self.steps for r, p in self.plans.items()):
+            self._stuck()
 
-    def _advance(self, rank: int) -> bool:
-        """Issues as many of `rank`'s instructions as can complete; True if any did."""
-        moved = False
-        plan = self.plans[rank]
-        n = len(plan.instructions)
-        while self.pc[rank] < self._total(rank):
-            step, index = divmod(self.pc[rank], n)
-            ins = plan.instructions[index]
-            end = self._end_time(rank, ins)
+    def _advance(self, rank: int) -> List[int]:
+        """Issues `rank`'s instructions until one must wait; returns the ranks it freed."""
+        ops, n = self.ops[rank], len(self.ops[rank])
+        total = n * self.steps
+        pc, clock = self.pc[rank], self.clock[rank]
+        starts, ends, freed = self.starts[rank], self.ends[rank], []
+        while pc < total:
+            index = pc % n
+            op = ops[index]
+            code = op[0]
+            if code == _COMPUTE:
+                end = clock + op[1]
+            elif code == _SEND:
+                end = clock + op[1]
+                freed += self._post_send(rank, op, end)
+            elif code == _RECV:
+                end = self._recv_end(rank, op, clock)
+            elif code == _COLLECTIVE:
+                end = self._collective_end(rank, op, clock, freed)
+            else:
+                end = self._drained(rank, clock) + op[1]
             if end is None:
                 break
-            start = self.clock[rank]
-            self.timeline[rank].append(Span(rank, index, str(ins).split(" ")[0], kind_of(ins),
-                                            getattr(ins, "microbatch", None), start, end, step))
-            self.clock[rank] = end
-            self.pc[rank] += 1
+            starts.append(clock)
+            ends.append(end)
+            clock = end
+            pc += 1
             if index == n - 1:      # the runtime drains its sends before a step returns
-                self.clock[rank] = self._drained(rank, end)
-                self.step_end[rank].append(self.clock[rank])
-            moved = True
-        return moved
+                clock = self._drained(rank, end)
+                self.step_end[rank].append(clock)
+        self.pc[rank], self.clock[rank] = pc, clock
+        return freed
 
     def _drained(self, rank: int, now: float) -> float:
         return max(now, self.delivered[rank]) if self.costs.sends_complete_on_delivery else now
 
-    def _end_time(self, rank: int, ins: Instruction) -> Optional[float]:
-        """When `ins` ends if issued now on `rank`, or None while it must wait on another rank."""
-        now = self.clock[rank]
-        if isinstance(ins, Send):
-            end = now + self.costs.send_cost(ins.nbytes)
-            self._post_send(rank, ins, end)
-            return end
-        if isinstance(ins, Recv):
-            return self._recv_end(rank, ins, now)
-        if isinstance(ins, AllReduce):
-            return self._collective_end(rank, ins, now)
-        if isinstance(ins, OptimizerStep):
-            now = self._drained(rank, now)
-        return now + self.costs.compute(ins, rank) * self.stretch
+    def _post_send(self, rank: int, op: tuple, now: float) -> List[int]:
+        _, _, link, wire, latency = op
+        start = max(now, link.free)
+        link.free = start + wire
+        arrival = start + wire + latency
+        link.arrivals.append(arrival)
+        if arrival > self.delivered[rank]:
+            self.delivered[rank] = arrival
+        waiter, link.waiter = link.waiter, None
+        return [waiter] if waiter is not None else []
 
-    def _post_send(self, rank: int, ins: Send, now: float) -> None:
-        link = (rank, ins.peer)
-        start = max(now, self.link_free[link])
-        wire = ins.nbytes / self.costs.bandwidth
-        self.link_free[link] = start + wire
-        arrival = start + wire + self.costs.latency
-        self.arrivals[link].append(arrival)
-        self.delivered[rank] = max(self.delivered[rank], arrival)
-
-    def _recv_end(self, rank: int, ins: Recv, now: float) -> Optional[float]:
-        link = (ins.peer, rank)
-        k = self.taken[link]
-        if k >= len(self.arrivals[link]):
+    def _recv_end(self, rank: int, op: tuple, now: float) -> Optional[float]:
+        _, link, cost = op
+        if link.taken >= len(link.arrivals):
+            link.waiter = rank
             return None
-        self.taken[link] += 1
-        arrival = self.arrivals[link][k]
+        arrival = link.arrivals[link.taken]
+        link.taken += 1
         if arrival > now:       # the receiver waits, polling; it notices the data a bit late
             arrival += self.costs.noticed(arrival - now)
-        return max(now, arrival) + self.costs.recv_cost(ins.nbytes)
+        return max(now, arrival) + cost
 
-    def _collective_end(self, rank: int, ins: AllReduce, now: float) -> Optional[float]:
-        issued = self.collectives[ins.ranks][rank]
-        k = self.coll_done[ins.ranks][rank]
-        if len(issued) <= k:
-            issued.append(now)
-        waiting = [self.collectives[ins.ranks][r] for r in ins.ranks]
-        if any(len(w) <= k for w in waiting):
-            return None
-        self.coll_done[ins.ranks][rank] += 1
-        return max(w[k] for w in waiting) + self.costs.all_reduce(ins)
+    def _collective_end(self, rank: int, op: tuple, now: float, freed: List[int]) -> Optional[float]:
+        _, group, cost = op
+        k = group.next_k.get(rank, 0)
+        entry = group.open.get(k)
+        if entry is None:
+            entry = group.open[k] = _Issue()
+        if entry.issued < group.size:      # this rank arrives (a woken rank had arrived before)
+            entry.issued += 1
+            entry.latest = max(entry.latest, now)
+            if entry.issued < group.size:
+                entry.waiters.append(rank)
+                return None
+            freed += entry.waiters
+        group.next_k[rank] = k + 1
+        entry.done += 1
+        if entry.done == group.size:       # every member is through: forget it
+            del group.open[k]
+        return entry.latest + cost
 
     def _stuck(self) -> None:
         waits = []
         for r, p in self.plans.items():
-            if self.pc[r] < self._total(r):
+            if self.pc[r] < len(p.instructions) * self.steps:
                 step, index = divmod(self.pc[r], len(p.instructions))
                 waits.append(f"rank {r} at #{index} `{p.instructions[index]}`"
                              + (f" (step {step})" if self.steps > 1 else ""))
@@ -244,22 +381,27 @@ class _Simulation:
                         + "; ".join(waits) + ". Fix: run graphc.plan.verify.verify_plans(plans) "
                         "for the offending pair.")
 
+    # -- results ------------------------------------------------------------------------
     def result(self) -> SimResult:
         ends = [max((e[k] for e in self.step_end.values() if len(e) > k), default=0.0)
                 for k in range(self.steps)]
         if self.steps > 1:
             step = (ends[-1] - ends[0]) / (self.steps - 1)
         else:
-            step = max((s.end for spans in self.timeline.values() for s in spans), default=0.0)
+            step = max((e[-1] for e in self.ends.values() if len(e)), default=0.0)
         ranks = [self._summary(r, step) for r in sorted(self.plans)]
-        return SimResult(self.timeline, step, ranks, ends, self.steps)
+        timeline = SimTimeline(self.plans, self.shown, self.starts, self.ends)
+        return SimResult(timeline, step, ranks, ends, self.steps)
 
     def _summary(self, rank: int, step: float) -> RankSummary:
-        spans = self.timeline[rank]
-        busy = sum(s.end - s.start for s in spans if s.kind in ("forward", "backward")) / self.steps
+        kinds, ops = self.shown[rank][1], self.ops[rank]
+        # compute spans last exactly their cost, alike in every step
+        busy = sum(op[1] for op, kind in zip(ops, kinds) if kind in COMPUTE_KINDS)
         live = peak = 0
-        for s in spans:
-            live += 1 if s.kind == "forward" else -1 if s.kind == "backward" else 0
+        for kind in kinds:
+            if kind == "overlap":       # its forward's activations exist before its backward
+                peak = max(peak, live + 1)
+            live += _LIVE.get(kind, 0)
             peak = max(peak, live)
         if not self.plans[rank].training:
             peak = min(peak, 1)     # inference frees each micro-batch's activations at once

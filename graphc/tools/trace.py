@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import GraphcError
 from ..plan.instructions import parse_instruction
+from .rows import fold_ranks, row_label
 from .simulate import Span, Timeline, kind_of
 
 DEFAULT_STEPS = 5
@@ -45,19 +46,30 @@ def spans_from_events(rank: int, events: Sequence[Tuple[str, float, float]],
 
 
 def timeline_to_chrome(timeline: Timeline, process_prefix: str = "rank", step: int = 0,
-                       events: Optional[List[dict]] = None) -> dict:
-    """A Chrome-trace dict: one process per rank, one complete ("X") slice per span (us)."""
+                       events: Optional[List[dict]] = None, fold: bool = False,
+                       notes: Optional[Dict[int, str]] = None) -> dict:
+    """A Chrome-trace dict: one process per rank, one complete ("X") slice per span (us).
+
+    fold: ranks with identical timelines share one process (pid: the first of them, named
+    like a chart row, `simulated ranks 0-7, stage 0`, with the ranks in its args), so the
+    trace of a thousand-rank simulation stays small enough to open.
+    """
     out = events if events is not None else []
-    for rank, spans in sorted(timeline.items()):
+    groups = fold_ranks(timeline) if fold else [[r] for r in sorted(timeline)]
+    for ranks in groups:
+        rank = ranks[0]
         if step == 0:   # process names once, with the first step
+            name = (f"{process_prefix} {rank}" if not fold else
+                    f"{process_prefix} {row_label(ranks, notes)}")
             out.append({"name": "process_name", "ph": "M", "pid": rank,
-                        "args": {"name": f"{process_prefix} {rank}"}})
+                        "args": {"name": name, **({"ranks": ranks} if fold else {})}})
             out.append({"name": "process_sort_index", "ph": "M", "pid": rank,
                         "args": {"sort_index": rank}})
-        for s in spans:
+        for s in timeline[rank]:
             out.append({"name": s.label, "cat": s.kind, "ph": "X", "pid": rank, "tid": 0,
                         "ts": s.start * 1e6, "dur": max(s.end - s.start, 0.0) * 1e6,
-                        "args": {"step": step, "microbatch": s.microbatch, "index": s.index}})
+                        "args": {"step": step + s.step,
+                                 "microbatch": s.microbatch, "index": s.index}})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 

@@ -1,0 +1,101 @@
+"""Accelerator presets and the communication model the simulator charges: links inside a
+node and between nodes, ring and tree collectives.
+
+Numbers per GPU and per direction, from the vendors' datasheets:
+
+| preset | dense bf16 | HBM | NVLink (in a node of 8) | network (between nodes) |
+|---|---|---|---|---|
+| h100 | 989 TFLOP/s | 3,350 GB/s | 450 GB/s (NVLink 4: 900 GB/s both ways) | 50 GB/s (DGX H100: a 400 Gb/s ConnectX-7 NDR port per GPU) |
+| h200 | 989 TFLOP/s | 4,800 GB/s | 450 GB/s (NVLink 4) | 50 GB/s (DGX H200: as DGX H100) |
+| a100 | 312 TFLOP/s | 2,039 GB/s | 300 GB/s (NVLink 3: 600 GB/s both ways) | 25 GB/s (DGX A100: a 200 Gb/s ConnectX-6 HDR port per GPU) |
+
+Latencies are assumptions, not measurements: 5 us per transfer or collective step over
+NVLink and 10 us across the network, the order of NCCL's own tuning model (a base
+latency of several microseconds per collective plus about 1-3 us per NVLink hop and more
+per network hop, nccl src/graph/tuning.cc). Ranks are numbered node by node (torchrun's
+order), so ranks r and q share a node when r // 8 == q // 8.
+
+Collectives (NOTE: Collective costs): a group inside one node runs at NVLink's bandwidth
+and latency; a group that spans nodes at the network's (its slowest link; NCCL's
+hierarchical algorithms that use NVLink for the in-node part are not modelled). For a
+global buffer of B bytes over n ranks:
+  * ring: each rank sends moved_bytes(kind, B, n) (graphc/sbp/cost.py: 2(n-1)/n B for an
+    all-reduce, (n-1)/n B for an all-gather or reduce-scatter) in 2(n-1) (all-reduce) or
+    n-1 steps, each costing one latency: sent / bandwidth + steps x latency;
+  * tree (all-reduce only, NCCL's double binary tree): a reduce up and a broadcast down,
+    each ceil(log2 n) latencies deep and moving the whole buffer once:
+    2 (ceil(log2 n) x latency + B / bandwidth).
+An all-reduce takes the faster of the two, as NCCL picks per size: the tree for small,
+latency-bound buffers, the ring for large ones.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class DevicePreset:
+    """Peak rates of one accelerator and its links (per direction)."""
+
+    name: str
+    tflops: float               # dense bf16 tensor-core TFLOP/s
+    hbm_gbps: float             # memory bandwidth, GB/s
+    link_gbps: float            # NVLink bandwidth between two GPUs of a node, GB/s
+    latency_us: float           # NVLink latency per transfer or collective step, microseconds
+    efficiency: float = 0.5     # fraction of peak FLOP/s a real kernel mix reaches
+    gpus_per_node: int = 8
+    net_gbps: float = 50.0      # network bandwidth per GPU between nodes, GB/s
+    net_latency_us: float = 10.0
+
+
+DEVICES: Dict[str, DevicePreset] = {
+    "h100": DevicePreset("h100", tflops=989, hbm_gbps=3350, link_gbps=450, latency_us=5,
+                         net_gbps=50),
+    "h200": DevicePreset("h200", tflops=989, hbm_gbps=4800, link_gbps=450, latency_us=5,
+                         net_gbps=50),
+    "a100": DevicePreset("a100", tflops=312, hbm_gbps=2039, link_gbps=300, latency_us=5,
+                         net_gbps=25),
+}
+
+
+@dataclass(frozen=True)
+class Network:
+    """Links between nodes of `ranks_per_node` ranks (inside a node: the CostModel's link)."""
+
+    ranks_per_node: int
+    bandwidth: float            # bytes per second
+    latency: float              # seconds per transfer or collective step
+
+    def crosses(self, ranks: Sequence[int]) -> bool:
+        """Whether `ranks` (a transfer's two ends, or a group) span more than one node."""
+        node = ranks[0] // self.ranks_per_node
+        return any(r // self.ranks_per_node != node for r in ranks)
+
+    @staticmethod
+    def of(preset: DevicePreset) -> "Network":
+        return Network(preset.gpus_per_node, preset.net_gbps * 1e9, preset.net_latency_us * 1e-6)
+
+
+def ring_steps(kind: str, n: int) -> int:
+    return 2 * (n - 1) if kind == "all_reduce" else n - 1
+
+
+def collective_seconds(kind: str, sent: int, whole: int, n: int, link: Tuple[float, float]) -> float:
+    """Seconds of one collective (see NOTE: Collective costs in the module docstring).
+
+    Args:
+        kind: all_reduce, all_gather, reduce_scatter or all_to_all.
+        sent: bytes each rank sends in the ring algorithm.
+        whole: the global buffer's bytes (for the tree all-reduce).
+        n: the group's size.
+        link: (bandwidth in bytes/s, latency in s) of the group's slowest link.
+    """
+    if n < 2:
+        return 0.0
+    bandwidth, latency = link
+    ring = sent / bandwidth + ring_steps(kind, n) * latency
+    if kind != "all_reduce":
+        return ring
+    return min(ring, 2 * (math.ceil(math.log2(n)) * latency + whole / bandwidth))

@@ -1,0 +1,125 @@
+"""stage_summary(): a compact account of every stage's plans, for `graphc plan`'s stages.txt.
+
+Ranks of one stage run the same program: their plans list the same instructions in the
+same order and differ only in peers (which replica a transfer goes to) and groups (which
+ranks a collective joins). So one listing per stage, plus what varies, describes a
+thousand-rank job. For each stage the summary gives its ranks, whether they all run one
+instruction sequence (else the variants and their ranks), the count of each kind of
+instruction in one step, the bytes sent and received per step and the peers' stages,
+the collectives by kind and group size, and which rank<r>.txt files were written.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Dict, List, Sequence
+
+from ..plan.instructions import (AllReduce, ClipGradNorm, Collective, Instruction, OptimizerStep,
+                                 Recv, Send, TieAllReduce)
+from .rows import ranges
+from .simulate import label_of
+
+
+def stage_summary(name: str, compiled, written: Sequence[int] = ()) -> str:
+    """The text of stages.txt for one compiled graph (see the module docstring).
+
+    Args:
+        name: the graph's class name, for the header.
+        compiled: a CompiledGraph.
+        written: the ranks whose rank<r>.json / .txt files were written.
+    """
+    plans, stages = compiled.plans, compiled.stages
+    head = plans[0]
+    lines = [f"# graphc plan summary: {name}, {len(plans)} rank(s), {len(stages)} stage(s), "
+             f"schedule={head.schedule}, {compiled.num_microbatches} micro-batch(es), "
+             f"{'training' if compiled.training else 'inference'}",
+             "# per stage: one step of one rank; ranks of a stage differ only in peers and "
+             "groups unless variants are listed"]
+    labels: Dict[int, str] = {}           # id(instruction) -> label: objects are shared
+    seen = set()
+    for info in stages:
+        ranks = list(info.ranks)
+        if tuple(ranks) in seen:          # a rank holding several stages (chunks): once
+            continue
+        seen.add(tuple(ranks))
+        held = [s.stage_id for s in stages if tuple(s.ranks) == tuple(ranks)]
+        lines += _stage_lines(held, ranks, plans, labels, set(written))
+    idle = [p.rank for p in plans if not p.local_stages]
+    if idle:
+        lines.append(f"idle: ranks {ranges(idle)} hold no stage")
+    return "\n".join(lines)
+
+
+def _stage_lines(held: List[int], ranks: List[int], plans, labels, written) -> List[str]:
+    what = "stage" if len(held) == 1 else "stages"
+    out = [f"{what} {', '.join(map(str, held))}: ranks {ranges(ranks)} ({len(ranks)} rank(s))"]
+    variants: Dict[tuple, List[int]] = {}
+    for r in ranks:
+        shape = tuple(labels.get(id(i)) or labels.setdefault(id(i), label_of(i))
+                      for i in plans[r].instructions)
+        variants.setdefault(shape, []).append(r)
+    if len(variants) > 1:
+        out.append(f"  {len(variants)} instruction sequences: " + "; ".join(
+            f"ranks {ranges(rs)}" for rs in variants.values()))
+    for rs in variants.values():
+        plan = plans[rs[0]]
+        prefix = "  " if len(variants) == 1 else f"  ranks {ranges(rs)}: "
+        out.append(prefix + _counts(plan.instructions))
+        out += [f"    {line}" for line in _traffic(plan.instructions, plans[rs[0]].stages)]
+    files = [r for r in ranks if r in written]
+    out.append(f"  plans written: {', '.join(f'rank{r}.txt' for r in files)}" if files else
+               "  plans written: none (choose with --ranks)")
+    return out
+
+
+def _counts(instructions: Sequence[Instruction]) -> str:
+    kinds = Counter(_kind(i) for i in instructions)
+    order = ["F", "B", "I", "W", "OVERLAP_F_B", "SEND", "RECV", "collective", "ALL_REDUCE",
+             "TIE_ALL_REDUCE", "CLIP_GRAD_NORM", "OPTIMIZER_STEP"]
+    parts = [f"{kinds[k]} {k}" for k in order if kinds[k]]
+    return f"{len(instructions)} instructions a step: " + ", ".join(parts)
+
+
+def _kind(ins: Instruction) -> str:
+    if isinstance(ins, (Send, Recv)):
+        return "SEND" if isinstance(ins, Send) else "RECV"
+    if isinstance(ins, Collective):
+        return "collective"
+    if isinstance(ins, (TieAllReduce, ClipGradNorm)):
+        return "TIE_ALL_REDUCE" if isinstance(ins, TieAllReduce) else "CLIP_GRAD_NORM"
+    if isinstance(ins, AllReduce):
+        return "ALL_REDUCE"
+    if isinstance(ins, OptimizerStep):
+        return "OPTIMIZER_STEP"
+    text = str(ins)
+    return "OVERLAP_F_B" if text.endswith("OVERLAP_F_B") else text.lstrip("0123456789")[0]
+
+
+def _traffic(instructions: Sequence[Instruction], stages) -> List[str]:
+    """Bytes sent and received per peer stage, and collectives by kind and group size."""
+    sent, got, colls, count = Counter(), Counter(), Counter(), Counter()
+    for ins in instructions:
+        if isinstance(ins, Send):
+            sent[ins.peer_stage] += ins.nbytes
+        elif isinstance(ins, Recv):
+            got[ins.peer_stage] += ins.nbytes
+        elif isinstance(ins, Collective):      # a conversion: the bytes this rank sends
+            key = (ins.kind, len(ins.ranks), "sent")
+            colls[key] += ins.nbytes
+            count[key] += 1
+        elif isinstance(ins, AllReduce):       # gradients (tie, clip): the buffer reduced
+            key = (_kind(ins).lower(), len(ins.ranks), "reduced")
+            colls[key] += sum(t.nbytes for t in ins.tensors)
+            count[key] += 1
+    out = []
+    if sent or got:
+        out.append("transfers a step: " + ", ".join(
+            [f"sends {_mib(b)} to stage {s}" for s, b in sorted(sent.items())] +
+            [f"receives {_mib(b)} from stage {s}" for s, b in sorted(got.items())]))
+    if colls:
+        out.append("collectives a step: " + ", ".join(
+            f"{count[k]} {k[0]} over {k[1]} ranks ({_mib(b)} {k[2]})" for k, b in sorted(colls.items())))
+    return out
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.3f} MiB"

@@ -1,0 +1,284 @@
+"""What `graphc plan` costs as the world grows: compile, verify, chart and simulate.
+
+    python benchmarks/plan_scale.py [--sizes 8,64,256,1024] [--out DIR] [--profile PHASE]
+
+An MLP pipeline of P stages (one block each: fc1 split by output rows and fc2 by input
+columns over T tensor-parallel ranks, Megatron's layout; a classifier head on the last
+stage), each stage on a D x T grid of ranks (data-parallel rows, tensor-parallel columns),
+is compiled for P x D x T ranks in this one process as `graphc plan` compiles it (plan
+mode: shapes only, no process group), schedule 1F1B with M micro-batches:
+
+    ranks     P x D x T   M
+    8         2 x 2 x 2   8
+    64        8 x 4 x 2   32
+    256       32 x 8 x 1  64     (issue 12's 256-rank example)
+    1024      32 x 8 x 4  64     (issue 12's target)
+
+Each size runs in its own subprocess, so its peak memory (ru_maxrss, which includes
+`import torch`) is its own. Phases, timed one after another:
+
+    compile   compiler.compile for every rank (all passes, the verifier included)
+    verify    of which the verifier (verify_plans: pairing, collectives, deadlock)
+    write     the chosen rank<r>.json/.txt files (default choice), stages.txt, stage<s>.py
+    chart     schedule.png/.svg from unit costs (one simulation, drawn folded)
+    simulate  --simulate h100: the 4-step simulation on the preset's costs, simulation.txt,
+              simulated.png/.svg and the Perfetto trace simulated_trace.json
+
+Targets (issue 12): compile + verify of 1024 ranks < 10 s and < 1 GB; the chart of 1024
+ranks < 5 s; --simulate at 1024 ranks < 20 s. `--profile compile|chart|simulate --sizes
+1024` prints cProfile's top functions for that phase instead of the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+# size -> (pipeline stages, data-parallel replicas, tensor-parallel ranks, micro-batches)
+SIZES = {8: (2, 2, 2, 8), 64: (8, 4, 2, 32), 256: (32, 8, 1, 64), 1024: (32, 8, 4, 64)}
+HIDDEN, CLASSES = 32, 8
+TARGETS = {"compile": 10.0, "chart": 5.0, "simulate": 20.0, "peak_mib": 1024}
+
+
+def mlp_graph(pp: int, dp: int, tp: int, microbatches: int, rank: int = 0, rows_per_mb: int = 1):
+    """(graph, inputs): the MLP above as rank `rank` of a P x D x T world builds it.
+
+    The inputs are global tensors (this rank's rows, split over the data-parallel axis),
+    M x D x rows_per_mb rows in all.
+    """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import graphc
+
+    def ranks(stage):
+        first = stage * dp * tp
+        grid = [[first + d * tp + t for t in range(tp)] for d in range(dp)]
+        return grid if dp > 1 and tp > 1 else [r for row in grid for r in row]
+
+    def where(stage):
+        return graphc.placement("cpu", ranks=ranks(stage))
+
+    def param_sbp(split_dim):
+        sbp = graphc.sbp.split(split_dim) if split_dim is not None and tp > 1 else graphc.sbp.broadcast
+        return (graphc.sbp.broadcast, sbp) if dp > 1 and tp > 1 else sbp
+
+    def batch_sbp():
+        sbp = graphc.sbp.split(0) if dp > 1 else graphc.sbp.broadcast
+        return (sbp, graphc.sbp.broadcast) if dp > 1 and tp > 1 else sbp
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(HIDDEN, 4 * HIDDEN)
+            self.fc2 = nn.Linear(4 * HIDDEN, HIDDEN)
+
+        def forward(self, x):
+            return x + self.fc2(F.gelu(self.fc1(x)))
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(pp)])
+            self.head = nn.Linear(HIDDEN, CLASSES)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    class MLPGraph(graphc.Graph):
+        def __init__(self, model, opt):
+            super().__init__()
+            self.model = model
+            for s in range(pp):
+                self.model.blocks[s].config.set_stage(s, where(s))
+            self.model.head.config.set_stage(pp - 1, where(pp - 1))
+            self.config.set_gradient_accumulation_steps(microbatches)
+            self.config.set_pipeline_schedule("1f1b")
+            self.add_optimizer(opt)
+
+        def build(self, x, y):
+            loss = F.cross_entropy(self.model(x), y)
+            loss.backward()
+            return loss
+
+    torch.manual_seed(0)
+    model = MLP()
+    for s, block in enumerate(model.blocks):
+        for param, dim in ((block.fc1.weight, 0), (block.fc1.bias, 0), (block.fc2.weight, 1)):
+            graphc.to_global(param, placement=where(s), sbp=param_sbp(dim))
+    graph = MLPGraph(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    rows = microbatches * rows_per_mb            # this data-parallel replica's rows
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, HIDDEN, generator=g)
+    y = torch.randint(0, CLASSES, (rows,), generator=g)
+    if dp == 1 and tp == 1:
+        return graph, (x, y)
+    return graph, (graphc.to_global(x, placement=where(0), sbp=batch_sbp()),
+                   graphc.to_global(y, placement=where(pp - 1), sbp=batch_sbp()))
+
+
+class _Mode:
+    """What dump.write_all reads from plan mode (default --ranks)."""
+    ranks = None
+    chart = True
+    simulate = None
+
+
+def world_env(world: int) -> None:
+    """The environment `graphc plan` gives the script: rank 0 of `world`, no process group."""
+    for k, v in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", world)):
+        os.environ.setdefault(k, str(v))
+
+
+def maxrss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(size: int, out: str, profile: str = None) -> dict:
+    """Compiles, writes, charts and simulates the `size`-rank plan; seconds and MiB per phase."""
+    pp, dp, tp, m = SIZES[size]
+    world_env(size)
+    import torch
+
+    from graphc import compiler
+    from graphc.graph import _local_and_global
+    from graphc.tools import dump
+    from graphc.tools.chart import charts_available
+    from graphc.tools.plan_mode import _layouts
+    from graphc.tools.summary import stage_summary
+
+    graph, inputs = mlp_graph(pp, dp, tp, m)
+    args = _local_and_global(inputs)
+    example = [torch.empty(shape, dtype=local.dtype) for local, (shape, _, _) in args]
+    rec = {"ranks": size, "layout": f"{pp} x {dp} x {tp}", "microbatches": m,
+           "rss_start_mib": maxrss_mib()}
+    profiler = None
+    if profile:
+        import cProfile
+        profiler = cProfile.Profile()
+
+    def phase(name, fn, *a):
+        start = time.perf_counter()
+        if profiler is not None and name == profile:
+            profiler.enable()
+        result = fn(*a)
+        if profiler is not None and name == profile:
+            profiler.disable()
+        rec[name] = time.perf_counter() - start
+        rec[f"rss_{name}_mib"] = maxrss_mib()
+        return result
+
+    compiled = phase("compile", lambda: compiler.compile(graph, example, size, **_layouts(args)))
+    rec["verify"] = sum(r.seconds for r in compiled.history if r.name == "verify_plans")
+    rec["lower"] = sum(r.seconds for r in compiled.history
+                       if r.name in ("lower_plan", "insert_grad_sync", "insert_tie_sync",
+                                     "insert_grad_clip", "list_collectives"))
+    rec["instructions"] = sum(len(p.instructions) for p in compiled.plans)
+    rec["stages"] = len(compiled.stages)
+    os.makedirs(out, exist_ok=True)
+
+    def write():
+        chosen, _ = dump.select_ranks(None, compiled)
+        files = dump.write_plans([compiled.plans[r] for r in chosen], out)
+        files.append(dump._write(os.path.join(out, "stages.txt"),
+                                 stage_summary(type(graph).__name__, compiled, chosen)))
+        return files + dump.write_programs(compiled, out)
+
+    rec["files"] = len(phase("write", write))
+    has_charts = charts_available()
+    if has_charts:
+        phase("chart", dump.write_schedule_chart, compiled, out, type(graph).__name__)
+    phase("simulate", dump.write_simulation, graph, compiled, out, "h100", has_charts)
+    with open(os.path.join(out, "simulation.txt")) as f:
+        rec["step_ms"] = _steady_step_ms(f.read())
+    rec["peak_mib"] = maxrss_mib()
+    if profiler is not None:
+        import pstats
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+    return rec
+
+
+def _steady_step_ms(table: str):
+    for line in table.splitlines():
+        if "steady" in line and "ms" in line:
+            words = line.replace(",", " ").split()
+            for a, b in zip(words, words[1:]):
+                if b == "ms":
+                    try:
+                        return float(a)
+                    except ValueError:
+                        pass
+    return None
+
+
+def run_one(size: int, out: str, profile: str = None) -> dict:
+    """measure() in a fresh interpreter (its own peak memory)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", str(size), "--out", out]
+    if profile:
+        cmd += ["--profile", profile]
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"plan_scale: {size} ranks failed (exit {res.returncode})")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def table(records) -> str:
+    head = ("| ranks | P x D x T | M | instructions | compile s | of which verify s | write s | "
+            "chart s | simulate s | peak RSS MiB |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in records:
+        chart = f"{r['chart']:.2f}" if "chart" in r else "-"
+        lines.append(f"| {r['ranks']} | {r['layout']} | {r['microbatches']} | {r['instructions']:,} | "
+                     f"{r['compile']:.2f} | {r['verify']:.2f} | {r['write']:.2f} | {chart} | "
+                     f"{r['simulate']:.2f} | {r['peak_mib']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                   help=f"world sizes, from {sorted(SIZES)}")
+    p.add_argument("--out", default=None, help="folder for the plans (default: a temporary one)")
+    p.add_argument("--profile", choices=["compile", "write", "chart", "simulate"], default=None,
+                   help="print cProfile's top functions of this phase (to stderr)")
+    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.one is not None:               # the subprocess: one size, a JSON line
+        print(json.dumps(measure(args.one, args.out, args.profile)), flush=True)
+        return 0
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        p.error(f"--sizes {unknown}: choose from {sorted(SIZES)}")
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in sizes:
+            out = os.path.join(args.out or tmp, f"ranks{size}")
+            records.append(run_one(size, out, args.profile))
+            r = records[-1]
+            print(f"{size} ranks: compile {r['compile']:.2f} s (verify {r['verify']:.2f} s), "
+                  f"chart {r.get('chart', float('nan')):.2f} s, simulate {r['simulate']:.2f} s, "
+                  f"peak {r['peak_mib']:.0f} MiB", flush=True)
+    print(table(records))
+    big = [r for r in records if r["ranks"] == 1024]
+    if big:
+        r = big[0]
+        checks = [("compile + verify < 10 s", r["compile"] < TARGETS["compile"]),
+                  ("compile peak < 1 GB", r["rss_compile_mib"] < TARGETS["peak_mib"]),
+                  ("chart < 5 s", r.get("chart", 0) < TARGETS["chart"]),
+                  ("simulate < 20 s", r["simulate"] < TARGETS["simulate"])]
+        print("1024 ranks: " + ", ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in checks))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,9 +14,9 @@ from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
 from .meta import META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .placement import placement as Placement
+from .plan.ops import compiled_groups, create_groups
 from .plan.plan import ExecutionPlan
 from .runtime.actors import Runtime
-from .runtime.collectives import compiled_groups, create_groups
 from .runtime.comm import P2P
 from .runtime.agreement import check_agreement, fingerprint_tensor, step_facts
 from .runtime.rng import agree_base_seed

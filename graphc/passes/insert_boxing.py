@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..meta import (META_BOXING, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
                     BoxingInfo, SbpSignature)
 from ..placement import Broadcast, PartialSum, Split
-from ..runtime.collectives import box
+from ..plan.ops import box
 from ..sbp.cost import moved_bytes, tensor_bytes
 from ..sbp.layout import B, axis_groups, is_even, mesh_shape, same_shape, split_extent
 from .infer_sbp import sharded_use

@@ -26,9 +26,10 @@ from torch.profiler import record_function
 
 from ..plan.instructions import (ACT, COMPUTE, AllReduce, BackwardInput, BackwardWeight, ClipGradNorm,
                                  Collective, Forward, OptimizerStep, OverlapFB, Recv, Send)
+from ..plan.ops import all_reduce_sum
 from ..plan.plan import ExecutionPlan
 from ..plan.program import StageProgram
-from .collectives import GradSync, all_reduce_sum
+from .collectives import GradSync
 from .executor import StageExecutor, checkpointed_microbatches
 
 

@@ -408,7 +408,7 @@ def _local_fake(mode, module, name: str, t: torch.Tensor) -> torch.Tensor:
 
 def _count_stage(prog, compiled):
     """Forward FLOPs and saved-activation bytes of one micro-batch, on fake tensors."""
-    from ..runtime.collectives import shapes_only
+    from ..plan.ops import shapes_only
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode

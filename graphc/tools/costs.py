@@ -60,6 +60,9 @@ class CostModel:
     stage_of_rank: Dict[int, int] = field(default_factory=dict)  # for the optimizer's cost
     backward_input: Dict[int, float] = field(default_factory=dict)   # measured halves of a
     backward_weight: Dict[int, float] = field(default_factory=dict)  # split backward, if any
+    # bytes of each stage's inputs per micro-batch: what a checkpointed micro-batch keeps
+    # (stages missing here: what the plan receives for them)
+    input_bytes: Dict[int, int] = field(default_factory=dict)
     # links between nodes (None: every pair of ranks has the link above)
     network: Optional[Network] = None
 
@@ -182,7 +185,10 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
                       backward_input={s: t.backward_input for s, t in times.items()
                                       if t.backward_input is not None},
                       backward_weight={s: t.backward_weight for s, t in times.items()
-                                       if t.backward_weight is not None})
+                                       if t.backward_weight is not None},
+                      input_bytes={p.stage: sum(t.nbytes for t in stage_inputs(p, compiled).values()
+                                                if isinstance(t, torch.Tensor))
+                                   for p in compiled.programs})
     if transport is not None:
         sizes = sorted({t.nbytes for p in compiled.plans for ins in p.instructions
                         if isinstance(ins, Send) for t in ins.tensors})

@@ -12,12 +12,12 @@ from graphc.tools.simulate import simulate
 SPEC = TensorSpec("h", (4, 1024), "float32")    # 16 KiB
 
 
-def chain_plans(p, m, schedule="1f1b", training=True):
+def chain_plans(p, m, schedule="1f1b", training=True, checkpointing="never"):
     """Plans of a p-stage chain (stage s on rank s) lowered exactly as the compiler does."""
     progs = [StageProgram(s, None, [], [], {}, {s - 1: [SPEC]} if s else {},
                           {s + 1: [SPEC]} if s < p - 1 else {}, {"h": True}) for s in range(p)]
     stages = [StageInfo(s, (s,)) for s in range(p)]
-    return lower_plan(progs, stages, schedule, m, training, p)
+    return lower_plan(progs, stages, schedule, m, training, p, checkpointing)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -40,6 +40,19 @@ def test_peak_live_microbatches(schedule, bound):
     for r in simulate(chain_plans(p, m, schedule), costs).ranks:
         assert r.peak_live_microbatches == bound(p, r.rank, m)
         assert r.peak_activation_bytes == 1000 * bound(p, r.rank, m)
+
+
+@pytest.mark.parametrize("mode,rank0,rank1", [
+    ("never", 2 * 10**6, 10**6),                 # 1F1B holds p - s micro-batches whole
+    ("always", 10**6 + 100, 10**6),              # inputs only, plus one recompute at a time
+    ("except_last", 2 * 10**6, 10**6)])          # the last micro-batch is kept whole
+def test_peak_activation_bytes_follow_the_checkpoint_mode(mode, rank0, rank1):
+    costs = CostModel.uniform(2)
+    costs.activation_bytes = {0: 10**6, 1: 10**6}
+    costs.input_bytes = {0: 100}                 # stage 1's inputs: what it receives, SPEC
+    got = [r.peak_activation_bytes for r in simulate(chain_plans(2, 4, "1f1b", True, mode), costs).ranks]
+    assert got == [rank0, rank1]
+    assert SPEC.nbytes < 10**6
 
 
 def test_transfers_add_latency_and_wire_time():

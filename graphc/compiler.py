@@ -15,9 +15,10 @@ from typing import Any, Callable, Dict, List, Sequence
 import torch
 import torch.fx as fx
 
+from .env import int_from_env
 from .errors import GraphcError
 from .log import get_logger
-from .meta import BACKWARD_TARGET
+from .meta import is_backward
 from .passes.annotate_stages import annotate_stages
 from .passes.decompose_modules import decompose_modules
 from .passes.defer_batch_norm import defer_batch_norm
@@ -43,8 +44,7 @@ from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
 from .plan.schedules import pipeline_ranks
 from .plan.verify import verify_plans
-from .runtime.dist_env import int_from_env
-from .sbp.meshes import stage_meshes
+from .sbp.layout import stage_meshes
 
 
 @dataclass
@@ -120,7 +120,7 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     # 2. reject what a static graph cannot hold (host syncs, several backward())
     _step(h, "verify_traced", verify_traced, gm)
     warn_unused_parameters(graph_obj._root, gm)
-    training = any(n.op == "call_method" and n.target == BACKWARD_TARGET for n in gm.graph.nodes)
+    training = any(is_backward(n) for n in gm.graph.nodes)
     if not stage_of_module:
         # 2a. without set_stage every op runs where its inputs and parameters are placed; each
         #     placement is a stage, in data-flow order (NOTE: Stages from placements)

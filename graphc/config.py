@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .errors import GraphcError
+from .passes.insert_grad_sync import DEFAULT_BUCKET_BYTES
 from .placement import placement as Placement
 
 
@@ -60,7 +61,7 @@ class GraphConfig:
         self.gradient_accumulation_steps = 1
         self.pipeline_schedule = "1f1b"
         self.recv_window = 2
-        self.gradient_bucket_bytes = 25 * 2 ** 20
+        self.gradient_bucket_bytes = DEFAULT_BUCKET_BYTES
         self.trace_path: Optional[str] = None
         self.trace_steps = 5
         self.grad_clip_norm: Optional[float] = None

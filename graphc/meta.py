@@ -16,6 +16,11 @@ META_FOUND_STAGES = "graphc_found_stages"  # gm.meta: tuple[FoundStage], stages 
 BACKWARD_TARGET = "backward"         # call_method target of `loss.backward()` in build()
 
 
+def is_backward(node) -> bool:
+    """Is fx node `node` the `loss.backward()` of build()?"""
+    return node.op == "call_method" and node.target == BACKWARD_TARGET
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """Shape, dtype and autograd flag of one micro-batch's value of a node."""
@@ -56,10 +61,6 @@ class FoundStage:
         shown = ", ".join(self.sources[:3]) + (", ..." if len(self.sources) > 3 else "")
         ranks = [list(r) if isinstance(r, tuple) else r for r in self.placement.ranks]
         return f"ranks {ranks} ({shown})"
-
-
-def tensor_meta(node) -> Optional[TensorMeta]:
-    return node.meta.get(META_TENSOR)
 
 
 # -- SBP (infer_sbp, insert_boxing); see docs/sbp.md ---------------------------------------

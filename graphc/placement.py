@@ -3,11 +3,26 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Sequence, Tuple, Union
+from typing import Sequence, Tuple
 
 from .errors import GraphcError
 
 DEVICE_TYPES = ("cpu", "cuda")
+
+
+# A mesh is the `ranks` of a placement: a flat tuple (1-D) or a tuple of equal rows (2-D).
+# These two are the one home of that shape; the rest of the mesh helpers are in sbp/layout.py.
+def mesh_shape(mesh: tuple) -> Tuple[int, ...]:
+    if mesh and isinstance(mesh[0], tuple):
+        return (len(mesh), len(mesh[0]))
+    return (len(mesh),)
+
+
+def flat(mesh: tuple) -> Tuple[int, ...]:
+    """Every rank of `mesh`, in mesh order (row by row)."""
+    if mesh and isinstance(mesh[0], tuple):
+        return tuple(r for row in mesh for r in row)
+    return tuple(mesh)
 
 
 @dataclass(frozen=True)
@@ -37,13 +52,11 @@ class placement:
     @property
     def flat_ranks(self) -> Tuple[int, ...]:
         """All ranks in mesh order."""
-        if self.ranks and isinstance(self.ranks[0], tuple):
-            return tuple(r for row in self.ranks for r in row)
-        return self.ranks
+        return flat(self.ranks)
 
     @property
     def ndim(self) -> int:
-        return 2 if self.ranks and isinstance(self.ranks[0], tuple) else 1
+        return len(mesh_shape(self.ranks))
 
     @property
     def size(self) -> int:
@@ -129,9 +142,6 @@ class PartialSum(_SbpBase):
 
     def __repr__(self) -> str:
         return "partial_sum"
-
-
-SbpValue = Union[Split, Broadcast, PartialSum]
 
 
 class _SbpNamespace:

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import torch.fx as fx
 
-from ..meta import BACKWARD_TARGET, META_STAGE, META_STAGE_WHY
+from ..meta import META_STAGE, META_STAGE_WHY, is_backward
 
 
 def annotate_stages(gm: fx.GraphModule, stage_of_module: Dict[str, int]) -> fx.GraphModule:
@@ -34,21 +34,21 @@ def annotate_stages(gm: fx.GraphModule, stage_of_module: Dict[str, int]) -> fx.G
         stage = _module_stage(node, stage_of_module)
         if stage is not None:
             _set(node, stage, "module")
-        elif node.op not in ("placeholder", "output") and not _is_backward(node):
+        elif node.op not in ("placeholder", "output") and not is_backward(node):
             staged = [a.meta[META_STAGE] for a in node.all_input_nodes if META_STAGE in a.meta]
             if staged:
                 _set(node, max(staged), "forward")
     for node in reversed(nodes):
-        if META_STAGE not in node.meta and node.op != "output" and not _is_backward(node):
+        if META_STAGE not in node.meta and node.op != "output" and not is_backward(node):
             users = [u.meta[META_STAGE] for u in node.users if META_STAGE in u.meta]
             if users:
                 _set(node, min(users), "users")
     # a node with no staged inputs may have got a stage from its users only now
     for node in nodes:
-        if META_STAGE not in node.meta and node.op not in ("output",) and not _is_backward(node):
+        if META_STAGE not in node.meta and node.op not in ("output",) and not is_backward(node):
             staged = [a.meta[META_STAGE] for a in node.all_input_nodes if META_STAGE in a.meta]
             _set(node, max(staged) if staged else 0, "forward" if staged else "default")
-        if _is_backward(node):
+        if is_backward(node):
             _set(node, node.args[0].meta[META_STAGE], "loss")
     _one_read_per_stage(gm)
     gm.recompile()
@@ -58,10 +58,6 @@ def annotate_stages(gm: fx.GraphModule, stage_of_module: Dict[str, int]) -> fx.G
 def _set(node: fx.Node, stage: int, why: str) -> None:
     node.meta[META_STAGE] = stage
     node.meta[META_STAGE_WHY] = why
-
-
-def _is_backward(node: fx.Node) -> bool:
-    return node.op == "call_method" and node.target == BACKWARD_TARGET
 
 
 def _innermost(path: str, stage_of_module: Dict[str, int]) -> Optional[int]:
@@ -118,7 +114,7 @@ def _one_read_per_stage(gm: fx.GraphModule) -> None:
     for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
         by_stage: Dict[int, List[fx.Node]] = {}
         for user in node.users:
-            if user.op != "output" and not _is_backward(user):
+            if user.op != "output" and not is_backward(user):
                 by_stage.setdefault(user.meta[META_STAGE], []).append(user)
         if not by_stage:
             continue

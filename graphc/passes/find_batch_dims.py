@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import GraphcError
-from ..meta import BACKWARD_TARGET, META_BATCHED, META_ROWS, META_TENSOR, RowsMeta
+from ..meta import META_BATCHED, META_ROWS, META_TENSOR, RowsMeta, is_backward
 from ..rows import Coupling, Rows, Symbols
 from ..rows.rules import Ctx, default, rows_of
 
@@ -34,7 +34,7 @@ def find_batch_dims(gm: fx.GraphModule, num_microbatches: int,
         env[node] = _value(gm, node, env, syms, events)
     events += _pairs(env, syms)
     backward = next((n for n in gm.graph.nodes
-                     if n.op == "call_method" and n.target == BACKWARD_TARGET), None)
+                     if is_backward(n)), None)
     roots = [backward.args[0]] if backward is not None else gm.graph.output_node().all_input_nodes
     used = _ancestors(roots)  # what the loss (or the outputs) depends on; not buffer updates
     events = [e for e in events if e.node in used]
@@ -65,7 +65,7 @@ def _value(gm, node: fx.Node, env, syms: Symbols, events: List[Coupling]):
         return Rows(((syms.new(),) if meta.shape else ()) + (None,) * max(len(meta.shape) - 1, 0))
     if node.op == "get_attr":
         return _constant(gm, node, meta)
-    if node.op == "output" or (node.op == "call_method" and node.target == BACKWARD_TARGET):
+    if node.op == "output" or is_backward(node):
         return None
     module = gm.get_submodule(node.target) if node.op == "call_module" else None
     ctx = Ctx(node, env, syms, events, module)

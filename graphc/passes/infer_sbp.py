@@ -19,8 +19,8 @@ import torch.fx as fx
 
 from ..errors import GraphcError
 from ..global_tensor import conversion_target, declared_layout, to_global_op
-from ..meta import (BACKWARD_TARGET, META_BATCHED, META_GRAD_PARTIAL, META_PIECES, META_SBP, META_STAGE,
-                    META_TENSOR, SbpSignature)
+from ..meta import (META_BATCHED, META_GRAD_PARTIAL, META_PIECES, META_SBP, META_STAGE, META_TENSOR,
+                    SbpSignature, is_backward)
 from ..placement import Broadcast, normalize_sbp
 from ..sbp.cost import conversion_cost, tensor_bytes
 from ..sbp.layout import B, flat, fmt, is_even, local_shape, mesh_shape, same_shape
@@ -32,7 +32,7 @@ def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence,
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     given = dict(zip(placeholders, list(input_sbp) + [None] * len(placeholders)))
     for node in gm.graph.nodes:
-        if node.op == "output" or _is_backward(node):
+        if node.op == "output" or is_backward(node):
             continue
         if node.op == "call_function" and node.target is to_global_op:
             _move_to_target_stage(node, meshes)
@@ -79,10 +79,6 @@ def _single_rank_axes_broadcast(sig: SbpSignature) -> SbpSignature:
         return tuple(B if n == 1 else s for n, s in zip(sizes, sbp))
     return SbpSignature(sig.mesh, canon(sig.out), tuple((k, canon(v)) for k, v in sig.ins),
                         sig.fallback)
-
-
-def _is_backward(node: fx.Node) -> bool:
-    return node.op == "call_method" and node.target == BACKWARD_TARGET
 
 
 def _all_b(mesh: tuple) -> tuple:

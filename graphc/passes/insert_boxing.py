@@ -1,7 +1,7 @@
 """insert_boxing: turns every SBP mismatch into explicit conversion nodes.
 
 Invariant: every tensor input of a node arrives in the SBP its signature needs: where
-the producer's layout differs, a chain of `collectives.box` nodes (one per mismatched
+the producer's layout differs, a chain of `plan.ops.box` nodes (one per mismatched
 mesh axis, each carrying META_BOXING) converts it on the consumer's stage; a broadcast
 value read by an op with a sharded output gets a `grad_all_reduce` box (identity forward,
 all-reduce of its partial_sum gradient backward) unless it is a parameter whose gradient
@@ -20,6 +20,7 @@ from ..meta import (META_BOXING, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_T
                     BoxingInfo, SbpSignature)
 from ..placement import Broadcast, PartialSum, Split
 from ..plan.ops import box
+from ..sbp.boxing import BOXINGS, backward_collective, kind_of
 from ..sbp.cost import moved_bytes, tensor_bytes
 from ..sbp.layout import B, axis_groups, is_even, mesh_shape, same_shape, split_extent
 from .infer_sbp import sharded_use
@@ -56,17 +57,6 @@ def _renamed(sig: SbpSignature, old: str, new: str) -> SbpSignature:
     """The signature with input `old` now read through conversion node `new`."""
     ins = tuple((new if k == old else k, v) for k, v in sig.ins)
     return SbpSignature(sig.mesh, sig.out, ins, sig.fallback)
-
-
-def kind_of(src, dst) -> str:
-    """The conversion of one mesh axis from `src` to `dst` SBP (see collectives.py)."""
-    if isinstance(src, PartialSum):
-        return "all_reduce" if isinstance(dst, Broadcast) else "reduce_scatter"
-    if isinstance(src, Split):
-        if isinstance(dst, Broadcast):
-            return "all_gather"
-        return "all_to_all" if isinstance(dst, Split) else "split_partial"
-    return "slice" if isinstance(dst, Split) else "to_partial"
 
 
 def _whole_for_other_size(gm, a: fx.Node, consumer: fx.Node, cache) -> fx.Node:
@@ -157,8 +147,8 @@ def _box_node(gm, value: fx.Node, consumer: fx.Node, mesh: tuple, axis: int, kin
     node.meta[META_STAGE] = consumer.meta.get(META_STAGE, value.meta.get(META_STAGE))
     node.meta[META_TENSOR] = meta
     node.meta[META_SBP] = SbpSignature(mesh, dst, ((value.name, src),))
-    fwd = moved_bytes(kind, tensor_bytes(meta), n) if kind != "grad_all_reduce" else 0
-    bwd = moved_bytes(_BACKWARD.get(kind, ""), tensor_bytes(meta), n) if meta.requires_grad else 0
+    fwd = moved_bytes(BOXINGS[kind].collective, tensor_bytes(meta), n)
+    bwd = moved_bytes(backward_collective(kind), tensor_bytes(meta), n) if meta.requires_grad else 0
     note = f"fallback: {_op_name(consumer)} has no SBP rule" if consumer.meta.get(META_SBP) \
         and consumer.meta[META_SBP].fallback else ""
     node.meta[META_BOXING] = BoxingInfo(kind, src, dst, groups, fwd + bwd, note, axis)
@@ -168,10 +158,6 @@ def _box_node(gm, value: fx.Node, consumer: fx.Node, mesh: tuple, axis: int, kin
 def _op_name(node: fx.Node) -> str:
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "?")
     return f"{node.name} ({target})"
-
-
-_BACKWARD = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all", "slice": "all_gather",
-             "grad_all_reduce": "all_reduce"}
 
 
 def _reduce_outputs(gm, out: fx.Node) -> None:

@@ -16,14 +16,9 @@ from ..placement import Broadcast, PartialSum
 from ..plan.instructions import ACT, GRAD, Backward, Collective, Forward, Instruction
 from ..plan.plan import ExecutionPlan
 from ..plan.program import StageProgram
+from ..sbp.boxing import BOXINGS, backward_collective
 from ..sbp.cost import moved_bytes, tensor_bytes
 from ..sbp.layout import fmt
-
-# what each conversion kind sends in the forward and in the backward (None: nothing)
-_FORWARD = {"all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter",
-            "all_gather": "all_gather", "all_to_all": "all_to_all"}
-_BACKWARD = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all", "slice": "all_gather",
-             "grad_all_reduce": "all_reduce"}
 
 
 def list_collectives(plans: Sequence[ExecutionPlan], programs: Sequence[StageProgram]) -> List[ExecutionPlan]:
@@ -62,8 +57,8 @@ def _conversions(prog: StageProgram, forward: bool) -> List[_Conversion]:
     for node in (nodes if forward else reversed(nodes)):
         info = node.meta[META_BOXING]
         meta = node.meta[META_TENSOR]
-        kind = _FORWARD.get(info.kind) if forward else \
-            (_BACKWARD.get(info.kind) if meta.requires_grad else None)
+        kind = BOXINGS[info.kind].collective if forward else \
+            (backward_collective(info.kind) if meta.requires_grad else None)
         groups = tuple(tuple(g) for g in info.groups if len(g) > 1)
         if kind is None or not groups:
             continue

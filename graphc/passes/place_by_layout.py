@@ -29,8 +29,8 @@ import torch.fx as fx
 
 from ..errors import GraphcError
 from ..global_tensor import conversion_target, declared_layout, to_global_op
-from ..meta import (BACKWARD_TARGET, META_FOUND_STAGES, META_PLACEMENT, META_STAGE,
-                    META_STAGE_WHY, FoundStage)
+from ..meta import (META_FOUND_STAGES, META_PLACEMENT, META_STAGE, META_STAGE_WHY, FoundStage,
+                    is_backward)
 from .verify_graph import user_line
 
 # where a node is placed, and what placed it there (for messages): (placement, source)
@@ -42,7 +42,7 @@ def place_by_layout(gm: fx.GraphModule, input_layouts: Sequence = ()) -> fx.Grap
     given = {n: l[0] for n, l in zip(placeholders, input_layouts) if l}
     placed: Dict[fx.Node, Claim] = {}
     for node in gm.graph.nodes:
-        if node.op == "output" or _is_backward(node):
+        if node.op == "output" or is_backward(node):
             continue
         claim = _own_claim(gm, node, given)
         if claim is None or node.op == "call_module":  # a module's inputs must agree with it
@@ -64,10 +64,6 @@ def place_by_layout(gm: fx.GraphModule, input_layouts: Sequence = ()) -> fx.Grap
 def found_stages(gm: fx.GraphModule) -> Tuple[FoundStage, ...]:
     """The stages place_by_layout found (none when the program names no placement)."""
     return gm.meta.get(META_FOUND_STAGES, ())
-
-
-def _is_backward(node: fx.Node) -> bool:
-    return node.op == "call_method" and node.target == BACKWARD_TARGET
 
 
 def _key(where) -> tuple:

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..errors import GraphcError
 from .trace_build import microbatch_shape, run_module_on_fakes
-from ..meta import BACKWARD_TARGET, META_BATCHED, META_GRAD_ENABLED, META_TENSOR, TensorMeta
+from ..meta import META_BATCHED, META_GRAD_ENABLED, META_TENSOR, TensorMeta, is_backward
 
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
@@ -39,7 +39,7 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 pass
-            elif node.op == "call_method" and node.target == BACKWARD_TARGET:
+            elif is_backward(node):
                 env[node] = None
             elif node.op == "output":
                 continue

@@ -17,7 +17,7 @@ from typing import Dict, List
 import torch.fx as fx
 
 from ..errors import GraphcError
-from ..meta import BACKWARD_TARGET, META_SBP, META_STAGE, META_TENSOR
+from ..meta import META_SBP, META_STAGE, META_TENSOR, is_backward
 from ..plan.instructions import TensorSpec
 from ..plan.program import StageProgram
 from ..sbp.layout import flat, is_even, local_shape
@@ -33,8 +33,8 @@ from ..sbp.layout import flat, is_even, local_shape
 
 
 def split_stages(gm: fx.GraphModule, num_stages: int) -> List[StageProgram]:
-    nodes = [n for n in gm.graph.nodes if n.op != "output" and not _is_backward(n)]
-    backward = next((n for n in gm.graph.nodes if _is_backward(n)), None)
+    nodes = [n for n in gm.graph.nodes if n.op != "output" and not is_backward(n)]
+    backward = next((n for n in gm.graph.nodes if is_backward(n)), None)
     loss = backward.args[0] if backward is not None else None
     output = gm.graph.output_node()
     results = set(output.all_input_nodes)
@@ -45,10 +45,6 @@ def split_stages(gm: fx.GraphModule, num_stages: int) -> List[StageProgram]:
         for specs in list(prog.recv_from.values()) + list(prog.send_to.values()):
             specs.sort(key=lambda spec: order[spec.name])
     return programs
-
-
-def _is_backward(node: fx.Node) -> bool:
-    return node.op == "call_method" and node.target == BACKWARD_TARGET
 
 
 def _spec(node: fx.Node, stage: int, other: int) -> TensorSpec:
@@ -104,7 +100,7 @@ def _stage_program(gm, s: int, nodes, loss, results, arg_index) -> StageProgram:
     send_to: Dict[int, List[TensorSpec]] = defaultdict(list)
     for n in mine:
         consumers = sorted({u.meta[META_STAGE] for u in n.users
-                            if u.op != "output" and not _is_backward(u) and u.meta[META_STAGE] != s})
+                            if u.op != "output" and not is_backward(u) and u.meta[META_STAGE] != s})
         for c in consumers:
             send_to[c].append(_spec(n, s, c))
             requires_grad[n.name] = n.meta[META_TENSOR].requires_grad

@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from ..errors import GraphcError
 from ..log import warn_user
-from ..meta import BACKWARD_TARGET, META_STAGE, META_TENSOR
+from ..meta import META_STAGE, META_TENSOR, is_backward
 
 _HOST_SYNC = {"item", "tolist", "numpy", "cpu_numpy"}
 
@@ -23,7 +23,7 @@ def user_line(node: fx.Node) -> str:
 
 def verify_traced(gm: fx.GraphModule) -> None:
     """Checked right after tracing: host syncs and backward() use."""
-    backwards = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == BACKWARD_TARGET]
+    backwards = [n for n in gm.graph.nodes if is_backward(n)]
     for node in gm.graph.nodes:
         if node.op == "call_method" and node.target in _HOST_SYNC:
             raise GraphcError(
@@ -75,7 +75,7 @@ def verify_annotated(gm: fx.GraphModule, stage_modules: Dict[str, int], num_stag
                     f"the later stage {arg.meta[META_STAGE]} (at {user_line(node)}); values may only "
                     "flow from a stage to a later one. Fix: give the stages ids in the order "
                     "build() calls them.")
-        if node.op == "call_method" and node.target == BACKWARD_TARGET:
+        if is_backward(node):
             _check_loss(node)
     for name, stage in stage_modules.items():
         if stage not in used_stages:

@@ -59,62 +59,49 @@ class Instruction:
 
 
 @dataclass(frozen=True)
-class Forward(Instruction):
-    op: ClassVar[str] = "forward"
+class _StageCompute(Instruction):
+    """One stage's compute on one micro-batch, printed `<stage><letter><micro-batch>`."""
+
+    letter: ClassVar[str] = ""
     stage: int
     microbatch: int
 
     def __str__(self) -> str:
-        return f"{self.stage}F{self.microbatch}"
+        return f"{self.stage}{self.letter}{self.microbatch}"
 
     def to_json(self) -> dict:
         return {"op": self.op, "stage": self.stage, "microbatch": self.microbatch}
 
 
 @dataclass(frozen=True)
-class Backward(Instruction):
+class Forward(_StageCompute):
+    op: ClassVar[str] = "forward"
+    letter: ClassVar[str] = "F"
+
+
+@dataclass(frozen=True)
+class Backward(_StageCompute):
     """Backward of one micro-batch through one stage: input and weight gradients together."""
 
     op: ClassVar[str] = "backward"
-    stage: int
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}B{self.microbatch}"
-
-    def to_json(self) -> dict:
-        return {"op": self.op, "stage": self.stage, "microbatch": self.microbatch}
+    letter: ClassVar[str] = "B"
 
 
 @dataclass(frozen=True)
-class BackwardInput(Instruction):
+class BackwardInput(_StageCompute):
     """First half of a split backward: gradients of the stage's inputs only (sent upstream at
     once); the stage keeps what its BackwardWeight of the same micro-batch needs."""
 
     op: ClassVar[str] = "backward_input"
-    stage: int
-    microbatch: int
-
-    def to_json(self) -> dict:
-        return {"op": self.op, "stage": self.stage, "microbatch": self.microbatch}
-
-    def __str__(self) -> str:
-        return f"{self.stage}I{self.microbatch}"
+    letter: ClassVar[str] = "I"
 
 
 @dataclass(frozen=True)
-class BackwardWeight(Instruction):
+class BackwardWeight(_StageCompute):
     """Second half of a split backward: the parameter gradients of one micro-batch."""
 
     op: ClassVar[str] = "backward_weight"
-    stage: int
-    microbatch: int
-
-    def to_json(self) -> dict:
-        return {"op": self.op, "stage": self.stage, "microbatch": self.microbatch}
-
-    def __str__(self) -> str:
-        return f"{self.stage}W{self.microbatch}"
+    letter: ClassVar[str] = "W"
 
 
 @dataclass(frozen=True)
@@ -280,10 +267,10 @@ class Collective(Instruction):
 
 
 COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight, OverlapFB)
-P2P = (Send, Recv)
 
 _COMPUTE_RE = re.compile(r"(\d+)([FBIW])(\d+)")
-_COMPUTE_CLS = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
+_STAGE_COMPUTES = (Forward, Backward, BackwardInput, BackwardWeight)
+_COMPUTE_CLS = {cls.letter: cls for cls in _STAGE_COMPUTES}
 _OVERLAP_RE = re.compile(r"\((\d+F\d+);(\d+B\d+)\)OVERLAP_F_B")
 _P2P_RE = re.compile(r"(\d+)(SEND|RECV)_([FB])(\d+) (to|from)=(\d+) stage=(\d+) \[(.*)\]")
 _COLL_RE = re.compile(r"(\d+)([FB])(\d+)\.(\w+) (\S+) (.+)->(.+) ranks=\[([\d, ]*)\] bytes=(\d+)(?: # (.*))?")
@@ -327,14 +314,9 @@ def parse_instruction(text: str) -> Instruction:
 def instruction_from_json(d: dict) -> Instruction:
     op = d["op"]
     specs = tuple(TensorSpec(t["name"], tuple(t["shape"]), t["dtype"]) for t in d.get("tensors", ()))
-    if op == "forward":
-        return Forward(d["stage"], d["microbatch"])
-    if op == "backward":
-        return Backward(d["stage"], d["microbatch"])
-    if op == "backward_input":
-        return BackwardInput(d["stage"], d["microbatch"])
-    if op == "backward_weight":
-        return BackwardWeight(d["stage"], d["microbatch"])
+    compute = next((cls for cls in _STAGE_COMPUTES if cls.op == op), None)
+    if compute is not None:
+        return compute(d["stage"], d["microbatch"])
     if op == "overlap_f_b":
         return OverlapFB(instruction_from_json(d["forward"]), instruction_from_json(d["backward"]))
     if op in ("send", "recv"):

@@ -8,19 +8,8 @@ module and neither imports the other. A stage program names them by qualified na
 `box(x, kind, groups, src_dim, dst_dim[, extents])` is one SBP conversion along one mesh
 axis (`extents` for shards of unequal size). `groups` lists every rank group along that
 axis; this rank uses the one it belongs to. Each conversion's backward is its dual under
-graphc's gradient convention (NOTE: gradient layouts, docs/sbp.md): the gradient of a
-broadcast value is held whole on every rank, of a split value split the same way, of a
-partial_sum value whole on every rank.
-
-    kind            forward (SBP)        backward (of the gradient)
-    all_reduce      P -> B  all-reduce   identity
-    reduce_scatter  P -> S  reduce-sc.   all-gather
-    all_gather      S -> B  all-gather   local slice
-    all_to_all      S(i) -> S(j)         all-to-all S(j) -> S(i)
-    slice           B -> S  local slice  all-gather
-    to_partial      B -> P  rank 0 keeps identity
-    split_partial   S -> P  zero-pad     local slice
-    grad_all_reduce B -> B  identity     all-reduce (the B input of a sharded op)
+graphc's gradient convention (NOTE: gradient layouts, docs/sbp.md). The kinds, the
+collective each launches and its dual are the boxing table, graphc/sbp/boxing.py.
 
 Process groups are created once, by every rank in the same order (create_groups), and
 kept in this module's registry.
@@ -33,6 +22,7 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..sbp.boxing import BOXINGS
 from ..sbp.layout import chunk_range, chunk_sizes
 from .instructions import AllReduce
 
@@ -174,6 +164,22 @@ def _pad(x, dim, k, n, extent):
     return out
 
 
+# One runner per kind of the boxing table (sbp/boxing.py), called as
+# run(x, src_dim, dst_dim, extent, group, k, n): `extent` is the size of the split src dim
+# over the group, k this rank's index in it. A backward runs its kind's dual with the dims
+# swapped.
+_RUN = {
+    "all_reduce": lambda x, s, d, e, group, k, n: _all_reduce(x, group),
+    "reduce_scatter": lambda x, s, d, e, group, k, n: _reduce_scatter(x, d, group, n, k),
+    "all_gather": lambda x, s, d, e, group, k, n: _all_gather(x, s, group, n, e),
+    "all_to_all": lambda x, s, d, e, group, k, n: _all_to_all(x, s, d, group, n, k, e),
+    "slice": lambda x, s, d, e, group, k, n: _slice(x, d, k, n),
+    "to_partial": lambda x, s, d, e, group, k, n: x.clone() if k == 0 else torch.zeros_like(x),
+    "split_partial": lambda x, s, d, e, group, k, n: _pad(x, s, k, n, e),
+    "grad_all_reduce": lambda x, s, d, e, group, k, n: x.view_as(x),
+}
+
+
 class _Box(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, kind, groups, src_dim, dst_dim, extents):
@@ -183,45 +189,20 @@ class _Box(torch.autograd.Function):
         src_extent = -1 if src_dim < 0 else (
             extents[_group_index(groups)] if extents else x.shape[src_dim] * n)
         dst_extent = -1 if dst_dim < 0 else x.shape[dst_dim]
-        ctx.meta = (kind, group, k, n, src_dim, dst_dim, src_extent, dst_extent)
+        ctx.meta = (kind, group, k, n, src_dim, dst_dim, dst_extent)
         if n == 1:
             return x.clone() if kind != "grad_all_reduce" else x.view_as(x)
-        if kind == "all_reduce":
-            return _all_reduce(x, group)
-        if kind == "reduce_scatter":
-            return _reduce_scatter(x, dst_dim, group, n, k)
-        if kind == "all_gather":
-            return _all_gather(x, src_dim, group, n, src_extent)
-        if kind == "all_to_all":
-            return _all_to_all(x, src_dim, dst_dim, group, n, k, src_extent)
-        if kind == "slice":
-            return _slice(x, dst_dim, k, n)
-        if kind == "to_partial":
-            return x.clone() if k == 0 else torch.zeros_like(x)
-        if kind == "split_partial":
-            return _pad(x, src_dim, k, n, src_extent)
-        if kind == "grad_all_reduce":
-            return x.view_as(x)
-        raise RuntimeError(f"internal: unknown boxing kind {kind!r}")
+        if kind not in _RUN:
+            raise RuntimeError(f"internal: unknown boxing kind {kind!r}")
+        return _RUN[kind](x, src_dim, dst_dim, src_extent, group, k, n)
 
     @staticmethod
     def backward(ctx, g):
-        kind, group, k, n, src_dim, dst_dim, src_extent, dst_extent = ctx.meta
-        if n == 1 or kind in ("all_reduce", "to_partial"):
+        kind, group, k, n, src_dim, dst_dim, dst_extent = ctx.meta
+        dual = BOXINGS[kind].dual
+        if n == 1 or dual is None:
             return g, None, None, None, None, None
-        if kind == "reduce_scatter":
-            out = _all_gather(g, dst_dim, group, n, dst_extent)
-        elif kind == "all_gather":
-            out = _slice(g, src_dim, k, n)
-        elif kind == "all_to_all":
-            out = _all_to_all(g, dst_dim, src_dim, group, n, k, dst_extent)
-        elif kind == "slice":
-            out = _all_gather(g, dst_dim, group, n, dst_extent)
-        elif kind == "split_partial":
-            out = _slice(g, src_dim, k, n)
-        else:  # grad_all_reduce
-            out = _all_reduce(g, group)
-        return out, None, None, None, None, None
+        return _RUN[dual](g, dst_dim, src_dim, dst_extent, group, k, n), None, None, None, None, None
 
 
 def _group_index(groups: tuple) -> int:

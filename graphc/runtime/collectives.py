@@ -116,7 +116,7 @@ class GradSync:
         ranks, params = self.buckets[i]
         group, _, n = my_group((ranks,))
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        flat = self.flats.get(i)  # reused every step: no fresh 25 MiB allocation per bucket
+        flat = self.flats.get(i)  # reused every step: no fresh bucket-sized allocation
         if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
             flat = self.flats[i] = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
                                                device=grads[0].device)

@@ -18,12 +18,12 @@ from typing import Dict, Iterable, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..env import int_from_env
 from ..errors import GraphcError
 from ..plan.instructions import Send
 from ..plan.plan import ExecutionPlan
 from . import host, shm
-from .dist_env import int_from_env, timeout_seconds
-
+from .dist_env import timeout_seconds
 
 
 def shm_max_bytes() -> int:

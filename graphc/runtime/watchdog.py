@@ -48,9 +48,9 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from ..env import seconds_from_env
 from ..errors import GraphcError, RankFailedError
 from . import host, shm
-from .dist_env import seconds_from_env
 
 # Keys live under graphc/<torchrun restart count>/, so a restarted world (torchrun
 # --max-restarts, whose store may outlive a round) never reads the last round's failure.

@@ -1,38 +1,30 @@
 """Meshes and layouts: which ranks hold a value and how its global shape maps to local shards.
 
+The mesh helpers (mesh_shape and flat from placement.py, same_shape, axis_groups, coord,
+stage_meshes) and the shard arithmetic all live here.
+
 A mesh is the `ranks` of a placement: a flat tuple (1-D) or a tuple of equal rows (2-D).
 An nd-SBP is a tuple with one SBP value per mesh axis. Axis 0 of a 2-D mesh indexes rows,
 axis 1 columns; when two axes split the same tensor dim, axis 0 splits first (outer).
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Iterable, List, Sequence, Tuple
 
 import torch
 
-from ..placement import Broadcast, PartialSum, Split
+from ..errors import GraphcError
+from ..placement import Broadcast, PartialSum, Split, flat, mesh_shape  # noqa: F401 (the mesh vocabulary)
 
 B = Broadcast()
 P = PartialSum()
 S = Split
 
 
-def mesh_shape(mesh: tuple) -> Tuple[int, ...]:
-    if mesh and isinstance(mesh[0], tuple):
-        return (len(mesh), len(mesh[0]))
-    return (len(mesh),)
-
-
 def same_shape(a: tuple, b: tuple) -> bool:
     """Do two meshes have the same shape? Only then does a layout carry over axis by axis
     between their stages (replica k to replica k); otherwise a value crosses whole."""
     return mesh_shape(a) == mesh_shape(b)
-
-
-def flat(mesh: tuple) -> Tuple[int, ...]:
-    if mesh and isinstance(mesh[0], tuple):
-        return tuple(r for row in mesh for r in row)
-    return tuple(mesh)
 
 
 def axis_groups(mesh: tuple, axis: int) -> Tuple[Tuple[int, ...], ...]:
@@ -52,6 +44,24 @@ def coord(mesh: tuple, rank: int) -> Tuple[int, ...]:
             if rank in row:
                 return (i, row.index(rank))
     return (tuple(mesh).index(rank),)
+
+
+def stage_meshes(stages, placements: Iterable) -> List[tuple]:
+    """One mesh per stage: the ranks of the first 2-D placement naming exactly the stage's
+    ranks (set_stage, to_global on parameters or inputs), else the stage's flat ranks."""
+    placements = [p for p in placements if p is not None]
+    meshes = []
+    for st in stages:
+        mesh = tuple(st.ranks)
+        for p in placements:
+            if p.ndim == 2 and sorted(p.flat_ranks) == sorted(st.ranks):
+                if isinstance(mesh[0], tuple) and mesh != p.ranks:
+                    raise GraphcError(
+                        f"stage {st.stage_id} is given two 2-D meshes, {mesh} and {p.ranks}; "
+                        "use one 2-D placement for all tensors of a stage")
+                mesh = p.ranks
+        meshes.append(mesh)
+    return meshes
 
 
 # A split dim need not divide over its ranks: it is cut as torch.chunk cuts it, as DTensor's

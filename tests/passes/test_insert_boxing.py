@@ -8,9 +8,9 @@ import torch
 import graphc
 from graphc import compiler, sbp
 from graphc.meta import META_BOXING
-from graphc.passes.insert_boxing import kind_of
 from graphc.placement import Broadcast, PartialSum, Split
 from graphc.plan.instructions import Collective
+from graphc.sbp.boxing import kind_of
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
 from test_boxing import LAYOUTS, SHAPE, BoxingGraph, Model, _tensors

@@ -139,7 +139,7 @@ class GraphConfig:
 
         With gradient accumulation every micro-batch is normalised with its own batch
         statistics, as in eager accumulation, and by default also updates the running
-        statistics (m updates per step). Deferred (seed 002's `deferred_batch_norm`), the
+        statistics (m updates per step). Deferred (torchgpipe's `deferred_batch_norm`), the
         micro-batches' sums are accumulated and the running mean and variance take one
         update per step, with the statistics of the whole mini-batch: what eager PyTorch
         on the whole batch stores. num_batches_tracked then counts steps.
@@ -153,10 +153,11 @@ class GraphConfig:
         self.deferred_batch_norm = enabled
 
     def set_activation_checkpointing(self, mode: str) -> None:
-        """Which micro-batches recompute their forward in their backward, on every stage (seed
-        002's `checkpoint`): "always", "except_last" (every micro-batch but the last, whose
-        backward follows its forward soonest) or "never" (default). A checkpointed micro-batch
-        keeps only its stage inputs; numbers are those of no checkpointing.
+        """Which micro-batches recompute their forward in their backward, on every stage
+        (torchgpipe's Pipe `checkpoint`): "always", "except_last" (every micro-batch but the
+        last, whose backward follows its forward soonest) or "never" (default). A
+        checkpointed micro-batch keeps only its stage inputs; numbers are those of no
+        checkpointing.
 
         Example:
             self.config.set_activation_checkpointing("except_last")   # in the Graph's __init__

@@ -181,10 +181,6 @@ def conversion_target(node) -> tuple:
     return Placement(kind, ranks), tuple(decode.get(c) or Split(c) for c in node.kwargs["sbp"])
 
 
-def is_broadcast(sbp: tuple) -> bool:
-    return all(isinstance(s, Broadcast) for s in sbp)
-
-
-__all__ = ["GlobalTensor", "to_global", "declared_layout", "to_global_op", "is_broadcast",
+__all__ = ["GlobalTensor", "to_global", "declared_layout", "to_global_op",
            "global_from_local",
            "Split", "Broadcast", "PartialSum"]

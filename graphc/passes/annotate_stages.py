@@ -1,7 +1,8 @@
 """annotate_stages: gives every node of the traced graph a pipeline stage.
 
-Invariant: every node has node.meta[META_STAGE] (an index into ctx.stages) and
-META_STAGE_WHY naming the rule that set it. The rules, in order:
+Invariant: every node has node.meta[META_STAGE] (an index into the graph's stages, as
+stage_of_module and place_by_layout number them) and META_STAGE_WHY naming the rule that
+set it. The rules, in order:
   0. placement - without set_stage, a node place_by_layout placed keeps its stage (See
                NOTE: Stages from placements);
   1. module  - a node inside (or calling) a module configured with set_stage takes the

@@ -2,9 +2,11 @@
 
 Every rank can compute every rank's plan, so one process checks that:
   1. each send meets a recv on its peer, in the same order, with equal payload specs;
-  2. each collective (gradient bucket, tie or clip all-reduce, boxing collective) is issued
-     by exactly its ranks: each rank's k-th collective over a group has the same kind,
-     ranks, tensors (shapes, dtypes) or conversion as every other member's k-th;
+  2. each collective the plans list (gradient bucket, tie or clip all-reduce, the boxing
+     collectives list_collectives adds) is issued by exactly its ranks: each rank's k-th
+     collective over a group has the same kind, ranks, tensors (shapes, dtypes) or
+     conversion as every other member's k-th. A prologue's sum (feed_whole_batch), which
+     the runtime runs before a step's instructions, is not listed and not checked here;
   3. the union of all plans, with sends joined to their recvs and collectives joined
      across ranks, is acyclic (so no rank can wait forever on another); a cycle is
      printed rank by rank;

@@ -214,7 +214,7 @@ CHECKPOINT_MODES = ("always", "except_last", "never")
 
 
 def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset:
-    """The micro-batches whose forward is recomputed in their backward (seed 002's Pipe):
+    """The micro-batches whose forward is recomputed in their backward (torchgpipe's Pipe `checkpoint`):
     all of them ("always"), all but the last ("except_last": its backward follows at once),
     or none ("never")."""
     m = num_microbatches

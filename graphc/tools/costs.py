@@ -284,20 +284,6 @@ def _rebuild_optimizer(module, graph_opt):
         return None
 
 
-class _grads_restored:
-    """Measuring backward accumulates into .grad; put the user's gradients back afterwards."""
-
-    def __init__(self, module):
-        self.params = list(module.parameters())
-
-    def __enter__(self):
-        self.saved = [p.grad for p in self.params]
-        for p in self.params:
-            p.grad = None
-
-    def __exit__(self, *exc):
-        for p, g in zip(self.params, self.saved):
-            p.grad = g
 
 
 def stage_inputs(prog, compiled, fake: bool = False) -> Dict[str, torch.Tensor]:

@@ -96,11 +96,7 @@ def compile_graph(graph, args):
 
 
 def _layouts(args) -> dict:
-    """GlobalTensor inputs' (placement, sbp), as Graph._compile passes them, where supported."""
-    import inspect
-    from .. import compiler
-    if "input_layouts" not in inspect.signature(compiler.compile).parameters:
-        return {}
+    """GlobalTensor inputs' (placement, sbp), as Graph._compile passes them."""
     return {"input_layouts": [(where, sbp) if sbp is not None else None
                               for _, (_, sbp, where) in args]}
 

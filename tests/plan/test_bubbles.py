@@ -1,0 +1,40 @@
+"""Simulated bubbles of the schedules on equal stages (graphc/tools/bubbles.py), against the
+values the papers derive: 1F1B and GPipe (p - 1) / m of the ideal step, interleaved
+(p - 1) / (v m) (Narayanan et al. 2021), ZB-H1 (zero_bubble, one chunk) (F + I - W) / (F + I + W)
+of 1F1B's bubble (Qi et al. 2023: a third at F = I = W, a half at F = B with I = W)."""
+import pytest
+
+from graphc.tools.bubbles import bubble, render, table
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_one_chunk_bubble_is_p_minus_1_over_m(schedule, p, m):
+    assert bubble(schedule, p, 1, m).over_ideal == pytest.approx((p - 1) / m)
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 2, 16), (2, 4, 8)])
+def test_interleaved_bubble_is_p_minus_1_over_v_m(p, v, m):
+    assert bubble("interleaved_1f1b", p, v, m).over_ideal == pytest.approx((p - 1) / (v * m))
+
+
+@pytest.mark.parametrize("backward,share", [(2.0, 1 / 3), (1.0, 1 / 2)])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_zero_bubble_h1_shrinks_1f1b_bubble_as_the_paper_derives(p, m, backward, share):
+    zb = bubble("zero_bubble", p, 1, m, backward).over_ideal
+    assert zb == pytest.approx(share * bubble("1f1b", p, 1, m, backward).over_ideal)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_v_schedules_beat_interleaving_at_equal_chunks(p, m):
+    one = bubble("1f1b", p, 1, m, 2.0).over_ideal
+    zbv = bubble("zbv", p, 2, m, 2.0).over_ideal
+    assert zbv <= one / 6 + 1e-12
+    assert zbv < bubble("interleaved_1f1b", p, 2, m, 2.0).over_ideal
+
+
+def test_table_lists_every_schedule_once_per_microbatch_count():
+    rows = table(4, 2, (8, 16))
+    assert len(rows) == 14 and {r.microbatches for r in rows} == {8, 16}
+    text = render(rows)
+    assert "interleaved_1f1b    4  2   8        1.188          0.188     0.188" in text

@@ -7,8 +7,9 @@ backward_input (I) and backward_weight (W), DualPipeV's overlapped pair (F|B),
 communication waits, collectives and the optimizer step have distinct colours; compute
 boxes wide enough for it carry their letter and micro-batch (`F3`, `I3`, `F3|B1`).
 
-Boxes are drawn as one PolyCollection per colour, not one artist per box, so a chart of a
-thousand ranks and hundreds of thousands of boxes draws in seconds.
+Boxes are drawn as one compound path per colour (one artist, one SVG element, built from
+one array), not one artist or one path per box, so a chart of a thousand ranks and a
+hundred thousand boxes draws in about a second.
 
 matplotlib is the `plan` extra (`pip install "graphc[plan]"`), imported only when a chart
 is drawn, so training nodes install graphc without it.
@@ -18,6 +19,8 @@ from __future__ import annotations
 import os
 import re
 from typing import Dict, List, Optional, Sequence
+
+import numpy as np
 
 from ..errors import GraphcError
 from .rows import fold_ranks, row_label
@@ -71,7 +74,8 @@ def draw_timeline(timeline: Timeline, path: str, title: str,
         draw_timeline(simulate(plans, costs).timeline, "plans/simulated", "simulated step",
                       notes={0: "stage 0", 1: "stage 1"})
     """
-    plt, Patch, PolyCollection = _pyplot()
+    plt, Patch, PathPatch = _pyplot()
+    from matplotlib.path import Path
     rows = fold_ranks(timeline)
     spans = [timeline[ranks[0]] for ranks in rows]    # one drawn row per group of ranks
     end = max((s.end for row in spans for s in row), default=1.0) * scale or 1.0
@@ -79,17 +83,19 @@ def draw_timeline(timeline: Timeline, path: str, title: str,
     row_inches = min(0.6, 120.0 / max(len(rows), 1))   # at most ~120 inches tall
     fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 4 + 0.12 * max(map(len, spans), default=0))),
                                     max(1.8, 1.2 + row_inches * len(rows))))
-    verts: Dict[str, list] = {}
+    verts: Dict[str, list] = {}     # kind -> [x0, x1, y - h, y + h] per box
     for y, row in zip(range(len(rows) - 1, -1, -1), spans):
         for s in row:
             h = 0.4 if s.kind in TALL else 0.2
-            x0, x1 = s.start * scale, s.end * scale
-            verts.setdefault(s.kind, []).append(((x0, y - h), (x0, y + h), (x1, y + h), (x1, y - h)))
+            verts.setdefault(s.kind, []).append((s.start * scale, s.end * scale, y - h, y + h))
     edge = boxes <= EDGE_BOXES
     for kind, vs in verts.items():
-        ax.add_collection(PolyCollection(vs, facecolors=COLOURS.get(kind, "#333333"),
-                                         edgecolors="white" if edge else "none",
-                                         linewidths=0.5 if edge else 0.0))
+        # add_artist, not add_patch: the limits are set below, and add_patch would walk
+        # every box's segments to update them (seconds at a thousand ranks)
+        ax.add_artist(PathPatch(_boxes_path(np.asarray(vs, dtype=float), Path),
+                               facecolor=COLOURS.get(kind, "#333333"),
+                               edgecolor="white" if edge else "none",
+                               linewidth=0.5 if edge else 0.0))
     _captions(ax, fig, spans, scale, end)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([row_label(ranks, notes) for ranks in reversed(rows)],
@@ -112,6 +118,16 @@ def draw_timeline(timeline: Timeline, path: str, title: str,
         written.append(out)
     plt.close(fig)
     return written
+
+
+def _boxes_path(boxes, Path):
+    """One compound Path of rectangles from an (N, 4) array of x0, x1, y0, y1."""
+    x0, x1, y0, y1 = boxes.T
+    corners = np.stack([np.stack(c, axis=1) for c in ((x0, y0), (x0, y1), (x1, y1), (x1, y0), (x0, y0))],
+                       axis=1)          # (N, 5, 2): each box closed on its first corner
+    codes = np.tile(np.array([Path.MOVETO, Path.LINETO, Path.LINETO, Path.LINETO, Path.CLOSEPOLY],
+                             dtype=Path.code_type), len(boxes))
+    return Path(corners.reshape(-1, 2), codes)
 
 
 def box_text(span: Span) -> Optional[str]:
@@ -150,16 +166,15 @@ def charts_available() -> bool:
 
 
 def _pyplot():
-    """matplotlib.pyplot (headless), Patch and PolyCollection, or a GraphcError saying what
-    to install."""
+    """matplotlib.pyplot (headless), Patch and PathPatch, or a GraphcError saying what to
+    install."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.collections import PolyCollection
-        from matplotlib.patches import Patch
+        from matplotlib.patches import Patch, PathPatch
     except ImportError as e:
         raise GraphcError(f"graphc's schedule charts need matplotlib, which is not installed "
                           f"({e}). Fix: {INSTALL_HINT} (the `plan` extra), or pass --no-chart "
                           f"to graphc plan.") from None
-    return plt, Patch, PolyCollection
+    return plt, Patch, PathPatch

@@ -40,6 +40,29 @@ linear in the number of instructions times steps (a thousand ranks, four steps: 
 million instructions). The times land in one array per rank; `SimResult.timeline` builds
 a rank's Spans when asked, and `signature(rank)` compares ranks without building them.
 
+NOTE: Symmetric ranks
+Ranks of one stage usually run the same instructions at the same times (data-parallel
+replicas, tensor-parallel shards), so a thousand-rank plan has a few dozen distinct
+timelines. Before running, the simulator partitions the ranks into classes that provably
+share one timeline, and runs one representative per class (`_Symmetry`):
+  * start: ranks are alike when their instructions have the same labels and costs (every
+    op's seconds, bytes on the wire, latency, group size) and their sends (and receives)
+    are split among peers in the same pattern (the k-th send goes to the same peer as the
+    j-th on one rank exactly when it does on the other);
+  * refine until stable: ranks stay alike when, at every index, a send's receiver (a
+    recv's sender) is alike and matches it at the same index of its own plan, and a
+    collective's members, with the index at which each issues it, are alike as a multiset.
+Every equation the simulation solves for a rank at an index (an end from its start and
+cost; an arrival from the sender's link history; a collective's end from its members'
+issue times) then reads the same (class, index) pairs for all ranks of a class, so
+copying each representative's times to its class solves them all: the result is exact,
+not an approximation. The representatives run as above, except that a representative's
+send also feeds the links from the other ranks of its class to representatives (they
+would send at the same time), and a collective waits for the representative of each
+member's class to reach that member's index. Where the classes are as many as the ranks,
+or the folded run cannot finish, every rank runs (and a plan that cannot finish is
+reported as before).
+
 Example:
     from graphc.tools.costs import CostModel
     result = simulate(compiled.plans, CostModel.uniform(num_stages=4))
@@ -235,15 +258,19 @@ class SimTimeline(Mapping):
 
 # what the simulator does per instruction (the first item of each op)
 _COMPUTE, _SEND, _RECV, _COLLECTIVE, _OPTIMIZER = range(5)
+# with symmetric ranks folded (NOTE: Symmetric ranks): a send that also feeds the links of
+# the other ranks of its class, and a collective waiting on the members' representatives
+_FANOUT, _QCOLLECTIVE = 5, 6
 
 
 class _Link:
     """One directed link: its messages' arrival times, how many were received, when it is
     free for the next message, and the receiver waiting on it."""
 
-    __slots__ = ("arrivals", "taken", "free", "waiter")
+    __slots__ = ("src", "dst", "arrivals", "taken", "free", "waiter")
 
-    def __init__(self):
+    def __init__(self, src: int = -1, dst: int = -1):
+        self.src, self.dst = src, dst
         self.arrivals: List[float] = []
         self.taken, self.free, self.waiter = 0, 0.0, None
 
@@ -261,22 +288,25 @@ class _Issue:
 class _Group:
     """The collectives over one group of ranks, matched in issue order."""
 
-    __slots__ = ("size", "next_k", "open")
+    __slots__ = ("ranks", "size", "next_k", "open")
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, ranks: Tuple[int, ...]):
+        self.ranks, self.size = ranks, len(ranks)
         self.next_k: Dict[int, int] = {}    # rank -> the number of its next collective here
         self.open: Dict[int, _Issue] = {}
 
 
 class _Simulation:
     def __init__(self, plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
-                 cores: Optional[int] = None):
+                 cores: Optional[int] = None, fold: bool = True):
         self.plans = {p.rank: p for p in plans}
         self.costs, self.steps = costs, steps
         computing = sum(1 for p in plans if p.local_stages)
         self.stretch = max(1.0, computing / cores) if cores else 1.0
         self._cache: Dict[int, tuple] = {}      # id(instruction) -> (label, kind, mb, op)
+        self._shown_p2p: Dict[tuple, tuple] = {}   # (type, stage, direction, mb) -> shown
+        self._wires: Dict[Tuple[int, int], Tuple[float, float]] = {}   # (src, dst) -> link
+        self._bytes: Dict[int, int] = {}        # id(TensorSpec) -> bytes (the plans hold them)
         self.links: Dict[Tuple[int, int], _Link] = {}      # (src, dst)
         self.groups: Dict[Tuple[int, ...], _Group] = {}    # sorted ranks
         self.ops, self.shown = {}, {}
@@ -288,12 +318,24 @@ class _Simulation:
         self.ends = {r: array("d") for r in self.plans}
         self.delivered: Dict[int, float] = {r: 0.0 for r in self.plans}   # last send's arrival
         self.step_end: Dict[int, List[float]] = {r: [] for r in self.plans}
+        self.running: List[int] = list(self.plans)     # the ranks run (representatives)
+        self.rep: Dict[int, int] = {}                   # folded rank -> its representative
+        self.waiting: Dict[Tuple[int, int], List[int]] = {}   # (rank, pc) -> ranks waiting
+        self._args = (plans, costs, steps, cores)
+        if fold and len(self.plans) > 2:
+            self._fold(_Symmetry(self).classes())
 
     # -- each instruction once: what it shows as, and what the simulator does -----------
     def _lower(self, rank: int, plan: ExecutionPlan):
         ops, labels, kinds, mbs = [], [], [], []
+        cache, shown = self._cache, self._shown_p2p
         for ins in plan.instructions:
-            label, kind, mb, op = self._cache.get(id(ins)) or self._describe(ins, rank)
+            seen = cache.get(id(ins))
+            if seen is None and type(ins) in (Send, Recv):   # per rank: only the op differs
+                p2p = (type(ins), ins.stage, ins.direction, ins.microbatch)
+                seen = shown.get(p2p) or shown.setdefault(p2p, (label_of(ins), kind_of(ins),
+                                                                ins.microbatch, None))
+            label, kind, mb, op = seen or self._describe(ins, rank)
             ops.append(op or self._op(ins, rank, kind))
             labels.append(label)
             kinds.append(kind)
@@ -313,32 +355,73 @@ class _Simulation:
     def _op(self, ins: Instruction, rank: int, kind: str) -> tuple:
         costs = self.costs
         if kind == "send":
-            bandwidth, latency = costs.link(rank, ins.peer)
-            nbytes = ins.nbytes
-            return _SEND, costs.send_cost(nbytes), self._link(rank, ins.peer), nbytes / bandwidth, latency
+            pair = (rank, ins.peer)
+            link = self.links.get(pair) or self._link(*pair)
+            bandwidth, latency = self._wires.get(pair) or self._wires.setdefault(pair, costs.link(*pair))
+            nbytes = self._nbytes(ins)
+            return _SEND, costs.send_cost(nbytes), link, nbytes / bandwidth, latency
         if kind == "recv":
-            return _RECV, self._link(ins.peer, rank), costs.recv_cost(ins.nbytes)
+            return _RECV, self.links.get((ins.peer, rank)) or self._link(ins.peer, rank), \
+                costs.recv_cost(self._nbytes(ins))
         if isinstance(ins, (AllReduce, Collective)):
             group = tuple(sorted(ins.ranks))
             if group not in self.groups:
-                self.groups[group] = _Group(len(group))
+                self.groups[group] = _Group(group)
             return _COLLECTIVE, self.groups[group], costs.collective(ins)
         if kind == "optimizer":
             return _OPTIMIZER, costs.compute(ins, rank) * self.stretch
         return _COMPUTE, costs.compute(ins, rank) * self.stretch
 
+    def _nbytes(self, ins) -> int:
+        """A transfer's bytes (its TensorSpecs are usually shared by many instructions)."""
+        n, known = 0, self._bytes
+        for t in ins.tensors:
+            b = known.get(id(t))
+            if b is None:
+                b = known[id(t)] = t.nbytes
+            n += b
+        return n
+
     def _link(self, src: int, dst: int) -> "_Link":
         if (src, dst) not in self.links:
-            self.links[(src, dst)] = _Link()
+            self.links[(src, dst)] = _Link(src, dst)
         return self.links[(src, dst)]
 
     # -- running ------------------------------------------------------------------------
+    def _fold(self, classes: List[List[int]]) -> None:
+        """Runs one representative per class from now on (NOTE: Symmetric ranks)."""
+        if len(classes) == len(self.plans):
+            return
+        rep = {r: c[0] for c in classes for r in c}
+        self.running = [c[0] for c in classes]
+        self.rep = {r: q for r, q in rep.items() if r != q}
+        fanout: Dict[Tuple[int, int], list] = {}
+        for r, q in self.rep.items():    # r's sends to representatives ride on q's sends
+            for i, op in enumerate(self.ops[r]):
+                if op[0] == _SEND and rep[op[2].dst] == op[2].dst:
+                    fanout.setdefault((q, i), []).append((r, op))
+        index_of = _collective_indices(self)
+        for q in self.running:
+            ops = self.ops[q] = list(self.ops[q])
+            for i, op in enumerate(ops):
+                if op[0] == _SEND and (q, i) in fanout:
+                    ops[i] = (_FANOUT,) + op[1:] + (tuple(fanout[(q, i)]),)
+                elif op[0] == _COLLECTIVE:
+                    deps = {(rep[m], j) for m, j in index_of[(q, i)]}
+                    ops[i] = (_QCOLLECTIVE, tuple(sorted(deps)), op[2])
+
     def run(self) -> None:
-        ready = deque(self.plans)
+        ready = deque(self.running)
         while ready:
             ready.extend(self._advance(ready.popleft()))
-        if any(self.pc[r] < len(p.instructions) * self.steps for r, p in self.plans.items()):
+        if any(self.pc[r] < len(self.plans[r].instructions) * self.steps for r in self.running):
+            if self.rep:        # the folded run cannot finish: run every rank (and report)
+                self.__init__(*self._args, fold=False)
+                return self.run()
             self._stuck()
+        for r, q in self.rep.items():   # a folded rank's times are its representative's
+            self.starts[r], self.ends[r], self.step_end[r] = self.starts[q], self.ends[q], self.step_end[q]
+            self.pc[r], self.clock[r], self.delivered[r] = self.pc[q], self.clock[q], self.delivered[q]
 
     def _advance(self, rank: int) -> List[int]:
         """Issues `rank`'s instructions until one must wait; returns the ranks it freed."""
@@ -359,6 +442,13 @@ class _Simulation:
                 end = self._recv_end(rank, op, clock)
             elif code == _COLLECTIVE:
                 end = self._collective_end(rank, op, clock, freed)
+            elif code == _FANOUT:
+                end = clock + op[1]
+                freed += self._post_send(rank, op, end)
+                for other, other_op in op[5]:
+                    freed += self._post_send(other, other_op, end)
+            elif code == _QCOLLECTIVE:
+                end = self._folded_collective_end(rank, op, pc, n, clock, freed)
             else:
                 end = self._drained(rank, clock) + op[1]
             if end is None:
@@ -377,7 +467,7 @@ class _Simulation:
         return max(now, self.delivered[rank]) if self.costs.sends_complete_on_delivery else now
 
     def _post_send(self, rank: int, op: tuple, now: float) -> List[int]:
-        _, _, link, wire, latency = op
+        link, wire, latency = op[2], op[3], op[4]
         start = max(now, link.free)
         link.free = start + wire
         arrival = start + wire + latency
@@ -416,6 +506,27 @@ class _Simulation:
         if entry.done == group.size:       # every member is through: forget it
             del group.open[k]
         return entry.latest + cost
+
+    def _folded_collective_end(self, rank: int, op: tuple, pc: int, n: int, now: float,
+                               freed: List[int]) -> Optional[float]:
+        """A collective between representatives: each member's class's representative must
+        have issued it at that member's index (NOTE: Symmetric ranks)."""
+        freed += self.waiting.pop((rank, pc), ())
+        step = pc // n
+        latest = now
+        for other, j in op[1]:
+            target = step * len(self.ops[other]) + j
+            at = pc if other == rank else self.pc[other]
+            if at > target:
+                issued = self.starts[other][target]
+            elif at == target:
+                issued = now if other == rank else self.clock[other]
+            else:
+                self.waiting.setdefault((other, target), []).append(rank)
+                return None
+            if issued > latest:
+                latest = issued
+        return latest + op[2]
 
     def _stuck(self) -> None:
         waits = []
@@ -457,3 +568,109 @@ class _Simulation:
         bubble = 1.0 - busy / step if step > 0 and stages else 0.0
         return RankSummary(rank, stages, busy, finish, bubble, peak,
                            activation_peak(self.plans[rank], self.costs))
+
+
+def _collective_indices(sim: "_Simulation") -> Optional[Dict[Tuple[int, int], tuple]]:
+    """(rank, index of a collective) -> ((member, the index at which it issues the same
+    call), ...); None where members issue a group's collectives unequally often."""
+    if getattr(sim, "_coll_index", False) is not False:
+        return sim._coll_index
+    calls: Dict[int, Dict[int, List[int]]] = {}     # id(group) -> rank -> indices
+    groups = {}
+    for r, ops in sim.ops.items():
+        for i, op in enumerate(ops):
+            if op[0] == _COLLECTIVE:
+                groups[id(op[1])] = op[1]
+                calls.setdefault(id(op[1]), {}).setdefault(r, []).append(i)
+    out: Optional[Dict[Tuple[int, int], tuple]] = {}
+    for gid, per_rank in calls.items():
+        members = groups[gid].ranks
+        counts = {len(per_rank.get(m, ())) for m in members}
+        if len(counts) != 1 or len(per_rank) != len(members):
+            out = None
+            break
+        for k in range(counts.pop()):
+            call = tuple((m, per_rank[m][k]) for m in members)
+            for m, i in call:
+                out[(m, i)] = call
+    sim._coll_index = out
+    return out
+
+
+class _Symmetry:
+    """Classes of ranks that share one simulated timeline (NOTE: Symmetric ranks)."""
+
+    def __init__(self, sim: "_Simulation"):
+        self.sim = sim
+        self.ranks = sorted(sim.plans)
+
+    def classes(self) -> List[List[int]]:
+        alone = [[r] for r in self.ranks]
+        match = self._matches()
+        calls = _collective_indices(self.sim)
+        if match is None or calls is None:
+            return alone
+        keys, p2p, coll = {}, {}, {}
+        for r in self.ranks:
+            keys[r], p2p[r], coll[r] = self._describe(r, match, calls)
+        colour = _number(keys)
+        count = len(set(colour.values()))
+        while count < len(self.ranks):
+            refined = _number({r: (colour[r],
+                                   tuple((colour[q], j) for q, j in p2p[r]),
+                                   tuple(tuple(sorted((colour[m], j) for m, j in call))
+                                         for call in coll[r]))
+                               for r in self.ranks})
+            new_count = len(set(refined.values()))
+            colour = refined
+            if new_count == count:
+                break
+            count = new_count
+        classes: Dict[int, List[int]] = {}
+        for r in self.ranks:
+            classes.setdefault(colour[r], []).append(r)
+        return sorted(classes.values())
+
+    def _matches(self) -> Optional[Dict[Tuple[int, int], Tuple[int, int]]]:
+        """(rank, index of a send or recv) -> (peer, index of the recv or send it meets)."""
+        sends: Dict[Tuple[int, int], List[int]] = {}
+        recvs: Dict[Tuple[int, int], List[int]] = {}
+        for r in self.ranks:
+            for i, op in enumerate(self.sim.ops[r]):
+                if op[0] == _SEND:
+                    sends.setdefault((r, op[2].dst), []).append(i)
+                elif op[0] == _RECV:
+                    recvs.setdefault((op[1].src, r), []).append(i)
+        if sends.keys() != recvs.keys() or any(len(v) != len(recvs[k]) for k, v in sends.items()):
+            return None
+        match = {}
+        for (a, b), at_a in sends.items():
+            for i, j in zip(at_a, recvs[(a, b)]):
+                match[(a, i)], match[(b, j)] = (b, j), (a, i)
+        return match
+
+    def _describe(self, r: int, match, calls):
+        """A rank's key without peers (costs, labels, its peers' pattern), its sends' and
+        recvs' (peer, peer's index) and its collectives' (member, member's index) calls."""
+        key, p2p, coll = [], [], []
+        to, frm = {}, {}
+        for i, op in enumerate(self.sim.ops[r]):
+            code = op[0]
+            if code == _SEND:
+                key.append((code, op[1], op[3], op[4], to.setdefault(op[2].dst, len(to))))
+                p2p.append(match[(r, i)])
+            elif code == _RECV:
+                key.append((code, op[2], frm.setdefault(op[1].src, len(frm))))
+                p2p.append(match[(r, i)])
+            elif code == _COLLECTIVE:
+                key.append((code, op[1].size, op[2]))
+                coll.append(calls[(r, i)])
+            else:
+                key.append(op)
+        return (self.sim.shown[r], tuple(key)), p2p, coll
+
+
+def _number(keys: Dict[int, object]) -> Dict[int, int]:
+    """rank -> a small number per distinct key."""
+    seen: Dict[object, int] = {}
+    return {r: seen.setdefault(k, len(seen)) for r, k in keys.items()}

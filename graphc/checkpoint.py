@@ -6,6 +6,10 @@ always holds either the old complete file or the new complete file, never a torn
 A save killed mid-write leaves `<path>.<pid>.<random>.tmp` behind; the next save to
 `path` deletes it.
 
+The files are per rank: a DTensor (a split parameter's part of graph.state_dict()) is saved
+as this rank's local part, so such a checkpoint resumes the same layout only. To change the
+world size or layout, save with torch.distributed.checkpoint instead (docs/reliability.md).
+
 Example:
     graphc.save(graph.state_dict(), f"ckpt/rank{rank}.pt")      # every rank, its own file
     graph.load_state_dict(graphc.load(f"ckpt/rank{rank}.pt"))   # before or after compiling
@@ -19,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .dcp import to_local_form
 from .errors import GraphcError
 
 
@@ -26,7 +31,8 @@ def save(obj: Any, path: str) -> None:
     """Saves `obj` with torch.save to `path` atomically.
 
     Args:
-        obj: what torch.save accepts, e.g. graph.state_dict().
+        obj: what torch.save accepts, e.g. graph.state_dict() (DTensors in it are saved as
+            their local parts).
         path: the destination; its directory must exist.
     """
     _check_path("graphc.save", path)
@@ -43,7 +49,7 @@ def save(obj: Any, path: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            torch.save(to_local_form(obj), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -10,6 +10,7 @@ import torch.nn as nn
 from . import compiler
 from .block import ModuleBlock
 from .config import GraphConfig
+from .dcp import dcp_state_dict, user_prefix
 from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
 from .meta import META_ROWS, META_SBP, META_STAGE, META_TENSOR
@@ -22,8 +23,8 @@ from .runtime.agreement import check_agreement, fingerprint_tensor, step_facts
 from .runtime.rng import agree_base_seed
 from .runtime.dist_env import device_for, ensure_process_group, timeout_seconds
 from .runtime.watchdog import run_step
-from .state import GraphState, check_state_dict
 from .sbp.layout import is_even
+from .state import GraphState, check_state_dict
 from .tools import plan_mode
 from .tools.trace import Tracer
 
@@ -191,8 +192,10 @@ class Graph:
         object.__setattr__(self, "_rank", rank)
         object.__setattr__(self, "_compiled", compiled)
         self._setup_runtime(compiled, rank)
-        # after a pending checkpoint is loaded: its RNG state carries the run's initial seed
-        object.__setattr__(self, "_base_seed", agree_base_seed(self._instance, timeout_seconds()))
+        # after a pending checkpoint is loaded: it names the run's base seed (or its RNG state,
+        # from older graphc, carries the run's initial seed)
+        seed = agree_base_seed(self._instance, timeout_seconds())
+        object.__setattr__(self, "_base_seed", seed if self._state.base_seed is None else self._state.base_seed)
         object.__setattr__(self, "_key", self._signature(args))
         self._plans_by_shape[self._key] = (compiled, self._runtime, self._tracer)
 
@@ -320,36 +323,65 @@ class Graph:
 
     # -- state -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's parameters, buffers, optimizer and step state (a sharded checkpoint)."""
+        """This rank's part of a checkpoint, ready for torch.distributed.checkpoint (DCP).
+
+        Parameters and buffers under the user's names (split ones as DTensors with their global
+        shape), optimizer state by parameter name, LR scheduler, step count and RNG state (See
+        NOTE: DCP state dict, graphc/dcp.py). DCP reshards it to any world size or layout;
+        graphc.save keeps it as one file per rank, for the same layout.
+
+        Returns:
+            {"format", "model", "optim", "optimizer_class", "lr_scheduler", "steps", "rng"}
+
+        Example:
+            dcp.save(graph.state_dict(), checkpoint_id="ckpt/step100")
+            # later, in any layout:
+            graph.compile(x, y); sd = graph.state_dict()
+            dcp.load(sd, checkpoint_id="ckpt/step100"); graph.load_state_dict(sd)
+        """
         if self._state is None:
             raise GraphcError("state_dict() needs a compiled graph: run one step or call "
                               "graph.compile(*inputs) first")
-        return self._state.local_state_dict()
+        return dcp_state_dict(self._state, self._base_seed)
 
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
-        """Loads what state_dict() saved on this rank; before compiling, it is applied at compile.
+        """Loads a graph.state_dict(); before compiling, it is applied at compile.
 
         Args:
-            state: a graph.state_dict() of this rank, e.g. graphc.load(f"ckpt/rank{rank}.pt").
-            strict: as in torch: unknown entries, and parameters or optimizer state the graph
-                has but `state` lacks, are errors; with False they are skipped.
+            state: the dict graph.state_dict() returned, filled by dcp.load (any layout), or
+                graphc.load(f"ckpt/rank{rank}.pt") of the file this rank saved.
+            strict: as in torch: unknown entries, names the model does not have, and
+                parameters or optimizer state this rank holds but `state` lacks, are errors;
+                with False they are skipped.
 
         Example:
-            graph.load_state_dict(graphc.load(f"ckpt/rank{rank}.pt"))
+            sd = graph.state_dict(); dcp.load(sd, checkpoint_id=d); graph.load_state_dict(sd)
         """
         if not isinstance(strict, bool):
             raise GraphcError(f"load_state_dict: strict must be True or False, found {strict!r}")
         check_state_dict(state)  # the structure now; keys and shapes once compiled
         if self._state is None:
             object.__setattr__(self, "_pending_state", (state, strict))
-        else:
-            self._state.load(state, strict)
+            return
+        self._state.load(state, strict)
+        if self._state.base_seed is not None:  # the saved run's random ops (runtime/rng.py)
+            object.__setattr__(self, "_base_seed", self._state.base_seed)
 
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """Collective: the complete model state dict on every rank, loadable into the eager model."""
+    def full_state_dict(self, rank0_only: bool = False, cpu_offload: bool = True) -> Dict[str, torch.Tensor]:
+        """Collective: the complete model state dict, loadable into the eager model.
+
+        Args:
+            rank0_only: only rank 0 receives it (each tensor sent once, from one holder) and
+                every other rank gets {}; by default every rank gets it.
+            cpu_offload: the tensors returned are on the CPU (else on this rank's device).
+
+        Example:
+            full = graph.full_state_dict(rank0_only=True)
+            if rank == 0: torch.save(full, "model.pt")
+        """
         if self._state is None:
             return _unprefixed(self._root, {k: v.detach().clone() for k, v in self._root.state_dict().items()})
-        return _unprefixed(self._root, self._state.full_state_dict())
+        return _unprefixed(self._root, self._state.full_state_dict(rank0_only, cpu_offload))
 
     def __repr__(self) -> str:
         name = type(self).__name__
@@ -504,8 +536,5 @@ def _check_input_placements(compiled, args) -> None:
 
 def _unprefixed(root: nn.Module, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Drops the attribute prefix when a single assigned module holds all the state."""
-    holders = [name for name, m in root._modules.items() if m.state_dict()]
-    if len(holders) != 1:
-        return sd
-    prefix = holders[0] + "."
+    prefix = user_prefix(root)
     return {k[len(prefix):]: v for k, v in sd.items()}

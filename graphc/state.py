@@ -1,7 +1,6 @@
 """GraphState: which rank owns which parameters, the optimizer's view of them, checkpoints."""
 from __future__ import annotations
 
-import copy
 from contextlib import contextmanager
 import os
 from collections import defaultdict
@@ -11,14 +10,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .dcp import DCP_FORMAT, class_name, load_dcp_state_dict, load_into
 from .errors import GraphcError
 from .global_tensor import declared_layout
 from .placement import Split
 from .meta import META_PIECES
-from .sbp.layout import coord, local_component, place_shard
+from .sbp.layout import coord, flat, local_component, place_shard
 
-STATE_FORMAT = "graphc.state/1"
-# the entries of a local_state_dict(); optimizer_class is absent from older checkpoints
+STATE_FORMAT = "graphc.state/1"  # graphc.save files of older graphc: per rank, by index
+# the entries of such a checkpoint; optimizer_class is absent from still older ones
 _KEYS = ("format", "rank", "steps", "model", "optimizer", "optimizer_class", "lr_scheduler", "rng")
 
 
@@ -27,6 +27,7 @@ class GraphState:
         self.root, self.compiled, self.rank = root, compiled, rank
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.steps = 0
+        self.base_seed = None                     # a loaded checkpoint's (See NOTE: DCP state dict)
         self.holders = self._holders()            # state-dict key -> stages holding it
         self.owner = {k: s[0] for k, s in self.holders.items()}  # the first: full_state_dict's source
         local = set(compiled.plan_for(rank).local_stages)
@@ -51,12 +52,14 @@ class GraphState:
         tensors = self.root.state_dict(keep_vars=True)
         owned = {id(tensors[k]) for k in self.local_keys}
         self.shards = self._shard_split_tensors(tensors)
+        self.device = device  # where full_state_dict's transfers run (nccl needs the GPU)
         if device.type != "cpu":
             for k in self.local_keys:
                 tensors[k].data = tensors[k].data.to(device)
         if self.optimizer is None:
             return
         all_params = {id(p) for p in self.root.parameters()}
+        self.group_params = [list(group["params"]) for group in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in all_params:
@@ -67,23 +70,13 @@ class GraphState:
             group["params"] = [p for p in group["params"] if id(p) in owned]
 
     # -- checkpoints -------------------------------------------------------------------
-    def local_state_dict(self) -> Dict[str, Any]:
-        tensors = self.root.state_dict(keep_vars=True)
-        sd: Dict[str, Any] = {
-            "format": STATE_FORMAT, "rank": self.rank, "steps": self.steps,
-            "model": {k: tensors[k].detach().clone() for k in self.local_keys},
-        }
-        if self.optimizer is not None:  # a copy: the live state keeps changing in place
-            sd["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
-            sd["optimizer_class"] = _class_name(self.optimizer)
-        if self.lr_scheduler is not None:
-            sd["lr_scheduler"] = copy.deepcopy(self.lr_scheduler.state_dict())
-        sd["rng"] = torch.get_rng_state()  # dropout and friends resume on the same stream
-        return sd
-
     def load(self, sd: Dict[str, Any], strict: bool = True) -> None:
-        """Loads a local_state_dict() of this rank; every check runs before anything changes."""
+        """Loads a graph.state_dict(); every check runs before anything changes."""
         check_state_dict(sd)
+        if sd["format"] == DCP_FORMAT:
+            self.base_seed = load_dcp_state_dict(self, sd, strict)
+            return
+        # an older graphc's per-rank checkpoint (STATE_FORMAT)
         if sd.get("rank") != self.rank:
             raise GraphcError(f"this checkpoint was saved by rank {sd.get('rank')}, but is loaded "
                               f"on rank {self.rank}. Fix: load the file each rank saved itself.")
@@ -126,7 +119,7 @@ class GraphState:
 
     def _load_optimizer(self, sd: Dict[str, Any]) -> None:
         if self.optimizer is not None and "optimizer" in sd:
-            saved, mine = sd.get("optimizer_class"), _class_name(self.optimizer)
+            saved, mine = sd.get("optimizer_class"), class_name(self.optimizer)
             if saved is not None and saved != mine:
                 raise GraphcError(
                     f"rank {self.rank}: the checkpoint's optimizer state comes from {saved}, but "
@@ -134,9 +127,9 @@ class GraphState:
                     f"graph with a {saved}, or delete the checkpoint's 'optimizer' and "
                     "'optimizer_class' entries and load with strict=False to start the optimizer "
                     "afresh.")
-            _load_into(self.optimizer, sd["optimizer"], "optimizer", self.rank)
+            load_into(self.optimizer, sd["optimizer"], "optimizer", self.rank)
         if self.lr_scheduler is not None and "lr_scheduler" in sd:
-            _load_into(self.lr_scheduler, sd["lr_scheduler"], "lr_scheduler", self.rank)
+            load_into(self.lr_scheduler, sd["lr_scheduler"], "lr_scheduler", self.rank)
 
     def _shard_split_tensors(self, tensors) -> Dict[str, tuple]:
         """Keeps only this rank's shard of every split parameter or buffer it owns.
@@ -180,34 +173,64 @@ class GraphState:
             for t, local in held.values():
                 t.data = local
 
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+    def full_state_dict(self, rank0_only: bool = False, cpu_offload: bool = True) -> Dict[str, torch.Tensor]:
         """Collective over the world: every tensor comes from the first rank of its (first)
-        stage; every name of a tied tensor gets that one value, as in model.state_dict()."""
+        stage; every name of a tied tensor gets that one value, as in model.state_dict().
+        With rank0_only, rank 0 alone receives (point to point from each source) and every
+        other rank returns {}; with cpu_offload the tensors returned are on the CPU."""
         out: Dict[str, torch.Tensor] = {}
         done: Dict[int, torch.Tensor] = {}
         live = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        device = getattr(self, "device", torch.device("cpu"))
         for k, t in self.root.state_dict(keep_vars=True).items():
             if id(t) in done:  # another name of a tied tensor (the same on every rank)
                 out[k] = done[id(t)]
                 continue
-            value = t.detach().cpu().clone()
+            value = t.detach().to(device if live else t.device, copy=True)
             if live and k in getattr(self, "shards", {}):
-                value = self._gather_shards(k, value)
+                value = self._gather_shards(k, value, rank0_only)
             elif live and k in self.owner:
-                src = self.compiled.stages[self.owner[k]].ranks[0]
-                dist.broadcast(value, src)
-            out[k] = done[id(t)] = value
-        return out
+                self._from_owner(k, value, rank0_only)
+            out[k] = done[id(t)] = value.cpu() if cpu_offload else value
+        return {} if rank0_only and self.rank != 0 else out
 
-    def _gather_shards(self, k: str, value: torch.Tensor) -> torch.Tensor:
-        """Collective: the full tensor from its shards (each written once, then summed)."""
+    def _from_owner(self, k: str, value: torch.Tensor, rank0_only: bool) -> None:
+        """Collective: `value` becomes the first rank of its owner stage's (on rank 0 alone
+        with rank0_only)."""
+        src = self.compiled.stages[self.owner[k]].ranks[0]
+        if not rank0_only:
+            dist.broadcast(value, src)
+        elif src != 0 and self.rank == src:
+            dist.send(value, 0)
+        elif src != 0 and self.rank == 0:
+            dist.recv(value, src)
+
+    def _gather_shards(self, k: str, value: torch.Tensor, rank0_only: bool) -> torch.Tensor:
+        """Collective: the full tensor from its shards, one copy of each (from the first rank
+        on the mesh's broadcast axes): summed over the world, or sent to rank 0 alone."""
         shape, sbp, mesh = self.shards[k]
-        full = torch.zeros(shape, dtype=value.dtype)
-        where = [d for d, s in zip(coord(mesh, self.rank), sbp) if not isinstance(s, Split)] \
-            if self.owner[k] in self.compiled.plan_for(self.rank).local_stages else [1]
-        if all(d == 0 for d in where):  # one copy of each shard: the first rank on B axes
-            place_shard(full, value, sbp, mesh, self.rank, self.pieces.get(k))
-        dist.all_reduce(full)
+        pieces = self.pieces.get(k)
+        # the ranks of the owner stage's mesh (whose value is that stage's shard) at 0 on B axes
+        sources = [r for r in flat(mesh)
+                   if all(d == 0 for d, s in zip(coord(mesh, r), sbp) if not isinstance(s, Split))]
+        full = torch.zeros(shape, dtype=value.dtype, device=value.device) \
+            if not rank0_only or self.rank == 0 else None
+        if not rank0_only:
+            if self.rank in sources:
+                place_shard(full, value, sbp, mesh, self.rank, pieces)
+            dist.all_reduce(full)
+            return full
+        if self.rank != 0:
+            if self.rank in sources:
+                dist.send(value.contiguous(), 0)
+            return value
+        for r in sources:
+            part = value
+            if r != 0:
+                part = torch.empty(local_component(torch.empty(shape, device="meta"), sbp, mesh, r,
+                                                   pieces).shape, dtype=value.dtype, device=value.device)
+                dist.recv(part, r)
+            place_shard(full, part, sbp, mesh, r, pieces)
         return full
 
 
@@ -227,13 +250,13 @@ def check_state_dict(sd) -> None:
         raise GraphcError(
             f"load_state_dict expects the dict graph.state_dict() returned, found "
             f"{type(sd).__name__}. Fix: pass graphc.load(path) of a file graphc.save wrote.")
-    if sd.get("format") != STATE_FORMAT:
-        raise GraphcError(f"load_state_dict expects a graph.state_dict() ({STATE_FORMAT}), "
+    if sd.get("format") not in (DCP_FORMAT, STATE_FORMAT):
+        raise GraphcError(f"load_state_dict expects a graph.state_dict() ({DCP_FORMAT}), "
                           f"found format {sd.get('format')!r}. Fix: load a plain model state dict "
                           "into the model before building the Graph instead")
     if not isinstance(sd.get("model"), Mapping):
         raise GraphcError(
-            f"this checkpoint ({STATE_FORMAT}) has no 'model' entry (found entries "
+            f"this checkpoint ({sd['format']}) has no 'model' entry (found entries "
             f"{sorted(sd)}), so it holds no parameters. Fix: save graph.state_dict() whole and "
             "load that.")
 
@@ -248,17 +271,3 @@ def _check_shape(key: str, saved, mine: torch.Tensor, rank: int) -> None:
             f"'{key}' has shape {list(mine.shape)} (this rank's component); the checkpoint was "
             "saved from a model of other sizes or another layout. Fix: build the same model and "
             "layout as when saving, or load a matching checkpoint.")
-
-
-def _load_into(obj, state, what: str, rank: int) -> None:
-    try:
-        obj.load_state_dict(state)
-    except (KeyError, ValueError, TypeError, RuntimeError) as e:
-        raise GraphcError(
-            f"rank {rank}: the checkpoint's '{what}' does not fit the graph's "
-            f"{type(obj).__name__} ({type(e).__name__}: {e}); it was saved with other "
-            f"parameter groups or another {what}. Fix: build the same {what} as when saving.") from e
-
-
-def _class_name(obj) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"

@@ -1,0 +1,421 @@
+"""graph.state_dict() as torch.distributed.checkpoint (DCP) saves it, and loading it back.
+
+NOTE: DCP state dict
+`graph.state_dict()` returns, on every rank, the same top-level entries:
+
+    {"format": "graphc.state/2",
+     "model": {name: tensor or DTensor},      # the parameters and buffers this rank holds
+     "optim": {"state": {name: {"exp_avg": ..., "step": ...}},
+               "param_groups": [{"lr": ..., "params": [name, ...]}, ...]},
+     "optimizer_class": "torch.optim.adam.Adam",
+     "lr_scheduler": {...}, "steps": 7,
+     "rng": {"base_seed": 1234, "rank<r>": torch.get_rng_state()}}
+
+Names are the user's: the keys of `model.state_dict()` when one module assigned to the Graph
+holds all the state (else prefixed by the attribute name), as in full_state_dict(). A value
+split over ranks is a DTensor with its global shape, so DCP writes each shard at its offset
+and reads back whatever part another layout needs; a replicated value is a plain tensor,
+which every rank of its stage offers and DCP writes once (its planner keeps one write per
+key and offset). The optimizer part follows `get_optimizer_state_dict`: state by parameter
+name, laid out like its parameter, and the optimizer's *global* param groups (every name of
+each group, not only this rank's), so they are the same on every rank and in every layout.
+The RNG state of each rank has a key of its own; `base_seed` (NOTE: Replica-equal
+randomness, runtime/rng.py) is shared, so a resumed run draws the same dropout masks.
+
+A fresh optimizer has no state yet, so nothing would tell dcp.load what to read: the
+entries are then those its first step creates (taken from a step of a scratch copy on zero
+gradients; the optimizer itself is untouched). A checkpoint saved at step 0 thus holds that
+scratch state, and loading a step-0 checkpoint leaves the optimizer fresh, as it was.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from .errors import GraphcError
+from .placement import Broadcast, Split
+from .sbp.layout import local_component, shard_slices
+
+DCP_FORMAT = "graphc.state/2"
+ENTRIES = ("format", "model", "optim", "optimizer_class", "lr_scheduler", "steps", "rng")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a split tensor lies on this rank: its global shape, sbp and the mesh of the stage
+    here; pieces=(k, dim) for a tensor stored in pieces (See NOTE: fused pieces)."""
+    shape: tuple
+    sbp: tuple
+    mesh: tuple
+    device_type: str
+    pieces: Optional[tuple] = None
+
+
+def user_prefix(root: nn.Module) -> str:
+    """The attribute name dropped from every key when a single assigned module holds all the
+    state ('model.'), so names are the plain model's; '' otherwise."""
+    holders = [name for name, m in root._modules.items() if m.state_dict()]
+    return holders[0] + "." if len(holders) == 1 else ""
+
+
+# -- saving -----------------------------------------------------------------------------
+def dcp_state_dict(state, base_seed: int) -> Dict[str, Any]:
+    """This rank's part of the checkpoint (See NOTE: DCP state dict). `state` is a GraphState."""
+    prefix = user_prefix(state.root)
+    layouts = split_layouts(state)
+    tensors = state.root.state_dict(keep_vars=True)
+    sd: Dict[str, Any] = {"format": DCP_FORMAT, "model": {
+        k[len(prefix):]: to_global(tensors[k].detach().clone(), layouts.get(k), state.rank)
+        for k in saved_keys(state)}}
+    if state.optimizer is not None:
+        sd["optim"] = _optimizer_state(state, layouts, prefix)
+        sd["optimizer_class"] = class_name(state.optimizer)
+    if state.lr_scheduler is not None:
+        sd["lr_scheduler"] = copy.deepcopy(state.lr_scheduler.state_dict())
+    sd["steps"] = state.steps
+    sd["rng"] = {"base_seed": base_seed, f"rank{state.rank}": torch.get_rng_state()}
+    return sd
+
+
+def saved_keys(state) -> List[str]:
+    """The keys this rank saves and loads: those its stages hold, and those no stage holds
+    (parameters build() never uses: every rank keeps them as they are, so the checkpoint
+    still has every name of model.state_dict())."""
+    return [k for k in state.root.state_dict(keep_vars=True)
+            if k in state.local_keys or k not in state.holders]
+
+
+def split_layouts(state) -> Dict[str, Layout]:
+    """Layout of every split tensor this rank holds a shard of (the mesh of a stage here:
+    a tied copy is sharded over the mesh of the stage that holds it on this rank)."""
+    local = set(state.compiled.plan_for(state.rank).local_stages)
+    out = {}
+    for k, (shape, sbp, _) in getattr(state, "shards", {}).items():
+        if k not in state.local_keys:
+            continue
+        stage = next(s for s in state.holders[k] if s in local)
+        out[k] = Layout(tuple(shape), tuple(sbp), state.compiled.meshes[stage],
+                        state.compiled.stages[stage].device_type, state.pieces.get(k))
+    return out
+
+
+def to_global(local: torch.Tensor, layout: Optional[Layout], rank: int):
+    """A DTensor of `layout`'s global shape whose local part is `local`; `local` itself when
+    it is whole (not split, or split over one rank)."""
+    if layout is None or tuple(local.shape) == layout.shape:
+        return local
+    # imported here: DTensor and DCP load slowly and only checkpoints need them
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    placements = []
+    for s in layout.sbp:
+        if not isinstance(s, (Split, Broadcast)):
+            raise GraphcError(f"a parameter or buffer laid out as {layout.sbp} on {layout.mesh} "
+                              f"cannot be checkpointed: {s} is not a layout of stored state. Fix: "
+                              "declare parameters and buffers split or broadcast.")
+        placements.append(Shard(s.dim) if isinstance(s, Split) else Replicate())
+    # the mesh only describes where shards lie (DCP reads coordinates and sizes from it), so
+    # it creates no process groups: state_dict() stays local, as DCP expects
+    mesh = DeviceMesh(layout.device_type, torch.tensor(layout.mesh), _init_backend=False)
+    if layout.pieces:
+        local = _pieces_wrapper(local, layout, rank)
+    stride = torch.empty(layout.shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(layout.shape),
+                              stride=stride)
+
+
+def _pieces_wrapper(local: torch.Tensor, layout: Layout, rank: int):
+    """A tensor stored in pieces (See NOTE: fused pieces) is no single block of the global
+    one: this rank holds one block per piece. torch's LocalShardsWrapper (the local part
+    DCP accepts with several blocks, each at its global offset) carries them."""
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+    k, dim = layout.pieces
+    piece = list(layout.shape)
+    piece[dim] //= k
+    blocks, offsets = [], []
+    for i, block in enumerate(local.chunk(k, dim)):
+        start = [s.start for s in shard_slices(piece, layout.sbp, layout.mesh, rank)]
+        start[dim] += i * piece[dim]
+        blocks.append(block)
+        offsets.append(tuple(start))
+    return LocalShardsWrapper(blocks, offsets)
+
+
+def _optimizer_state(state, layouts: Dict[str, Layout], prefix: str) -> Dict[str, Any]:
+    opt = state.optimizer
+    names = first_names(state.root)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    by_index = copy.deepcopy(opt.state_dict()["state"]) or first_step_state(opt)
+    entries = {}
+    for i, values in by_index.items():
+        key = names[id(params[i])]
+        layout = layouts.get(key)
+        entries[key[len(prefix):]] = {
+            name: _state_value(v, layout, params[i], key, name, state.rank) for name, v in values.items()}
+    groups = []
+    for group, members in zip(opt.param_groups, state.group_params):
+        hyper = copy.deepcopy({k: v for k, v in group.items() if k != "params"})
+        groups.append({**hyper, "params": [names[id(p)][len(prefix):] for p in members]})
+    return {"state": entries, "param_groups": groups}
+
+
+def _state_value(v, layout: Optional[Layout], param: torch.Tensor, key: str, name: str, rank: int):
+    """An optimizer state value laid out like its parameter (exp_avg, momentum_buffer);
+    a scalar (Adam's step) is the same on every shard."""
+    if not isinstance(v, torch.Tensor) or layout is None or v.dim() == 0:
+        return v
+    if v.shape != param.shape:
+        raise GraphcError(
+            f"rank {rank}: the optimizer's state '{name}' of '{key}' has shape {list(v.shape)}, "
+            f"neither a scalar nor its parameter's local shape {list(param.shape)}, and the "
+            f"parameter is split over {layout.mesh}; such state cannot be resharded. Fix: use an "
+            "optimizer whose state is per element (SGD, Adam, AdamW, ...), or save with "
+            "graphc.save, which keeps each rank's state as it is.")
+    return to_global(v, layout, rank)
+
+
+def first_step_state(opt: torch.optim.Optimizer) -> Dict[int, dict]:
+    """The state `opt`'s first step creates, by parameter index, from a copy of `opt` on
+    scratch parameters with zero gradients (See NOTE: DCP state dict)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    scratch = {id(p): torch.zeros_like(p, requires_grad=p.requires_grad) for p in params}
+    twin = copy.deepcopy(opt, memo=dict(scratch))
+    for p in scratch.values():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    type(opt).step(twin)  # the class's step: an LR scheduler wraps the instance's (and counts it)
+    return twin.state_dict()["state"]
+
+
+def first_names(root: nn.Module) -> Dict[int, str]:
+    """id(tensor) -> its first name in root.state_dict() (a tied one has several)."""
+    out: Dict[int, str] = {}
+    for k, t in root.state_dict(keep_vars=True).items():
+        out.setdefault(id(t), k)
+    return out
+
+
+def class_name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+# -- loading ----------------------------------------------------------------------------
+def load_dcp_state_dict(state, sd: Mapping, strict: bool) -> Optional[int]:
+    """Loads a graph.state_dict() (See NOTE: DCP state dict) into GraphState `state`: after
+    dcp.load, a part of any layout; from graphc.load, this rank's file; or whole tensors. Every
+    check runs before anything changes. Returns the checkpoint's base seed (None if absent)."""
+    rank, prefix = state.rank, user_prefix(state.root)
+    _check_entries(state, sd, strict)
+    tensors = state.root.state_dict(keep_vars=True)
+    layouts = split_layouts(state)
+    model = _check_model_keys(state, sd["model"], prefix, strict)
+    values = {k: to_local(model[k[len(prefix):]], layouts.get(k), tensors[k], k[len(prefix):], rank)
+              for k in saved_keys(state) if k[len(prefix):] in model}
+    rng = _rank_rng(sd.get("rng", {}), rank)
+    optim = None
+    if state.optimizer is not None and "optim" in sd:
+        optim = _optimizer_to_load(state, sd, layouts, prefix, strict)
+    if optim is not None:
+        load_into(state.optimizer, optim, "optimizer", rank)
+    if state.lr_scheduler is not None and "lr_scheduler" in sd:
+        load_into(state.lr_scheduler, sd["lr_scheduler"], "lr_scheduler", rank)
+    with torch.no_grad():
+        for k, v in values.items():
+            tensors[k].copy_(v)
+    if rng is not None:
+        torch.set_rng_state(rng)
+    state.steps = int(sd.get("steps", 0))
+    seed = sd.get("rng", {}).get("base_seed")
+    return None if seed is None else int(seed)
+
+
+def _check_entries(state, sd: Mapping, strict: bool) -> None:
+    unknown = sorted(set(sd) - set(ENTRIES))
+    missing = [k for k, there in (("optim", state.optimizer), ("lr_scheduler", state.lr_scheduler))
+               if there is not None and k not in sd]
+    if strict and unknown:
+        raise GraphcError(
+            f"rank {state.rank}: the checkpoint has unknown entries {unknown[:5]}; a "
+            f"graph.state_dict() holds only {list(ENTRIES)}. Fix: load what graph.state_dict() "
+            "saved, or pass strict=False to ignore them.")
+    if strict and missing:
+        raise GraphcError(
+            f"checkpoint for rank {state.rank} lacks {missing}; it was saved from a graph without "
+            "that optimizer or LR scheduler. Fix: build the graph as when saving, or pass "
+            "strict=False to keep the current optimizer and scheduler state.")
+
+
+def _check_model_keys(state, model: Mapping, prefix: str, strict: bool) -> Mapping:
+    """Names of other stages are fine (a whole checkpoint feeds every rank its part); names
+    the model does not have, or names of this rank's part that are absent, are not."""
+    known = {k[len(prefix):] for k in state.root.state_dict(keep_vars=True)}
+    unexpected = sorted(set(model) - known)
+    missing = [k[len(prefix):] for k in saved_keys(state) if k[len(prefix):] not in model]
+    if strict and unexpected:
+        raise GraphcError(
+            f"rank {state.rank}: the checkpoint's 'model' holds {unexpected[:5]}, which the "
+            f"model does not have (it has {sorted(known)[:5]}...); it was saved from a different "
+            "model. Fix: load a checkpoint of the same model, or pass strict=False to load only "
+            "the names that match.")
+    if strict and missing:
+        raise GraphcError(
+            f"checkpoint for rank {state.rank} lacks {missing[:5]}; it was saved from a "
+            "different model. Fix: load a checkpoint of the same graph, or pass strict=False to "
+            "keep the current values of what it lacks.")
+    return model
+
+
+def _rank_rng(rng: Mapping, rank: int) -> Optional[torch.Tensor]:
+    """This rank's RNG state; a file that holds another rank's only was saved by that rank."""
+    if f"rank{rank}" in rng:
+        return rng[f"rank{rank}"]
+    others = sorted(k for k in rng if k.startswith("rank"))
+    if others:
+        raise GraphcError(
+            f"this checkpoint was saved by {others[0].replace('rank', 'rank ')}, but is loaded "
+            f"on rank {rank}. Fix: load the file each rank saved itself, or save with "
+            "torch.distributed.checkpoint (dcp.save), which any rank and layout can load.")
+    return None
+
+
+def _optimizer_to_load(state, sd: Mapping, layouts: Dict[str, Layout], prefix: str,
+                       strict: bool) -> Dict[str, Any]:
+    """The optimizer's own state_dict() form (by index, this rank's parameters) of the
+    checkpoint's optimizer part (by name, global param groups)."""
+    opt, rank = state.optimizer, state.rank
+    saved_class, mine = sd.get("optimizer_class"), class_name(opt)
+    if saved_class is not None and saved_class != mine:
+        raise GraphcError(
+            f"rank {rank}: the checkpoint's optimizer state comes from {saved_class}, but the "
+            f"graph's optimizer is {mine}; its state would not fit. Fix: build the graph with a "
+            f"{saved_class}, or delete the checkpoint's 'optim' and 'optimizer_class' entries and "
+            "load with strict=False to start the optimizer afresh.")
+    names = first_names(state.root)
+    saved_state = sd["optim"].get("state", {})
+    groups = _param_groups(opt, sd["optim"].get("param_groups", []), names, prefix, rank)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    out: Dict[int, dict] = {}
+    lacking = []
+    for i, p in enumerate(params):
+        key = names[id(p)]
+        entry = saved_state.get(key[len(prefix):])
+        if entry is None:
+            lacking += [key[len(prefix):]] if saved_state and p.requires_grad else []
+            continue
+        out[i] = {n: _local_state_value(v, layouts.get(key), p, f"optim.state.{key[len(prefix):]}.{n}", rank)
+                  for n, v in entry.items()}
+    if strict and lacking:
+        raise GraphcError(
+            f"checkpoint for rank {rank} has no optimizer state for {lacking[:5]}; it was saved "
+            "from a different model or optimizer set-up. Fix: load a checkpoint of the same "
+            "graph, or pass strict=False to start their state afresh.")
+    if int(sd.get("steps", 0)) == 0:
+        out = {}  # saved before the first step: what it holds is scratch (See NOTE: DCP state dict)
+    return {"state": out, "param_groups": groups}
+
+
+def _param_groups(opt, saved: list, names: Dict[int, str], prefix: str, rank: int) -> list:
+    """The saved hyperparameters of each group, over this rank's members of it."""
+    if len(saved) != len(opt.param_groups):
+        raise GraphcError(
+            f"rank {rank}: the checkpoint's optimizer has {len(saved)} parameter groups, the "
+            f"graph's {len(opt.param_groups)}. Fix: build the optimizer with the same groups as "
+            "when saving.")
+    out, index = [], 0
+    for i, (group, theirs) in enumerate(zip(opt.param_groups, saved)):
+        mine = [names[id(p)][len(prefix):] for p in group["params"]]
+        stray = [n for n in mine if n not in set(theirs.get("params", ()))]
+        if stray:
+            raise GraphcError(
+                f"rank {rank}: the graph's optimizer has {stray[:3]} in parameter group {i}, but "
+                f"the checkpoint's group {i} does not. Fix: build the optimizer with the same "
+                "groups as when saving.")
+        out.append({**{k: v for k, v in theirs.items() if k != "params"},
+                    "params": list(range(index, index + len(mine)))})
+        index += len(mine)
+    return out
+
+
+def _local_state_value(v, layout: Optional[Layout], param: torch.Tensor, key: str, rank: int):
+    if not isinstance(v, torch.Tensor) or (v.dim() == 0 and not _is_dtensor(v)):
+        return v
+    if layout is None and not _is_dtensor(v):
+        return v  # state of a whole parameter, whatever its shape
+    return to_local(v, layout, param, key, rank)
+
+
+def _is_dtensor(v) -> bool:
+    return "torch.distributed.tensor" in sys.modules and \
+        isinstance(v, sys.modules["torch.distributed.tensor"].DTensor)
+
+
+def load_into(obj, state, what: str, rank: int) -> None:
+    """obj.load_state_dict(state), whose failures name the rank and the fix."""
+    try:
+        obj.load_state_dict(state)
+    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+        raise GraphcError(
+            f"rank {rank}: the checkpoint's '{what}' does not fit the graph's "
+            f"{type(obj).__name__} ({type(e).__name__}: {e}); it was saved with other "
+            f"parameter groups or another {what}. Fix: build the same {what} as when saving.") from e
+
+
+def to_local(value, layout: Optional[Layout], mine: torch.Tensor, key: str, rank: int) -> torch.Tensor:
+    """This rank's part of a loaded value: a DTensor's local part, a whole (full) tensor's
+    shard, or a tensor that already has this rank's local shape (graphc.save files)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(value, DTensor):
+        if layout is not None and tuple(value.shape) != layout.shape:
+            _wrong_shape(key, value, layout.shape, "global ", rank)
+        value = local_part(value)
+    if not isinstance(value, torch.Tensor):
+        raise GraphcError(f"rank {rank}: checkpoint key '{key}' holds a {type(value).__name__}, "
+                          "expected a tensor. Fix: load what graph.state_dict() saved.")
+    if layout is not None and tuple(value.shape) == layout.shape != tuple(mine.shape):
+        value = local_component(value, layout.sbp, layout.mesh, rank, layout.pieces)
+    if value.shape != mine.shape:  # copy_ would broadcast a smaller tensor silently
+        _wrong_shape(key, value, tuple(mine.shape), "", rank)
+    return value
+
+
+def local_part(value) -> torch.Tensor:
+    """A DTensor's local part as one tensor (the blocks of a pieced one concatenated)."""
+    local = value.to_local()
+    if not hasattr(local, "local_shards"):
+        return local
+    # a LocalShardsWrapper: one block per piece, at offsets that differ along the pieces' dim
+    blocks, offsets = local.local_shards(), local.local_offsets()
+    if len(blocks) == 1:
+        return blocks[0]
+    dim = next(d for d, (a, b) in enumerate(zip(offsets[0], offsets[1])) if a != b)
+    return torch.cat(blocks, dim)
+
+
+def _wrong_shape(key: str, value, want: tuple, what: str, rank: int):
+    raise GraphcError(
+        f"rank {rank}: checkpoint key '{key}' has {what}shape {list(value.shape)}, but the graph's "
+        f"'{key}' has {what}shape {list(want)}"
+        + (" (this rank's component)" if not what else "")
+        + "; the checkpoint was saved from a model of other sizes or another layout. Fix: build "
+        "the same model, or load a checkpoint of it (torch.distributed.checkpoint reshards to "
+        "any layout: sd = graph.state_dict(); dcp.load(sd, checkpoint_id=d); "
+        "graph.load_state_dict(sd)).")
+
+
+def to_local_form(obj):
+    """`obj` with every DTensor replaced by this rank's local part (graphc.save's files hold
+    plain tensors, one file per rank)."""
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist: nothing to do
+        return obj
+    from torch.distributed.tensor import DTensor
+    if isinstance(obj, DTensor):
+        return local_part(obj)
+    if isinstance(obj, Mapping):
+        return {k: to_local_form(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_local_form(v) for v in obj)
+    return obj

@@ -45,8 +45,9 @@ HIDDEN, CLASSES = 32, 8
 TARGETS = {"compile": 10.0, "chart": 5.0, "simulate": 20.0, "peak_mib": 1024}
 
 
-def mlp_graph(pp: int, dp: int, tp: int, microbatches: int, rank: int = 0, rows_per_mb: int = 1):
-    """(graph, inputs): the MLP above as rank `rank` of a P x D x T world builds it.
+def mlp_graph(pp: int, dp: int, tp: int, microbatches: int, rows_per_mb: int = 1,
+              schedule: str = "1f1b"):
+    """(graph, inputs): the MLP above as rank 0 of a P x D x T world builds it.
 
     The inputs are global tensors (this rank's rows, split over the data-parallel axis),
     M x D x rows_per_mb rows in all.
@@ -101,7 +102,7 @@ def mlp_graph(pp: int, dp: int, tp: int, microbatches: int, rank: int = 0, rows_
                 self.model.blocks[s].config.set_stage(s, where(s))
             self.model.head.config.set_stage(pp - 1, where(pp - 1))
             self.config.set_gradient_accumulation_steps(microbatches)
-            self.config.set_pipeline_schedule("1f1b")
+            self.config.set_pipeline_schedule(schedule)
             self.add_optimizer(opt)
 
         def build(self, x, y):

@@ -567,7 +567,21 @@ class _Simulation:
         finish = self.step_end[rank][0] if self.step_end[rank] else 0.0
         bubble = 1.0 - busy / step if step > 0 and stages else 0.0
         return RankSummary(rank, stages, busy, finish, bubble, peak,
-                           activation_peak(self.plans[rank], self.costs))
+                           self._activation_peak(rank))
+
+    def _activation_peak(self, rank: int) -> int:
+        """activation_peak of the rank's plan; a folded rank's is its representative's where
+        what it reads beyond the compute labels (alike in a class) is the same."""
+        plan, peaks = self.plans[rank], self.__dict__.setdefault("_peaks", {})
+        q = self.rep.get(rank)
+        if q is not None and q in peaks:
+            other = self.plans[q]
+            if (plan.local_stages, plan.training, plan.checkpointing, plan.num_microbatches) == \
+                    (other.local_stages, other.training, other.checkpointing, other.num_microbatches) \
+                    and stage_input_bytes(plan, self.costs) == stage_input_bytes(other, self.costs):
+                return peaks[q]
+        peaks[rank] = activation_peak(plan, self.costs)
+        return peaks[rank]
 
 
 def _collective_indices(sim: "_Simulation") -> Optional[Dict[Tuple[int, int], tuple]]:

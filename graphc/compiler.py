@@ -1,9 +1,10 @@
 """compile(): the pass order, written once.
 
-Each step records its output and time in the compilation history. GRAPHC_DEBUG levels:
-1 a summary line, 2 adds each pass's time, 3 adds every rank's final plan, 4 adds each
-pass's fx graph (the whole compilation history). They go to the `graphc.compile` logger
-(graphc/log.py): rank 0 prints by default, GRAPHC_LOG_RANKS chooses others.
+Each step records its result and time in the compilation history (graphc/history.py).
+GRAPHC_DEBUG levels: 1 a summary line, 2 adds each pass's time, 3 adds every rank's final
+plan, 4 adds the whole history (graphs with their annotations, programs, plans). They go
+to the `graphc.compile` logger (graphc/log.py): rank 0 prints by default, GRAPHC_LOG_RANKS
+chooses others.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.fx as fx
 
 from .env import int_from_env
 from .errors import GraphcError
+from .history import PassRecord, record
 from .log import get_logger
 from .meta import is_backward
 from .passes.annotate_stages import annotate_stages
@@ -45,13 +47,6 @@ from .plan.program import StageProgram
 from .plan.schedules import pipeline_ranks
 from .plan.verify import verify_plans
 from .sbp.layout import stage_meshes
-
-
-@dataclass
-class PassRecord:
-    name: str
-    seconds: float
-    text: str
 
 
 @dataclass
@@ -88,13 +83,12 @@ def _step(history: List[PassRecord], name: str, fn: Callable, *args) -> Any:
     start = time.perf_counter()
     out = fn(*args)
     took = time.perf_counter() - start
-    text = out.graph.python_code("self").src if isinstance(out, fx.GraphModule) else ""
-    history.append(PassRecord(name, took, f"# Constructed by {name} (took {took * 1e3:.1f} ms)\n{text}"))
+    history.append(record(name, took, out))
     if debug_level() >= 2:
         _log.debug("pass %s: %.1f ms", name, took * 1e3)
     elif took > SLOW_PASS_SECONDS and sys.stderr.isatty():  # progress on long compiles, at a terminal
         _log.info("pass %s took %.1f s", name, took)
-    if debug_level() >= 4 and text:
+    if debug_level() >= 4:
         _log.debug("%s", history[-1].text)
     return out
 
@@ -108,26 +102,29 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     h: List[PassRecord] = []
     cfg = graph_obj.config
     m = cfg.gradient_accumulation_steps
-    stages, stage_of_module = collect_stages(graph_obj, world_size)
+    # 0. the stages set_stage names, checked (ranks inside the world, ids without gaps)
+    stages, stage_of_module = _step(h, "collect_stages", collect_stages, graph_obj, world_size)
     batched = None
     if m > 1:  # 0. which inputs carry the batch dim, by data flow on build() for the whole batch
         whole = _step(h, "trace_build (whole batch)", trace_build, graph_obj, example_inputs, 1)
         whole = _step(h, "propagate_shapes (whole batch)", propagate_shapes, whole, example_inputs, 1)
-        batched = batched_inputs(_step(h, "find_batch_dims (whole batch)", find_batch_dims, whole, m))
+        whole = _step(h, "find_batch_dims (whole batch)", find_batch_dims, whole, m)
+        batched = _step(h, "batched_inputs (whole batch)", batched_inputs, whole)
     # 1. trace build() into one fx graph for one micro-batch's shapes: the whole step,
     #    backward() as a node, shapes as constants
     gm = _step(h, "trace_build", trace_build, graph_obj, example_inputs, m, batched)
     # 2. reject what a static graph cannot hold (host syncs, several backward())
     _step(h, "verify_traced", verify_traced, gm)
-    warn_unused_parameters(graph_obj._root, gm)
+    # 2'. modules with parameters that build() never uses are said once (no rank owns them)
+    _step(h, "warn_unused_parameters", warn_unused_parameters, graph_obj._root, gm)
     training = any(is_backward(n) for n in gm.graph.nodes)
     if not stage_of_module:
         # 2a. without set_stage every op runs where its inputs and parameters are placed; each
         #     placement is a stage, in data-flow order (NOTE: Stages from placements)
         gm = _step(h, "place_by_layout", place_by_layout, gm, input_layouts)
-        stages = placed_stages(gm, graph_obj.config.pipeline_schedule, world_size) or stages
+        stages = _step(h, "placed_stages", placed_stages, gm, cfg.pipeline_schedule, world_size) or stages
     if training:  # 2b. the stages' layout is one the schedule can run (with the modules named)
-        _check_layout(stages, stage_of_module, cfg.pipeline_schedule)
+        _step(h, "check_layout", check_layout, stages, stage_of_module, cfg.pipeline_schedule)
     # 3. a pipeline stage for every node, from set_stage (or the placements) and data flow
     gm = _step(h, "annotate_stages", annotate_stages, gm, stage_of_module)
     # 4. per-micro-batch shapes, so every transfer's buffer is known before running
@@ -136,7 +133,8 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     gm = _step(h, "find_batch_dims", find_batch_dims, gm, m, False)
     # 5. check data flows forward through stages and the loss is a scalar
     _step(h, "verify_annotated", verify_annotated, gm, stage_of_module, len(stages))
-    meshes = stage_meshes(stages, _declared_placements(graph_obj, gm, input_layouts))
+    # 5'. each stage's mesh: 2-D where a declared placement names its ranks as one
+    meshes = _step(h, "declared_meshes", declared_meshes, stages, graph_obj, gm, input_layouts)
     # 5a. nn layers as functional ops on get_attr parameters, so SBP rules see parameters
     gm = _step(h, "decompose_modules", decompose_modules, gm, meshes)
     # 5a'. with deferred batch norm, running statistics take one whole-mini-batch update per step
@@ -174,13 +172,12 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     plans = _step(h, "list_collectives", list_collectives, plans, programs)
     # 8. all plans together must pair up and be free of deadlock
     _step(h, "verify_plans", verify_plans, plans)
+    # 9. the stages nobody wrote down (found from placements), kept on every rank's plan
+    plans = _step(h, "note_stages", note_stages, plans, gm, world_size)
+    if "stages" in plans[0].notes:  # ... and said once
+        _log.info("%s: %s", type(graph_obj).__name__, plans[0].notes["stages"])
     input_meta = [(tuple(t.shape), t.dtype) for t in example_inputs]
     compiled = CompiledGraph(gm, stages, programs, plans, training, m, input_meta, h, meshes)
-    note = stages_note(gm, world_size)
-    if note:  # the stages nobody wrote down: said once, and kept on every rank's plan
-        _log.info("%s: %s", type(graph_obj).__name__, note)
-        for plan in plans:
-            plan.notes["stages"] = note
     if debug_level() >= 1:
         total = sum(r.seconds for r in h)
         _log.info("compiled %s: %d stage(s), %d micro-batch(es), schedule=%s, %s, %.0f ms",
@@ -217,7 +214,8 @@ def collect_stages(graph_obj, world_size: int):
     return stages, {name: c.stage_id for name, c in configured.items()}
 
 
-def _check_layout(stages, stage_of_module: Dict[str, int], schedule: str) -> None:
+def check_layout(stages, stage_of_module: Dict[str, int], schedule: str) -> None:
+    """Refuses stages the schedule cannot run in training, naming a module of each stage."""
     try:
         pipeline_ranks(stages, schedule, training=True)
     except GraphcError as exc:
@@ -237,6 +235,15 @@ def placed_stages(gm: fx.GraphModule, schedule: str, world_size: int) -> List[St
     if stages:
         pipeline_ranks(stages, schedule, training=False)  # overlaps
     return stages
+
+
+def note_stages(plans: List[ExecutionPlan], gm: fx.GraphModule, world_size: int) -> List[ExecutionPlan]:
+    """The plans, each noting the stages found from placements (see stages_note) if any."""
+    note = stages_note(gm, world_size)
+    if note:
+        for plan in plans:
+            plan.notes["stages"] = note
+    return plans
 
 
 def stages_note(gm: fx.GraphModule, world_size: int) -> str:
@@ -261,6 +268,11 @@ def _default_device_type(graph_obj) -> str:
     for p in graph_obj._root.parameters():
         return "cuda" if p.is_cuda else "cpu"
     return "cpu"
+
+
+def declared_meshes(stages, graph_obj, gm, input_layouts) -> List[tuple]:
+    """One mesh per stage, from every placement the user declared (sbp/layout.stage_meshes)."""
+    return stage_meshes(stages, _declared_placements(graph_obj, gm, input_layouts))
 
 
 def _declared_placements(graph_obj, gm, input_layouts):

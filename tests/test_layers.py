@@ -22,6 +22,7 @@ LAYER_OF = {
     "graphc.runtime": "runtime",
     "graphc.passes": "passes",
     "graphc.compiler": "compiler",
+    "graphc.history": "compiler",  # the compilation history's records and their text
     "graphc": "api",      # graph.py, config.py, global_tensor.py, block.py, state.py, ...
     "graphc.tools": "tools",
     "graphc.cli": "entry", "graphc.__main__": "entry",

@@ -98,11 +98,85 @@ def test_values_flowing_backwards_through_stages_are_rejected():
 
 def test_history_records_every_pass():
     names = [r.name for r in compiled(p=2).history]
-    assert names == ["trace_build (whole batch)", "propagate_shapes (whole batch)",
-                     "find_batch_dims (whole batch)", "trace_build", "verify_traced",
+    assert names == ["collect_stages", "trace_build (whole batch)", "propagate_shapes (whole batch)",
+                     "find_batch_dims (whole batch)", "batched_inputs (whole batch)", "trace_build",
+                     "verify_traced", "warn_unused_parameters", "check_layout",
                      "annotate_stages", "propagate_shapes", "find_batch_dims", "verify_annotated",
-                     "decompose_modules", "defer_batch_norm", "infer_sbp", "insert_boxing", "localize_ops",
-                     "seed_random_ops",
+                     "declared_meshes", "decompose_modules", "defer_batch_norm", "infer_sbp",
+                     "insert_boxing", "localize_ops", "seed_random_ops",
                      "split_stages", "insert_grad_modes", "feed_whole_batch", "insert_checkpoints", "lower_plan",
                      "insert_grad_sync", "insert_tie_sync", "insert_grad_clip", "list_collectives",
-                     "verify_plans"]
+                     "verify_plans", "note_stages"]
+
+
+class _Columns(nn.Module):  # Megatron's column- then row-parallel pair on 2 ranks
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _TensorParallel(graphc.Graph):
+    def __init__(self):
+        super().__init__()
+        where = graphc.placement("cpu", [0, 1])
+        model = graphc.to_global(_Columns(), placement=where, sbp=graphc.sbp.broadcast)
+        graphc.to_global(model.fc1, placement=where, sbp=graphc.sbp.split(0))
+        graphc.to_global(model.fc2.weight, placement=where, sbp=graphc.sbp.split(1))
+        self.model = model
+        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.1))
+
+    def build(self, x, y):
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def _texts(cg):
+    return {r.name: r.text.split("\n", 1)[1] if "\n" in r.text else "" for r in cg.history}
+
+
+def test_history_shows_what_annotating_passes_added():
+    """Each annotating pass's record differs from the graph before it by its annotations."""
+    text = _texts(compiled(p=2))
+    assert text["annotate_stages"] != text["trace_build"]
+    assert "model_blocks_1_linear = " in text["annotate_stages"]
+    assert "# stage 1 (module)" in text["annotate_stages"] and "[4, 16]" not in text["annotate_stages"]
+    assert "[4, 16] grad" in text["propagate_shapes"]   # float64 under the tests' default dtype
+    assert "rows@0" in text["find_batch_dims"] and "rows@0" not in text["propagate_shapes"]
+    assert "# x: stage 0 (users) | float64[4, 16] | rows@0" in text["find_batch_dims"]
+
+
+def test_history_shows_sbp_and_boxing_beside_the_code():
+    cg = compiler.compile(_TensorParallel(), [torch.randn(8, 8), torch.randint(0, 4, (8,))], 2)
+    text = _texts(cg)
+    assert text["infer_sbp"] != text["defer_batch_norm"] and "sbp " not in text["defer_batch_norm"]
+    linear = next(line for line in text["infer_sbp"].splitlines() if "linear(" in line)
+    assert "| sbp split(1) on (0, 1)" in linear        # column-parallel output, beside its line
+    assert "boxing all_reduce partial_sum->broadcast" in text["insert_boxing"]
+    assert text["split_stages"].startswith("# stage 0: inputs=")
+
+
+def test_history_shows_the_plans_of_plan_level_passes():
+    cg = compiled(p=2)
+    text = _texts(cg)
+    for name in ("lower_plan", "insert_grad_sync", "insert_tie_sync", "insert_grad_clip",
+                 "list_collectives", "note_stages"):
+        assert text[name].startswith("# graphc plan: rank 0 of 2"), name
+        assert "# graphc plan: rank 1 of 2" in text[name] and "1F0\n" in text[name], name
+    assert text["list_collectives"] == "\n\n".join(map(str, cg.plans))
+    tp = _texts(compiler.compile(_TensorParallel(), [torch.randn(8, 8), torch.randint(0, 4, (8,))], 2))
+    assert ".ALL_REDUCE " in tp["list_collectives"] and ".ALL_REDUCE " not in tp["insert_grad_clip"]
+
+
+def test_history_of_a_large_world_shows_one_plan_per_stage():
+    text = _texts(compiled(p=4, m=4))
+    assert text["lower_plan"].count("# graphc plan:") == 4      # every rank of a small world
+    from graphc.history import shown_plans
+    cg = compiled(p=2)
+    wide = [type(cg.plans[0])(r, 16, [], stages=(compiler.StageInfo(0, tuple(range(8))),
+                                                 compiler.StageInfo(1, tuple(range(8, 16)))))
+            for r in range(16)]
+    assert [p.rank for p in shown_plans(wide)] == [0, 8]

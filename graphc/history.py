@@ -1,0 +1,123 @@
+"""The compilation history: what each step of compile() produced, as text to read afterwards.
+
+Each step's record is stamped `# Constructed by <step> (took <ms>)`, as lightning-thunder
+stamps its traces, and shows the step's result in the form a reader needs:
+
+- a traced or annotated graph: its Python code with each node's annotations from
+  `node.meta` (stage, shape, rows, placement, SBP, boxing) as a comment beside its line,
+  so annotate_stages, propagate_shapes and infer_sbp show what they added;
+- stage programs: each program's interface and annotated code;
+- execution plans: `str(plan)` of every rank, or of the first rank of each stage when there
+  are more than PLANS_SHOWN_UP_TO ranks (a stage's ranks differ only in peers and groups);
+- anything else (the stages, the meshes): its `str`, one item a line.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, List
+
+import torch.fx as fx
+
+from .meta import (META_BOXING, META_GRAD_ENABLED, META_GRAD_PARTIAL, META_PIECES, META_PLACEMENT,
+                   META_ROWS, META_SBP, META_STAGE, META_STAGE_WHY, META_TENSOR)
+from .plan.plan import ExecutionPlan
+from .plan.program import StageProgram
+from .sbp.layout import fmt
+
+PLANS_SHOWN_UP_TO = 8   # worlds this small show every rank's plan; larger ones a rank per stage
+
+
+@dataclass
+class PassRecord:
+    """One step of compile(): its name, its time and its result as text (see describe)."""
+
+    name: str
+    seconds: float
+    text: str
+
+
+def record(name: str, seconds: float, out: Any) -> PassRecord:
+    body = describe(out)
+    head = f"# Constructed by {name} (took {seconds * 1e3:.1f} ms)"
+    return PassRecord(name, seconds, f"{head}\n{body}" if body else head)
+
+
+def describe(out: Any) -> str:
+    """The text of one step's result (module docstring); '' for a step that returns nothing."""
+    if out is None:
+        return ""
+    if isinstance(out, fx.GraphModule):
+        return annotated_code(out)
+    if isinstance(out, list) and out and all(isinstance(p, StageProgram) for p in out):
+        return "\n\n".join(describe_program(p) for p in out)
+    if isinstance(out, list) and out and all(isinstance(p, ExecutionPlan) for p in out):
+        return "\n\n".join(str(p) for p in shown_plans(out))
+    if isinstance(out, (list, tuple)) and not all(isinstance(v, (bool, int, float, str)) for v in out):
+        return "\n".join(f"# {item}" for item in out)
+    return f"# {out}"
+
+
+def shown_plans(plans: List[ExecutionPlan]) -> List[ExecutionPlan]:
+    """Every plan in a small world, else the first rank's plan of each stage (and of idle ranks, none)."""
+    if len(plans) <= PLANS_SHOWN_UP_TO:
+        return list(plans)
+    firsts = sorted({min(s.ranks) for s in plans[0].stages if s.ranks})
+    return [plans[r] for r in firsts if r < len(plans)] or list(plans[:1])
+
+
+def describe_program(prog: StageProgram) -> str:
+    """str(prog) (interface, prologue, code) with the code annotated."""
+    text = str(prog)
+    interface = text[:len(text) - len(prog.module.code.strip())]
+    return interface + annotated_code(prog.module)
+
+
+_ASSIGN = re.compile(r"^(\s+)(\w+) = (.*)$")
+_DELETES = re.compile(r";  (\w+ = )+None$")   # fx's `;  x = y = None`: frees values, noise here
+
+
+def annotated_code(gm: fx.GraphModule) -> str:
+    """gm's Python code with each node's annotations as a comment beside its line; the
+    placeholders' annotations follow the `def` line, one a line."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = []
+    for line in gm.graph.python_code("self").src.strip().splitlines():
+        line = _DELETES.sub("", line)
+        m = _ASSIGN.match(line)
+        note = node_note(nodes[m.group(2)]) if m and m.group(2) in nodes else ""
+        out.append(f"{line}  # {note}" if note else line)
+        if line.startswith("def "):
+            out += [f"    # {n.name}: {node_note(n)}" for n in gm.graph.nodes
+                    if n.op == "placeholder" and node_note(n)]
+    return "\n".join(out)
+
+
+def node_note(node: fx.Node) -> str:
+    """A node's annotations in one line: `stage 1 (module) | float32[4, 16] grad | rows@0 | sbp
+    split(0) on (0, 1)`; '' when no pass has annotated it."""
+    meta = node.meta
+    parts = []
+    if META_STAGE in meta:
+        why = meta.get(META_STAGE_WHY)
+        parts.append(f"stage {meta[META_STAGE]}" + (f" ({why})" if why else ""))
+    if meta.get(META_PLACEMENT) is not None:
+        parts.append(f"placed {meta[META_PLACEMENT]}")
+    if meta.get(META_TENSOR) is not None:
+        parts.append(str(meta[META_TENSOR]))
+    if meta.get(META_ROWS) is not None:
+        parts.append(str(meta[META_ROWS]))
+    if meta.get(META_GRAD_ENABLED) is False:
+        parts.append("no_grad")
+    if meta.get(META_SBP) is not None:
+        sig = meta[META_SBP]
+        parts.append(f"sbp {fmt(sig.out)} on {sig.mesh}" + (" fallback" if sig.fallback else ""))
+    if meta.get(META_GRAD_PARTIAL):
+        parts.append(f"grad partial_sum on axes {list(meta[META_GRAD_PARTIAL])}")
+    if meta.get(META_PIECES):
+        parts.append("pieces %d along dim %d" % tuple(meta[META_PIECES]))
+    if meta.get(META_BOXING) is not None:
+        box = meta[META_BOXING]
+        parts.append(f"boxing {box.kind} {fmt(box.src)}->{fmt(box.dst)} axis {box.axis}"
+                     + (f" ({box.note})" if box.note else ""))
+    return " | ".join(parts)

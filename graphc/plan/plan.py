@@ -40,19 +40,23 @@ class ExecutionPlan:
         return [s.stage_id for s in self.stages if self.rank in s.ranks]
 
     def __str__(self) -> str:
+        """The header, the stages line and the notes (`# ...`), then one instruction a line."""
+        return "\n".join(self._header() + [f"{i:4d}  {ins}" for i, ins in enumerate(self.instructions)])
+
+    def _header(self) -> List[str]:
         head = (f"# graphc plan: rank {self.rank} of {self.world_size}, schedule={self.schedule}, "
                 f"microbatches={self.num_microbatches}, stages={self.local_stages}, "
                 f"{'training' if self.training else 'inference'}"
                 + (f", checkpointing={self.checkpointing}" if self.checkpointing != "never" else ""))
-        notes = [f"# {key}: {text}" for key, text in sorted(self.notes.items())]
-        lines = [head] + notes + [f"{i:4d}  {ins}" for i, ins in enumerate(self.instructions)]
-        return "\n".join(lines)
+        stages = ([f"# {STAGES_LINE}: " + " ".join(f"{s.stage_id}={s.device_type}[{_fmt_ranks(s.ranks)}]"
+                                                  for s in self.stages)] if self.stages else [])
+        return [head] + stages + [f"# {key}: {text}" for key, text in sorted(self.notes.items())]
 
     def format(self, mark: Optional[int] = None, note: str = "") -> str:
         """The listing with instruction `mark` flagged `<-- ERROR HERE`."""
         lines = str(self).splitlines()
         if mark is not None:
-            lines[mark + 1 + len(self.notes)] += f"   <-- ERROR HERE{': ' + note if note else ''}"
+            lines[mark + len(self._header())] += f"   <-- ERROR HERE{': ' + note if note else ''}"
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -83,16 +87,42 @@ class ExecutionPlan:
 
     @staticmethod
     def parse(text: str) -> "ExecutionPlan":
-        """Parses `str(plan)` back (header fields rank/world/schedule/microbatches/checkpointing,
-        training or inference, and the notes)."""
+        """Parses `str(plan)` back: `parse(str(plan)) == plan` (a listing without the stages
+        line, as written by hand, has no stages)."""
         lines = text.strip().splitlines()
         head = lines[0]
         fields = dict(kv.split("=", 1) for kv in head.replace(",", " ").split() if "=" in kv)
         rank = int(head.split("rank ")[1].split()[0])
         world = int(head.split(" of ")[1].split(",")[0])
-        notes = dict(line[2:].split(": ", 1) for line in lines[1:] if line.startswith("# "))
+        comments = dict(line[2:].split(": ", 1) for line in lines[1:] if line.startswith("# "))
+        stages = tuple(_parse_stage(s) for s in comments.pop(STAGES_LINE, "").split())
         instrs = [parse_instruction(line.split(None, 1)[1]) for line in lines[1:]
                   if not line.startswith("#")]
         return ExecutionPlan(rank, world, instrs, int(fields["microbatches"]), fields["schedule"],
-                             training="inference" not in head, notes=notes,
+                             stages, training="inference" not in head, notes=comments,
                              checkpointing=fields.get("checkpointing", "never"))
+
+
+STAGES_LINE = "pipeline stages"   # `# pipeline stages: 0=cpu[0..3] 1=cpu[4..7]`, never a note's key
+
+
+def _fmt_ranks(ranks: Tuple[int, ...]) -> str:
+    """'0..3,8,10' for (0, 1, 2, 3, 8, 10): ascending runs of three or more as a..b, in order."""
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out += [f"{ranks[i]}..{ranks[j]}"] if j - i >= 2 else [str(r) for r in ranks[i:j + 1]]
+        i = j + 1
+    return ",".join(out)
+
+
+def _parse_stage(text: str) -> StageInfo:
+    stage, rest = text.split("=", 1)
+    device, ranks = rest[:-1].split("[", 1)
+    flat: List[int] = []
+    for item in filter(None, ranks.split(",")):
+        a, _, b = item.partition("..")
+        flat += range(int(a), int(b) + 1) if b else [int(a)]
+    return StageInfo(int(stage), tuple(flat), device)

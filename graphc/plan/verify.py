@@ -346,12 +346,14 @@ def _fail_deadlock(by_rank, cycle, hubs) -> None:
 def _marked_listing(plan: ExecutionPlan, marks, context: int = 3) -> str:
     """The rank's listing around the marked instructions, each flagged `<-- ERROR HERE`."""
     lines = str(plan).splitlines()
-    keep = {0} | {j for i in marks for j in range(i + 1 - context, i + 2 + context) if 0 < j < len(lines)}
+    head = len(lines) - len(plan.instructions)   # the header, stages and notes lines
+    keep = set(range(head)) | {j for i in marks for j in range(i + head - context, i + head + 1 + context)
+                               if head <= j < len(lines)}
     out, last = [], 0
     for j in sorted(keep):
         if j > last + 1:
             out.append("   ...")
-        out.append(lines[j] + ("   <-- ERROR HERE" if j - 1 in marks else ""))
+        out.append(lines[j] + ("   <-- ERROR HERE" if j - head in marks else ""))
         last = j
     if last < len(lines) - 1:
         out.append("   ...")

@@ -25,7 +25,8 @@ from .passes.annotate_stages import annotate_stages
 from .passes.decompose_modules import decompose_modules
 from .passes.defer_batch_norm import defer_batch_norm
 from .passes.feed_whole_batch import feed_whole_batch
-from .passes.find_batch_dims import batched_inputs, find_batch_dims
+from .passes.check_row_groups import check_row_groups
+from .passes.find_batch_dims import batched_inputs, find_batch_dims, input_names
 from .passes.infer_sbp import infer_sbp
 from .passes.insert_boxing import insert_boxing
 from .passes.insert_checkpoints import insert_checkpoints
@@ -46,6 +47,7 @@ from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
 from .plan.schedules import pipeline_ranks
 from .plan.verify import verify_plans
+from .sbp.declared import META_DECLARED, conversion_target, to_global_op
 from .sbp.layout import stage_meshes
 
 
@@ -104,15 +106,20 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     m = cfg.gradient_accumulation_steps
     # 0. the stages set_stage names, checked (ranks inside the world, ids without gaps)
     stages, stage_of_module = _step(h, "collect_stages", collect_stages, graph_obj, world_size)
+    # 0a. the layouts to_global gave the Graph's parameters and buffers, as they are now
+    declared = _step(h, "declared_layouts", graph_obj._declared_layouts)
     batched = None
-    if m > 1:  # 0. which inputs carry the batch dim, by data flow on build() for the whole batch
+    if m > 1:  # 0b. which inputs carry the batch dim, by data flow on build() for the whole batch
         whole = _step(h, "trace_build (whole batch)", trace_build, graph_obj, example_inputs, 1)
         whole = _step(h, "propagate_shapes (whole batch)", propagate_shapes, whole, example_inputs, 1)
         whole = _step(h, "find_batch_dims (whole batch)", find_batch_dims, whole, m)
         batched = _step(h, "batched_inputs (whole batch)", batched_inputs, whole)
+        # 0c. batched inputs cut their rows into micro-batches alike (NOTE: Row groups)
+        _step(h, "check_row_groups", check_row_groups, input_names(whole), batched, input_layouts, m)
     # 1. trace build() into one fx graph for one micro-batch's shapes: the whole step,
     #    backward() as a node, shapes as constants
     gm = _step(h, "trace_build", trace_build, graph_obj, example_inputs, m, batched)
+    gm.meta[META_DECLARED] = declared   # the passes read them off the graph they annotate
     # 2. reject what a static graph cannot hold (host syncs, several backward())
     _step(h, "verify_traced", verify_traced, gm)
     # 2'. modules with parameters that build() never uses are said once (no rank owns them)
@@ -134,7 +141,7 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     # 5. check data flows forward through stages and the loss is a scalar
     _step(h, "verify_annotated", verify_annotated, gm, stage_of_module, len(stages))
     # 5'. each stage's mesh: 2-D where a declared placement names its ranks as one
-    meshes = _step(h, "declared_meshes", declared_meshes, stages, graph_obj, gm, input_layouts)
+    meshes = _step(h, "declared_meshes", declared_meshes, stages, graph_obj, gm, input_layouts, declared)
     # 5a. nn layers as functional ops on get_attr parameters, so SBP rules see parameters
     gm = _step(h, "decompose_modules", decompose_modules, gm, meshes)
     # 5a'. with deferred batch norm, running statistics take one whole-mini-batch update per step
@@ -167,7 +174,7 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     plans = _step(h, "insert_tie_sync", insert_tie_sync, plans, programs, stages)
     # 7c. clipping by the global grad norm (one scalar all-reduce), once gradients are final
     plans = _step(h, "insert_grad_clip", insert_grad_clip, plans, programs, meshes,
-                  cfg.grad_clip_norm)
+                  cfg.grad_clip_norm, declared)
     # 7d. each conversion's collectives listed where its compute issues them (SBP, ranks, bytes)
     plans = _step(h, "list_collectives", list_collectives, plans, programs)
     # 8. all plans together must pair up and be free of deadlock
@@ -270,18 +277,15 @@ def _default_device_type(graph_obj) -> str:
     return "cpu"
 
 
-def declared_meshes(stages, graph_obj, gm, input_layouts) -> List[tuple]:
+def declared_meshes(stages, graph_obj, gm, input_layouts, declared) -> List[tuple]:
     """One mesh per stage, from every placement the user declared (sbp/layout.stage_meshes)."""
-    return stage_meshes(stages, _declared_placements(graph_obj, gm, input_layouts))
+    return stage_meshes(stages, _declared_placements(graph_obj, gm, input_layouts, declared))
 
 
-def _declared_placements(graph_obj, gm, input_layouts):
+def _declared_placements(graph_obj, gm, input_layouts, declared):
     """Every placement the user named: set_stage, to_global on parameters, inputs, build()."""
-    from .global_tensor import conversion_target, declared_layout, to_global_op
     found = [c.placement for c in graph_obj._module_configs.values() if c.placement]
-    for t in list(graph_obj._root.parameters()) + list(graph_obj._root.buffers()):
-        layout = declared_layout(t)
-        found += [layout[0]] if layout else []
+    found += declared.placements()
     found += [l[0] for l in input_layouts if l]
     found += [conversion_target(n)[0] for n in gm.graph.nodes if n.target is to_global_op]
     return found

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Tuple
 
 import torch
@@ -11,6 +12,7 @@ import torch.nn as nn
 from .errors import GraphcError
 from .placement import Broadcast, PartialSum, Split, normalize_sbp
 from .placement import placement as Placement
+from .sbp.declared import conversion_target, encode_sbp, to_global_op
 from .sbp.layout import local_shape
 
 
@@ -72,7 +74,7 @@ def to_global(obj, placement: Placement, sbp, shape=None):
         # plain data only: fx would turn dataclass arguments into constructor nodes
         return obj.tracer.create_proxy("call_function", to_global_op, (obj,),
                                        {"placement": (placement.type, placement.ranks),
-                                        "sbp": tuple(_encode(s) for s in sbp_t)})
+                                        "sbp": encode_sbp(sbp_t)})
     if isinstance(obj, nn.Module):
         for name, t in list(obj.named_parameters()) + list(obj.named_buffers()):
             where = f"to_global on {type(obj).__name__}, tensor '{name}' (shape {list(t.shape)})"
@@ -93,7 +95,9 @@ def to_global(obj, placement: Placement, sbp, shape=None):
     raise GraphcError(f"to_global expects an nn.Module, a parameter or a tensor, found {type(obj).__name__}")
 
 
-# id(tensor) -> (placement, sbp tuple, tensor); holding the tensor keeps the id valid.
+# id(tensor) -> (placement, sbp tuple, weak reference to the tensor, override): what
+# to_global declared, until the tensor dies. The compiler never reads it: a Graph snapshots
+# its parameters' entries when it compiles (Graph.declared_layouts, sbp/declared.py).
 _DECLARED: dict = {}
 
 
@@ -108,14 +112,17 @@ def _declare(t: torch.Tensor, placement: Placement, sbp: tuple, override: bool) 
             f"to_global: a parameter or buffer (shape {list(t.shape)}) on the {placement.ndim}-D "
             f"{placement} needs {placement.ndim} sbp value(s), found {len(sbp)}. Fix: give one "
             "sbp per mesh axis, e.g. sbp=(sbp.broadcast, sbp.split(0)).")
-    if override or id(t) not in _DECLARED or not _DECLARED[id(t)][3]:
-        _DECLARED[id(t)] = (placement, sbp, t, override)
+    if id(t) not in _DECLARED:
+        weakref.finalize(t, _DECLARED.pop, id(t), None)
+    elif not override and _DECLARED[id(t)][3]:
+        return   # a module's to_global keeps what to_global on the parameter itself said
+    _DECLARED[id(t)] = (placement, sbp, weakref.ref(t), override)
 
 
 def declared_layout(t: torch.Tensor):
     """(placement, sbp) given by to_global for a parameter or buffer, or None."""
     entry = _DECLARED.get(id(t))
-    if entry is None or entry[2] is not t:
+    if entry is None or entry[2]() is not t:
         return None
     return entry[0], entry[1]
 
@@ -160,25 +167,6 @@ def _this_rank():
         return dist.get_rank()
     rank = os.environ.get("RANK")
     return int(rank) if rank is not None and rank.isdigit() else None
-
-
-def to_global_op(t: torch.Tensor, placement: tuple, sbp: tuple) -> torch.Tensor:
-    """The traced form of to_global inside build(); lowered by the compiler (insert_boxing).
-
-    placement is (type, ranks); sbp holds one code per mesh axis (see conversion_target).
-    """
-    return t
-
-
-def _encode(s) -> int:
-    return s.dim if isinstance(s, Split) else (-1 if isinstance(s, Broadcast) else -2)
-
-
-def conversion_target(node) -> tuple:
-    """(placement, sbp tuple) of a traced to_global_op node."""
-    kind, ranks = node.kwargs["placement"]
-    decode = {-1: Broadcast(), -2: PartialSum()}
-    return Placement(kind, ranks), tuple(decode.get(c) or Split(c) for c in node.kwargs["sbp"])
 
 
 __all__ = ["GlobalTensor", "to_global", "declared_layout", "to_global_op",

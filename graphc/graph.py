@@ -18,6 +18,7 @@ from .placement import placement as Placement
 from .plan.ops import compiled_groups, create_groups
 from .plan.plan import ExecutionPlan
 from .runtime.actors import Runtime
+from .sbp.declared import DeclaredLayouts
 from .runtime.comm import P2P
 from .runtime.agreement import check_agreement, fingerprint_tensor, step_facts
 from .runtime.rng import agree_base_seed
@@ -142,6 +143,14 @@ class Graph:
         object.__setattr__(self, "_lr_scheduler", lr_sch)
 
     # -- compile and run -------------------------------------------------------------
+    def _declared_layouts(self) -> DeclaredLayouts:
+        """A snapshot of what to_global declared for this Graph's parameters and buffers, by
+        every name each has (a tied weight under each), for the compiler to read."""
+        root = self._root
+        named = (list(root.named_parameters(remove_duplicate=False))
+                 + list(root.named_buffers(remove_duplicate=False)))
+        return DeclaredLayouts({name: layout for name, t in named for layout in [declared_layout(t)] if layout})
+
     def compile(self, *inputs) -> ExecutionPlan:
         """Compiles for these example inputs without running a step; returns this rank's plan."""
         if self._compiled is None:

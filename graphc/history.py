@@ -55,7 +55,7 @@ def describe(out: Any) -> str:
         return "\n\n".join(str(p) for p in shown_plans(out))
     if isinstance(out, (list, tuple)) and not all(isinstance(v, (bool, int, float, str)) for v in out):
         return "\n".join(f"# {item}" for item in out)
-    return f"# {out}"
+    return "\n".join(f"# {line}" for line in str(out).splitlines())
 
 
 def shown_plans(plans: List[ExecutionPlan]) -> List[ExecutionPlan]:

@@ -45,14 +45,6 @@ MAY_IMPORT = {
 # (importing module, imported module); a listed import that is gone fails the test, so the
 # list only shrinks.
 ALLOWED = {
-    # Declared layouts live in the API's process-global registry (global_tensor._DECLARED,
-    # keyed by id(tensor)) and to_global()'s traced op is defined there; they move below the
-    # API (onto the traced nodes) with the "declared layouts" part of issue 13.
-    ("graphc.compiler", "graphc.global_tensor"): "declared layouts, to_global_op",
-    ("graphc.passes.decompose_modules", "graphc.global_tensor"): "declared layouts",
-    ("graphc.passes.infer_sbp", "graphc.global_tensor"): "declared layouts, to_global_op",
-    ("graphc.passes.insert_grad_clip", "graphc.global_tensor"): "declared layouts",
-    ("graphc.passes.place_by_layout", "graphc.global_tensor"): "declared layouts, to_global_op",
     # Graph runs plan mode and the profiler trace from tools/; they leave the API when
     # compile() takes a spec and plan mode becomes an option of that one compile path.
     ("graphc.graph", "graphc.tools.plan_mode"): "plan mode",

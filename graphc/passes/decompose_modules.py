@@ -22,10 +22,10 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..global_tensor import declared_layout
 from ..meta import META_PIECES, META_STAGE, META_STAGE_WHY, META_TENSOR, TensorMeta
 from ..placement import Broadcast, Split
 from ..sbp import local_ops
+from ..sbp.declared import declared_in
 from ..sbp.layout import flat, mesh_shape
 
 _ACTIVATIONS = {nn.ReLU: F.relu, nn.GELU: F.gelu, nn.SiLU: F.silu, nn.Tanh: F.tanh,
@@ -77,7 +77,7 @@ def _functional(gm, node: fx.Node, mod: nn.Module):
     if type(mod) is nn.Linear and len(node.args) == 1:
         w = _attr(gm, node, "weight", mod.weight)
         b = _attr(gm, node, "bias", mod.bias) if mod.bias is not None else None
-        layout = declared_layout(mod.weight)
+        layout = declared_in(gm).of(f"{node.target}.weight")
         if b is not None and layout and any(isinstance(s, Split) and s.dim == 1 for s in layout[1]):
             y = _call(gm, node, F.linear, [x, w])
             return _call(gm, node, operator.add, [y, b])
@@ -188,7 +188,7 @@ def _fused_linear(gm, node: fx.Node, mod: nn.Module, mesh: tuple):
 
 def _param_pieces(gm, node: fx.Node, name: str, t, k: int) -> list:
     p = _attr(gm, node, name, t)
-    layout = declared_layout(t)
+    layout = declared_in(gm).of(f"{node.target}.{name}")
     if layout and any(isinstance(s, Split) for s in layout[1]):
         p.meta[META_PIECES] = (k, 0)
     chunks = _call(gm, node, torch.chunk, [p, k, 0])
@@ -205,12 +205,13 @@ def _pieces(gm, node: fx.Node, mod: nn.Module, mesh: tuple):
     by the axis' ranks, then unpacked; else None."""
     if type(mod) is not nn.Linear or len(node.args) != 1 or node.kwargs:
         return None
-    layout = declared_layout(mod.weight)
+    declared = declared_in(gm)
+    layout = declared.of(f"{node.target}.weight")
     axes = [a for a, s in enumerate(layout[1]) if isinstance(s, Split)] if layout else []
     if len(axes) != 1 or layout[1][axes[0]].dim != 0:
         return None
-    if mod.bias is not None and declared_layout(mod.bias) and declared_layout(mod.bias)[1] not in \
-            (layout[1], tuple(Broadcast() for _ in layout[1])):
+    bias = declared.of(f"{node.target}.bias") if mod.bias is not None else None
+    if bias and bias[1] not in (layout[1], tuple(Broadcast() for _ in layout[1])):
         return None
     n = mesh_shape(mesh)[axes[0]]
     calls = [u for u in gm.graph.nodes if u.op == "call_module" and u.target == node.target]

@@ -18,11 +18,11 @@ import torch
 import torch.fx as fx
 
 from ..errors import GraphcError
-from ..global_tensor import conversion_target, declared_layout, to_global_op
 from ..meta import (META_BATCHED, META_GRAD_PARTIAL, META_PIECES, META_SBP, META_STAGE, META_TENSOR,
                     SbpSignature, is_backward)
 from ..placement import Broadcast, normalize_sbp
 from ..sbp.cost import conversion_cost, tensor_bytes
+from ..sbp.declared import conversion_target, declared_in, to_global_op
 from ..sbp.layout import B, flat, fmt, is_even, local_shape, mesh_shape, same_shape
 from ..sbp.rules import RuleCtx, draws_random, rule_for
 
@@ -105,7 +105,7 @@ def _input_sbp(node: fx.Node, given, mesh: tuple) -> tuple:
 
 def _param_sbp(gm: fx.GraphModule, node: fx.Node, mesh: tuple) -> tuple:
     t = _fetch(gm, str(node.target))
-    layout = declared_layout(t) if isinstance(t, torch.Tensor) else None
+    layout = declared_in(gm).of(str(node.target)) if isinstance(t, torch.Tensor) else None
     if layout is None:
         return _all_b(mesh)
     where, sbp = layout
@@ -192,9 +192,10 @@ def _fallback(node: fx.Node, mesh: tuple, tensors: List[fx.Node]) -> SbpSignatur
 
 
 def _check_module_params(node: fx.Node, mesh: tuple) -> None:
-    mod = node.graph.owning_module.get_submodule(node.target)
+    gm = node.graph.owning_module
+    mod = gm.get_submodule(node.target)
     for name, p in list(mod.named_parameters()) + list(mod.named_buffers()):
-        layout = declared_layout(p)
+        layout = declared_in(gm).of(f"{node.target}.{name}")
         if layout and not all(isinstance(s, Broadcast) for s in layout[1]):
             raise GraphcError(
                 f"module '{node.target}' ({type(mod).__name__}) has parameter '{name}' declared "

@@ -14,20 +14,21 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Set
 
-from ..global_tensor import declared_layout
 from ..meta import META_SBP
 from ..placement import Broadcast, Split
 from ..plan.instructions import ClipGradNorm, OptimizerStep, TensorSpec
 from ..plan.plan import ExecutionPlan
 from ..plan.program import StageProgram
+from ..sbp.declared import DeclaredLayouts
 from ..sbp.layout import coord, flat, mesh_shape
 
 
 def insert_grad_clip(plans: Sequence[ExecutionPlan], programs: Sequence[StageProgram],
-                     meshes: Sequence[tuple], max_norm: Optional[float]) -> List[ExecutionPlan]:
+                     meshes: Sequence[tuple], max_norm: Optional[float],
+                     declared: DeclaredLayouts = DeclaredLayouts()) -> List[ExecutionPlan]:
     if max_norm is None or not any(p.training for p in plans):
         return list(plans)
-    counted = _counted_params(programs, meshes)
+    counted = _counted_params(programs, meshes, declared)
     ranks = tuple(sorted({r for mesh in meshes[:len(programs)] for r in flat(mesh)}))
     dtype = _grad_dtype(programs)
     for plan in plans:
@@ -40,7 +41,8 @@ def insert_grad_clip(plans: Sequence[ExecutionPlan], programs: Sequence[StagePro
     return list(plans)
 
 
-def _counted_params(programs: Sequence[StageProgram], meshes: Sequence[tuple]) -> Dict[int, List[str]]:
+def _counted_params(programs: Sequence[StageProgram], meshes: Sequence[tuple],
+                    declared: DeclaredLayouts) -> Dict[int, List[str]]:
     """rank -> names (in its stage program) of the parameters whose gradients it counts."""
     out: Dict[int, List[str]] = {}
     seen: Set[int] = set()  # a tied parameter: counted by the first stage that holds it
@@ -52,7 +54,7 @@ def _counted_params(programs: Sequence[StageProgram], meshes: Sequence[tuple]) -
             if id(p) in seen or not p.requires_grad:
                 continue
             seen.add(id(p))
-            sbp = layouts[name].out if name in layouts else _declared_sbp(p, mesh)
+            sbp = layouts[name].out if name in layouts else _declared_sbp(declared.of(name), mesh)
             for r in flat(mesh):
                 # one copy of each shard: index 0 on every axis where the parameter is whole
                 if all(c == 0 for c, s in zip(coord(mesh, r), sbp) if not isinstance(s, Split)):
@@ -60,9 +62,8 @@ def _counted_params(programs: Sequence[StageProgram], meshes: Sequence[tuple]) -
     return out
 
 
-def _declared_sbp(p, mesh: tuple) -> tuple:
+def _declared_sbp(layout, mesh: tuple) -> tuple:
     """A parameter read inside a module kept whole: its to_global layout, else broadcast."""
-    layout = declared_layout(p)
     axes = len(mesh_shape(mesh))
     if layout is not None and len(layout[1]) == axes:
         return layout[1]

@@ -28,9 +28,9 @@ import torch
 import torch.fx as fx
 
 from ..errors import GraphcError
-from ..global_tensor import conversion_target, declared_layout, to_global_op
 from ..meta import (META_FOUND_STAGES, META_PLACEMENT, META_STAGE, META_STAGE_WHY, FoundStage,
                     is_backward)
+from ..sbp.declared import conversion_target, declared_in, to_global_op
 from .verify_graph import user_line
 
 # where a node is placed, and what placed it there (for messages): (placement, source)
@@ -80,7 +80,7 @@ def _own_claim(gm: fx.GraphModule, node: fx.Node, given: Dict[fx.Node, object]) 
         return conversion_target(node)[0], f"to_global at {node.name}"
     if node.op == "get_attr":
         t = _fetch(gm, str(node.target))
-        layout = declared_layout(t) if isinstance(t, torch.Tensor) else None
+        layout = declared_in(gm).of(str(node.target)) if isinstance(t, torch.Tensor) else None
         return (layout[0], f"parameter {node.target}") if layout else None
     if node.op == "call_module":
         return _module_claim(gm, node)
@@ -90,9 +90,10 @@ def _own_claim(gm: fx.GraphModule, node: fx.Node, given: Dict[fx.Node, object]) 
 def _module_claim(gm: fx.GraphModule, node: fx.Node) -> Optional[Claim]:
     """A module's call runs where its declared parameters and buffers are: all in one place."""
     mod = gm.get_submodule(str(node.target))
-    claims = [(layout[0], f"parameter {node.target}.{name}") for name, t in
+    declared = declared_in(gm)
+    claims = [(layout[0], f"parameter {node.target}.{name}") for name, _ in
               list(mod.named_parameters()) + list(mod.named_buffers())
-              for layout in [declared_layout(t)] if layout]
+              for layout in [declared.of(f"{node.target}.{name}")] if layout]
     for where, source in claims[1:]:
         if _key(where) != _key(claims[0][0]):
             raise GraphcError(

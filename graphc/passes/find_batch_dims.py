@@ -57,6 +57,11 @@ def batched_inputs(gm: fx.GraphModule) -> List[bool]:
     return [bool(n.meta.get(META_BATCHED)) for n in gm.graph.nodes if n.op == "placeholder"]
 
 
+def input_names(gm: fx.GraphModule) -> List[str]:
+    """build()'s argument names, in order."""
+    return [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+
+
 def _value(gm, node: fx.Node, env, syms: Symbols, events: List[Coupling]):
     meta = node.meta.get(META_TENSOR)
     if node.op == "placeholder":

@@ -99,7 +99,7 @@ def test_values_flowing_backwards_through_stages_are_rejected():
 def test_history_records_every_pass():
     names = [r.name for r in compiled(p=2).history]
     assert names == ["collect_stages", "declared_layouts", "trace_build (whole batch)", "propagate_shapes (whole batch)",
-                     "find_batch_dims (whole batch)", "batched_inputs (whole batch)", "trace_build",
+                     "find_batch_dims (whole batch)", "batched_inputs (whole batch)", "check_row_groups", "trace_build",
                      "verify_traced", "warn_unused_parameters", "check_layout",
                      "annotate_stages", "propagate_shapes", "find_batch_dims", "verify_annotated",
                      "declared_meshes", "decompose_modules", "defer_batch_norm", "infer_sbp",

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .block import ModuleBlock
 from .errors import GraphcError
 from .placement import Broadcast, PartialSum, Split, normalize_sbp
 from .placement import placement as Placement
@@ -75,6 +76,9 @@ def to_global(obj, placement: Placement, sbp, shape=None):
         return obj.tracer.create_proxy("call_function", to_global_op, (obj,),
                                        {"placement": (placement.type, placement.ranks),
                                         "sbp": encode_sbp(sbp_t)})
+    if isinstance(obj, ModuleBlock):    # graph.model.sub, after assigning model to a Graph
+        to_global(obj._module, placement=placement, sbp=sbp)
+        return obj
     if isinstance(obj, nn.Module):
         for name, t in list(obj.named_parameters()) + list(obj.named_buffers()):
             where = f"to_global on {type(obj).__name__}, tensor '{name}' (shape {list(t.shape)})"

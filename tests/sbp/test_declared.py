@@ -54,3 +54,11 @@ def test_a_declaration_dies_with_its_tensor():
     del p
     gc.collect()
     assert key not in global_tensor._DECLARED
+
+
+def test_to_global_on_a_submodule_reached_through_the_graph():
+    g = Net(nn.Sequential(nn.Linear(4, 4)))
+    assert graphc.to_global(g.fc[0], placement=P01, sbp=sbp.split(0)) is not None  # a ModuleBlock
+    cg = compiler.compile(g, [torch.randn(2, 4)], 2)
+    declared = cg.gm.meta[META_DECLARED]
+    assert declared.of("fc.0.weight") == declared.of("fc.0.bias") == (P01, (Split(0),))

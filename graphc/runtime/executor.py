@@ -33,18 +33,20 @@ import torch
 from ..plan.ops import all_reduce_sum
 from ..plan.program import StageProgram
 from ..plan.random_ops import drawing
+from .weight_grads import WeightGroups
 
 
 class _Saved:
     """What a micro-batch keeps between its forward and its backward."""
 
-    __slots__ = ("leaves", "outs", "inputs", "buffers", "nbytes", "roots", "grads")
+    __slots__ = ("leaves", "outs", "inputs", "buffers", "nbytes", "roots", "grads", "weights")
 
     def __init__(self, leaves, outs, inputs=None, buffers=None, nbytes=0):
         self.leaves, self.outs, self.inputs, self.buffers = leaves, outs, inputs, buffers
         self.nbytes = nbytes
         self.roots: Optional[list] = None   # set by backward_input for backward_weight
         self.grads: Optional[list] = None
+        self.weights: Optional[WeightGroups] = None   # what W runs (NOTE: Weight gradients)
 
 
 class StageExecutor:
@@ -143,10 +145,19 @@ class StageExecutor:
         roots, root_grads = self._roots(mb, saved, grads)
         saved.roots, saved.grads = roots, root_grads
         leaves = [t for t in saved.leaves.values()]
+        if roots and self._params:
+            saved.weights = WeightGroups.find(roots, leaves, self._params)
         if roots and leaves:
-            with drawing(*self.draw, mb):
-                got = torch.autograd.grad(roots, leaves, root_grads, retain_graph=True,
-                                          allow_unused=True)
+            weights = saved.weights
+            if weights is not None:
+                weights.keep()
+            try:
+                with drawing(*self.draw, mb):
+                    got = torch.autograd.grad(roots, leaves, root_grads, retain_graph=True,
+                                              allow_unused=True)
+            finally:
+                if weights is not None:
+                    weights.release()
             return {name: (g if g is not None else torch.zeros_like(t))
                     for (name, t), g in zip(saved.leaves.items(), got)}
         return {name: torch.zeros_like(t) for name, t in saved.leaves.items()}
@@ -154,11 +165,12 @@ class StageExecutor:
     def backward_weight(self, mb: int) -> None:
         """The parameters' gradients of micro-batch mb (after its backward_input)."""
         saved = self._pop(mb)
-        params = self._params if saved.roots else []
-        if params:  # (a parameter the roots do not lead to simply gets no gradient)
+        if saved.roots and saved.weights is not None:
+            # from where I left each parameter's branch (NOTE: Weight gradients); a parameter
+            # the roots do not lead to simply gets no gradient
             with drawing(*self.draw, mb):
-                torch.autograd.backward(saved.roots, saved.grads, inputs=params)
-        saved.roots = saved.grads = None
+                saved.weights.run(saved.roots, saved.grads)
+        saved.roots = saved.grads = saved.weights = None
 
     def _pop(self, mb: int) -> _Saved:
         saved = self.saved.pop(mb)

@@ -147,18 +147,14 @@ def measure(size: int, out: str, profile: str = None) -> dict:
     """Compiles, writes, charts and simulates the `size`-rank plan; seconds and MiB per phase."""
     pp, dp, tp, m = SIZES[size]
     world_env(size)
-    import torch
-
     from graphc import compiler
-    from graphc.graph import _local_and_global
+    from graphc.graph import _compile_inputs, _local_and_global
     from graphc.tools import dump
     from graphc.tools.chart import charts_available
-    from graphc.tools.plan_mode import _layouts
     from graphc.tools.summary import stage_summary
 
     graph, inputs = mlp_graph(pp, dp, tp, m)
-    args = _local_and_global(inputs)
-    example = [torch.empty(shape, dtype=local.dtype) for local, (shape, _, _) in args]
+    example, layouts = _compile_inputs(_local_and_global(inputs))
     rec = {"ranks": size, "layout": f"{pp} x {dp} x {tp}", "microbatches": m,
            "rss_start_mib": maxrss_mib()}
     profiler = None
@@ -177,7 +173,7 @@ def measure(size: int, out: str, profile: str = None) -> dict:
         rec[f"rss_{name}_mib"] = maxrss_mib()
         return result
 
-    compiled = phase("compile", lambda: compiler.compile(graph, example, size, **_layouts(args)))
+    compiled = phase("compile", lambda: compiler.compile(graph, example, size, layouts))
     rec["verify"] = sum(r.seconds for r in compiled.history if r.name == "verify_plans")
     rec["lower"] = sum(r.seconds for r in compiled.history
                        if r.name in ("lower_plan", "insert_grad_sync", "insert_tie_sync",

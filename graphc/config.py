@@ -94,7 +94,7 @@ class GraphConfig:
     def set_trace(self, path: str, steps: int = 5) -> None:
         """Writes the first `steps` steps of every rank's instruction timeline to `path`.
 
-        One Chrome-trace / Perfetto JSON file, merged on rank 0 (see graphc/tools/trace.py);
+        One Chrome-trace / Perfetto JSON file, merged on rank 0 (see graphc/runtime/trace.py);
         the environment variable GRAPHC_TRACE=path does the same without code changes.
         """
         self._check_open("set_trace")

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import compiler
+from . import compiler, plan_mode
 from .block import ModuleBlock
 from .config import GraphConfig
 from .dcp import dcp_state_dict, user_prefix
@@ -22,12 +22,11 @@ from .sbp.declared import DeclaredLayouts
 from .runtime.comm import P2P
 from .runtime.agreement import check_agreement, fingerprint_tensor, step_facts
 from .runtime.rng import agree_base_seed
+from .runtime.trace import Tracer
 from .runtime.dist_env import device_for, ensure_process_group, timeout_seconds
 from .runtime.watchdog import run_step
 from .sbp.layout import is_even
 from .state import GraphState, check_state_dict
-from .tools import plan_mode
-from .tools.trace import Tracer
 
 
 _CREATED: Dict[str, int] = {}  # Graph subclass name -> instances created in this process
@@ -190,8 +189,11 @@ class Graph:
         return self._compiled
 
     def _compile(self, args) -> None:
-        if plan_mode.active():  # graphc plan: compile for N ranks here, write, no process group
-            object.__setattr__(self, "_compiled", plan_mode.compile_graph(self, args))
+        mode = plan_mode.active()
+        if mode is not None:  # graphc plan: compile for N ranks here, write, no process group
+            compiled = self._trace_and_compile(args, mode.nproc)
+            mode.write_graph(self, compiled)  # the tools' writer (See NOTE: Plan-mode writer)
+            object.__setattr__(self, "_compiled", compiled)
             return
         _check_cuda_available(self, args)  # before torch's own AssertionError, on every rank
         device_types = {where.type for _, where in _named_placements(self, args)}  # set_stage or not
@@ -211,8 +213,7 @@ class Graph:
     def _trace_and_compile(self, args, world: int) -> compiler.CompiledGraph:
         """compiler.compile for these inputs' global shapes and layouts, recording which Graph
         attributes build() reads (and their values)."""
-        example = [torch.empty(g_shape, dtype=local.dtype) for local, (g_shape, _, _) in args]
-        layouts = [(where, sbp) if sbp is not None else None for _, (_, sbp, where) in args]
+        example, layouts = _compile_inputs(args)
         object.__setattr__(self, "_attr_reads", {})
         try:
             compiled = compiler.compile(self, example, world, layouts)
@@ -526,6 +527,14 @@ def _local_and_global(inputs) -> list:
                               "tensors or graphc.GlobalTensor. Fix: pass constants as module "
                               "attributes or Graph attributes instead.")
     return out
+
+
+def _compile_inputs(args):
+    """compiler.compile's example inputs (empty, of the global shapes) and input layouts
+    (per input, None or a GlobalTensor's (placement, sbp)) for _local_and_global's args."""
+    example = [torch.empty(g_shape, dtype=local.dtype) for local, (g_shape, _, _) in args]
+    layouts = [(where, sbp) if sbp is not None else None for _, (_, sbp, where) in args]
+    return example, layouts
 
 
 def _check_input_placements(compiled, args) -> None:

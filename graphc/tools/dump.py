@@ -19,12 +19,12 @@ import os
 from typing import List, Optional, Tuple
 
 from ..errors import GraphcError
+from ..runtime.trace import timeline_to_chrome
 from .chart import INSTALL_HINT, charts_available, draw_timeline
 from .costs import CostModel, device_costs, measure_costs
-from .rows import ranges
+from .rows import fold_ranks, ranges, row_label
 from .simulate import simulate
 from .summary import stage_summary
-from .trace import timeline_to_chrome
 
 ALL_RANKS_BELOW = 64    # worlds this small get every rank's plan file by default
 STEADY_STEPS = 4
@@ -171,7 +171,8 @@ def write_simulation(graph, compiled, folder: str, how: str, chart: bool = True)
     if chart:
         out += draw_timeline(result.timeline, os.path.join(folder, "simulated"), title,
                              notes=rank_notes(compiled))
-    trace = timeline_to_chrome(result.timeline, process_prefix="simulated", fold=True,
-                               notes=rank_notes(compiled))
+    notes = rank_notes(compiled)
+    rows = [(ranks, row_label(ranks, notes)) for ranks in fold_ranks(result.timeline)]
+    trace = timeline_to_chrome(result.timeline, process_prefix="simulated", rows=rows)
     out.append(_write(os.path.join(folder, "simulated_trace.json"), json.dumps(trace)))
     return out

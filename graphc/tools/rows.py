@@ -1,7 +1,7 @@
 """The rows of a chart or trace: ranks that run identical timelines folded into one row.
 
 Ranks of one stage run the same program, so a thousand-rank plan usually shows a few dozen
-distinct timelines; charts (chart.py) and the simulated Chrome trace (trace.py) draw one
+distinct timelines; charts (chart.py) and the simulated Chrome trace (dump.py) draw one
 row per distinct timeline, labelled with its ranks: `ranks 0-7, stage 0`.
 """
 from __future__ import annotations

@@ -74,36 +74,16 @@ from array import array
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import PlanError
 from ..plan.instructions import (AllReduce, Backward, BackwardInput, BackwardWeight, Collective,
-                                 Forward, Instruction, OptimizerStep, OverlapFB, Recv, Send)
+                                 Forward, Instruction, OverlapFB, Recv, Send)
 from ..plan.plan import ExecutionPlan
+# the timeline vocabulary, shared with the measured traces the runtime writes
+from ..runtime.trace import COMPUTE_KINDS, Span, Timeline, kind_of
 from .costs import CostModel
 
-
-class Span(NamedTuple):
-    """One instruction on one rank's timeline (seconds, or cost units for unit costs)."""
-
-    rank: int
-    index: int
-    label: str
-    kind: str                  # see KINDS
-    microbatch: Optional[int]
-    start: float
-    end: float
-    step: int = 0              # which step (simulate(..., steps=n) runs several)
-
-
-Timeline = Mapping  # rank -> List[Span]: a dict, or simulate()'s SimTimeline
-
-# what each instruction shows as on a timeline; the compute kinds count as busy time
-COMPUTE_KINDS = ("forward", "backward", "backward_input", "backward_weight", "overlap")
-KINDS = COMPUTE_KINDS + ("send", "recv", "collective", "optimizer")
-_KIND = {Forward: "forward", Backward: "backward", BackwardInput: "backward_input",
-         BackwardWeight: "backward_weight", OverlapFB: "overlap", Send: "send", Recv: "recv",
-         OptimizerStep: "optimizer"}
 # activations a kind adds to the micro-batches a rank holds: a forward keeps its micro-batch
 # until the backward (whole, or its weight half) frees it
 _LIVE = {"forward": 1, "backward": -1, "backward_weight": -1}
@@ -146,13 +126,6 @@ def stage_input_bytes(plan: ExecutionPlan, costs: CostModel) -> Dict[int, int]:
                 and ins.stage not in costs.input_bytes:
             out[ins.stage] = out.get(ins.stage, 0) + sum(t.nbytes for t in ins.tensors)
     return out
-
-
-def kind_of(ins: Instruction) -> str:
-    for cls in type(ins).__mro__:
-        if cls in _KIND:
-            return _KIND[cls]
-    return "collective"
 
 
 def label_of(ins: Instruction) -> str:

@@ -155,6 +155,23 @@ def test_python_dash_m_graphc_plan(tmp_path):
     assert not os.path.exists(os.path.join(out, "schedule.png"))
 
 
+def test_plan_environment_variables_with_plain_python(tmp_path):
+    """GRAPHC_PLAN_NPROC/OUT plan a script run as `python train.py`: nobody installs the
+    writer, so plan mode finds the tools' one by name (NOTE: Plan-mode writer); the first
+    step then ends the script with PlanModeExit."""
+    out = str(tmp_path / "plans")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               GRAPHC_PLAN_NPROC="2", GRAPHC_PLAN_OUT=out, GRAPHC_PLAN_SIMULATE="h100")
+    res = subprocess.run([sys.executable, SCRIPT, "--eval-graph"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert res.returncode == 1 and "PlanModeExit: graphc plan: stopped before PipelineGraph's " \
+        "first step" in res.stderr, res.stderr
+    assert "plans verified" in res.stdout
+    load_plans(out, 2)
+    load_plans(os.path.join(out, "graph1_EvalGraph"), 2)
+    assert os.path.exists(os.path.join(out, "simulated_trace.json"))
+
+
 def test_plan_gpt_on_eight_ranks_with_chart(tmp_path):
     """The GPT example as pipeline x tensor x data 2x2x2, planned and simulated on one machine
     (collectives run shapes-only while FLOPs are counted: NOTE: Shapes only)."""

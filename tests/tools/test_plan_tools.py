@@ -147,16 +147,13 @@ def test_select_ranks():
 # -- summary.py and the folded simulation, on compiled MLPs -----------------------------------
 def compile_mlp(monkeypatch, pp, dp, tp, m, schedule="1f1b"):
     from graphc import compiler
-    from graphc.graph import _local_and_global
-    from graphc.tools.plan_mode import _layouts
-    import torch
+    from graphc.graph import _compile_inputs, _local_and_global
     world = pp * dp * tp
     for k, v in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", world)):
         monkeypatch.setenv(k, str(v))
     graph, inputs = plan_scale.mlp_graph(pp, dp, tp, m, schedule=schedule)
-    args = _local_and_global(inputs)
-    example = [torch.empty(shape, dtype=local.dtype) for local, (shape, _, _) in args]
-    return compiler.compile(graph, example, world, **_layouts(args))
+    example, layouts = _compile_inputs(_local_and_global(inputs))
+    return compiler.compile(graph, example, world, layouts)
 
 
 def test_stage_summary(monkeypatch):

@@ -1,0 +1,116 @@
+"""Plan-only mode, the setting: `graphc plan` (or GRAPHC_PLAN_*) turns it on, Graph reads it.
+
+In plan mode `Graph._compile` compiles for a world of `nproc` ranks in this one process
+(no torch.distributed, no accelerator: only shapes are propagated, on fake tensors),
+writes every rank's plan and the charts, and leaves the graph without a runtime; the
+graph's first training step then stops the script with PlanModeExit, which the CLI
+catches. Graphs compiled with `graph.compile(...)` before that step are all written:
+the first to DIR, the k-th (k >= 1, in compile order) to DIR/graph<k>_<ClassName>/.
+
+The mode is set by `plan_mode(...)` (the CLI) or by the environment variables
+GRAPHC_PLAN_NPROC and GRAPHC_PLAN_OUT (and GRAPHC_PLAN_SIMULATE=measure|h100|...,
+GRAPHC_PLAN_RANKS=0,7,-1 for the ranks whose plan files are written), so
+`GRAPHC_PLAN_NPROC=4 GRAPHC_PLAN_OUT=plans python train.py` works too.
+
+This module is the setting only, a value below the API; the files are written by the
+tools (See NOTE: Plan-mode writer).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+from .errors import GraphcError
+
+# NOTE: Plan-mode writer
+# Writing a compiled graph's files (plans, stage programs, charts, simulation) is the tools'
+# work, graphc/tools/dump.write_all, and the API never imports the tools (docs/design.md:
+# Layers). So the writer travels with the mode: whoever turns plan mode on may install it
+# (`graphc plan` passes write_all). A mode turned on by GRAPHC_PLAN_NPROC in a plain
+# `python train.py` has nobody to install it, so it finds the writer by the name WRITER,
+# imported when the first graph is written, as breakpoint() imports PYTHONBREAKPOINT's
+# default pdb.set_trace. tests/test_layers.py checks that the name resolves to write_all.
+WRITER = "graphc.tools.dump:write_all"
+
+
+class PlanModeExit(Exception):
+    """Raised at a graph's first step in plan mode: the plans are written, stop the script."""
+
+
+@dataclass
+class PlanMode:
+    nproc: int
+    out: str
+    simulate: Optional[str] = None      # None, "measure", or a device preset name
+    chart: bool = True
+    ranks: Optional[str] = None         # whose plan files: None (default), "all", "0,7,-1"
+    written: List[str] = field(default_factory=list)   # one output folder per graph
+    # (graph, compiled, folder, mode) -> files written; None: the one named WRITER
+    write: Optional[Callable] = None
+
+    def folder_for(self, graph) -> str:
+        k = len(self.written)
+        return self.out if k == 0 else os.path.join(self.out, f"graph{k}_{type(graph).__name__}")
+
+    def write_graph(self, graph, compiled) -> None:
+        """Writes a compiled graph's files to its folder, the next in compile order."""
+        folder = self.folder_for(graph)
+        (self.write or named_writer())(graph, compiled, folder, self)
+        self.written.append(folder)
+
+
+def named_writer() -> Callable:
+    """The writer WRITER names (See NOTE: Plan-mode writer)."""
+    module, name = WRITER.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+_ACTIVE: Optional[PlanMode] = None
+
+
+def active() -> Optional[PlanMode]:
+    """The plan mode in force, from plan_mode(...) or the GRAPHC_PLAN_* variables; else None."""
+    global _ACTIVE
+    if _ACTIVE is None and os.environ.get("GRAPHC_PLAN_NPROC"):
+        _ACTIVE = PlanMode(_nproc(os.environ["GRAPHC_PLAN_NPROC"], "GRAPHC_PLAN_NPROC"),
+                           os.environ.get("GRAPHC_PLAN_OUT", "graphc_plan"),
+                           os.environ.get("GRAPHC_PLAN_SIMULATE") or None,
+                           ranks=os.environ.get("GRAPHC_PLAN_RANKS") or None)
+    return _ACTIVE
+
+
+@contextmanager
+def plan_mode(nproc: int, out: str, simulate: Optional[str] = None, chart: bool = True,
+              ranks: Optional[str] = None, write: Optional[Callable] = None):
+    """Within the block, compiling a Graph writes its plans instead of preparing to train.
+
+    write: what writes a compiled graph's files, called as write(graph, compiled, folder,
+    mode); by default graphc/tools/dump.write_all (See NOTE: Plan-mode writer).
+    """
+    global _ACTIVE
+    previous, _ACTIVE = _ACTIVE, PlanMode(_nproc(nproc), out, simulate, chart, ranks, write=write)
+    try:
+        yield _ACTIVE
+    finally:
+        _ACTIVE = previous
+
+
+def _nproc(value, source: str = "plan mode") -> int:
+    try:
+        n = int(value) if not isinstance(value, (bool, float)) else 0
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise GraphcError(f"{source} needs a number of ranks >= 1, found {value!r}; "
+                          "e.g. graphc plan train.py --nproc 4 --out plans")
+    return n
+
+
+def stop_before_step(graph) -> None:
+    """The graph's first step in plan mode: everything is written, so end the script here."""
+    mode = active()
+    raise PlanModeExit(f"graphc plan: stopped before {type(graph).__name__}'s first step; "
+                       f"plans written to {', '.join(mode.written) if mode else '?'}")

@@ -38,6 +38,7 @@ from .passes.list_collectives import list_collectives
 from .passes.localize_ops import localize_ops
 from .passes.lower_plan import lower_plan
 from .passes.place_by_layout import found_stages, place_by_layout
+from .passes.place_inputs import place_inputs
 from .passes.propagate_shapes import propagate_shapes
 from .passes.seed_random_ops import seed_random_ops
 from .passes.split_stages import split_stages
@@ -130,6 +131,8 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
         #     placement is a stage, in data-flow order (NOTE: Stages from placements)
         gm = _step(h, "place_by_layout", place_by_layout, gm, input_layouts)
         stages = _step(h, "placed_stages", placed_stages, gm, cfg.pipeline_schedule, world_size) or stages
+    else:  # 2a'. with set_stage, a GlobalTensor input starts on the stage of its placement
+        gm = _step(h, "place_inputs", place_inputs, gm, input_layouts, stages)
     if training:  # 2b. the stages' layout is one the schedule can run (with the modules named)
         _step(h, "check_layout", check_layout, stages, stage_of_module, cfg.pipeline_schedule)
     # 3. a pipeline stage for every node, from set_stage (or the placements) and data flow

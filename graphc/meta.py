@@ -67,6 +67,8 @@ class FoundStage:
 META_SBP = "graphc_sbp"              # SbpSignature: the node's layout and what it needs of its inputs
 META_GRAD_PARTIAL = "graphc_grad_partial"  # tuple[int]: mesh axes where a parameter's grad is partial_sum
 META_BOXING = "graphc_boxing"        # BoxingInfo on a conversion node inserted by insert_boxing
+META_ARRIVAL = "graphc_arrival"      # {stage: (sbp, mesh)}: how a value arrives on a stage of another
+                                     # mesh shape (insert_boxing; see NOTE: Reshard pieces)
 META_PIECES = "graphc_pieces"        # (k, dim): a split parameter stored as k pieces along dim, each
                                      # split alike (fused q/k/v; see NOTE: fused pieces, docs/sbp.md)
 

@@ -20,7 +20,7 @@ import torch.fx as fx
 from ..errors import GraphcError
 from ..meta import (META_BATCHED, META_GRAD_PARTIAL, META_PIECES, META_SBP, META_STAGE, META_TENSOR,
                     SbpSignature, is_backward)
-from ..placement import Broadcast, normalize_sbp
+from ..placement import Broadcast, PartialSum, Split, normalize_sbp
 from ..sbp.cost import conversion_cost, tensor_bytes
 from ..sbp.declared import conversion_target, declared_in, to_global_op
 from ..sbp.layout import B, flat, fmt, is_even, local_shape, mesh_shape, same_shape
@@ -205,11 +205,18 @@ def _check_module_params(node: fx.Node, mesh: tuple) -> None:
 
 
 def _producer(a: fx.Node, node: fx.Node, axis: int, mesh: tuple):
-    """a's SBP on `axis` as `node` receives it; from a stage of another mesh shape it
-    arrives broadcast (an n-to-m transfer sends whole values, see insert_boxing)."""
-    if not same_shape(a.meta[META_SBP].mesh, mesh):
-        return B
-    return a.meta[META_SBP].out[axis]
+    """a's SBP on `axis` as `node` receives it. From a stage of another mesh shape a value
+    moves in pieces to whatever layout its reader needs (NOTE: Reshard pieces); for costing,
+    one split along a single dim carries over to a 1-D mesh (data parallel goes on, each rank
+    receiving its rows), anything else counts as arriving broadcast."""
+    src = a.meta[META_SBP]
+    if same_shape(src.mesh, mesh):
+        return src.out[axis]
+    dims = {s.dim for s in src.out if isinstance(s, Split)}
+    if len(mesh_shape(mesh)) == 1 and len(dims) == 1 and not any(
+            isinstance(s, PartialSum) for s in src.out):
+        return Split(dims.pop())
+    return B
 
 
 def _cost(cand, prod: Dict[fx.Node, object], n: int) -> float:

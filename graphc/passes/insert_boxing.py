@@ -6,7 +6,8 @@ mesh axis, each carrying META_BOXING) converts it on the consumer's stage; a bro
 value read by an op with a sharded output gets a `grad_all_reduce` box (identity forward,
 all-reduce of its partial_sum gradient backward) unless it is a parameter whose gradient
 is synchronised after backward; partial_sum results of build() are reduced to broadcast.
-A to_global() conversion point stays an identity node after its boxes, on the stage of its
+A value read by a stage of another mesh shape arrives there in pieces, in its first
+reader's layout (META_ARRIVAL; NOTE: Reshard pieces). A to_global() conversion point stays an identity node after its boxes, on the stage of its
 target placement (so a value moved to another placement is returned from there).
 Requires: infer_sbp.
 """
@@ -16,9 +17,9 @@ from typing import Dict, Optional, Tuple
 
 import torch.fx as fx
 
-from ..meta import (META_BOXING, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
+from ..meta import (META_ARRIVAL, META_BOXING, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
                     BoxingInfo, SbpSignature)
-from ..placement import Broadcast, PartialSum, Split
+from ..placement import PartialSum, Split
 from ..plan.ops import box
 from ..sbp.boxing import BOXINGS, backward_collective, kind_of
 from ..sbp.cost import moved_bytes, tensor_bytes
@@ -27,7 +28,7 @@ from .infer_sbp import sharded_use
 
 
 def insert_boxing(gm: fx.GraphModule) -> fx.GraphModule:
-    whole: Dict[Tuple[fx.Node, int], fx.Node] = {}  # n-to-m: (value, stage) -> broadcast copy
+    moved: Dict[Tuple[fx.Node, int], fx.Node] = {}  # n-to-m: (value, stage) -> the node sent
     shared: Dict[tuple, fx.Node] = {}  # (value, layout, stage) -> its conversion: NOTE: shared boxes
     for node in list(gm.graph.nodes):
         if node.op == "output":
@@ -40,7 +41,7 @@ def insert_boxing(gm: fx.GraphModule) -> fx.GraphModule:
             need = sig.needs(a.name)
             if need is None or a.meta.get(META_TENSOR) is None:
                 continue
-            sent = _whole_for_other_size(gm, a, node, whole)
+            sent = _sent_for_other_shape(gm, a, node, need, moved)
             key = (sent, need, node.meta.get(META_STAGE))
             if key not in shared:
                 shared[key] = _convert(gm, sent, need, node)
@@ -59,33 +60,35 @@ def _renamed(sig: SbpSignature, old: str, new: str) -> SbpSignature:
     return SbpSignature(sig.mesh, sig.out, ins, sig.fallback)
 
 
-def _whole_for_other_size(gm, a: fx.Node, consumer: fx.Node, cache) -> fx.Node:
-    """A value read by a stage of another mesh shape (another number of ranks, or a 2-D
-    mesh and a 1-D one) travels broadcast: it is converted to broadcast on its own stage
-    first (n-to-m transfer, see lower_plan)."""
+def _sent_for_other_shape(gm, a: fx.Node, consumer: fx.Node, need: tuple, cache) -> fx.Node:
+    """A value read by a stage of another mesh shape (another number of ranks, or a 2-D mesh
+    and a 1-D one) moves in pieces (See NOTE: Reshard pieces in graphc/sbp/pieces.py): its
+    partial_sum axes are reduced on its own stage first, and it arrives in the layout its
+    first reader there needs (a partial_sum need read as broadcast), recorded on the sent
+    node as META_ARRIVAL[stage]; lower_plan lists the pieces."""
     src, dst = a.meta[META_SBP], consumer.meta[META_SBP]
-    if same_shape(src.mesh, dst.mesh) or all(isinstance(s, Broadcast) for s in src.out):
+    if same_shape(src.mesh, dst.mesh):
         return a
-    key = (a, consumer.meta[META_STAGE])
-    if key not in cache:
+    stage = consumer.meta[META_STAGE]
+    if (a, stage) not in cache:
         value, cur = a, src.out
-        # innermost axis first: where two axes split one dim, the later axis splits within
-        # the earlier one's shard, so gathering the earlier first would misorder the rows
-        for axis, s in reversed(list(enumerate(src.out))):
-            if not isinstance(s, Broadcast):
+        for axis, s in enumerate(src.out):
+            if isinstance(s, PartialSum):
                 after = cur[:axis] + (B,) + cur[axis + 1:]
                 value = _box_node(gm, value, a, src.mesh, axis, kind_of(s, B), cur, after,
                                   where=consumer)
                 cur = after
-        cache[key] = value
-    return cache[key]
+        arrival = tuple(B if isinstance(s, PartialSum) else s for s in need)
+        value.meta.setdefault(META_ARRIVAL, {})[stage] = (arrival, dst.mesh)
+        cache[(a, stage)] = value
+    return cache[(a, stage)]
 
 
 def _convert(gm, a: fx.Node, need: tuple, consumer: fx.Node) -> fx.Node:
     cur = a.meta[META_SBP].out
     mesh = consumer.meta[META_SBP].mesh
-    if not same_shape(a.meta[META_SBP].mesh, mesh):
-        cur = (B,) * len(need)  # arrived whole from a stage of another mesh shape
+    if not same_shape(a.meta[META_SBP].mesh, mesh):  # arrived in pieces from another mesh shape
+        cur = a.meta[META_ARRIVAL][consumer.meta[META_STAGE]][0]
     value = a
     for axis in _conversion_order(cur, need):
         s, d = cur[axis], need[axis]

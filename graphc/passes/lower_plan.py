@@ -4,10 +4,11 @@ Invariant: rank r's plan lists, in issue order, its stages' compute in schedule 
 each forward preceded by a recv of every value it reads from a stage on other ranks and
 followed by a send of every value such a stage reads, each backward (or backward_input)
 likewise for gradients, and one optimizer step at the end of a training step. Values
-between two stages (chunks) on the same ranks are handed over in memory. Replica k of a stage talks to
-replica k of another stage; between stages of n and m ranks (n-to-m), rank j of the
-receiving stage gets each value from replica j mod n of the sender, and sender i gets its
-gradient back from replica i mod m (the value is broadcast then, see insert_boxing).
+between two stages (chunks) on the same ranks are handed over in memory. Between stages of
+one mesh shape replica k of a stage talks to replica k of the other; between meshes of other
+shapes (n-to-m) each value moves in pieces, each receiver getting only its box of the value
+from the senders that hold it, and each sender its gradient's box back (NOTE: Reshard
+pieces in graphc/sbp/pieces.py; TensorSpec.at/of say where a piece sits).
 Requires: split_stages.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections import defaultdict
 from typing import Dict, List, Sequence, Tuple
 
 from ..plan.instructions import (ACT, GRAD, Backward, BackwardInput, Forward, Instruction,
-                                 OptimizerStep, OverlapFB, Recv, Send)
+                                 OptimizerStep, OverlapFB, Recv, Send, TensorSpec)
 from ..plan.plan import ExecutionPlan, StageInfo
 from ..plan.program import StageProgram
 from ..plan.schedules import compute_order, pipeline_ranks
@@ -93,13 +94,16 @@ def _recvs(ins, programs, stages, rank) -> List[Instruction]:
     if isinstance(ins, Forward):
         for a, specs in sorted(prog.recv_from.items()):
             if not _local(stages, rank, a):
-                src = _source(stages, rank, s, a)
-                out.append(Recv(s, mb, src, ACT, a, prog.specs_of(specs, src)))
+                for src, got in _by_peer(prog, specs, s, rank, _source(stages, rank, s, a),
+                                         receiving=True, grad=False):
+                    out.append(Recv(s, mb, src, ACT, a, got))
         return out
     for b, specs in sorted(prog.send_to.items()):
-        grads = prog.specs_of(prog.grad_specs(specs), rank)
+        grads = prog.grad_specs(specs)
         if grads and not _local(stages, rank, b):
-            out.append(Recv(s, mb, _source(stages, rank, s, b), GRAD, b, grads))
+            for src, got in _by_peer(prog, grads, b, rank, _source(stages, rank, s, b),
+                                     receiving=True, grad=True):
+                out.append(Recv(s, mb, src, GRAD, b, got))
     return out
 
 
@@ -111,16 +115,43 @@ def _sends(ins, programs, stages, rank) -> List[Instruction]:
     if isinstance(ins, Forward):
         for b, specs in sorted(prog.send_to.items()):
             if not _local(stages, rank, b):
-                out += [Send(s, mb, peer, ACT, b, prog.specs_of(specs, rank))
-                        for peer in _targets(stages, rank, s, b)]
+                for peer, sent in _by_peer(prog, specs, b, rank, _targets(stages, rank, s, b),
+                                           receiving=False, grad=False):
+                    out.append(Send(s, mb, peer, ACT, b, sent))
         return out
     for a, specs in sorted(prog.recv_from.items()):
         grads = prog.grad_specs(specs)
         if grads and not _local(stages, rank, a):
-            out += [Send(s, mb, peer, GRAD, a, prog.specs_of(grads, peer))
-                    for peer in _targets(stages, rank, s, a)]
+            for peer, sent in _by_peer(prog, grads, s, rank, _targets(stages, rank, s, a),
+                                       receiving=False, grad=True):
+                out.append(Send(s, mb, peer, GRAD, a, sent))
     return out
 
+
+def _by_peer(prog, specs, receiver: int, rank: int, replicas, receiving: bool,
+             grad: bool) -> List[Tuple[int, Tuple[TensorSpec, ...]]]:
+    """(peer, tensors) of one boundary's transfers on this rank, peers in rank order, each
+    payload in the boundary's order. A value moving between meshes of one shape goes whole
+    to (or from) `replicas` (one rank to receive from, the ranks to send to), in the shape the
+    computing replica holds it; one moving between meshes of other shapes (`prog.reshard`,
+    keyed by the receiving stage) goes in pieces (NOTE: Reshard pieces)."""
+    if isinstance(replicas, int):
+        replicas = (replicas,)
+    payload: Dict[int, List[TensorSpec]] = defaultdict(list)
+    for spec in specs:
+        moved = prog.reshard.get((spec.name, receiver))
+        if moved is None:
+            for peer in replicas:
+                whole = prog.specs_of([spec], peer if receiving != grad else rank)[0]
+                payload[peer].append(whole)
+            continue
+        if receiving:
+            for p in moved.received_by(rank, grad):
+                payload[p.src].append(TensorSpec(spec.name, p.shape, spec.dtype, p.dst_at, p.dst_of))
+        else:
+            for p in moved.sent_by(rank, grad):
+                payload[p.dst].append(TensorSpec(spec.name, p.shape, spec.dtype, p.src_at, p.src_of))
+    return [(peer, tuple(payload[peer])) for peer in sorted(payload)]
 
 
 def _in_receive_order(plans: List[ExecutionPlan]) -> List[ExecutionPlan]:

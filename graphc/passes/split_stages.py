@@ -12,15 +12,16 @@ Requires: annotate_stages, propagate_shapes, verify_annotated.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch.fx as fx
 
 from ..errors import GraphcError
-from ..meta import META_SBP, META_STAGE, META_TENSOR, is_backward
+from ..meta import META_ARRIVAL, META_SBP, META_STAGE, META_TENSOR, is_backward
 from ..plan.instructions import TensorSpec
 from ..plan.program import StageProgram
-from ..sbp.layout import flat, is_even, local_shape
+from ..sbp.layout import B, flat, is_even, local_shape, mesh_shape, same_shape
+from ..sbp.pieces import Reshard
 
 
 # NOTE: Boundary order
@@ -40,7 +41,9 @@ def split_stages(gm: fx.GraphModule, num_stages: int) -> List[StageProgram]:
     results = set(output.all_input_nodes)
     arg_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
-    programs = [_stage_program(gm, s, nodes, loss, results, arg_index) for s in range(num_stages)]
+    meshes = {n.meta[META_STAGE]: n.meta[META_SBP].mesh for n in nodes if n.meta.get(META_SBP)}
+    programs = [_stage_program(gm, s, nodes, loss, results, arg_index, meshes)
+                for s in range(num_stages)]
     for prog in programs:  # See NOTE: Boundary order
         for specs in list(prog.recv_from.values()) + list(prog.send_to.values()):
             specs.sort(key=lambda spec: order[spec.name])
@@ -68,7 +71,18 @@ def _uneven(node: fx.Node) -> Dict[int, tuple]:
     return {r: local_shape(node.meta[META_TENSOR].shape, sig.out, sig.mesh, r) for r in flat(sig.mesh)}
 
 
-def _stage_program(gm, s: int, nodes, loss, results, arg_index) -> StageProgram:
+def _reshard(node: fx.Node, stage: int, meshes: Dict[int, tuple]):
+    """How `node` moves to `stage` if their meshes differ in shape (NOTE: Reshard pieces),
+    else None: in the layout insert_boxing chose for its arrival there (broadcast for a value
+    no op there converts)."""
+    sig, mesh = node.meta.get(META_SBP), meshes.get(stage)
+    if sig is None or mesh is None or same_shape(sig.mesh, mesh):
+        return None
+    arrival, mesh = node.meta.get(META_ARRIVAL, {}).get(stage, ((B,) * len(mesh_shape(mesh)), mesh))
+    return Reshard(tuple(node.meta[META_TENSOR].shape), sig.out, sig.mesh, arrival, mesh)
+
+
+def _stage_program(gm, s: int, nodes, loss, results, arg_index, meshes) -> StageProgram:
     g = fx.Graph()
     env: Dict[fx.Node, fx.Node] = {}
     inputs: List[str] = []
@@ -76,6 +90,7 @@ def _stage_program(gm, s: int, nodes, loss, results, arg_index) -> StageProgram:
     recv_from: Dict[int, List[TensorSpec]] = defaultdict(list)
     requires_grad: Dict[str, bool] = {}
     uneven: Dict[str, Dict[int, tuple]] = {}
+    reshard: Dict[Tuple[str, int], Reshard] = {}   # (value, receiving stage) -> its pieces
 
     def value(n: fx.Node) -> fx.Node:
         if n not in env:  # produced on another stage: received
@@ -83,6 +98,8 @@ def _stage_program(gm, s: int, nodes, loss, results, arg_index) -> StageProgram:
             recv_from[producer].append(_spec(n, producer, s))
             requires_grad[n.name] = n.meta[META_TENSOR].requires_grad
             uneven[n.name] = _uneven(n)
+            if (moved := _reshard(n, s, meshes)) is not None:
+                reshard[(n.name, s)] = moved
             env[n] = _placeholder(g, n)
             inputs.append(n.name)
         return env[n]
@@ -105,6 +122,8 @@ def _stage_program(gm, s: int, nodes, loss, results, arg_index) -> StageProgram:
             send_to[c].append(_spec(n, s, c))
             requires_grad[n.name] = n.meta[META_TENSOR].requires_grad
             uneven[n.name] = _uneven(n)
+            if (moved := _reshard(n, c, meshes)) is not None:
+                reshard[(n.name, c)] = moved
         if consumers or n is loss or n in results:
             outputs.append(n.name)
     g.output(tuple(env[next(n for n in mine if n.name == name)] for name in outputs))
@@ -114,7 +133,7 @@ def _stage_program(gm, s: int, nodes, loss, results, arg_index) -> StageProgram:
         recv_from=dict(recv_from), send_to=dict(send_to), requires_grad=requires_grad,
         loss=loss.name if loss is not None and loss in env and loss.meta[META_STAGE] == s else None,
         results=[n.name for n in mine if n in results],
-        uneven={name: shapes for name, shapes in uneven.items() if shapes})
+        uneven={name: shapes for name, shapes in uneven.items() if shapes}, reshard=reshard)
 
 
 def _placeholder(g: fx.Graph, n: fx.Node) -> fx.Node:

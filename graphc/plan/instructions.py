@@ -24,11 +24,18 @@ _DTYPE_LONG = {v: k for k, v in _DTYPE_SHORT.items()}
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor of a transfer: the fx value it carries, its shape and dtype (torch name)."""
+    """One tensor of a transfer: the fx value it carries, its shape and dtype (torch name).
+
+    A piece of a value (an n-to-m transfer, NOTE: Reshard pieces in graphc/sbp/pieces.py)
+    also says where it sits in the local tensor of the rank that lists it: `at` (offsets)
+    within `of` (that local tensor's shape); it prints as `h:f64[2,8]@1,0/3,8`. The sender's
+    and the receiver's offsets differ, so they take no part in comparing specs."""
 
     name: str
     shape: Tuple[int, ...]
     dtype: str
+    at: Tuple[int, ...] = field(default=(), compare=False)
+    of: Tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -38,16 +45,30 @@ class TensorSpec:
             numel *= d
         return numel * getattr(torch, self.dtype).itemsize
 
+    @property
+    def is_piece(self) -> bool:
+        return self.shape != self.of if self.of else False
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        if self.is_piece:
+            out.update(at=list(self.at), of=list(self.of))
+        return out
+
     def __str__(self) -> str:
-        return f"{self.name}:{_DTYPE_SHORT.get(self.dtype, self.dtype)}[{','.join(map(str, self.shape))}]"
+        text = f"{self.name}:{_DTYPE_SHORT.get(self.dtype, self.dtype)}[{','.join(map(str, self.shape))}]"
+        if self.is_piece:
+            text += f"@{','.join(map(str, self.at))}/{','.join(map(str, self.of))}"
+        return text
 
     @staticmethod
     def parse(text: str) -> "TensorSpec":
-        m = re.fullmatch(r"([\w.]+):(\w+)\[([\d,]*)\]", text.strip())
+        m = re.fullmatch(r"([\w.]+):(\w+)\[([\d,]*)\](?:@([\d,]*)/([\d,]*))?", text.strip())
         if not m:
             raise GraphcError(f"cannot parse tensor spec {text!r}; expected name:dtype[d0,d1]")
-        shape = tuple(int(d) for d in m.group(3).split(",") if d)
-        return TensorSpec(m.group(1), shape, _DTYPE_LONG.get(m.group(2), m.group(2)))
+        ints = lambda g: tuple(int(d) for d in (g or "").split(",") if d)  # noqa: E731
+        return TensorSpec(m.group(1), ints(m.group(3)), _DTYPE_LONG.get(m.group(2), m.group(2)),
+                          ints(m.group(4)), ints(m.group(5)))
 
 
 @dataclass(frozen=True)
@@ -137,8 +158,7 @@ class _P2P(Instruction):
     def to_json(self) -> dict:
         return {"op": self.op, "stage": self.stage, "microbatch": self.microbatch,
                 "peer": self.peer, "direction": self.direction, "peer_stage": self.peer_stage,
-                "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype}
-                            for t in self.tensors],
+                "tensors": [t.to_json() for t in self.tensors],
                 "bytes": self.nbytes}
 
 
@@ -175,8 +195,7 @@ class AllReduce(Instruction):
 
     def to_json(self) -> dict:
         return {"op": self.op, "ranks": list(self.ranks),
-                "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype}
-                            for t in self.tensors],
+                "tensors": [t.to_json() for t in self.tensors],
                 "bytes": sum(t.nbytes for t in self.tensors)}
 
 
@@ -313,7 +332,8 @@ def parse_instruction(text: str) -> Instruction:
 
 def instruction_from_json(d: dict) -> Instruction:
     op = d["op"]
-    specs = tuple(TensorSpec(t["name"], tuple(t["shape"]), t["dtype"]) for t in d.get("tensors", ()))
+    specs = tuple(TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], tuple(t.get("at", ())),
+                             tuple(t.get("of", ()))) for t in d.get("tensors", ()))
     compute = next((cls for cls in _STAGE_COMPUTES if cls.op == op), None)
     if compute is not None:
         return compute(d["stage"], d["microbatch"])

@@ -6,6 +6,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.fx as fx
 
+from ..sbp.pieces import Reshard
 from .instructions import TensorSpec
 
 
@@ -50,6 +51,9 @@ class StageProgram:
     # value -> rank of its producing stage -> that rank's local shape, for the values crossing
     # a boundary whose shards differ by rank (NOTE: Uneven splits, docs/sbp.md)
     uneven: Dict[str, Dict[int, Tuple[int, ...]]] = field(default_factory=dict)
+    # (value, receiving stage) -> how it moves between meshes of different shapes, in pieces
+    # (NOTE: Reshard pieces, graphc/sbp/pieces.py); in the sender's and the receiver's program
+    reshard: Dict[Tuple[str, int], Reshard] = field(default_factory=dict)
 
     def grad_specs(self, specs: List[TensorSpec]) -> List[TensorSpec]:
         """The subset of transferred values whose gradients flow back."""

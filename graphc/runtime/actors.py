@@ -86,7 +86,10 @@ class SendActor:
 
     def post(self, ins: Send, tensors: Dict[str, torch.Tensor]) -> None:
         for spec in ins.tensors:
-            t = tensors[spec.name].detach().contiguous()
+            t = tensors[spec.name].detach()
+            if spec.is_piece:   # NOTE: Reshard pieces: only the rows the peer needs
+                t = t[_window(spec)]
+            t = t.contiguous()
             self.inflight.append((self.p2p.isend(t, self.peer, self.tag), t))
             self.tag += 1
         self.inflight = [(w, t) for w, t in self.inflight if not w.is_completed()]
@@ -114,6 +117,34 @@ def range_names(instructions) -> List[Optional[str]]:
 
 
 _NO_RANGE = nullcontext()
+
+
+def _window(spec) -> tuple:
+    """The slices of a piece within its local tensor."""
+    return tuple(slice(a, a + n) for a, n in zip(spec.at, spec.shape))
+
+
+def _assemble(ins: Recv, got: Dict[str, torch.Tensor], assembling: dict) -> Dict[str, torch.Tensor]:
+    """A value received in pieces (NOTE: Reshard pieces) is put together in one tensor of its
+    local shape: the first piece's receive returns that tensor (the compute that reads it
+    comes after every piece's receive in the plan), later pieces fill it in and return
+    nothing more."""
+    out = {}
+    for spec in ins.tensors:
+        if not spec.is_piece:
+            out[spec.name] = got[spec.name]
+            continue
+        key = (ins.stage, ins.microbatch, ins.direction, ins.peer_stage, spec.name)
+        if key not in assembling:
+            whole = got[spec.name].new_empty(spec.of)
+            assembling[key] = [whole, whole.numel()]
+            out[spec.name] = whole
+        entry = assembling[key]
+        entry[0][_window(spec)] = got[spec.name]
+        entry[1] -= got[spec.name].numel()
+        if entry[1] <= 0:       # complete: the step's values keep it from here
+            del assembling[key]
+    return out
 
 
 def _wait(work, peer: int) -> None:
@@ -211,6 +242,7 @@ class Runtime:
         grads: Dict[Tuple[int, int], List[Tuple[str, torch.Tensor]]] = defaultdict(list)
         produced: Dict[Tuple[int, int, str], Dict[str, torch.Tensor]] = {}
         results: Dict[str, List[torch.Tensor]] = defaultdict(list)
+        assembling: Dict[tuple, list] = {}   # values being received in pieces: [tensor, elements to come]
         if self.grad_sync is not None and self.plan.training:
             self.grad_sync.start_step()
         profiling = torch.autograd.profiler._is_profiler_enabled  # checked once per step: cheap
@@ -218,7 +250,7 @@ class Runtime:
             t0 = time.perf_counter() if self.trace else 0.0
             with record_function(range_name) if profiling and range_name else _NO_RANGE:
                 if isinstance(ins, Recv):
-                    got = recv_actors[ins.peer].take(ins)
+                    got = _assemble(ins, recv_actors[ins.peer].take(ins), assembling)
                     if ins.direction == ACT:
                         values[(ins.stage, ins.microbatch)].update(got)
                     else:

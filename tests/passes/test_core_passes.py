@@ -100,7 +100,7 @@ def test_history_records_every_pass():
     names = [r.name for r in compiled(p=2).history]
     assert names == ["collect_stages", "declared_layouts", "trace_build (whole batch)", "propagate_shapes (whole batch)",
                      "find_batch_dims (whole batch)", "batched_inputs (whole batch)", "check_row_groups", "trace_build",
-                     "verify_traced", "warn_unused_parameters", "check_layout",
+                     "verify_traced", "warn_unused_parameters", "place_inputs", "check_layout",
                      "annotate_stages", "propagate_shapes", "find_batch_dims", "verify_annotated",
                      "declared_meshes", "decompose_modules", "defer_batch_norm", "infer_sbp",
                      "insert_boxing", "localize_ops", "seed_random_ops",

@@ -1,7 +1,7 @@
 """Pipeline stages whose meshes differ in shape (a 2-D stage next to a 1-D one).
 
 A layout carries over axis by axis only between meshes of one shape; between others a
-value crosses whole (broadcast, the n-to-m transfer of docs/sbp.md). Numerics: float64,
+value moves in pieces (the n-to-m transfer of docs/sbp.md, NOTE: Reshard pieces). Numerics: float64,
 the oracle of helpers.py (eager PyTorch on the whole batch within 1e-10), on 5 gloo ranks:
   2d_then_1d: stage 0 data x tensor parallel on [[0, 1], [2, 3]], stage 1 on [4];
   1d_then_2d: stage 0 on [0], stage 1 tensor parallel on [[1, 2], [3, 4]], 2 micro-batches.
@@ -120,9 +120,11 @@ def test_2d_and_1d_stages_match_eager():
         assert results[4][name]["losses"], f"{name}: the loss's stage runs on rank 4"
 
 
-def test_equal_sized_meshes_of_other_shapes_exchange_whole_values():
+def test_equal_sized_meshes_of_other_shapes_exchange_pieces():
     """[[0, 1], [2, 3]] then [4, 5, 6, 7]: 4 ranks each, but split(0) on a 2x2 mesh's rows is
-    not split(0) over 4 ranks, so the activation is gathered to broadcast and sent whole."""
+    not split(0) over 4 ranks, so the activation moves in pieces (NOTE: Reshard pieces): of
+    the 4 rows ranks 0 and 1 both hold, rank 4 takes rows 0-1 from rank 0 and rank 5 rows 2-3
+    from rank 1; nothing is gathered first and nothing crosses whole."""
     torch.manual_seed(0)
     model = Net(first_mlp=True)
     _megatron_on_axis_1(model.stage0, MESH_A)
@@ -130,9 +132,11 @@ def test_equal_sized_meshes_of_other_shapes_exchange_whole_values():
     x, y = batches()[0]
     x = graphc.to_global(x.chunk(2)[0], placement=MESH_A, sbp=(sbp.split(0), B))
     compiled = compiler.compile(graph, [torch.empty(BATCH, D), y], 8, [(x.placement, x.sbp), None])
-    plan0 = compiled.plan_for(0)
-    sends = [t.shape for ins in plan0.instructions if isinstance(ins, Send) for t in ins.tensors]
-    gathers = [ins for ins in plan0.instructions if isinstance(ins, Collective)
-               and ins.op == "all_gather"]
-    assert sends and all(tuple(s) == (BATCH, D) for s in sends), sends
-    assert gathers, str(plan0)
+    for rank, peer in ((0, 4), (1, 5), (2, 6), (3, 7)):
+        plan = compiled.plan_for(rank)
+        sends = [(ins.peer, tuple(t.shape)) for ins in plan.instructions
+                 if isinstance(ins, Send) and ins.direction == "F" for t in ins.tensors]
+        assert sends == [(peer, (BATCH // 4, D))], (rank, sends)
+        gathers = [ins for ins in plan.instructions if isinstance(ins, Collective)
+                   and ins.op == "all_gather"]
+        assert not gathers, str(plan)

@@ -139,7 +139,8 @@ def test_stages_in_reverse_order_of_use():
 
 
 def test_stages_of_different_sizes_exchange_values_n_to_m():
-    """No longer an error: an n-to-m transfer sends the value whole (docs/sbp.md)."""
+    """No longer an error: an n-to-m transfer moves the value in pieces (docs/sbp.md); a
+    broadcast value reaches each receiver from one sender, its gradient goes back from one."""
     g = Train(stages={"a": (0, [0]), "b": (1, [1, 2])})
     plans = compile_for(g, 3).plans
     sends = {(p.rank, ins.peer, ins.direction) for p in plans for ins in p.instructions

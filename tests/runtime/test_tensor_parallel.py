@@ -192,7 +192,7 @@ def _tensor_pipeline(rank, world):
 
 def _n_to_m(sizes):
     """Stage 0 on `sizes[0]` ranks, stage 1 on the next `sizes[1]`, both data parallel:
-    values cross whole (n-to-m), each stage's own ranks split the batch."""
+    values cross in pieces (n-to-m, NOTE: Reshard pieces), each stage's own ranks split the batch."""
     def setup(rank, world):
         r0 = list(range(sizes[0]))
         r1 = list(range(sizes[0], sizes[0] + sizes[1]))

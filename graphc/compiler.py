@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -32,7 +32,7 @@ from .passes.insert_boxing import insert_boxing
 from .passes.insert_checkpoints import insert_checkpoints
 from .passes.insert_grad_clip import insert_grad_clip
 from .passes.insert_grad_modes import insert_grad_modes
-from .passes.insert_grad_sync import insert_grad_sync
+from .passes.insert_grad_sync import DEFAULT_BUCKET_BYTES, insert_grad_sync
 from .passes.insert_tie_sync import insert_tie_sync
 from .passes.list_collectives import list_collectives
 from .passes.localize_ops import localize_ops
@@ -48,8 +48,40 @@ from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
 from .plan.schedules import pipeline_ranks
 from .plan.verify import verify_plans
-from .sbp.declared import META_DECLARED, conversion_target, to_global_op
+from .sbp.declared import META_DECLARED, DeclaredLayouts, conversion_target, to_global_op
 from .sbp.layout import stage_meshes
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """What the compiler reads of one module's config: its set_stage and checkpointing."""
+
+    stage_id: Optional[int] = None
+    placement: Any = None  # a graphc.placement, or None
+    activation_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """Everything compile() reads of a Graph, taken when it compiles (Graph._compile_spec):
+    the module traced for build(), the Graph's options and per-module settings, and the
+    layouts to_global declared for its parameters and buffers.
+
+    The compiler reads nothing of the Graph itself; attributes build() reads from the Graph
+    go through `root`'s fallback while tracing and are recorded on the Graph's side.
+    """
+
+    name: str                          # the Graph's class name, in messages and logs
+    source_file: Optional[str]         # the file defining it: error messages point into it
+    root: torch.nn.Module              # build() as forward, the user's modules as children
+    modules: Dict[str, ModuleSpec]     # per configured module (qualified name), in config order
+    declared: DeclaredLayouts          # to_global's layouts of parameters and buffers, by name
+    gradient_accumulation_steps: int = 1
+    pipeline_schedule: str = "1f1b"
+    deferred_batch_norm: bool = False
+    gradient_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    grad_clip_norm: Optional[float] = None
+    activation_checkpointing: str = "never"
 
 
 @dataclass
@@ -96,22 +128,25 @@ def _step(history: List[PassRecord], name: str, fn: Callable, *args) -> Any:
     return out
 
 
-def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
+def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
             input_layouts: Sequence = ()) -> CompiledGraph:
-    """Compiles graph_obj.build() for every rank of a world of `world_size`.
+    """Compiles the spec's build() for every rank of a world of `world_size`.
 
+    spec: a CompileSpec, or a Graph (its _compile_spec() is taken here).
     input_layouts: per input, None (broadcast) or (placement, sbp) of a GlobalTensor input.
     """
+    if not isinstance(spec, CompileSpec):
+        spec = spec._compile_spec()
     h: List[PassRecord] = []
-    cfg = graph_obj.config
-    m = cfg.gradient_accumulation_steps
+    m = spec.gradient_accumulation_steps
     # 0. the stages set_stage names, checked (ranks inside the world, ids without gaps)
-    stages, stage_of_module = _step(h, "collect_stages", collect_stages, graph_obj, world_size)
+    stages, stage_of_module = _step(h, "collect_stages", collect_stages, spec, world_size)
     # 0a. the layouts to_global gave the Graph's parameters and buffers, as they are now
-    declared = _step(h, "declared_layouts", graph_obj._declared_layouts)
+    declared = _step(h, "declared_layouts", lambda: spec.declared)
     batched = None
     if m > 1:  # 0b. which inputs carry the batch dim, by data flow on build() for the whole batch
-        whole = _step(h, "trace_build (whole batch)", trace_build, graph_obj, example_inputs, 1)
+        whole = _step(h, "trace_build (whole batch)", trace_build, spec.root, example_inputs, 1,
+                      None, spec.name, spec.source_file)
         whole = _step(h, "propagate_shapes (whole batch)", propagate_shapes, whole, example_inputs, 1)
         whole = _step(h, "find_batch_dims (whole batch)", find_batch_dims, whole, m)
         batched = _step(h, "batched_inputs (whole batch)", batched_inputs, whole)
@@ -119,22 +154,23 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
         _step(h, "check_row_groups", check_row_groups, input_names(whole), batched, input_layouts, m)
     # 1. trace build() into one fx graph for one micro-batch's shapes: the whole step,
     #    backward() as a node, shapes as constants
-    gm = _step(h, "trace_build", trace_build, graph_obj, example_inputs, m, batched)
+    gm = _step(h, "trace_build", trace_build, spec.root, example_inputs, m, batched,
+               spec.name, spec.source_file)
     gm.meta[META_DECLARED] = declared   # the passes read them off the graph they annotate
     # 2. reject what a static graph cannot hold (host syncs, several backward())
     _step(h, "verify_traced", verify_traced, gm)
     # 2'. modules with parameters that build() never uses are said once (no rank owns them)
-    _step(h, "warn_unused_parameters", warn_unused_parameters, graph_obj._root, gm)
+    _step(h, "warn_unused_parameters", warn_unused_parameters, spec.root, gm)
     training = any(is_backward(n) for n in gm.graph.nodes)
     if not stage_of_module:
         # 2a. without set_stage every op runs where its inputs and parameters are placed; each
         #     placement is a stage, in data-flow order (NOTE: Stages from placements)
         gm = _step(h, "place_by_layout", place_by_layout, gm, input_layouts)
-        stages = _step(h, "placed_stages", placed_stages, gm, cfg.pipeline_schedule, world_size) or stages
+        stages = _step(h, "placed_stages", placed_stages, gm, spec.pipeline_schedule, world_size) or stages
     else:  # 2a'. with set_stage, a GlobalTensor input starts on the stage of its placement
         gm = _step(h, "place_inputs", place_inputs, gm, input_layouts, stages)
     if training:  # 2b. the stages' layout is one the schedule can run (with the modules named)
-        _step(h, "check_layout", check_layout, stages, stage_of_module, cfg.pipeline_schedule)
+        _step(h, "check_layout", check_layout, stages, stage_of_module, spec.pipeline_schedule)
     # 3. a pipeline stage for every node, from set_stage (or the placements) and data flow
     gm = _step(h, "annotate_stages", annotate_stages, gm, stage_of_module)
     # 4. per-micro-batch shapes, so every transfer's buffer is known before running
@@ -144,11 +180,11 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     # 5. check data flows forward through stages and the loss is a scalar
     _step(h, "verify_annotated", verify_annotated, gm, stage_of_module, len(stages))
     # 5'. each stage's mesh: 2-D where a declared placement names its ranks as one
-    meshes = _step(h, "declared_meshes", declared_meshes, stages, graph_obj, gm, input_layouts, declared)
+    meshes = _step(h, "declared_meshes", declared_meshes, stages, spec, gm, input_layouts, declared)
     # 5a. nn layers as functional ops on get_attr parameters, so SBP rules see parameters
     gm = _step(h, "decompose_modules", decompose_modules, gm, meshes)
     # 5a'. with deferred batch norm, running statistics take one whole-mini-batch update per step
-    gm = _step(h, "defer_batch_norm", defer_batch_norm, gm, cfg.deferred_batch_norm, m)
+    gm = _step(h, "defer_batch_norm", defer_batch_norm, gm, spec.deferred_batch_norm, m)
     # 5b. an SBP signature per node, cheapest by bytes moved, honouring the user's layouts
     gm = _step(h, "infer_sbp", infer_sbp, gm, meshes, [l[1] if l else None for l in input_layouts], m)
     # 5c. every SBP mismatch becomes a collective (with its dual in backward)
@@ -164,20 +200,20 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     # 6c. inputs without a batch dim fed whole; token-mean losses divided by the whole batch's count
     programs = _step(h, "feed_whole_batch", feed_whole_batch, programs, gm, m)
     # 6d. modules marked for activation checkpointing run as recomputed regions
-    checkpointed = {name for name, c in graph_obj._module_configs.items() if c.activation_checkpointing}
+    checkpointed = {name for name, c in spec.modules.items() if c.activation_checkpointing}
     programs = _step(h, "insert_checkpoints", insert_checkpoints, programs,
                      checkpointed if training else set())
     # 7. schedule + point-to-point lowering into every rank's execution plan
-    plans = _step(h, "lower_plan", lower_plan, programs, stages, cfg.pipeline_schedule, m,
-                  training, world_size, cfg.activation_checkpointing)
+    plans = _step(h, "lower_plan", lower_plan, programs, stages, spec.pipeline_schedule, m,
+                  training, world_size, spec.activation_checkpointing)
     # 7b. all-reduce of partial_sum gradients (data parallel), bucketed, before the step
     plans = _step(h, "insert_grad_sync", insert_grad_sync, plans, gm,
-                  cfg.gradient_bucket_bytes)
+                  spec.gradient_bucket_bytes)
     # 7b'. a parameter held by several stages (tied): its gradients summed over them
     plans = _step(h, "insert_tie_sync", insert_tie_sync, plans, programs, stages)
     # 7c. clipping by the global grad norm (one scalar all-reduce), once gradients are final
     plans = _step(h, "insert_grad_clip", insert_grad_clip, plans, programs, meshes,
-                  cfg.grad_clip_norm, declared)
+                  spec.grad_clip_norm, declared)
     # 7d. each conversion's collectives listed where its compute issues them (SBP, ranks, bytes)
     plans = _step(h, "list_collectives", list_collectives, plans, programs)
     # 8. all plans together must pair up and be free of deadlock
@@ -185,13 +221,13 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     # 9. the stages nobody wrote down (found from placements), kept on every rank's plan
     plans = _step(h, "note_stages", note_stages, plans, gm, world_size)
     if "stages" in plans[0].notes:  # ... and said once
-        _log.info("%s: %s", type(graph_obj).__name__, plans[0].notes["stages"])
+        _log.info("%s: %s", spec.name, plans[0].notes["stages"])
     input_meta = [(tuple(t.shape), t.dtype) for t in example_inputs]
     compiled = CompiledGraph(gm, stages, programs, plans, training, m, input_meta, h, meshes)
     if debug_level() >= 1:
         total = sum(r.seconds for r in h)
         _log.info("compiled %s: %d stage(s), %d micro-batch(es), schedule=%s, %s, %.0f ms",
-                  type(graph_obj).__name__, len(stages), m, cfg.pipeline_schedule,
+                  spec.name, len(stages), m, spec.pipeline_schedule,
                   "training" if training else "inference", total * 1e3)
     if debug_level() >= 3:
         for plan in plans:
@@ -199,12 +235,12 @@ def compile(graph_obj, example_inputs: Sequence[torch.Tensor], world_size: int,
     return compiled
 
 
-def collect_stages(graph_obj, world_size: int):
+def collect_stages(spec: CompileSpec, world_size: int):
     """The StageInfo list from the modules' set_stage calls, checked for the common mistakes."""
-    configured = {name: c for name, c in graph_obj._module_configs.items() if c.stage_id is not None}
+    configured = {name: c for name, c in spec.modules.items() if c.stage_id is not None}
     if not configured:
         ranks = tuple(range(world_size))
-        return [StageInfo(0, ranks, _default_device_type(graph_obj))], {}
+        return [StageInfo(0, ranks, _default_device_type(spec.root))], {}
     by_id: Dict[int, Any] = {}
     for name, c in sorted(configured.items(), key=lambda kv: kv[1].stage_id):
         _check_ranks(f"module '{name}'", c.placement, world_size)
@@ -220,7 +256,7 @@ def collect_stages(graph_obj, world_size: int):
         raise GraphcError(f"stage ids must be 0, 1, ..., p-1 without gaps; found {ids} "
                           f"(missing {missing}). Fix: renumber the set_stage calls.")
     stages = [StageInfo(sid, by_id[sid][1].flat_ranks, by_id[sid][1].type) for sid in ids]
-    pipeline_ranks(stages, graph_obj.config.pipeline_schedule, training=False)  # overlaps
+    pipeline_ranks(stages, spec.pipeline_schedule, training=False)  # overlaps
     return stages, {name: c.stage_id for name, c in configured.items()}
 
 
@@ -274,20 +310,20 @@ def _check_ranks(who: str, placement, world_size: int) -> None:
             f"--nproc_per_node {max(placement.flat_ranks) + 1}, or use ranks below {world_size}.")
 
 
-def _default_device_type(graph_obj) -> str:
-    for p in graph_obj._root.parameters():
+def _default_device_type(root: torch.nn.Module) -> str:
+    for p in root.parameters():
         return "cuda" if p.is_cuda else "cpu"
     return "cpu"
 
 
-def declared_meshes(stages, graph_obj, gm, input_layouts, declared) -> List[tuple]:
+def declared_meshes(stages, spec: CompileSpec, gm, input_layouts, declared) -> List[tuple]:
     """One mesh per stage, from every placement the user declared (sbp/layout.stage_meshes)."""
-    return stage_meshes(stages, _declared_placements(graph_obj, gm, input_layouts, declared))
+    return stage_meshes(stages, _declared_placements(spec, gm, input_layouts, declared))
 
 
-def _declared_placements(graph_obj, gm, input_layouts, declared):
+def _declared_placements(spec: CompileSpec, gm, input_layouts, declared):
     """Every placement the user named: set_stage, to_global on parameters, inputs, build()."""
-    found = [c.placement for c in graph_obj._module_configs.values() if c.placement]
+    found = [c.placement for c in spec.modules.values() if c.placement]
     found += declared.placements()
     found += [l[0] for l in input_layouts if l]
     found += [conversion_target(n)[0] for n in gm.graph.nodes if n.target is to_global_op]

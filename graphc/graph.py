@@ -1,6 +1,7 @@
 """graphc.Graph: the user's entry point (see README.md, "The API by example")."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, Dict, List
 
 import torch
@@ -150,6 +151,20 @@ class Graph:
                  + list(root.named_buffers(remove_duplicate=False)))
         return DeclaredLayouts({name: layout for name, t in named for layout in [declared_layout(t)] if layout})
 
+    def _compile_spec(self) -> compiler.CompileSpec:
+        """What compiler.compile reads of this Graph, taken now: the traced root, the options
+        and per-module settings, and the declared layouts (_declared_layouts)."""
+        cfg = self.config
+        modules = {name: compiler.ModuleSpec(c.stage_id, c.placement, c.activation_checkpointing)
+                   for name, c in self._module_configs.items()}
+        return compiler.CompileSpec(
+            name=type(self).__name__, source_file=_source_file(type(self)), root=self._root,
+            modules=modules, declared=self._declared_layouts(),
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            pipeline_schedule=cfg.pipeline_schedule, deferred_batch_norm=cfg.deferred_batch_norm,
+            gradient_bucket_bytes=cfg.gradient_bucket_bytes, grad_clip_norm=cfg.grad_clip_norm,
+            activation_checkpointing=cfg.activation_checkpointing)
+
     def compile(self, *inputs) -> ExecutionPlan:
         """Compiles for these example inputs without running a step; returns this rank's plan."""
         if self._compiled is None:
@@ -216,7 +231,7 @@ class Graph:
         example, layouts = _compile_inputs(args)
         object.__setattr__(self, "_attr_reads", {})
         try:
-            compiled = compiler.compile(self, example, world, layouts)
+            compiled = compiler.compile(self._compile_spec(), example, world, layouts)
             compiled.attr_reads = dict(self._attr_reads)
         finally:
             object.__setattr__(self, "_attr_reads", None)
@@ -401,6 +416,15 @@ class Graph:
         notes = "".join(f"\n# {note}" for note in self.plan.notes.values())  # e.g. stages found
         parts = [f"{name} (compiled){notes}"] + [str(p) for p in self._compiled.programs] + [str(self.plan)]
         return "\n\n".join(parts)
+
+
+def _source_file(cls: type):
+    """The file defining the Graph class, for error messages pointing into it (None when
+    Python knows none: a built-in, or a class typed at the interpreter)."""
+    try:
+        return inspect.getsourcefile(cls)
+    except (TypeError, OSError):
+        return None
 
 
 def _named_placements(graph: Graph, args) -> list:

@@ -214,29 +214,30 @@ def run_module_on_fakes(module: torch.nn.Module, args, kwargs, fake):
                                       tie_weights=False, strict=False)
 
 
-def trace_build(graph_obj, example_inputs: Sequence[torch.Tensor], num_microbatches: int = 1,
-                batched: Optional[Sequence[bool]] = None) -> fx.GraphModule:
-    """Traces build() for one micro-batch of `example_inputs` (their global shapes).
+def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], num_microbatches: int = 1,
+                batched: Optional[Sequence[bool]] = None, graph_name: str = "Graph",
+                source_file: Optional[str] = None) -> fx.GraphModule:
+    """Traces build() (root's forward) for one micro-batch of `example_inputs` (their global shapes).
 
     batched: per input, whether it is split into micro-batches along dim 0 (default: every
-    input with a dim).
+    input with a dim). graph_name and source_file (the Graph's class name and the file that
+    defines it) name the user's code in error messages.
     """
-    root = graph_obj._root
     tracer = BuildTracer(root)
     batched = [t.dim() >= 1 for t in example_inputs] if batched is None else list(batched)
     names = _input_names(root, len(example_inputs))
     tracer.examples = [_microbatch_example(tracer, t, num_microbatches, b, name)
                        for name, t, b in zip(names, example_inputs, batched)]
-    with _traced_root(root, len(example_inputs)), _patched_calls(tracer, graph_obj):
+    with _traced_root(root, len(example_inputs)), _patched_calls(tracer, source_file):
         try:
             g = tracer.trace(root)
         except GraphcError:
             raise
         except Exception as e:  # fx raises TraceError, TypeError, ... on untraceable user code
-            raise GraphcError(_explain_trace_failure(graph_obj, e)) from e
+            raise GraphcError(_explain_trace_failure(graph_name, source_file, e)) from e
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
-        raise GraphcError(f"{type(graph_obj).__name__}.build() takes {len(placeholders)} inputs "
+        raise GraphcError(f"{graph_name}.build() takes {len(placeholders)} inputs "
                           f"({', '.join(p.name for p in placeholders)}), found {len(example_inputs)}. "
                           "Fix: call the graph with one tensor per build() argument.")
     for node, b in zip(placeholders, batched):
@@ -303,7 +304,7 @@ def _traced_root(root: torch.nn.Module, n: int):
 
 
 @contextmanager
-def _patched_calls(tracer: BuildTracer, graph_obj):
+def _patched_calls(tracer: BuildTracer, source_file: Optional[str]):
     """While tracing: custom autograd Functions stay opaque calls; refused calls raise."""
     original_apply = torch.autograd.Function.__dict__["apply"]  # the classmethod itself
 
@@ -316,7 +317,7 @@ def _patched_calls(tracer: BuildTracer, graph_obj):
 
     def refuse(name: str):
         def call(*args, **kwargs):
-            raise GraphcError(f"build() calls torch.nn.utils.{name} at {_caller_line(graph_obj)}: "
+            raise GraphcError(f"build() calls torch.nn.utils.{name} at {_caller_line(source_file)}: "
                               f"{_REFUSED_CALLS[name]}")
         return call
 
@@ -325,7 +326,7 @@ def _patched_calls(tracer: BuildTracer, graph_obj):
     def module_setattr(module, name, value):
         buffers = module.__dict__.get("_buffers")
         if isinstance(value, fx.Proxy) and buffers is not None and name in buffers:
-            return _assign_buffer(tracer, graph_obj, module, name, value)
+            return _assign_buffer(tracer, source_file, module, name, value)
         return original_setattr(module, name, value)
 
     def recorded(name, fn):
@@ -364,7 +365,7 @@ def assign_buffer(buffer: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return buffer.copy_(value)
 
 
-def _assign_buffer(tracer: BuildTracer, graph_obj, module, name: str, value: fx.Proxy) -> None:
+def _assign_buffer(tracer: BuildTracer, source_file: Optional[str], module, name: str, value: fx.Proxy) -> None:
     """`self.buf += 1` is in place already (recorded); `self.buf = expr` copies into the buffer."""
     node = value.node
     first = node.args[0] if node.args else None
@@ -375,7 +376,7 @@ def _assign_buffer(tracer: BuildTracer, graph_obj, module, name: str, value: fx.
     if isinstance(fake, torch.Tensor) and fake.requires_grad:
         raise GraphcError(
             f"build() assigns a value that requires grad to the buffer '{name}' of "
-            f"{type(module).__name__} at {_caller_line(graph_obj)}; the buffer would carry this "
+            f"{type(module).__name__} at {_caller_line(source_file)}; the buffer would carry this "
             "step's autograd graph into the next step. Fix: assign value.detach(), or update it "
             "under torch.no_grad().")
     holder = tracer.path_of_module(module)
@@ -400,23 +401,20 @@ def _function_apply(cls):
     return fn
 
 
-def _caller_line(graph_obj) -> str:
+def _caller_line(source_file: Optional[str]) -> str:
     """'file:line: code' of the user's frame that is calling now (see _deepest_user_frame)."""
-    return _deepest_user_frame(graph_obj, traceback.extract_stack())
+    return _deepest_user_frame(source_file, traceback.extract_stack())
 
 
-def _user_line(graph_obj, tb) -> str:
+def _user_line(source_file: Optional[str], tb) -> str:
     """'file:line: code' of the user's frame in a traceback (see _deepest_user_frame)."""
-    return _deepest_user_frame(graph_obj, traceback.extract_tb(tb))
+    return _deepest_user_frame(source_file, traceback.extract_tb(tb))
 
 
-def _deepest_user_frame(graph_obj, frames) -> str:
-    """The deepest frame of the user's Graph file, else of any file outside torch and graphc."""
-    try:
-        user_file = inspect.getsourcefile(type(graph_obj))
-    except TypeError:
-        user_file = None
-    mine = [f for f in frames if f.filename == user_file] or \
+def _deepest_user_frame(source_file: Optional[str], frames) -> str:
+    """The deepest frame of the user's Graph file (source_file), else of any file outside
+    torch and graphc."""
+    mine = [f for f in frames if f.filename == source_file] or \
         [f for f in frames if not f.filename.startswith((_TORCH_DIR, _GRAPHC_DIR))]
     if not mine:
         return "build()"
@@ -424,8 +422,8 @@ def _deepest_user_frame(graph_obj, frames) -> str:
     return f"{f.filename}:{f.lineno}: {f.line}"
 
 
-def _explain_trace_failure(graph_obj, e: Exception) -> str:
-    where = _user_line(graph_obj, e.__traceback__)
+def _explain_trace_failure(graph_name: str, source_file: Optional[str], e: Exception) -> str:
+    where = _user_line(source_file, e.__traceback__)
     msg = str(e)
     if "control flow" in msg or "iteration" in msg or "bool" in msg.lower():
         fix = ("build() is traced once into a static graph, so Python control flow on a tensor's "
@@ -435,5 +433,5 @@ def _explain_trace_failure(graph_obj, e: Exception) -> str:
     else:
         fix = ("Fix: build() may only call modules assigned to the Graph in __init__, torch "
                "functions and tensor methods on its inputs.")
-    return (f"graphc could not trace {type(graph_obj).__name__}.build() at {where}\n"
+    return (f"graphc could not trace {graph_name}.build() at {where}\n"
             f"  found: {type(e).__name__}: {msg.splitlines()[0] if msg else ''}\n  {fix}")

@@ -109,6 +109,26 @@ def test_history_records_every_pass():
                      "verify_plans", "note_stages"]
 
 
+
+def test_compile_takes_a_spec_of_what_it_reads():
+    """compile() reads a CompileSpec, not the Graph (issue 13); a Graph passed in is turned
+    into its spec first. The spec is a snapshot: later config changes do not reach it."""
+    graph = PipelineGraph(SkipNet(2), None, accumulation=2)
+    spec = graph._compile_spec()
+    assert isinstance(spec, compiler.CompileSpec) and spec.name == "PipelineGraph"
+    assert spec.gradient_accumulation_steps == 2 and spec.root is graph._root
+    assert {name: c.stage_id for name, c in spec.modules.items() if c.stage_id is not None} == \
+        {"model.blocks.0": 0, "model.blocks.1": 1, "model.head": 1}
+    graph.config.set_gradient_accumulation_steps(4)
+    assert spec.gradient_accumulation_steps == 2
+    with pytest.raises(AttributeError):
+        spec.pipeline_schedule = "gpipe"
+    from_spec = compiler.compile(spec, [X, Y], 2)
+    graph.config.set_gradient_accumulation_steps(2)
+    from_graph = compiler.compile(graph, [X, Y], 2)
+    assert [str(p) for p in from_spec.plans] == [str(p) for p in from_graph.plans]
+    assert from_spec.gm.code == from_graph.gm.code and from_spec.num_microbatches == 2
+
 class _Columns(nn.Module):  # Megatron's column- then row-parallel pair on 2 ranks
     def __init__(self):
         super().__init__()

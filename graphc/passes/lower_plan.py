@@ -94,14 +94,14 @@ def _recvs(ins, programs, stages, rank) -> List[Instruction]:
     if isinstance(ins, Forward):
         for a, specs in sorted(prog.recv_from.items()):
             if not _local(stages, rank, a):
-                for src, got in _by_peer(prog, specs, s, rank, _source(stages, rank, s, a),
+                for src, got in _by_peer(prog, specs, s, rank, (_source(stages, rank, s, a),),
                                          receiving=True, grad=False):
                     out.append(Recv(s, mb, src, ACT, a, got))
         return out
     for b, specs in sorted(prog.send_to.items()):
         grads = prog.grad_specs(specs)
         if grads and not _local(stages, rank, b):
-            for src, got in _by_peer(prog, grads, b, rank, _source(stages, rank, s, b),
+            for src, got in _by_peer(prog, grads, b, rank, (_source(stages, rank, s, b),),
                                      receiving=True, grad=True):
                 out.append(Recv(s, mb, src, GRAD, b, got))
     return out
@@ -135,8 +135,6 @@ def _by_peer(prog, specs, receiver: int, rank: int, replicas, receiving: bool,
     to (or from) `replicas` (one rank to receive from, the ranks to send to), in the shape the
     computing replica holds it; one moving between meshes of other shapes (`prog.reshard`,
     keyed by the receiving stage) goes in pieces (NOTE: Reshard pieces)."""
-    if isinstance(replicas, int):
-        replicas = (replicas,)
     payload: Dict[int, List[TensorSpec]] = defaultdict(list)
     for spec in specs:
         moved = prog.reshard.get((spec.name, receiver))

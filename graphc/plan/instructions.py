@@ -47,7 +47,7 @@ class TensorSpec:
 
     @property
     def is_piece(self) -> bool:
-        return self.shape != self.of if self.of else False
+        return bool(self.of) and self.shape != self.of
 
     def to_json(self) -> dict:
         out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}

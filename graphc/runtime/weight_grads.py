@@ -48,8 +48,7 @@ class WeightGroups:
     def find(roots: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor],
              params: Sequence[torch.Tensor]) -> "WeightGroups":
         parents, nodes = _reverse_edges(roots)
-        inputs = _closure([get_gradient_edge(t).node for t in leaves if t.requires_grad],
-                          parents, stop=set())
+        inputs = _closure([get_gradient_edge(t).node for t in leaves if t.requires_grad], parents)
         by_param: List[Tuple[torch.Tensor, Set[Node], bool]] = []
         for p in params:
             node = get_gradient_edge(p).node
@@ -119,13 +118,13 @@ def _reverse_edges(roots: Sequence[torch.Tensor]) -> Tuple[Dict[Node, List[Node]
     return parents, seen
 
 
-def _closure(start: Sequence[Node], parents: Dict[Node, List[Node]], stop: Set[Node]) -> Set[Node]:
+def _closure(start: Sequence[Node], parents: Dict[Node, List[Node]]) -> Set[Node]:
     """Every node from which one of `start` is reached (start included)."""
     out: Set[Node] = set(start)
     todo = deque(start)
     while todo:
         for up in parents.get(todo.popleft(), ()):
-            if up not in out and up not in stop:
+            if up not in out:
                 out.add(up)
                 todo.append(up)
     return out

@@ -7,7 +7,7 @@ SBP. Between meshes of other shapes (2 ranks then 3, a 2 x 2 mesh then 2 ranks) 
 holds the value in a layout without partial sums (insert_boxing reduces those first) and the
 receiver needs it in its *arrival* layout (what its first reader needs, partial sums read as
 broadcast). Every layout without partial sums gives each rank one box of the global tensor
-(`_shard_box`), and the distinct boxes of one layout tile the tensor. So receiver j's box is
+(`shard_slices`), and the distinct boxes of one layout tile the tensor. So receiver j's box is
 covered by its intersections with the sender's distinct boxes; of the replicas that hold one
 box (broadcast axes) j takes replica j mod (their number), spreading the load. Each
 non-empty intersection is one piece: one rank sends it, one receives it, and both know where
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 from ..placement import PartialSum, flat
-from .layout import _shard_box, coord
+from .layout import shard_slices
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]   # (starts, sizes) in the global tensor
 
@@ -75,8 +75,8 @@ class Reshard:
 
 
 def box_of(shape: Sequence[int], sbp: tuple, mesh: tuple, rank: int) -> Box:
-    starts, sizes = _shard_box(shape, sbp, mesh, coord(mesh, rank))
-    return tuple(starts), tuple(sizes)
+    window = shard_slices(shape, sbp, mesh, rank)
+    return tuple(s.start for s in window), tuple(s.stop - s.start for s in window)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -101,7 +101,7 @@ def pieces(shape: Tuple[int, ...], src_sbp: tuple, src_mesh: tuple, dst_sbp: tup
         if not mine:    # an empty box: one empty piece, so the receiver still gets its input
             src = senders[j % len(senders)]
             have = box_of(shape, src_sbp, src_mesh, src)
-            mine.append(_piece(src, dst, (want[0], (0,) * len(shape)) if shape else want, have, want))
+            mine.append(_piece(src, dst, want, have, want))   # want holds no element
         out += mine
     return tuple(out)
 

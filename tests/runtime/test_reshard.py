@@ -151,3 +151,58 @@ def test_pieces_print_where_they_sit_and_parse_back():
     sends = [t for ins in _compiled("3_to_2").plan_for(1).instructions if isinstance(ins, Send)
              and ins.direction == "F" for t in ins.tensors]
     assert {t.shape[0] for t in sends} == {1}, sends   # rank 1 holds rows 2-3: one to each
+
+
+class Encoder(nn.Module):
+    """PyTorch's own TransformerEncoderLayer (not written for graphc) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.enc(x))
+
+
+class EncoderGraph(graphc.Graph):
+    def __init__(self, model, p0, p1):
+        super().__init__()
+        self.model = model
+        self.model.enc.config.set_stage(0, p0)
+        self.model.head.config.set_stage(1, p1)
+        self.config.set_gradient_accumulation_steps(ACC)
+        self.add_optimizer(OPTIMIZERS["adam"](model.parameters()))
+
+    def build(self, x, y):
+        loss = F.mse_loss(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def sequences(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, 5, 8, generator=g), torch.randn(BATCH, 5, 3, generator=g))
+            for _ in range(2)]
+
+
+def _train_encoder(rank, world):
+    torch.manual_seed(0)
+    p0, p1 = graphc.placement("cpu", [0, 1]), graphc.placement("cpu", [2, 3, 4])
+    graph = EncoderGraph(Encoder(), p0, p1)
+    k = rank if rank < 2 else 0
+    losses = [graph(graphc.to_global(x.chunk(2)[k], placement=p0, sbp=S0),
+                    graphc.to_global(y.chunk(2)[k], placement=p0, sbp=S0)).to_local()
+              for x, y in sequences()]
+    return {"losses": [l.item() for l in losses if l.numel()], "state": graph.full_state_dict()}
+
+
+def test_torch_transformer_encoder_layer_2_to_3_matches_eager():
+    results = run_world(_train_encoder, 5)
+    torch.manual_seed(0)
+    ref_losses, ref_state = eager_train(Encoder(), OPTIMIZERS["adam"], None, F.mse_loss,
+                                        sequences(), 2)
+    assert any(r["losses"] for r in results), "no rank returned the loss"
+    for rank, got in enumerate(results):
+        assert_same_as_eager(got["losses"], got["state"], ref_losses if got["losses"] else [],
+                             ref_state, f"encoder rank {rank}")

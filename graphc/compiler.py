@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from .env import int_from_env
 from .errors import GraphcError
+from .guards import GuardSet
 from .history import PassRecord, record
 from .log import get_logger
 from .meta import is_backward
@@ -97,7 +98,7 @@ class CompiledGraph:
     input_meta: List[tuple]
     history: List[PassRecord] = field(default_factory=list)
     meshes: List[tuple] = field(default_factory=list)  # per stage: placement ranks (2-D nested)
-    attr_reads: Dict[str, Any] = field(default_factory=dict)  # Graph attributes build() read
+    guards: GuardSet = field(default_factory=GuardSet)  # the Python values it was built from (NOTE: Guards)
 
     def plan_for(self, rank: int) -> ExecutionPlan:
         return self.plans[rank]

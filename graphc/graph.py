@@ -14,6 +14,9 @@ from .config import GraphConfig
 from .dcp import dcp_state_dict, user_prefix
 from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
+from .guards import (MISSING, GuardSet, current_log, difference, fingerprint, global_guards, record_reads,
+                     structure_of)
+from .log import get_logger, warn_user
 from .meta import META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .placement import placement as Placement
 from .plan.ops import compiled_groups, create_groups
@@ -31,6 +34,11 @@ from .state import GraphState, check_state_dict
 
 
 _CREATED: Dict[str, int] = {}  # Graph subclass name -> instances created in this process
+_log = get_logger("guards")
+# plans kept per input signature before a warning: a value that changes on every call
+# (a counter read by build()) would otherwise compile on every call, unseen (torch.compile's
+# cache_size_limit is 8 for the same reason)
+_PLANS_PER_SIGNATURE = 8
 
 
 class _BuildRoot(nn.Module):
@@ -48,9 +56,9 @@ class _BuildRoot(nn.Module):
             if graph is None:
                 raise
             value = getattr(graph, name)
-            reads = graph.__dict__.get("_attr_reads")
-            if reads is not None and not callable(value):
-                reads[name] = value  # baked into the trace: checked again on every call
+            log = current_log()
+            if log is not None and name in graph.__dict__:  # baked into the trace: guarded (NOTE: Guards)
+                log.note(graph, name, value, prefix="self")
             return value
 
 
@@ -94,10 +102,10 @@ class Graph:
         object.__setattr__(self, "_rank", 0)
         object.__setattr__(self, "last_stats", None)
         object.__setattr__(self, "_tracer", None)
-        # per input signature (shapes, dtypes, layouts) and Graph attributes build() read:
-        # (compiled graph, runtime); the current one is _compiled / _runtime
+        # per input signature (shapes, dtypes, layouts): [(compiled graph, runtime, tracer)],
+        # one entry per set of guarded values (NOTE: Guards); the current one is _compiled / _runtime
         object.__setattr__(self, "_plans_by_shape", {})
-        object.__setattr__(self, "_attr_reads", None)
+        object.__setattr__(self, "recompiles", [])  # why each plan after the first was compiled
         object.__setattr__(self, "_key", None)
         object.__setattr__(self, "_base_seed", 0)  # rank 0's torch.initial_seed(), agreed at compile
         object.__setattr__(self, "_forward_calls", 0)
@@ -222,52 +230,80 @@ class Graph:
         # from older graphc, carries the run's initial seed)
         seed = agree_base_seed(self._instance, timeout_seconds())
         object.__setattr__(self, "_base_seed", seed if self._state.base_seed is None else self._state.base_seed)
-        object.__setattr__(self, "_key", self._signature(args))
-        self._plans_by_shape[self._key] = (compiled, self._runtime, self._tracer)
+        object.__setattr__(self, "_key", _signature(args))
+        self._plans_by_shape[self._key] = [(compiled, self._runtime, self._tracer)]
 
     def _trace_and_compile(self, args, world: int) -> compiler.CompiledGraph:
-        """compiler.compile for these inputs' global shapes and layouts, recording which Graph
-        attributes build() reads (and their values)."""
+        """compiler.compile for these inputs' global shapes and layouts, with the guards of
+        every Python value the compile read (NOTE: Guards)."""
         example, layouts = _compile_inputs(args)
-        object.__setattr__(self, "_attr_reads", {})
-        try:
+        before = global_guards()  # the modes the caller set, before tracing changes any
+        with record_reads(self._root) as reads:
             compiled = compiler.compile(self._compile_spec(), example, world, layouts)
-            compiled.attr_reads = dict(self._attr_reads)
-        finally:
-            object.__setattr__(self, "_attr_reads", None)
+        compiled.guards = GuardSet(tuple(before + structure_of(self._root) + reads.guards()))
         return compiled
 
-    def _signature(self, args) -> tuple:
-        """What a compiled plan is specialised to: input shapes, dtypes, layouts, attributes read."""
-        inputs = tuple((tuple(shape), local.dtype, sbp, where) for local, (shape, sbp, where) in args)
-        reads = self._compiled.attr_reads if self._compiled is not None else {}
-        return inputs, tuple((name, _attr_fingerprint(getattr(self, name, None))) for name in sorted(reads))
-
     def _select_plan(self, args) -> None:
-        """A new input shape or a changed Graph attribute selects (or compiles) another plan.
+        """A new input shape, or a Python value build() read that changed (NOTE: Guards),
+        selects (or compiles and caches) another plan.
 
         Every rank calls the graph with the same program, so every rank changes plan at the
         same call (compiling is deterministic; new process groups are created collectively).
         """
-        key = self._signature(args)
+        key = _signature(args)
+        failures = []  # per cached plan of these inputs, the guard that failed (newest first)
         if key == self._key:
-            return
-        if key not in self._plans_by_shape:
-            with self._state.global_shapes():  # split parameters hold shards by now
-                compiled = self._trace_and_compile(args, len(self._compiled.plans))  # a plan per rank
-            _check_input_placements(compiled, args)
-            _check_same_stages(self._compiled, compiled)
-            object.__setattr__(self, "_compiled", compiled)
-            self._state.compiled = compiled
-            self._setup_runtime(compiled, self._rank, new_state=False)
-            key = self._signature(args)
-            self._plans_by_shape[key] = (compiled, self._runtime, self._tracer)
-        compiled, runtime, tracer = self._plans_by_shape[key]
+            failed = self._compiled.guards.failing()
+            if failed is None:
+                return
+            _check_replaceable(self, failed)
+            failures.append(failed)
+        entries = self._plans_by_shape.setdefault(key, [])
+        for entry in reversed(entries):
+            if entry[0] is self._compiled:
+                continue
+            failed = entry[0].guards.failing()
+            if failed is None:
+                self._use(key, entry)
+                return
+            _check_replaceable(self, failed)
+            failures.append(failed)
+        why = self._why_compile(failures)
+        with self._state.global_shapes():  # split parameters hold shards by now
+            compiled = self._trace_and_compile(args, len(self._compiled.plans))  # a plan per rank
+        _check_input_placements(compiled, args)
+        _check_same_stages(self._compiled, compiled)
+        object.__setattr__(self, "_compiled", compiled)
+        self._state.compiled = compiled
+        self._setup_runtime(compiled, self._rank, new_state=False)
+        entries.append((compiled, self._runtime, self._tracer))
+        self._use(key, entries[-1])
+        self.recompiles.append(why)
+        if len(entries) == _PLANS_PER_SIGNATURE + 1:
+            warn_user(f"{type(self).__name__} has compiled {len(entries)} plans for the same input "
+                      f"shapes, the last because {why}. A value build() reads changes from call to "
+                      "call, and every new value compiles a plan (slow). Fix: pass a changing "
+                      "number as a tensor input, or keep it constant between calls.")
+
+    def _use(self, key, entry) -> None:
+        compiled, runtime, tracer = entry
         object.__setattr__(self, "_compiled", compiled)
         object.__setattr__(self, "_runtime", runtime)
         object.__setattr__(self, "_tracer", tracer)
         self._state.compiled = compiled
         object.__setattr__(self, "_key", key)
+
+    def _why_compile(self, failures) -> str:
+        """The recompile log's reason, as TORCH_LOGS=recompiles gives it: per cached plan of
+        these input shapes, the first value that no longer matches."""
+        reasons = []
+        for failed in failures:
+            path, was, now = difference(failed.expected, fingerprint(failed.read()))
+            reason = f"{failed.where}{path} changed (compiled for {was}, now {now})"
+            reasons += [reason] if reason not in reasons else []
+        why = "; ".join(reasons) or "the inputs' shapes, dtypes or layouts are new"
+        _log.info("recompiling %s: %s", type(self).__name__, why)
+        return why
 
     def _setup_runtime(self, compiled: compiler.CompiledGraph, rank: int, new_state: bool = True) -> None:
         plan = compiled.plan_for(rank)
@@ -304,7 +340,7 @@ class Graph:
                 facts["param:" + key] = fingerprint_tensor(tensors[key])
                 holders[key] = sorted({r for s in self._state.holders[key]
                                        for r in compiled.stages[s].ranks})
-        tag = f"{self._instance}/{len(self._plans_by_shape)}"
+        tag = f"{self._instance}/{sum(len(entries) for entries in self._plans_by_shape.values())}"
         check_agreement(facts, holders, f"the compiled {type(self).__name__}", tag, timeout_seconds())
 
     def _set_draw(self) -> None:
@@ -488,12 +524,23 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, lr_sch) -> None:
             "optimizer you pass to add_optimizer.")
 
 
-def _attr_fingerprint(value):
-    """Simple values compare by value, anything else (a tensor, a list) by identity."""
-    simple = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
-    if isinstance(value, simple) or (isinstance(value, tuple) and all(isinstance(v, simple) for v in value)):
-        return ("value", type(value).__name__, value)
-    return ("object", id(value))
+def _signature(args) -> tuple:
+    """The input part of what a plan is specialised to: shapes, dtypes, layouts."""
+    return tuple((tuple(shape), local.dtype, sbp, where) for local, (shape, sbp, where) in args)
+
+
+def _check_replaceable(graph: Graph, failed) -> None:
+    """A module, parameter or buffer replaced after compile cannot get a plan of its own."""
+    if failed.replaceable:
+        return
+    now = failed.read()
+    what = "removed" if now is MISSING else f"replaced by another {type(now).__name__}"
+    raise GraphcError(
+        f"'{failed.where}' of {type(graph).__name__} was {what} after the graph compiled. The "
+        "graph's optimizer, gradient buckets and parameter shards hold the objects it was "
+        "compiled with, so the new one would not be trained as eager trains it. Fix: build a "
+        "new Graph (and optimizer) for the changed model, or copy new values into the existing "
+        "parameters in place (with torch.no_grad(): p.copy_(new)).")
 
 
 def _check_same_stages(old, new) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import random
 import traceback
 from contextlib import contextmanager
 from typing import Any, Dict, List, Optional, Sequence
@@ -58,6 +59,11 @@ _RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm", "normal", "bernoull
                      "poisson", "rand_like", "randn_like", "randint_like")
 
 
+# Python's own random draws: a draw while tracing would be frozen into the plan (refused)
+_PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choices", "sample",
+                  "shuffle", "gauss", "normalvariate", "betavariate", "expovariate")
+
+
 class ShapeProxy(fx.Proxy):
     """An fx Proxy that answers shape questions from the example it was traced with."""
 
@@ -68,6 +74,15 @@ class ShapeProxy(fx.Proxy):
 
     def __len__(self) -> int:
         return len(self.tracer.fake_of(self))
+
+    @property
+    def __class__(self):
+        """torch.Tensor for a tensor's proxy, so `isinstance(x, torch.Tensor)` in a model (or in
+        a library: transformers' masking_utils) takes eager's branch; fx's own checks use
+        type(), which stays ShapeProxy."""
+        if isinstance(self.node.meta.get(_FAKE), torch.Tensor):
+            return torch.Tensor
+        return type(self)
 
     def __iter__(self):
         value = self.node.meta.get(_FAKE)
@@ -116,6 +131,11 @@ class BuildTracer(fx.Tracer):
                 f"could not compute its value while tracing: {why}. Fix: check the op's inputs "
                 "(shapes, dtypes) at that line.")
         return node.meta[_FAKE]
+
+    def create_arg(self, a):
+        if isinstance(a, fx.Proxy):  # before fx's Tensor cases: a proxy says it is a Tensor
+            return a.node
+        return super().create_arg(a)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return ShapeProxy(node, self)
@@ -338,6 +358,18 @@ def _patched_calls(tracer: BuildTracer, source_file: Optional[str]):
         return call
 
     factories = [(torch, name, getattr(torch, name)) for name in _RANDOM_FACTORIES]
+    python_random = [(random, name, getattr(random, name)) for name in _PYTHON_RANDOM]
+
+    def refuse_python_random(name: str):
+        def call(*args, **kwargs):
+            raise GraphcError(
+                f"build() calls Python's random.{name}() at {_caller_line(source_file)}. build() is "
+                "traced once, so the number drawn while tracing would be a constant of the plan "
+                "(every step would, e.g., drop the same layer), unlike eager, which draws anew on "
+                "every call. Fix: draw with torch (p = torch.rand(()); use torch.where(p < "
+                "drop_prob, h, layer(h)) to skip a layer), which graphc records as a random op "
+                "drawn on every step; or draw outside build() and pass the result as an input.")
+        return call
 
     import torch.nn.utils as nn_utils
     import torch.nn.utils.clip_grad as clip_grad
@@ -346,6 +378,8 @@ def _patched_calls(tracer: BuildTracer, source_file: Optional[str]):
     torch.nn.Module.__setattr__ = module_setattr
     for obj, name, fn in factories:
         setattr(obj, name, recorded(name, fn))
+    for obj, name, _ in python_random:
+        setattr(obj, name, refuse_python_random(name))
     for obj, name, _ in saved:
         setattr(obj, name, refuse(name))
     try:
@@ -353,7 +387,7 @@ def _patched_calls(tracer: BuildTracer, source_file: Optional[str]):
     finally:
         torch.autograd.Function.apply = original_apply
         torch.nn.Module.__setattr__ = original_setattr
-        for obj, name, fn in factories:
+        for obj, name, fn in factories + python_random:
             setattr(obj, name, fn)
         for obj, name, fn in saved:
             setattr(obj, name, fn)

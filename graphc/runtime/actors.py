@@ -243,6 +243,8 @@ class Runtime:
         produced: Dict[Tuple[int, int, str], Dict[str, torch.Tensor]] = {}
         results: Dict[str, List[torch.Tensor]] = defaultdict(list)
         assembling: Dict[tuple, list] = {}   # values being received in pieces: [tensor, elements to come]
+        if self.plan.training and self.optimizer is not None:
+            self._own_grads()
         if self.grad_sync is not None and self.plan.training:
             self.grad_sync.start_step()
         profiling = torch.autograd.profiler._is_profiler_enabled  # checked once per step: cheap
@@ -317,6 +319,16 @@ class Runtime:
         for p in {id(p): p for p in params.values()}.values():  # a tie held twice: scaled once
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.dtype))
+
+    def _own_grads(self) -> None:
+        """NOTE: The graph owns .grad. With an optimizer, a step starts from no gradients, as
+        an eager loop's zero_grad() before backward: a .grad left by code outside the graph
+        (an eager sanity backward, a gradient-norm diagnostic between calls) would otherwise
+        be added into this step's. Without an optimizer, gradients accumulate over calls as
+        eager's backward() does, for the user to read and clear."""
+        for ex in self.executors.values():
+            for p in ex.program.module.parameters():
+                p.grad = None
 
     def _optimizer_step(self) -> None:
         if self.optimizer is None:

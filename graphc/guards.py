@@ -1,0 +1,238 @@
+"""Guards: the Python values a compiled plan was built from, checked again on every call.
+
+NOTE: Guards
+build() is traced once into a static graph, so every Python value the trace read is a
+constant of the plan: a module's `training` flag (dropout, BatchNorm, `if self.training:`),
+a temperature `model.tau`, a Graph attribute `self.cfg.aux_weight`, which module or
+parameter object sits at `model.head`. TorchDynamo keeps such values honest with guards;
+graphc does the same for the values its own tracer reads (docs/design.md, "Guards", says
+why the capture itself stays graphc's tracer):
+- while tracing, every module is given a recording subclass (record_reads) whose
+  __getattribute__ notes each attribute of the instance's __dict__ that the code read,
+  with the value it had at its first read; the Graph's attributes are noted by the traced
+  root's fallback lookup (graph.py);
+- plain values (numbers, strings, dtypes, tuples, dicts and small objects of them) are
+  compared by value (`fingerprint`): a change selects, or compiles and caches, another
+  plan (Executable lookup, like Dynamo's cache entries); tensors and other objects compare
+  by identity;
+- which module, parameter or buffer sits under each name (`structure_of`) and torch's
+  global modes (grad, autocast, default dtype) are guarded too. A module or parameter
+  replaced after compile cannot simply recompile (the optimizer and the shards hold the
+  old parameters): it is a GraphcError saying so.
+A check costs one dict lookup and a comparison per guarded value (docs/design.md gives
+the measured cost per call).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
+          torch.Size, enum.Enum, type(Ellipsis), slice, range)
+_MAX_ITEMS = 256   # a longer container compares by identity (its contents are data, not settings)
+_MAX_DEPTH = 4
+# what nn.Module.__init__ puts in every instance's __dict__: torch's bookkeeping, not settings
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"training"}
+MISSING = object()
+
+
+def fingerprint(value: Any, depth: int = 0) -> Any:
+    """A comparable summary of `value`: equal fingerprints mean the trace would read the same.
+
+    Plain values by value (a float NaN by its text, so it equals itself), containers and
+    small plain objects (a config) by their items, anything else (tensors, modules,
+    functions, big containers) by identity.
+    """
+    if isinstance(value, _PLAIN):
+        if isinstance(value, float) and math.isnan(value):
+            return (float, "nan")
+        return (type(value), value)
+    if depth >= _MAX_DEPTH or isinstance(value, (torch.Tensor, nn.Module)) or callable(value):
+        return ("id", id(value))
+    if isinstance(value, (tuple, list)) and len(value) <= _MAX_ITEMS:
+        return (type(value), tuple(fingerprint(v, depth + 1) for v in value))
+    if isinstance(value, dict) and len(value) <= _MAX_ITEMS:
+        return (type(value), tuple((fingerprint(k, depth + 1), fingerprint(v, depth + 1))
+                                   for k, v in value.items()))
+    attrs = getattr(value, "__dict__", None)
+    if isinstance(attrs, dict) and len(attrs) <= _MAX_ITEMS:
+        return (type(value), tuple((k, fingerprint(v, depth + 1)) for k, v in attrs.items()))
+    return ("id", id(value))
+
+
+def describe(value: Any) -> str:
+    """A short text of a guarded value for the recompile log."""
+    text = repr(value) if isinstance(value, _PLAIN) else f"<{type(value).__name__} at {id(value):#x}>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def difference(old: Any, new: Any, path: str = "") -> Tuple[str, str, str]:
+    """Where two fingerprints first differ: (attribute path below the guarded value, the
+    value compiled for, the value now), for the recompile log."""
+    if (isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new) == 2
+            and old[0] == new[0] and old[0] != "id" and isinstance(old[1], tuple)
+            and isinstance(new[1], tuple) and len(old[1]) == len(new[1])):
+        for i, (a, b) in enumerate(zip(old[1], new[1])):
+            if a == b:
+                continue
+            if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) and a[0] != "id" \
+                    and isinstance(b, tuple) and len(b) == 2 and a[0] == b[0]:  # an attribute
+                return difference(a[1], b[1], f"{path}.{a[0]}")
+            return difference(a, b, f"{path}[{i}]")
+    return path, _text(old), _text(new)
+
+
+def _text(fp: Any) -> str:
+    if isinstance(fp, tuple) and len(fp) == 2 and fp[0] != "id" and isinstance(fp[0], type) \
+            and not isinstance(fp[1], tuple):
+        return describe(fp[1])
+    if isinstance(fp, tuple) and len(fp) == 2 and isinstance(fp[0], type):
+        return f"a {fp[0].__name__}"
+    return "another object"
+
+
+@dataclass(frozen=True)
+class Guard:
+    """One value the plan depends on: `where` names it for the user ('model.drop.training')."""
+    where: str
+    read: Callable[[], Any]   # the value now (MISSING where the attribute is gone)
+    expected: Any             # its fingerprint when traced
+    replaceable: bool = True  # False: a change cannot compile another plan (see check)
+
+    def holds(self) -> bool:
+        return fingerprint(self.read()) == self.expected
+
+
+@dataclass
+class GuardSet:
+    """The guards of one compiled plan, in the order they were read."""
+    guards: Tuple[Guard, ...] = ()
+
+    def failing(self) -> Optional[Guard]:
+        """The first guard that no longer holds, or None (the plan may run)."""
+        seen: Dict[int, Any] = {}  # one object read by many modules (an HF config): summed once
+        for g in self.guards:
+            value = g.read()
+            if isinstance(value, _PLAIN):
+                now = fingerprint(value)
+            else:
+                now = seen.get(id(value))
+                if now is None:
+                    now = seen[id(value)] = fingerprint(value)
+            if now != g.expected:
+                return g
+        return None
+
+    def __len__(self) -> int:
+        return len(self.guards)
+
+
+def global_guards() -> List[Guard]:
+    """torch's process-wide modes that change what a trace records."""
+    out = [Guard("torch.is_grad_enabled()", torch.is_grad_enabled, fingerprint(torch.is_grad_enabled())),
+           Guard("torch.get_default_dtype()", torch.get_default_dtype, fingerprint(torch.get_default_dtype()))]
+    for device in ("cpu", "cuda"):
+        def state(device=device):
+            return (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        out.append(Guard(f"autocast state ({device})", state, fingerprint(state())))
+    return out
+
+
+def structure_of(root: nn.Module) -> List[Guard]:
+    """Which module, parameter and buffer object sits under every name below root."""
+    out = []
+    for prefix, module in root.named_modules(remove_duplicate=False):
+        for kind in ("_modules", "_parameters", "_buffers"):
+            table = module.__dict__[kind]
+            for name, obj in table.items():
+                if obj is None:
+                    continue
+                where = f"{prefix}.{name}" if prefix else name
+                out.append(Guard(where, _entry_reader(table, name), ("id", id(obj)), replaceable=False))
+    return out
+
+
+def _entry_reader(table: dict, name: str) -> Callable[[], Any]:
+    return lambda: table.get(name, MISSING)
+
+
+def _attr_reader(obj: Any, name: str) -> Callable[[], Any]:
+    attrs = obj.__dict__
+    return lambda: attrs.get(name, MISSING)
+
+
+class ReadLog:
+    """The attributes read while tracing: (object, name) -> (where, fingerprint at first read)."""
+
+    def __init__(self, names: Dict[int, str]):
+        self.names = names  # id(module) -> its qualified name ('' for the root)
+        self.reads: Dict[Tuple[int, str], Tuple[str, Any, Any]] = {}
+
+    def note(self, obj: Any, name: str, value: Any, prefix: Optional[str] = None) -> None:
+        key = (id(obj), name)
+        if key in self.reads or isinstance(value, torch._subclasses.FakeTensor):
+            return
+        base = self.names.get(id(obj), "?") if prefix is None else prefix
+        where = f"{base}.{name}" if base else name
+        self.reads[key] = (where, obj, fingerprint(value))
+
+    def guards(self) -> List[Guard]:
+        return [Guard(where, _attr_reader(obj, name), fp)
+                for (_, name), (where, obj, fp) in self.reads.items()]
+
+
+_RECORDING: Dict[type, type] = {}
+_ACTIVE: List[ReadLog] = []
+
+
+def _recording_getattribute(self, name: str):
+    value = object.__getattribute__(self, name)
+    if _ACTIVE and name not in _MODULE_INTERNALS:
+        attrs = object.__getattribute__(self, "__dict__")
+        if name in attrs:
+            _ACTIVE[-1].note(self, name, value)
+    return value
+
+
+def _recording_class(cls: type) -> type:
+    """A subclass of cls that notes attribute reads; it reads as cls (name, module)."""
+    sub = _RECORDING.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (cls,), {"__getattribute__": _recording_getattribute,
+                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                          "_graphc_recording_of": cls})
+        _RECORDING[cls] = sub
+    return sub
+
+
+@contextmanager
+def record_reads(root: nn.Module) -> Iterator[ReadLog]:
+    """While active, attribute reads of every module below root are noted in the ReadLog."""
+    modules = list(root.named_modules(remove_duplicate=True))
+    log = ReadLog({id(m): name for name, m in modules})
+    swapped = []
+    try:
+        for _, m in modules:
+            cls = type(m)
+            if "_graphc_recording_of" in cls.__dict__:
+                continue
+            m.__class__ = _recording_class(cls)
+            swapped.append((m, cls))
+        _ACTIVE.append(log)
+        yield log
+    finally:
+        if _ACTIVE and _ACTIVE[-1] is log:
+            _ACTIVE.pop()
+        for m, cls in swapped:
+            m.__class__ = cls
+
+
+def current_log() -> Optional[ReadLog]:
+    """The ReadLog of the trace in progress (None outside tracing)."""
+    return _ACTIVE[-1] if _ACTIVE else None

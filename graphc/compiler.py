@@ -32,6 +32,7 @@ from .passes.infer_sbp import infer_sbp
 from .passes.insert_boxing import insert_boxing
 from .passes.insert_checkpoints import insert_checkpoints
 from .passes.insert_grad_clip import insert_grad_clip
+from .passes.insert_autocast_modes import insert_autocast_modes
 from .passes.insert_grad_modes import insert_grad_modes
 from .passes.insert_grad_sync import DEFAULT_BUCKET_BYTES, insert_grad_sync
 from .passes.insert_tie_sync import insert_tie_sync
@@ -198,6 +199,8 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     programs = _step(h, "split_stages", split_stages, gm, len(stages))
     # 6b. build()'s no_grad / enable_grad regions kept inside each stage program
     programs = _step(h, "insert_grad_modes", insert_grad_modes, programs, training)
+    # 6b'. build()'s torch.autocast regions kept inside each stage program (never dropped)
+    programs = _step(h, "insert_autocast_modes", insert_autocast_modes, programs)
     # 6c. inputs without a batch dim fed whole; token-mean losses divided by the whole batch's count
     programs = _step(h, "feed_whole_batch", feed_whole_batch, programs, gm, m)
     # 6d. modules marked for activation checkpointing run as recomputed regions

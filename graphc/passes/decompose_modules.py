@@ -22,7 +22,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..meta import META_PIECES, META_STAGE, META_STAGE_WHY, META_TENSOR, TensorMeta
+from ..meta import META_AUTOCAST, META_GRAD_ENABLED, META_PIECES, META_STAGE, META_STAGE_WHY, META_TENSOR, TensorMeta
 from ..placement import Broadcast, Split
 from ..sbp import local_ops
 from ..sbp.declared import declared_in
@@ -52,7 +52,8 @@ def decompose_modules(gm: fx.GraphModule, meshes) -> fx.GraphModule:
 
 def _copy_meta(src: fx.Node, dst: fx.Node, tensor=None) -> fx.Node:
     dst.meta.update({k: src.meta[k] for k in (META_STAGE, META_STAGE_WHY, "nn_module_stack",
-                                              "stack_trace") if k in src.meta})
+                                              "stack_trace", META_GRAD_ENABLED, META_AUTOCAST)
+                     if k in src.meta})
     dst.meta[META_TENSOR] = tensor if tensor is not None else src.meta.get(META_TENSOR)
     return dst
 

@@ -12,6 +12,8 @@ Requires: trace_build.
 """
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
+
 from typing import Sequence
 
 import torch
@@ -20,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..errors import GraphcError
 from .trace_build import microbatch_shape, run_module_on_fakes
-from ..meta import META_BATCHED, META_GRAD_ENABLED, META_TENSOR, TensorMeta, is_backward
+from ..meta import META_AUTOCAST, META_BATCHED, META_GRAD_ENABLED, META_TENSOR, TensorMeta, is_backward
 
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
@@ -44,10 +46,23 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
             elif node.op == "output":
                 continue
             else:
-                with torch.set_grad_enabled(node.meta.get(META_GRAD_ENABLED, True)):
+                with torch.set_grad_enabled(node.meta.get(META_GRAD_ENABLED, True)), \
+                        _autocast(node.meta.get(META_AUTOCAST, ())):
                     env[node] = _run_node(interp, node, env, fakes)
             node.meta[META_TENSOR] = TensorMeta.of(env[node]) if isinstance(env[node], torch.Tensor) else None
     return gm
+
+
+@contextmanager
+def _autocast(state):
+    """The node's autocast regions (NOTE: Autocast regions), so its dtype is eager's."""
+    if not state:
+        yield
+        return
+    with ExitStack() as stack:
+        for device, dtype in state:
+            stack.enter_context(torch.autocast(device, getattr(torch, dtype)))
+        yield
 
 
 def _microbatch_fake(node, value: torch.Tensor, m: int):

@@ -27,7 +27,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import GraphcError
-from ..meta import META_BATCHED, META_GRAD_ENABLED
+from ..meta import META_AUTOCAST, META_BATCHED, META_GRAD_ENABLED
+from ..plan.autocast_ops import autocast_state
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GRAPHC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -145,6 +146,7 @@ class BuildTracer(fx.Tracer):
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         node = proxy.node
         node.meta[META_GRAD_ENABLED] = torch.is_grad_enabled()
+        node.meta[META_AUTOCAST] = autocast_state()  # NOTE: Autocast regions
         if kind == "placeholder":
             index = len(self.examples_used)
             self.examples_used.append(node)
@@ -341,6 +343,21 @@ def _patched_calls(tracer: BuildTracer, source_file: Optional[str]):
                               f"{_REFUSED_CALLS[name]}")
         return call
 
+    def refuse_scaler(name: str):
+        def call(*args, **kwargs):
+            raise GraphcError(
+                f"build() calls GradScaler.{name}() at {_caller_line(source_file)}: loss scaling is "
+                "automatic mixed precision (AMP) state that lives across steps (the scale, the "
+                "inf/nan check over every rank and stage, the skipped step), which a traced "
+                "build() cannot hold; traced, the scaled gradients would reach the optimizer "
+                "unscaled. Fix: remove the GradScaler from build(); bfloat16 autocast (with "
+                "torch.autocast(\"cpu\" or \"cuda\", dtype=torch.bfloat16): inside build()) needs no "
+                "loss scaling. graphc's own fp16 loss scaling (Graph.set_grad_scaler) is not "
+                "available yet.")
+        return call
+
+    scaler_methods = [(torch.amp.GradScaler, name, torch.amp.GradScaler.__dict__[name])
+                      for name in ("scale", "unscale_", "step", "update")]
     original_setattr = torch.nn.Module.__setattr__
 
     def module_setattr(module, name, value):
@@ -380,6 +397,8 @@ def _patched_calls(tracer: BuildTracer, source_file: Optional[str]):
         setattr(obj, name, recorded(name, fn))
     for obj, name, _ in python_random:
         setattr(obj, name, refuse_python_random(name))
+    for obj, name, _ in scaler_methods:
+        setattr(obj, name, refuse_scaler(name))
     for obj, name, _ in saved:
         setattr(obj, name, refuse(name))
     try:
@@ -387,7 +406,7 @@ def _patched_calls(tracer: BuildTracer, source_file: Optional[str]):
     finally:
         torch.autograd.Function.apply = original_apply
         torch.nn.Module.__setattr__ = original_setattr
-        for obj, name, fn in factories + python_random:
+        for obj, name, fn in factories + python_random + scaler_methods:
             setattr(obj, name, fn)
         for obj, name, fn in saved:
             setattr(obj, name, fn)

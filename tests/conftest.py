@@ -6,6 +6,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import helpers  # noqa: E402
 from helpers import ORACLE_DTYPE  # noqa: E402
 
 # test modules build their constants and models at import: those are float64 too
@@ -19,3 +20,14 @@ def _oracle_dtype(request):
     torch.set_default_dtype(torch.float32 if request.node.get_closest_marker("fp32") else ORACLE_DTYPE)
     yield
     torch.set_default_dtype(old)
+
+
+# NOTE: World marker. A test that spawns ranks (helpers.run_world, reliability/launch.py's
+# torchrun and bare_world, a torchrun command line) is marked @pytest.mark.world, so that
+# `pytest -m "not world"` is the one-process inner loop (README: Tests). Two checks keep the
+# marks true: tests/test_world_marker.py reads every test file, and here each test's mark is
+# recorded before its fixtures are set up, so a launcher reached some way that reading
+# misses refuses to start (helpers.require_world_marker).
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    helpers.WORLD_TEST = item.get_closest_marker("world") is not None

@@ -43,6 +43,18 @@ def fp32_bound(terms: int, steps: int, eps: float = torch.finfo(torch.float32).e
     return terms * eps * steps
 
 
+# whether the running test is marked world: True or False under pytest, None outside it
+# (See NOTE: World marker in conftest.py)
+WORLD_TEST = None
+
+
+def require_world_marker(launcher: str) -> None:
+    """Refuses to start ranks from a pytest test not marked @pytest.mark.world."""
+    if WORLD_TEST is False:
+        raise RuntimeError(f"{launcher} starts ranks in a test not marked @pytest.mark.world: "
+                           "mark it (See NOTE: World marker in tests/conftest.py)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -71,6 +83,7 @@ def run_world(fn: Callable, world: int, *args, timeout: float = 240) -> List:
     graphc initialises the gloo process group itself from the torchrun variables. Returns
     each rank's return value; raises if any rank fails or the world outlives `timeout`.
     """
+    require_world_marker("run_world")
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(_entry, args=(fn, world, free_port(), outdir, args,
                                                torch.get_default_dtype()), nprocs=world,

@@ -38,6 +38,7 @@ def user_line():
         return next(i for i, line in enumerate(f, 1) if "LOG-TEST" in line)
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("log_ranks, printing", [(None, ["0"]), ("1,3", ["1", "3"]),
                                                  ("all", ["0", "1", "2", "3"])])
 def test_four_ranks_print_once_per_job_with_the_rank(log_ranks, printing):

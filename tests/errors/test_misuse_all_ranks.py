@@ -6,11 +6,14 @@ accumulation steps, and one whose input changes its number of dimensions on the 
 the error and returns its message; the world must finish (run_world's timeout bounds it)
 with both ranks reporting the same message.
 """
+import pytest
 import torch
 
 import graphc
 from helpers import run_world
 from models import PipelineGraph, SkipNet
+
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
 
 
 def _misuses(rank, world):

@@ -12,6 +12,8 @@ import pytest
 
 from helpers import assert_same_as_eager, run_world
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 
 STEPS = 3

@@ -15,6 +15,8 @@ from helpers import assert_same_as_eager, run_world
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import gpt  # noqa: E402
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 STEPS = 3
 
 

@@ -4,7 +4,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from helpers import free_port
+
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "pipeline.py")

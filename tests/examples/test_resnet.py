@@ -10,6 +10,7 @@ What BatchNorm equals (docs/design.md, BatchNorm):
 import os
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +18,8 @@ from helpers import accumulate_grads, assert_same_as_eager, run_world
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import resnet  # noqa: E402
+
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
 
 STEPS, BATCH = 2, 8
 

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import graphc
 from helpers import run_world
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 common = pytest.importorskip("torch.testing._internal.distributed._tensor.common_dtensor",
                              reason="needs the expecttest package (pip install graphc[test])")
 

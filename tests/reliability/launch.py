@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List
 
-from helpers import free_port
+from helpers import free_port, require_world_marker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -40,6 +40,7 @@ def env(**extra) -> dict:
 
 
 def torchrun(script: str, args: List[str], nproc: int, timeout: float, torchrun_args=(), **extra) -> Exit:
+    require_world_marker("torchrun")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), *torchrun_args, script, *args]
     start = time.monotonic()
@@ -55,6 +56,7 @@ def bare_world(script: str, args: List[str], nproc: int, timeout: float,
     wrap[rank] is a command that rank's python runs under (e.g. its own mount namespace).
     Ranks are reaped in order, reap_last after all others: until then, once dead, it is a zombie.
     """
+    require_world_marker("bare_world")
     port = str(free_port())
     procs, start = [], time.monotonic()
     for rank in range(nproc):

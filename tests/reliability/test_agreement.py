@@ -5,6 +5,7 @@ each rank returns the message it raised, so the test also shows that no rank han
 """
 import os
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -12,6 +13,8 @@ import graphc
 from graphc import sbp
 from helpers import run_world
 from models import PipelineGraph, SkipNet
+
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
 
 
 class DataParallel(graphc.Graph):

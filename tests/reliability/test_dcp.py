@@ -28,6 +28,8 @@ import graphc
 from graphc import sbp
 from helpers import assert_close, assert_same_as_eager, run_world
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 N, K, BATCH = 4, 2, 8
 P01 = graphc.placement("cpu", [0, 1])
 P23 = graphc.placement("cpu", [2, 3])

@@ -9,7 +9,11 @@ only the timeout (5 s there) can end.
 import os
 import re
 
+import pytest
+
 from launch import HERE, bare_world, torchrun
+
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
 
 SCRIPT = os.path.join(HERE, "faulty_train.py")
 TIMEOUT = 120

@@ -6,6 +6,8 @@ import pytest
 
 from launch import ROOT, torchrun
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 SOAK = os.path.join(ROOT, "benchmarks", "memory_soak.py")
 
 

@@ -15,6 +15,8 @@ import graphc
 from helpers import run_world
 from models import PipelineGraph, SkipNet
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 N, K = 6, 3
 
 

@@ -2,10 +2,13 @@
 from the last checkpoint and ends with exactly the parameters of an unbroken run."""
 import os
 
+import pytest
 import torch
 
 import graphc
 from launch import ROOT, torchrun
+
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_resume.py")
 TIMEOUT = 300

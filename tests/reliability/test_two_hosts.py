@@ -15,6 +15,8 @@ import torch
 from graphc.runtime import host
 from launch import HERE, bare_world
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 SCRIPT = os.path.join(HERE, "two_hosts_train.py")
 PRIVATE_SHM = ["unshare", "-m", "--propagation", "private", "sh", "-c",
                'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$0" "$@"']

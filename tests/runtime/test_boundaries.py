@@ -6,11 +6,14 @@ for process start-up once. Cuts inside the block send several values at once (th
 residual stream, the normed input, head-split q/k views, attention probabilities, the
 MLP's hidden activation), in an order of use that differs from their order of production.
 """
+import pytest
 import torch
 
 from helpers import assert_same_as_eager, eager_train, run_world
 from models import OPTIMIZERS
 from transformer_models import BlockNet, CutGraph, block_batches, token_loss
+
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
 
 STEPS = 2
 ACCUMULATION = 2

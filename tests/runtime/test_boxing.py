@@ -21,6 +21,8 @@ from graphc import sbp
 from graphc.sbp.layout import local_component
 from helpers import ATOL, RTOL, run_world
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 LAYOUTS = {"S0": sbp.split(0), "S1": sbp.split(1), "B": sbp.broadcast, "P": sbp.partial_sum}
 SHAPE, UNEVEN = (8, 8), (5, 3)  # 5 x 3 over 2 ranks: 3 + 2 rows, 2 + 1 columns
 

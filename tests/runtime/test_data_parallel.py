@@ -15,6 +15,8 @@ from graphc.plan.instructions import AllReduce
 from helpers import ATOL, RTOL, assert_same_as_eager, eager_train, run_world
 from models import OPTIMIZERS, make_batches, make_sched
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 
 STEPS = 3

@@ -8,6 +8,7 @@ The eager reference runs accumulation with momentum 0 (no per-micro-batch update
 each BatchNorm's inputs, and applies that one update after the step.
 """
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -103,6 +104,7 @@ def test_deferred_batch_norm_one_process():
     assert got["state"]["front.1.num_batches_tracked"].item() == STEPS
 
 
+@pytest.mark.world
 def test_deferred_batch_norm_pipeline_of_two():
     got = run_world(_train, 2, True)[1]
     want_losses, want_state = _reference()

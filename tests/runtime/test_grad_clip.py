@@ -118,6 +118,7 @@ def _train_data_tensor(rank, world):
     return {"losses": losses, "state": graph.full_state_dict(), "plan": graph.plan}
 
 
+@pytest.mark.world
 def test_grad_clip_pipeline_matches_eager():
     results = run_world(_train_pipeline, 2)
     torch.manual_seed(0)
@@ -133,6 +134,7 @@ def test_grad_clip_pipeline_matches_eager():
                          "tied GPT, pipeline 2, accumulation 2, clipped")
 
 
+@pytest.mark.world
 def test_grad_clip_data_x_tensor_matches_eager():
     results = run_world(_train_data_tensor, 4)
     torch.manual_seed(0)

@@ -1,9 +1,12 @@
 """A build() without backward() compiles a forward-only plan and returns eager's outputs."""
+import pytest
 import torch
 
 import graphc
 from helpers import ATOL, RTOL, run_world
 from models import SkipNet
+
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
 
 
 class InferenceGraph(graphc.Graph):

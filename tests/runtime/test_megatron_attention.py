@@ -87,6 +87,7 @@ def _batches(batch=BATCH):
             for _ in range(STEPS)]
 
 
+@pytest.mark.world
 def test_megatron_attention_matches_eager():
     results = run_world(_train, 2)
     for fused, kind in CONFIGS:
@@ -105,6 +106,7 @@ def test_megatron_attention_matches_eager():
                                            atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.world
 def test_data_x_tensor_fused_attention_matches_eager():
     results = run_world(_train_2d, 4)
     torch.manual_seed(0)

@@ -6,6 +6,7 @@ the oracle of helpers.py (eager PyTorch on the whole batch within 1e-10), on 5 g
   2d_then_1d: stage 0 data x tensor parallel on [[0, 1], [2, 3]], stage 1 on [4];
   1d_then_2d: stage 0 on [0], stage 1 tensor parallel on [[1, 2], [3, 4]], 2 micro-batches.
 """
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -107,6 +108,7 @@ def _train(rank, world):
     return out
 
 
+@pytest.mark.world
 def test_2d_and_1d_stages_match_eager():
     results = run_world(_train, 5)
     for name, (_, first_mlp) in CONFIGS.items():

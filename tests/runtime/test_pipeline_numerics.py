@@ -5,6 +5,8 @@ import torch
 from helpers import FP32_ATOL, assert_same_as_eager, eager_train, fp32_bound, run_world
 from models import OPTIMIZERS, PipelineGraph, SkipNet, make_batches, make_sched
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 ACCUMULATION = (1, 2, 4, 8)
 STEPS = 3
 

@@ -6,6 +6,7 @@ the to_global (it runs on [1], where its input was moved), and plain inputs and 
 undeclared head that go where their users run. Float64, 1e-10 (helpers.py). Seed 003's
 program in both tabs: tests/examples/test_global_tensors.py.
 """
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -14,6 +15,8 @@ import graphc
 from graphc import sbp
 from helpers import assert_same_as_eager, eager_train, run_world
 from models import OPTIMIZERS
+
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
 
 P0, P1 = graphc.placement("cpu", ranks=[0]), graphc.placement("cpu", ranks=[1])
 STEPS = 3

@@ -1,5 +1,6 @@
 """torch.profiler sees graphc's plan: one record_function range per instruction, and the
 shared-memory transport's polling adds no tensor ops (no aten::item per poll)."""
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -43,6 +44,7 @@ def _profiled_step(rank, world):
             "transport": set(graph._runtime.p2p.kinds.values())}
 
 
+@pytest.mark.world
 def test_profile_of_a_pipeline_step_shows_the_plan_and_no_polling_ops():
     results = run_world(_profiled_step, 2)
     assert results[0]["transport"] == {"shm"}           # the polling transport is the one checked

@@ -8,6 +8,7 @@ a new step draws a new mask, and a graph compiled afresh from the same seed repl
 first step's. With p=0 both train exactly as eager PyTorch on the whole batch (float64,
 1e-10, helpers.py).
 """
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -16,6 +17,8 @@ import graphc
 from dropout_models import DropNet, tensor_parallel
 from gpt_block_models import TokenLossGraph, token_loss
 from helpers import assert_same_as_eager, eager_train, run_world
+
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
 
 STEPS = 3
 P01 = graphc.placement("cpu", [0, 1])

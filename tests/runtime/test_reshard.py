@@ -102,6 +102,7 @@ def _train(rank, world, name):
     return {"losses": [l.item() for l in losses if l.numel()], "state": graph.full_state_dict()}
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_n_to_m_in_pieces_matches_eager(name):
     results = run_world(_train, CONFIGS[name][1], name)
@@ -197,6 +198,7 @@ def _train_encoder(rank, world):
     return {"losses": [l.item() for l in losses if l.numel()], "state": graph.full_state_dict()}
 
 
+@pytest.mark.world
 def test_torch_transformer_encoder_layer_2_to_3_matches_eager():
     results = run_world(_train_encoder, 5)
     torch.manual_seed(0)

@@ -15,6 +15,8 @@ from graphc.plan.schedules import layout, peak_live
 from helpers import assert_same_as_eager, eager_train, run_world
 from models import OPTIMIZERS, SkipNet, make_batches, make_sched
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 STEPS = 2
 P = 2  # pipeline ranks
 CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "zero_bubble": 2,

@@ -9,6 +9,7 @@ PyTorch on the whole batch (BatchNorm normalises with the global batch's statist
 float64, tolerance 1e-10 (the oracle of helpers.py); the running statistics (momentum 0.1
 and momentum=None) and num_batches_tracked equal eager's on every rank.
 """
+import pytest
 import torch
 import torch.nn as nn
 
@@ -123,9 +124,11 @@ def _check(world):
                 assert_close(value, ref_state[name], f"{what}: buffer {name}")
 
 
+@pytest.mark.world
 def test_data_parallel_batch_norm_matches_eager():
     _check(2)
 
 
+@pytest.mark.world
 def test_pipeline_x_data_parallel_batch_norm_matches_eager():
     _check(4)

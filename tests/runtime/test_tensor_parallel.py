@@ -21,6 +21,8 @@ from graphc.plan.instructions import AllReduce
 from helpers import assert_same_as_eager, eager_train, run_world
 from models import OPTIMIZERS
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 
 STEPS = 3

@@ -20,6 +20,8 @@ from helpers import assert_same_as_eager, eager_train, run_world
 from models import OPTIMIZERS
 from transformer_models import GPTGraph, SharedGraph, SharedNet, TinyGPT, token_batches, token_loss
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 STEPS = 3
 
 

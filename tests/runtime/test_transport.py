@@ -12,6 +12,8 @@ from graphc.runtime.comm import P2P
 from graphc.runtime.dist_env import ensure_process_group
 from helpers import run_world
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 SPECS = [TensorSpec("a", (3, 5), "float32"), TensorSpec("b", (), "int64"),
          TensorSpec("c", (7,), "bool"), TensorSpec("d", (2, 2, 2), "float64")]
 ROUNDS = 4

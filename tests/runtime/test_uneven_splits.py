@@ -26,6 +26,8 @@ from graphc import sbp
 from graphc.sbp.layout import local_component
 from helpers import assert_same_as_eager, run_world
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 STEPS = 3
 
 

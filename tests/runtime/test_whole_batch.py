@@ -10,6 +10,7 @@
     accumulation 2 it is refused: tests/passes/test_find_batch_dims.py).
 Float64, tolerance 1e-10 (the oracle of helpers.py).
 """
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -144,6 +145,7 @@ def _eager_batches(loss: str, batches):
     return batches
 
 
+@pytest.mark.world
 def test_whole_batch_semantics_match_eager():
     results = run_world(_train, 2)
     for name, (loss, acc, batches, width) in CASES.items():
@@ -205,6 +207,7 @@ def _train_data_parallel(rank, world):
     return out
 
 
+@pytest.mark.world
 def test_token_mean_data_parallel_matches_eager():
     """2 ranks x 2 micro-batches: the count sums over micro-batches, then over the ranks."""
     results = run_world(_train_data_parallel, 2)

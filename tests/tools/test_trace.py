@@ -10,6 +10,8 @@ from graphc.tools.trace import timeline_from_trace
 from helpers import run_world
 from models import PipelineGraph, SkipNet, make_batches
 
+pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
+
 STEPS, TRACED = 3, 2
 
 

@@ -44,9 +44,12 @@ def create_groups(rank_sets: Iterable[Sequence[int]]) -> None:
 
 
 # NOTE: Shapes only
-# `graphc plan --simulate` counts a stage program's FLOPs by running it on fake tensors in
-# one process, with no process group. Within `shapes_only(rank)` every collective returns a
-# tensor of the shape it would return on that rank, without communicating.
+# `graphc plan --simulate` runs stage programs in one process, with no process group: on fake
+# tensors to count FLOPs (h100, ...), on real ones to time their compute (measure, in
+# graphc/tools/costs.py). Within `shapes_only(rank)` every collective returns a tensor of the
+# shape it would return on that rank (zeros: no garbage NaN or denormal slows a timed kernel),
+# without communicating; the plan's Collective instructions carry the communication, which
+# the simulator models.
 _SHAPES_ONLY: list = []  # [rank] while counting shapes, else empty
 
 
@@ -111,7 +114,7 @@ def _all_reduce(x, group):
 def _all_gather(x, dim, group, n, extent):
     sizes = chunk_sizes(extent, n)
     if _SHAPES_ONLY:
-        return x.new_empty(_with(x.shape, dim, extent))
+        return x.new_zeros(_with(x.shape, dim, extent))
     mine = _pad_to(x, dim, sizes[0])
     parts = [torch.empty_like(mine) for _ in range(n)]
     dist.all_gather(parts, mine, group=group)
@@ -121,7 +124,7 @@ def _all_gather(x, dim, group, n, extent):
 def _reduce_scatter(x, dim, group, n, k):
     sizes = chunk_sizes(x.shape[dim], n)
     if _SHAPES_ONLY:
-        return x.new_empty(_with(x.shape, dim, sizes[k]))
+        return x.new_zeros(_with(x.shape, dim, sizes[k]))
     parts = [_pad_to(p, dim, sizes[0]) for p in x.split(sizes, dim)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
@@ -132,7 +135,7 @@ def _all_to_all(x, src_dim, dst_dim, group, n, k, extent):
     """Local shard of S(src_dim) -> local shard of S(dst_dim); `extent`: of src_dim."""
     src_sizes, dst_sizes = chunk_sizes(extent, n), chunk_sizes(x.shape[dst_dim], n)
     if _SHAPES_ONLY:
-        return x.new_empty(_with(_with(x.shape, dst_dim, dst_sizes[k]), src_dim, extent))
+        return x.new_zeros(_with(_with(x.shape, dst_dim, dst_sizes[k]), src_dim, extent))
     send = [_pad_to(_pad_to(p, dst_dim, dst_sizes[0]), src_dim, src_sizes[0])
             for p in x.split(dst_sizes, dst_dim)]
     recv = [torch.empty_like(p) for p in send]

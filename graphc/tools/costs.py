@@ -219,15 +219,26 @@ class _StageTimes:
 
 
 def _replay_stage(prog, compiled, optimizer, repeats: int) -> _StageTimes:
-    """Times one stage's compute instructions of one step in plan order (see measure_costs)."""
+    """Times one stage's compute instructions of one step in plan order (see measure_costs).
+
+    The stage's collectives move nothing (NOTE: Shapes only): plan mode has no process group,
+    and the plan's Collective instructions are what the simulator charges for communication.
+    """
+    from ..plan.ops import shapes_only
+    rank = compiled.stages[prog.stage].ranks[0]
+    with shapes_only(rank):
+        return _replay_stage_here(prog, compiled, optimizer, repeats, rank)
+
+
+def _replay_stage_here(prog, compiled, optimizer, repeats: int, rank: int) -> _StageTimes:
     from ..runtime.executor import StageExecutor
     module = copy.deepcopy(prog.module)
+    _localize(module)
     for p in module.parameters():
         p.grad = None
     ex = StageExecutor(replace(prog, module=module), compiled.training,
                        1.0 / compiled.num_microbatches)
     opt = _rebuild_optimizer(module, optimizer) if compiled.training else None
-    rank = compiled.stages[prog.stage].ranks[0]
     plan = compiled.plan_for(rank) if hasattr(compiled, "plan_for") else compiled.plans[rank]
     order = [part for ins in plan.instructions for part in _parts(ins)
              if getattr(part, "stage", prog.stage) == prog.stage]
@@ -384,18 +395,45 @@ def device_costs(compiled, device: str = "h100", **overrides) -> CostModel:
     return _for_ranks(costs, compiled)
 
 
-def _local_fake(mode, module, name: str, t: torch.Tensor) -> torch.Tensor:
-    """A fake of this rank's component of a parameter or buffer (plan mode holds whole ones)."""
+def _local_shape(module, name: str, t: torch.Tensor) -> tuple:
+    """The shape of this rank's component of a parameter or buffer (plan mode holds whole ones)."""
     from ..meta import META_SBP
     from ..sbp.layout import local_shape
     sig = next((n.meta.get(META_SBP) for n in module.graph.nodes
                 if n.op == "get_attr" and n.target == name and n.meta.get(META_SBP)), None)
-    fake = mode.from_tensor(t)
-    if sig is None or local_shape(t.shape, sig.out, sig.mesh) == tuple(t.shape):
-        return fake
+    return tuple(t.shape) if sig is None else tuple(local_shape(t.shape, sig.out, sig.mesh))
+
+
+def _local_fake(mode, module, name: str, t: torch.Tensor) -> torch.Tensor:
+    """A fake of this rank's component of a parameter or buffer."""
+    shape = _local_shape(module, name, t)
+    if shape == tuple(t.shape):
+        return mode.from_tensor(t)
     with mode:
-        return torch.empty(local_shape(t.shape, sig.out, sig.mesh), dtype=t.dtype,
-                           requires_grad=t.requires_grad)
+        return torch.empty(shape, dtype=t.dtype, requires_grad=t.requires_grad)
+
+
+def _localize(module) -> None:
+    """Cuts a stage copy's whole parameters and buffers to one rank's component, in place:
+    a rank computes on its shards (values do not matter for timing, shapes do)."""
+    cut: Dict[int, torch.Tensor] = {}    # a tied tensor is cut once, its names share the piece
+    named = list(module.named_parameters(remove_duplicate=False)) + \
+        list(module.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        if id(t) not in cut:
+            shape = _local_shape(module, name, t)
+            if shape == tuple(t.shape):
+                continue
+            piece = t.detach()[tuple(slice(0, n) for n in shape)].clone()
+            cut[id(t)] = (torch.nn.Parameter(piece, requires_grad=t.requires_grad)
+                          if isinstance(t, torch.nn.Parameter) else piece)
+        owner, _, attr = name.rpartition(".")
+        holder = module.get_submodule(owner)
+        if isinstance(t, torch.nn.Parameter):
+            setattr(holder, attr, cut[id(t)])
+        else:
+            holder.register_buffer(attr, cut[id(t)],
+                                   persistent=attr not in holder._non_persistent_buffers_set)
 
 
 def _count_stage(prog, compiled):

@@ -200,3 +200,71 @@ def test_plan_names_the_ranks_without_a_stage(tmp_path, capsys):
     assert main(["plan", os.path.join(ROOT, "examples", "pipeline.py"), "--nproc", "8", "--out", out,
                  "--no-chart"]) == 0
     assert "rank(s) 2-7 of --nproc 8 hold no stage" in capsys.readouterr().out
+
+
+LAYOUTS = os.path.join(HERE, "scripts", "mlp_layouts.py")
+MEASURED_LAYOUTS = {"tp2": (["--tp", "2"], 2), "pp2xdp2": (["--pp", "2", "--dp", "2"], 4),
+                    "pp2xdp2xtp2": (["--pp", "2", "--dp", "2", "--tp", "2"], 8)}
+
+
+@pytest.fixture
+def fixed_transport(monkeypatch):
+    """Transport costs without the two processes measure_transport spawns (not the subject)."""
+    from graphc.tools import costs
+    from graphc.tools.transport_costs import TransportCosts
+    monkeypatch.setattr(costs, "measure_transport", lambda kind, nbytes, threads=1: TransportCosts(
+        "shm", 5e-6, 1e-10, 5e-6, 1e-10, 2e-5, []))
+
+
+@pytest.mark.parametrize("layout", sorted(MEASURED_LAYOUTS))
+def test_simulate_measured_on_tensor_and_hybrid_layouts(tmp_path, fixed_transport, layout):
+    """`--simulate` (measured costs) times each stage's compute here on one rank's shards, its
+    collectives moving nothing (NOTE: Shapes only), and the simulator models communication:
+    it crashed on tensor-parallel and pipeline x data plans ("Default process group has not
+    been initialized", "rank 0 is in none of the groups ((2, 3),)")."""
+    import torch.distributed as dist
+    args, n = MEASURED_LAYOUTS[layout]
+    out = str(tmp_path / "plans")
+    assert main(["plan", LAYOUTS, *args, "--nproc", str(n), "--out", out, "--simulate",
+                 "--no-chart"]) == 0
+    assert not dist.is_initialized()
+    with open(os.path.join(out, "simulation.txt")) as f:
+        table = f.read()
+    assert "costs measured on this machine" in table
+    rows = [line.split() for line in table.splitlines()[2:] if line.split() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(n))
+    assert all(float(r[2]) > 0 for r in rows), table          # every rank computed
+    assert any(isinstance(i, __import__("graphc").plan.instructions.Collective)
+               for p in load_plans(out, n) for i in p.instructions) or "tp" not in layout
+
+
+def test_simulate_measured_gpt_pipeline_by_data(tmp_path, fixed_transport):
+    """The GPT example on pipeline 2 x data 2 with measured costs (the issue's reproduction)."""
+    out = str(tmp_path / "plans")
+    assert main(["plan", os.path.join(ROOT, "examples", "gpt.py"), "--nproc", "4", "--out", out,
+                 "--simulate", "--no-chart", "--", "--pp", "2", "--dp", "2", "--steps", "1"]) == 0
+    with open(os.path.join(out, "simulation.txt")) as f:
+        assert "costs measured on this machine" in f.read()
+
+
+def test_measured_costs_run_on_one_ranks_shards(monkeypatch, tmp_path):
+    """A tensor-parallel stage is timed on its local shards: Megatron's fc1 output is half as
+    wide on 2 ranks, so the activations autograd saves shrink (whole parameters would not
+    even run against the shards the collectives return)."""
+    from graphc.plan_mode import PlanModeExit, plan_mode
+    from graphc.tools.costs import measure_costs
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import plan_scale
+    saved = {}
+    for tp in (1, 2):
+        for k, v in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", tp), ("LOCAL_WORLD_SIZE", tp)):
+            monkeypatch.setenv(k, str(v))
+        graph, inputs = plan_scale.mlp_graph(1, 1, tp, 2, rows_per_mb=4)
+        with plan_mode(tp, str(tmp_path / f"tp{tp}"), None, False):
+            with pytest.raises(PlanModeExit):
+                graph(*inputs)
+        costs = measure_costs(graph.compiled, repeats=1)
+        saved[tp] = costs.activation_bytes[0]
+        whole = {n: tuple(p.shape) for n, p in graph.compiled.programs[0].module.named_parameters()}
+        assert whole["model.blocks.0.fc1.weight"] == (128, 32)    # the user's are left whole
+    assert saved[2] < saved[1], saved

@@ -65,6 +65,9 @@ class CostModel:
     input_bytes: Dict[int, int] = field(default_factory=dict)
     # links between nodes (None: every pair of ranks has the link above)
     network: Optional[Network] = None
+    # (bandwidth, latency) of collectives where they take another path than sends (measured
+    # costs: sends use the measured transport, collectives gloo); None: the link above
+    collective_link: Optional[Tuple[float, float]] = None
 
     @staticmethod
     def uniform(num_stages: int, forward: float = 1.0, backward: float = 2.0) -> "CostModel":
@@ -123,7 +126,7 @@ class CostModel:
         n = len(ins.ranks)
         if n < 2:
             return 0.0
-        link = (self.bandwidth, self.latency)
+        link = self.collective_link or (self.bandwidth, self.latency)
         if self.network is not None and self.network.crosses(ins.ranks):
             link = (self.network.bandwidth, self.network.latency)
         if isinstance(ins, Collective):     # nbytes: what this rank sends in the ring
@@ -157,7 +160,9 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
             mean forward / backward per micro-batch, and of the optimizer step).
         threads: torch threads while timing (torchrun sets OMP_NUM_THREADS=1 for several
             processes per machine, so 1 matches a multi-rank CPU run); None keeps the current.
-        latency, bandwidth: link model when `transport` is None (defaults: gloo loopback).
+        latency, bandwidth: link model of collectives, and of sends when `transport` is None
+            (defaults: gloo loopback). The stage's collectives move nothing while it is
+            timed (NOTE: Shapes only): the plan's Collective instructions are modelled.
         transport: "shm", "gloo" or "auto" (what graphc.runtime.comm picks for cpu ranks on
             one host, GRAPHC_P2P honoured): measure that transport's per-send and per-recv
             CPU cost, latency and a waiting receiver's polling delay with two spawned
@@ -180,7 +185,7 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
                       {s: t.backward for s, t in times.items()},
                       {s: t.optimizer for s, t in times.items()},
                       {s: t.activation for s, t in times.items()}, latency, bandwidth,
-                      overhead=overhead,
+                      overhead=overhead, collective_link=(bandwidth, latency),
                       source=f"measured on this machine, {threads or saved_threads} thread(s)",
                       backward_input={s: t.backward_input for s, t in times.items()
                                       if t.backward_input is not None},

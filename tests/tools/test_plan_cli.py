@@ -268,3 +268,18 @@ def test_measured_costs_run_on_one_ranks_shards(monkeypatch, tmp_path):
         whole = {n: tuple(p.shape) for n, p in graph.compiled.programs[0].module.named_parameters()}
         assert whole["model.blocks.0.fc1.weight"] == (128, 32)    # the user's are left whole
     assert saved[2] < saved[1], saved
+
+
+def test_measured_costs_model_collectives_over_gloo():
+    """With a measured transport (sends: no bandwidth term), collectives still cost gloo's
+    loopback link: a 4 MB all-reduce over 2 ranks is not free."""
+    from graphc.plan.instructions import Collective
+    from graphc.tools.costs import CPU_LINK_BANDWIDTH, CPU_LINK_LATENCY_S, CostModel
+    from graphc.tools.transport_costs import TransportCosts
+    base = CostModel({0: 1.0}, {0: 2.0}, latency=CPU_LINK_LATENCY_S, bandwidth=CPU_LINK_BANDWIDTH,
+                     collective_link=(CPU_LINK_BANDWIDTH, CPU_LINK_LATENCY_S))
+    costs = TransportCosts("shm", 5e-6, 1e-10, 5e-6, 1e-10, 2e-5, []).apply(base)
+    assert costs.bandwidth == float("inf")
+    ins = Collective(kind="all_reduce", stage=0, microbatch=0, direction="F", ranks=(0, 1),
+                     node="box", sbp_in="partial_sum", sbp_out="broadcast", nbytes=2 << 20)
+    assert costs.collective(ins) == pytest.approx(base.collective(ins)) and costs.collective(ins) > 1e-3

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -27,7 +27,7 @@ from .passes.decompose_modules import decompose_modules
 from .passes.defer_batch_norm import defer_batch_norm
 from .passes.feed_whole_batch import feed_whole_batch
 from .passes.check_row_groups import check_row_groups
-from .passes.find_batch_dims import batched_inputs, find_batch_dims, input_names
+from .passes.find_batch_dims import find_batch_dims, input_names
 from .passes.infer_sbp import infer_sbp
 from .passes.insert_boxing import insert_boxing
 from .passes.insert_checkpoints import insert_checkpoints
@@ -43,6 +43,7 @@ from .passes.place_by_layout import found_stages, place_by_layout
 from .passes.place_inputs import place_inputs
 from .passes.propagate_shapes import propagate_shapes
 from .passes.seed_random_ops import seed_random_ops
+from .passes.split_inputs import split_inputs
 from .passes.split_stages import split_stages
 from .passes.trace_build import trace_build
 from .passes.verify_graph import verify_annotated, verify_traced, warn_unused_parameters
@@ -84,6 +85,7 @@ class CompileSpec:
     gradient_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     grad_clip_norm: Optional[float] = None
     activation_checkpointing: str = "never"
+    whole_inputs: Tuple[str, ...] = ()  # build() arguments never split into micro-batches
 
 
 @dataclass
@@ -146,12 +148,15 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     # 0a. the layouts to_global gave the Graph's parameters and buffers, as they are now
     declared = _step(h, "declared_layouts", lambda: spec.declared)
     batched = None
-    if m > 1:  # 0b. which inputs carry the batch dim, by data flow on build() for the whole batch
+    if m > 1:  # 0b. inputs whose dim 0 is the batch size are split (NOTE: Batch split) ...
         whole = _step(h, "trace_build (whole batch)", trace_build, spec.root, example_inputs, 1,
                       None, spec.name, spec.source_file)
+        split = _step(h, "split_inputs", split_inputs, input_names(whole), example_inputs,
+                      spec.whole_inputs, spec.name)
+        # ... which the data flow on build() for the whole batch confirms, or refuses
         whole = _step(h, "propagate_shapes (whole batch)", propagate_shapes, whole, example_inputs, 1)
-        whole = _step(h, "find_batch_dims (whole batch)", find_batch_dims, whole, m)
-        batched = _step(h, "batched_inputs (whole batch)", batched_inputs, whole)
+        whole = _step(h, "find_batch_dims (whole batch)", find_batch_dims, whole, m, False, split)
+        batched = split
         # 0c. batched inputs cut their rows into micro-batches alike (NOTE: Row groups)
         _step(h, "check_row_groups", check_row_groups, input_names(whole), batched, input_layouts, m)
     # 1. trace build() into one fx graph for one micro-batch's shapes: the whole step,

@@ -67,6 +67,7 @@ class GraphConfig:
         self.grad_clip_norm: Optional[float] = None
         self.deferred_batch_norm = False
         self.activation_checkpointing = "never"
+        self.whole_inputs: tuple = ()
 
     def _check_open(self, what: str) -> None:
         if self._graph._compiled is not None:
@@ -169,6 +170,29 @@ class GraphConfig:
                               f"{list(CHECKPOINT_MODES)}, found {mode!r}. For one module, use "
                               "module.config.set_activation_checkpointing(True).")
         self.activation_checkpointing = mode
+
+    def set_whole_inputs(self, *names: str) -> None:
+        """build() arguments passed whole to every micro-batch under gradient accumulation.
+
+        Every other input whose dim 0 equals the batch size (dim 0 of build()'s first
+        input) is split into the micro-batches along dim 0; an input of another length is
+        passed whole anyway. Name an input here when its dim 0 only happens to equal the
+        batch size (a [B, B] matrix, a table of B entries). graphc checks the choice against
+        how build() uses each input and refuses a conflict, naming the input and the op
+        (docs/errors.md).
+
+        Args:
+            names: build()'s argument names, as in its signature.
+
+        Example:
+            self.config.set_whole_inputs("prototypes")   # build(self, x, y, prototypes)
+        """
+        self._check_open("set_whole_inputs")
+        bad = [n for n in names if not isinstance(n, str) or not n]
+        if bad:
+            raise GraphcError(f"set_whole_inputs takes build()'s argument names as strings, found "
+                              f"{bad!r}. Fix: e.g. self.config.set_whole_inputs(\"prototypes\").")
+        self.whole_inputs = tuple(dict.fromkeys(self.whole_inputs + tuple(names)))
 
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""

@@ -171,7 +171,7 @@ class Graph:
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
             pipeline_schedule=cfg.pipeline_schedule, deferred_batch_norm=cfg.deferred_batch_norm,
             gradient_bucket_bytes=cfg.gradient_bucket_bytes, grad_clip_norm=cfg.grad_clip_norm,
-            activation_checkpointing=cfg.activation_checkpointing)
+            activation_checkpointing=cfg.activation_checkpointing, whole_inputs=cfg.whole_inputs)
 
     def compile(self, *inputs) -> ExecutionPlan:
         """Compiles for these example inputs without running a step; returns this rank's plan."""
@@ -573,13 +573,16 @@ def _uneven_global_shape(node: fx.Node, m: int):
 
 def _merge(per_mb: List[torch.Tensor], rows=None) -> torch.Tensor:
     """One output from its micro-batches' values: concatenated along the batch's rows, a
-    mean of a batch mean, or (no batch dim) the value every micro-batch computed alike."""
+    mean of a batch mean, a sum of a batch sum, or (no batch dim) the value every
+    micro-batch computed alike."""
     if len(per_mb) == 1:
         return per_mb[0]
     if rows is not None and rows.dim is not None:
         return torch.cat(per_mb, rows.dim)
     if rows is not None and not rows.reduced:
         return per_mb[0]
+    if rows is not None and rows.summed:  # a batch sum is the sum of its micro-batches' (NOTE: Batch sums)
+        return torch.stack(per_mb).sum(0)
     if per_mb[0].dim() == 0 or rows is not None:
         return torch.stack(per_mb).mean(0)
     return torch.cat(per_mb, 0)

@@ -41,13 +41,17 @@ class TensorMeta:
 @dataclass(frozen=True)
 class RowsMeta:
     """Where a value holds the batch's rows: `dim` indexes them (None: no batch dim), and
-    `reduced` says it is a sum or mean over them (a micro-batch holds one part of it)."""
+    `reduced` says it is a sum or mean over them (a micro-batch holds one part of it), and
+    `summed` which of the two, for build()'s outputs (find_batch_dims: NOTE: Batch sums)."""
 
     dim: Optional[int]
     reduced: bool
+    summed: bool = False  # a reduced value that is a sum over the rows (micro-batches add up)
 
     def __str__(self) -> str:
-        return f"rows@{self.dim}" if self.dim is not None else ("rows-mean" if self.reduced else "whole")
+        if self.dim is not None:
+            return f"rows@{self.dim}"
+        return ("rows-sum" if self.summed else "rows-mean") if self.reduced else "whole"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ Requires: propagate_shapes. To decide, run on build() traced for the whole batch
 """
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, List
+from typing import Dict, FrozenSet, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -26,30 +26,67 @@ from ..rows import Coupling, Rows, Symbols
 from ..rows.rules import Ctx, default, rows_of
 
 
-def find_batch_dims(gm: fx.GraphModule, num_microbatches: int,
-                    decide_inputs: bool = True) -> fx.GraphModule:
+def find_batch_dims(gm: fx.GraphModule, num_microbatches: int, decide_inputs: bool = True,
+                    split: Optional[Sequence[bool]] = None) -> fx.GraphModule:
+    """split: per input, whether split_inputs cuts it into micro-batches. Given, the analysis
+    only confirms that choice or refuses it (NOTE: Batch split); without it, the rows are
+    found from the data flow alone (inference, and graphs without accumulation)."""
     syms, events = Symbols(), []
     env: Dict[fx.Node, object] = {}
     for node in gm.graph.nodes:
         env[node] = _value(gm, node, env, syms, events)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    chosen = [] if split is None else [env[p].dims[0] for p, s in zip(placeholders, split)
+                                       if s and isinstance(env[p], Rows) and env[p].dims]
+    for s in chosen[1:]:  # the rule says: these are the same rows, the batch's
+        syms.union(chosen[0], s)
     events += _pairs(env, syms)
     backward = next((n for n in gm.graph.nodes
                      if is_backward(n)), None)
     roots = [backward.args[0]] if backward is not None else gm.graph.output_node().all_input_nodes
     used = _ancestors(roots)  # what the loss (or the outputs) depends on; not buffer updates
     events = [e for e in events if e.node in used]
-    candidates = _candidates(env, syms, events, roots, training=backward is not None)
-    mixed = {c for e in events for c in _classes(e, syms)}
-    batch = candidates - mixed
-    if candidates and not batch and num_microbatches > 1:
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}  # the first coupling in build()
-        first = min((e for e in events if _classes(e, syms) & candidates), key=lambda e: order[e.node])
-        raise _coupled(first, num_microbatches)
+    if split is not None:
+        batch = syms.classes(chosen)
+        _confirm_split(gm, env, syms, events, batch, placeholders, split, num_microbatches)
+    else:
+        candidates = _candidates(env, syms, events, roots, training=backward is not None)
+        mixed = {c for e in events for c in _classes(e, syms)}
+        batch = candidates - mixed
+        if candidates and not batch and num_microbatches > 1:
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}  # the first coupling in build()
+            first = min((e for e in events if _classes(e, syms) & candidates), key=lambda e: order[e.node])
+            raise _coupled(first, num_microbatches)
     for node, value in env.items():
         node.meta[META_ROWS] = _meta(value, batch, syms)
         if node.op == "placeholder" and decide_inputs:
             node.meta[META_BATCHED] = node.meta[META_ROWS].dim == 0
+    _mark_sums(gm)
     return gm
+
+
+def _confirm_split(gm, env, syms: Symbols, events: List[Coupling], batch: FrozenSet[int],
+                   placeholders, split: Sequence[bool], m: int) -> None:
+    """NOTE: Batch split. The inputs split_inputs cuts are the batch's rows; the data flow
+    must agree: no op may mix those rows (per micro-batch it would compute something else),
+    and an input kept whole must not line up with them."""
+    if m <= 1 or not batch:
+        return
+    names = [p.target for p, s in zip(placeholders, split) if s]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    mixing = sorted((e for e in events if _classes(e, syms) & batch), key=lambda e: order[e.node])
+    if mixing:
+        raise _coupled(mixing[0], m, names)
+    for p, s in zip(placeholders, split):
+        value = env.get(p)
+        if not s and isinstance(value, Rows) and value.dims and value.dims[0] is not None \
+                and syms.find(value.dims[0]) in batch:
+            raise GraphcError(
+                f"input '{p.target}' is passed whole to every micro-batch (marked with "
+                f"config.set_whole_inputs), but build() lines its dim 0 up with the rows of the "
+                f"batch ({', '.join(repr(n) for n in names)}), so each micro-batch would pair its "
+                f"rows with the wrong rows of '{p.target}'. Fix: remove '{p.target}' from "
+                "config.set_whole_inputs so it is split with the batch.")
 
 
 def batched_inputs(gm: fx.GraphModule) -> List[bool]:
@@ -84,16 +121,19 @@ def _value(gm, node: fx.Node, env, syms: Symbols, events: List[Coupling]):
 
 
 def _constant(gm: fx.GraphModule, node: fx.Node, meta):
-    """A parameter, buffer or constant: no rows; torch.arange(n) (a constant once traced)
-    is marked as a position index, so x[torch.arange(n), y] reads as every row in order."""
+    """A parameter, buffer or constant: no rows; torch.arange(n) (a constant once traced),
+    also reshaped along one axis (arange(b)[:, None]), is marked as a position index, so
+    x[torch.arange(n), y] reads as every row in order."""
     if meta is None:
         return None
     value = gm
     for part in node.target.split("."):
         value = getattr(value, part, None)
-    position = (isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point()
-                and not isinstance(value, torch.nn.Parameter)
-                and torch.equal(value, torch.arange(len(value), dtype=value.dtype, device=value.device)))
+    position = (isinstance(value, torch.Tensor) and value.dim() >= 1 and not value.is_floating_point()
+                and not isinstance(value, torch.nn.Parameter) and value.numel() > 0
+                and sum(1 for k in value.shape if k != 1) <= 1  # arange(n), or arange(n)[:, None]
+                and torch.equal(value.reshape(-1), torch.arange(value.numel(), dtype=value.dtype,
+                                                                device=value.device)))
     return Rows((None,) * len(meta.shape), position=position)
 
 
@@ -148,9 +188,18 @@ def _meta(value, batch: FrozenSet[int], syms: Symbols) -> RowsMeta:
     return RowsMeta(dim, bool(syms.classes(value.reduced) & batch))
 
 
-def _coupled(e: Coupling, m: int) -> GraphcError:
+def _coupled(e: Coupling, m: int, split: Optional[List[str]] = None) -> GraphcError:
     trace = e.node.meta.get("stack_trace", "").strip().splitlines()
     where = f"{trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else e.node.format_node()
+    if split is not None:
+        return GraphcError(
+            f"build() couples rows of the batch at {where} (node '{e.node.name}'): {e.why}. The "
+            f"inputs {split} are split into {m} micro-batches along dim 0 (their dim 0 is the "
+            "batch size), and per micro-batch this op would compute something else. Fix: if an "
+            "input there is not per-example data (a table, a matrix that happens to have the "
+            "batch's length), mark it with self.config.set_whole_inputs(\"name\"); if the op "
+            "really compares rows across the batch (an in-batch contrastive loss), use "
+            "self.config.set_gradient_accumulation_steps(1).")
     return GraphcError(
         f"build() couples rows of the batch at {where} (node '{e.node.name}'): {e.why}. With "
         f"{m} gradient accumulation steps each micro-batch would compute this on its own "
@@ -158,3 +207,78 @@ def _coupled(e: Coupling, m: int) -> GraphcError:
         "compare each row with fewer others). Fix: use self.config."
         "set_gradient_accumulation_steps(1) for this graph (a smaller batch per step if memory "
         "is short), or make the loss a mean over independent rows.".replace("{m}", str(m)))
+
+
+# NOTE: Batch sums. A value build() returns that is reduced over the batch comes back as
+# eager computes it on the whole batch: a mean of per-micro-batch means, but a sum of
+# per-micro-batch sums (`n_correct = (pred == y).sum()`). The kind is read back from the
+# output through casts and scalings to the reduction that made it; `s / n` with n the
+# number of entries s summed (x.shape[0], x.numel() of the micro-batch) is a mean. A value
+# mixing both kinds, or made by an op not followed here, keeps the mean (as before).
+_SUMS = frozenset({"sum", "nansum", "count_nonzero"})
+_MEANS = frozenset({"mean", "nanmean"})
+_KEEPS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as", "detach", "clone",
+                    "neg", "contiguous", "squeeze", "unsqueeze", "view", "reshape", "flatten",
+                    "getitem"})
+_SCALES = frozenset({"mul", "truediv", "div", "divide", "true_divide"})
+_LOSS_MODULES = (torch.nn.modules.loss._Loss,)
+
+
+def _mark_sums(gm: fx.GraphModule) -> None:
+    for node in gm.graph.output_node().all_input_nodes:
+        meta = node.meta.get(META_ROWS)
+        if meta is not None and meta.dim is None and meta.reduced and _kind(gm, node) == "sum":
+            node.meta[META_ROWS] = RowsMeta(None, True, summed=True)
+
+
+def _name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target)).lstrip("_")
+
+
+def _kind(gm: fx.GraphModule, node: fx.Node, depth: int = 0) -> Optional[str]:
+    """'sum', 'mean' or None (unknown) for a value reduced over the batch's rows."""
+    if depth > 32 or not isinstance(node, fx.Node) or node.op in ("placeholder", "get_attr"):
+        return None
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        reduction = getattr(module, "reduction", None) if isinstance(module, _LOSS_MODULES) else None
+        return {"sum": "sum", "mean": "mean"}.get(reduction)
+    name, first = _name(node), node.args[0] if node.args else None
+    rows = first.meta.get(META_ROWS) if isinstance(first, fx.Node) else None
+    if name in _SUMS or name in _MEANS:
+        if rows is not None and rows.dim is not None:
+            return "sum" if name in _SUMS else "mean"
+        return _kind(gm, first, depth + 1)
+    if name.endswith("loss") or name in ("cross_entropy", "binary_cross_entropy_with_logits"):
+        return {"sum": "sum", "mean": "mean"}.get(node.kwargs.get("reduction", "mean"))
+    if name in _KEEPS:
+        return _kind(gm, first, depth + 1)
+    tensors = [a for a in node.args if isinstance(a, fx.Node)]
+    numbers = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    if name in _SCALES and len(tensors) == 1 and numbers:
+        kind = _kind(gm, tensors[0], depth + 1)
+        if kind == "sum" and name != "mul" and tensors[0] is first and numbers[0] in _counts(gm, first):
+            return "mean"
+        return kind
+    if name in ("add", "sub", "iadd", "isub"):
+        kinds = {_kind(gm, a, depth + 1) for a in tensors
+                 if (a.meta.get(META_ROWS) or RowsMeta(None, False)).reduced}
+        return kinds.pop() if len(kinds) == 1 else None
+    return None
+
+
+def _counts(gm: fx.GraphModule, node: fx.Node, depth: int = 0) -> set:
+    """How many entries the sum at (or below) `node` added up: every dim, or its rows."""
+    while _name(node) in _KEEPS and node.args and isinstance(node.args[0], fx.Node) and depth < 32:
+        node, depth = node.args[0], depth + 1
+    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    meta = src.meta.get(META_TENSOR) if src is not None else None
+    if _name(node) not in _SUMS or meta is None:
+        return set()
+    shape = list(meta.shape)
+    total = 1
+    for n in shape:
+        total *= n
+    return {total, shape[0]} if shape else {total}

@@ -223,6 +223,9 @@ def getitem(ctx: Ctx):
     if x is None or ins is None:
         return None
     items = list(index) if isinstance(index, tuple) else [index]
+    if x.position and all(i is None or i == slice(None) for i in items):
+        # torch.arange(n)[:, None]: still every position in order, along one axis
+        return Rows((None,) * len(ctx.shape() or ()), position=True)
     if Ellipsis in items:
         at = items.index(Ellipsis)
         taken = sum(1 for i in items if i is not None and i is not Ellipsis)
@@ -244,9 +247,11 @@ def getitem(ctx: Ctx):
                 ctx.couple([s], "a slice picks some of the batch's rows")
             dims.append(s)
         elif isinstance(item, fx.Node):
-            idx = ctx.rows(item)
-            if idx is not None and idx.position and ctx.shape(item) == (ins[d],):
-                idx = Rows((s,))  # x[torch.arange(n)] on a dim of size n: every row, in order
+            idx, shape = ctx.rows(item), ctx.shape(item)
+            if idx is not None and idx.position and _along_one_axis(shape, ins[d]):
+                # x[torch.arange(n)] on a dim of size n: every row, in order; reshaped
+                # (arange(b)[:, None]), along the axis of the index block where it is n long
+                idx = Rows(tuple(s if k == ins[d] else None for k in shape))
             else:
                 ctx.couple([s], "an index tensor picks rows of the batch by position")
             if not advanced:
@@ -259,6 +264,12 @@ def getitem(ctx: Ctx):
     for entry in dims:
         out.extend(broadcast_rows(ctx, advanced) if entry is advanced else (entry,))
     return Rows(tuple(out) + x.dims[d:], x.reduced)
+
+
+def _along_one_axis(shape, n: int) -> bool:
+    """Is `shape` n along one axis and 1 along every other ((n,), (n, 1), (1, n))?"""
+    return shape is not None and sorted(shape)[-1:] == [n] and sum(1 for k in shape if k != 1) <= 1 \
+        and (n == 1 or list(shape).count(n) == 1)
 
 
 def concat(ctx: Ctx):

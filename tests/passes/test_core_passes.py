@@ -98,13 +98,13 @@ def test_values_flowing_backwards_through_stages_are_rejected():
 
 def test_history_records_every_pass():
     names = [r.name for r in compiled(p=2).history]
-    assert names == ["collect_stages", "declared_layouts", "trace_build (whole batch)", "propagate_shapes (whole batch)",
-                     "find_batch_dims (whole batch)", "batched_inputs (whole batch)", "check_row_groups", "trace_build",
+    assert names == ["collect_stages", "declared_layouts", "trace_build (whole batch)", "split_inputs", "propagate_shapes (whole batch)",
+                     "find_batch_dims (whole batch)", "check_row_groups", "trace_build",
                      "verify_traced", "warn_unused_parameters", "place_inputs", "check_layout",
                      "annotate_stages", "propagate_shapes", "find_batch_dims", "verify_annotated",
                      "declared_meshes", "decompose_modules", "defer_batch_norm", "infer_sbp",
                      "insert_boxing", "localize_ops", "seed_random_ops",
-                     "split_stages", "insert_grad_modes", "feed_whole_batch", "insert_checkpoints", "lower_plan",
+                     "split_stages", "insert_grad_modes", "insert_autocast_modes", "feed_whole_batch", "insert_checkpoints", "lower_plan",
                      "insert_grad_sync", "insert_tie_sync", "insert_grad_clip", "list_collectives",
                      "verify_plans", "note_stages"]
 

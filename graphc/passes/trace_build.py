@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..errors import GraphcError
 from ..meta import META_AUTOCAST, META_BATCHED, META_GRAD_ENABLED
 from ..plan.autocast_ops import autocast_state
+from .traced_checkpoint import traced_checkpoints
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GRAPHC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -250,7 +251,8 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
     names = _input_names(root, len(example_inputs))
     tracer.examples = [_microbatch_example(tracer, t, num_microbatches, b, name)
                        for name, t, b in zip(names, example_inputs, batched)]
-    with _traced_root(root, len(example_inputs)), _patched_calls(tracer, source_file):
+    with _traced_root(root, len(example_inputs)), _patched_calls(tracer, source_file), \
+            traced_checkpoints(tracer):  # torch.utils.checkpoint traces as its function
         try:
             g = tracer.trace(root)
         except GraphcError:

@@ -7,10 +7,10 @@ a temperature `model.tau`, a Graph attribute `self.cfg.aux_weight`, which module
 parameter object sits at `model.head`. TorchDynamo keeps such values honest with guards;
 graphc does the same for the values its own tracer reads (docs/design.md, "Guards", says
 why the capture itself stays graphc's tracer):
-- while tracing, every module is given a recording subclass (record_reads) whose
-  __getattribute__ notes each attribute of the instance's __dict__ that the code read,
-  with the value it had at its first read; the Graph's attributes are noted by the traced
-  root's fallback lookup (graph.py);
+- while compiling, nn.Module has a __getattribute__ (record_reads) that notes each
+  attribute of a module's instance __dict__ that the code read, with the value it had at
+  its first read; the Graph's attributes are noted by the traced root's fallback lookup
+  (graph.py);
 - plain values (numbers, strings, dtypes, tuples, dicts and small objects of them) are
   compared by value (`fingerprint`): a change selects, or compiles and caches, another
   plan (Executable lookup, like Dynamo's cache entries); tensors and other objects compare
@@ -187,50 +187,36 @@ class ReadLog:
                 for (_, name), (where, obj, fp) in self.reads.items()]
 
 
-_RECORDING: Dict[type, type] = {}
 _ACTIVE: List[ReadLog] = []
 
 
 def _recording_getattribute(self, name: str):
     value = object.__getattribute__(self, name)
     if _ACTIVE and name not in _MODULE_INTERNALS:
-        attrs = object.__getattribute__(self, "__dict__")
-        if name in attrs:
-            _ACTIVE[-1].note(self, name, value)
+        log = _ACTIVE[-1]
+        if id(self) in log.names and name in object.__getattribute__(self, "__dict__"):
+            log.note(self, name, value)
     return value
-
-
-def _recording_class(cls: type) -> type:
-    """A subclass of cls that notes attribute reads; it reads as cls (name, module)."""
-    sub = _RECORDING.get(cls)
-    if sub is None:
-        sub = type(cls.__name__, (cls,), {"__getattribute__": _recording_getattribute,
-                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                          "_graphc_recording_of": cls})
-        _RECORDING[cls] = sub
-    return sub
 
 
 @contextmanager
 def record_reads(root: nn.Module) -> Iterator[ReadLog]:
-    """While active, attribute reads of every module below root are noted in the ReadLog."""
-    modules = list(root.named_modules(remove_duplicate=True))
-    log = ReadLog({id(m): name for name, m in modules})
-    swapped = []
+    """While active, attribute reads of every module below root are noted in the ReadLog.
+
+    nn.Module gets a __getattribute__ for the duration (it has none of its own), so every
+    module's type stays what it is: the passes' tables keyed by module type still match.
+    """
+    log = ReadLog({id(m): name for name, m in root.named_modules(remove_duplicate=True)})
+    patched = "__getattribute__" not in nn.Module.__dict__
+    if patched:
+        nn.Module.__getattribute__ = _recording_getattribute
+    _ACTIVE.append(log)
     try:
-        for _, m in modules:
-            cls = type(m)
-            if "_graphc_recording_of" in cls.__dict__:
-                continue
-            m.__class__ = _recording_class(cls)
-            swapped.append((m, cls))
-        _ACTIVE.append(log)
         yield log
     finally:
-        if _ACTIVE and _ACTIVE[-1] is log:
-            _ACTIVE.pop()
-        for m, cls in swapped:
-            m.__class__ = cls
+        _ACTIVE.remove(log)
+        if patched:
+            del nn.Module.__getattribute__
 
 
 def current_log() -> Optional[ReadLog]:

@@ -307,3 +307,75 @@ def test_fingerprint_compares_plain_objects_by_value():
     assert fingerprint(float("nan")) == fingerprint(float("nan"))
     t = torch.zeros(2)
     assert fingerprint(t) != fingerprint(torch.zeros(2))  # tensors by identity
+
+
+class ModeNet(nn.Module):
+    """A deterministic mode switch (HF's `if self.training:`), and an annealed temperature."""
+
+    def __init__(self):
+        super().__init__()
+        self.stage0 = nn.Sequential(nn.Linear(D, 8), nn.Tanh())
+        self.stage1 = nn.Linear(8, C)
+        self.tau = 1.0
+
+    def forward(self, x):
+        h = self.stage0(x)
+        h = h * 2.0 if self.training else h * 0.5
+        return self.stage1(h) / self.tau
+
+
+class LayoutGraph(graphc.Graph):
+    def __init__(self, model, opt, layout):
+        super().__init__()
+        self.model = model
+        if layout == "pipeline":
+            self.model.stage0.config.set_stage(0, graphc.placement("cpu", [0]))
+            self.model.stage1.config.set_stage(1, graphc.placement("cpu", [1]))
+            self.config.set_gradient_accumulation_steps(2)
+        else:  # tensor parallel: stage0's Linear by output features, stage1's by input features
+            where = graphc.placement("cpu", [0, 1])
+            graphc.to_global(model, placement=where, sbp=graphc.sbp.broadcast)
+            graphc.to_global(model.stage0[0], placement=where, sbp=graphc.sbp.split(0))
+            graphc.to_global(model.stage1.weight, placement=where, sbp=graphc.sbp.split(1))
+        self.add_optimizer(opt)
+
+    def build(self, x, y):
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+MODE_STEPS = [("train", 1.0), ("eval", 1.0), ("eval", 0.5), ("train", 0.5), ("train", 1.0)]
+
+
+def _layout_worker(rank, world, layout):
+    torch.manual_seed(0)
+    model = ModeNet()
+    ref = copy.deepcopy(model)
+    graph = LayoutGraph(model, torch.optim.Adam(model.parameters(), lr=0.01), layout)
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    losses, want = [], []
+    for step, (mode, tau) in enumerate(MODE_STEPS):
+        x, y = _data(step)
+        for m in (model, ref):
+            m.train(mode == "train")
+            m.tau = tau
+        loss = graph(x, y).to_local()  # empty on a rank without the loss's stage
+        losses.append(loss.item() if loss.numel() else None)
+        want.append(_eager_step(ref, opt, x, y, 0.0))
+    state = {k: v.clone() for k, v in graph.full_state_dict().items()}
+    return losses, want, state, ref.state_dict(), graph.recompiles
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("layout", ["pipeline", "tensor"])
+def test_mode_switch_and_annealing_under_pipeline_and_tensor_parallel(layout):
+    results = run_world(_layout_worker, 2, layout)
+    assert any(r[0][0] is not None for r in results)  # some rank holds the loss
+    for losses, want, state, want_state, recompiles in results:
+        if losses[0] is not None:
+            assert_close(torch.tensor(losses), torch.tensor(want), f"{layout}: losses")
+        for k, v in want_state.items():
+            assert_close(state[k], v, f"{layout}: {k}")
+        # 4 settings: (train, 1), (eval, 1), (eval, .5), (train, .5); (train, 1) is reused
+        assert len(recompiles) == 3, recompiles

@@ -104,8 +104,11 @@ class Guard:
     read: Callable[[], Any]   # the value now (MISSING where the attribute is gone)
     expected: Any             # its fingerprint when traced
     replaceable: bool = True  # False: a change cannot compile another plan (see check)
+    same: Any = MISSING       # the object itself, for a guard on identity (checked with `is`)
 
     def holds(self) -> bool:
+        if self.same is not MISSING:
+            return self.read() is self.same
         return fingerprint(self.read()) == self.expected
 
 
@@ -119,6 +122,10 @@ class GuardSet:
         seen: Dict[int, Any] = {}  # one object read by many modules (an HF config): summed once
         for g in self.guards:
             value = g.read()
+            if g.same is not MISSING:
+                if value is not g.same:
+                    return g
+                continue
             if isinstance(value, _PLAIN):
                 now = fingerprint(value)
             else:
@@ -154,7 +161,8 @@ def structure_of(root: nn.Module) -> List[Guard]:
                 if obj is None:
                     continue
                 where = f"{prefix}.{name}" if prefix else name
-                out.append(Guard(where, _entry_reader(table, name), ("id", id(obj)), replaceable=False))
+                out.append(Guard(where, _entry_reader(table, name), ("id", id(obj)), replaceable=False,
+                                 same=obj))
     return out
 
 

@@ -18,8 +18,6 @@ traced outputs are detached in that case.
 """
 from __future__ import annotations
 
-import os
-import traceback
 from contextlib import contextmanager
 from typing import Iterator, List
 
@@ -29,9 +27,6 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from ..errors import GraphcError
 from ..log import warn_user
-
-_SKIP = (os.path.dirname(torch.__file__) + os.sep,
-         os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
 
 
 @contextmanager
@@ -99,5 +94,5 @@ def _requires_grad(tracer, value) -> bool:
 
 def _user_line() -> str:
     """'file:line: code' of the innermost frame outside torch and graphc."""
-    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(_SKIP)]
-    return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "build()"
+    from .trace_build import _caller_line  # at call time: trace_build imports this module
+    return _caller_line(None)

@@ -8,8 +8,20 @@ import os
 from .errors import GraphcError
 
 
+# The sensible range of each duration setting, in seconds, and what it bounds. Below the
+# minimum, ordinary work (a peer's compile before the first step, a step's transfer, a busy
+# host answering keepalive probes) outlasts the wait, so every run would fail as a stall.
+_SECONDS_RANGES = {
+    "GRAPHC_TIMEOUT": (1.0, 7 * 86400.0, "the longest a rank waits for another (a transfer, "
+                       "a collective, every rank's arrival at a graph's first call)"),
+    "GRAPHC_HEARTBEAT_TIMEOUT": (1.0, 86400.0, "how long a rank's host may leave keepalive "
+                                 "probes unanswered before the rank is declared dead"),
+}
+
+
 def seconds_from_env(name: str, default: float) -> float:
-    """A duration in seconds from environment variable `name`, checked for the user."""
+    """A duration in seconds from environment variable `name`, checked for the user (a number
+    > 0, within _SECONDS_RANGES[name] where the setting has a range)."""
     raw = os.environ.get(name)
     if raw is None:
         return float(default)
@@ -21,6 +33,14 @@ def seconds_from_env(name: str, default: float) -> float:
         raise GraphcError(f"{name} must be a number of seconds, found {raw!r}; expected a finite "
                           f"number > 0. Fix: unset it (default {default:g}) or set e.g. "
                           f"{name}={default:g}.")
+    low, high, what = _SECONDS_RANGES.get(name, (0.0, math.inf, ""))
+    if not low <= value <= high:
+        why = ("ordinary work outlasts so short a wait, and every run would fail as a stall"
+               if value < low else "so long a wait makes a stalled rank look like a hang")
+        raise GraphcError(
+            f"{name}={raw} is out of range: it is {what}, in seconds; expected {low:g} to "
+            f"{high:g} s, found {value:g} s: {why}. Fix: unset it (default {default:g} s) or "
+            f"set e.g. {name}={default:g}.")
     return value
 
 

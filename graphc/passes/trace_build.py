@@ -30,6 +30,7 @@ from ..errors import GraphcError
 from ..meta import META_AUTOCAST, META_BATCHED, META_GRAD_ENABLED
 from ..plan.autocast_ops import autocast_state
 from .traced_checkpoint import traced_checkpoints
+from .unsupported_modules import check_runnable_module
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GRAPHC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -228,6 +229,7 @@ def run_module_on_fakes(module: torch.nn.Module, args, kwargs, fake):
     give; the counter only steers the running statistics, not the output, so the shape run
     uses a shallow copy with a fixed momentum.
     """
+    check_runnable_module(module, args)  # torch's refusals, as GraphcErrors with the fix
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.momentum is None:
         module = copy.copy(module)
         module.momentum = 0.1

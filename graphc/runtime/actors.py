@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.profiler import record_function
 
+from ..errors import RankFailedError
 from ..plan.instructions import (ACT, COMPUTE, AllReduce, BackwardInput, BackwardWeight, ClipGradNorm,
                                  Collective, Forward, OptimizerStep, OverlapFB, Recv, Send)
 from ..plan.ops import all_reduce_sum
@@ -31,6 +32,7 @@ from ..plan.plan import ExecutionPlan
 from ..plan.program import StageProgram
 from .collectives import GradSync
 from .executor import StageExecutor, checkpointed_microbatches
+from .stopped_ranks import explain_stopped_peers
 
 
 @dataclass
@@ -169,6 +171,7 @@ class Runtime:
         self.plan, self.p2p, self.device = plan, p2p, device
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.window, self.trace = window, trace
+        self.calls = 0   # steps begun: a failure names the call a stopped peer did not make
         m = plan.num_microbatches
         ckpt = checkpointed_microbatches(plan.checkpointing, m)
         self.executors: Dict[int, StageExecutor] = {
@@ -200,12 +203,19 @@ class Runtime:
 
     def step(self, user_inputs: List[torch.Tensor]) -> Tuple[Dict[str, List[torch.Tensor]], StepStats]:
         """Runs the plan once. Returns each build() result computed here, per micro-batch."""
-        if self.stream is not None:
-            with torch.cuda.stream(self.stream):
-                out = self._run(user_inputs)
-            torch.cuda.current_stream().wait_stream(self.stream)
-            return out
-        return self._run(user_inputs)
+        self.calls += 1
+        try:
+            if self.stream is not None:
+                with torch.cuda.stream(self.stream):
+                    out = self._run(user_inputs)
+                torch.cuda.current_stream().wait_stream(self.stream)
+                return out
+            return self._run(user_inputs)
+        except (RuntimeError, RankFailedError) as exc:   # a peer that ran out of data, named
+            stopped = explain_stopped_peers(exc, self.plan.rank, self.plan.world_size, self.calls)
+            if stopped is None:
+                raise
+            raise stopped from exc
 
     def _actors(self):
         """Fresh actors for one step (their tags and buffers are per step)."""

@@ -433,8 +433,34 @@ def test_loading_another_ranks_checkpoint():
     g(X)
     sd = g.state_dict()
     sd["rng"]["rank1"] = sd["rng"].pop("rank0")  # the file rank 1 saved
-    with raises("saved by rank 1, but is loaded on rank 0", "load the file each rank saved"):
+    with raises("saved by rank 1, but is loaded on rank 0", "load the file each rank saved",
+                "several ranks save to the same path", "f\"ckpt/rank{rank}.pt\"", "dcp.save"):
         g.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("value,why", [("0.001", "every run would fail as a stall"),
+                                       ("1e9", "a stalled rank look like a hang")])
+def test_graphc_timeout_out_of_range(monkeypatch, value, why):
+    """Checked when read (graphc/env.py), here at the first call's compile."""
+    monkeypatch.setenv("GRAPHC_TIMEOUT", value)
+    with raises(f"GRAPHC_TIMEOUT={value} is out of range", "the longest a rank waits for another",
+                "expected 1 to 604800 s", why, "Fix: unset it (default 300 s)"):
+        Train()(X)
+
+
+def test_sync_batch_norm_on_cpu():
+    """torch's SyncBatchNorm refuses cpu tensors once a process group exists (a one-rank gloo
+    group here, as on every rank of a torchrun job); graphc says why and what to use."""
+    import torch.distributed as dist
+    model = nn.Sequential(nn.Linear(8, 8), nn.SyncBatchNorm(8), nn.Linear(8, 8))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with raises("torch.nn.SyncBatchNorm(8) runs on a cpu placement at", "test_misuse.py",
+                    "torch's SyncBatchNorm needs CUDA", "plain BatchNorm is sync-BN here",
+                    "set_deferred_batch_norm(True)", "Fix: build the model with nn.BatchNorm1d/2d/3d"):
+            Train(model=model)(X)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_bad_graphc_timeout(monkeypatch):

@@ -210,12 +210,12 @@ def load_dcp_state_dict(state, sd: Mapping, strict: bool) -> Optional[int]:
     check runs before anything changes. Returns the checkpoint's base seed (None if absent)."""
     rank, prefix = state.rank, user_prefix(state.root)
     _check_entries(state, sd, strict)
+    rng = _rank_rng(sd.get("rng", {}), rank)  # before the keys: another rank's part lacks ours
     tensors = state.root.state_dict(keep_vars=True)
     layouts = split_layouts(state)
     model = _check_model_keys(state, sd["model"], prefix, strict)
     values = {k: to_local(model[k[len(prefix):]], layouts.get(k), tensors[k], k[len(prefix):], rank)
               for k in saved_keys(state) if k[len(prefix):] in model}
-    rng = _rank_rng(sd.get("rng", {}), rank)
     optim = None
     if state.optimizer is not None and "optim" in sd:
         optim = _optimizer_to_load(state, sd, layouts, prefix, strict)
@@ -275,10 +275,16 @@ def _rank_rng(rng: Mapping, rank: int) -> Optional[torch.Tensor]:
         return rng[f"rank{rank}"]
     others = sorted(k for k in rng if k.startswith("rank"))
     if others:
+        saver = others[0].replace("rank", "rank ")
         raise GraphcError(
-            f"this checkpoint was saved by {others[0].replace('rank', 'rank ')}, but is loaded "
-            f"on rank {rank}. Fix: load the file each rank saved itself, or save with "
-            "torch.distributed.checkpoint (dcp.save), which any rank and layout can load.")
+            f"this checkpoint was saved by {saver}, but is loaded on rank {rank}. A graphc.save "
+            "file holds one rank's part of the graph; when several ranks save to the same path "
+            f"they write the same file, and only the last writer's ({saver}'s) is left. Fix: "
+            "give each rank its own path, e.g. graphc.save(graph.state_dict(), "
+            "f\"ckpt/rank{rank}.pt\") with rank = torch.distributed.get_rank(), and load the "
+            "file each rank saved itself; or save with torch.distributed.checkpoint "
+            "(dcp.save(graph.state_dict(), checkpoint_id=d)), one checkpoint that any rank and "
+            "layout can load.")
     return None
 
 

@@ -63,20 +63,26 @@ def check_agreement(facts: Dict[str, Any], holders: Dict[str, List[int]], what: 
 
 
 def _gather(store, prefix: str, world: int, timeout: float, what: str) -> Dict[int, Dict[str, Any]]:
-    deadline = time.monotonic() + timeout
     keys = [prefix + str(r) for r in range(world)]
+    wait_for_ranks(store, keys, timeout, what)
+    return {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
+
+
+def wait_for_ranks(store, keys: List[str], timeout: float, what: str) -> None:
+    """Waits until every rank r has written keys[r]; after `timeout` seconds, a GraphcError
+    naming the ranks that never did (they did not call the graph)."""
+    deadline = time.monotonic() + timeout
     while not store.check(keys):  # one request per poll: true once every rank has written
         if time.monotonic() > deadline:
             present = [store.check([k]) for k in keys]
             missing = [r for r, ok in enumerate(present) if not ok]
             raise GraphcError(
-                f"rank(s) {missing} did not reach {what} within GRAPHC_TIMEOUT ({timeout:.0f} s) "
+                f"rank(s) {missing} did not reach {what} within GRAPHC_TIMEOUT ({timeout:g} s) "
                 f"while rank(s) {[r for r, ok in enumerate(present) if ok]} did. A graph must be "
                 "called by every rank of the job, the same number of times. Fix: call the graph "
                 "on every rank (a rank without a stage still calls it), or raise GRAPHC_TIMEOUT "
                 "if those ranks are only slow.")
         time.sleep(0.02)
-    return {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
 
 
 def _mismatches(everyone: Dict[int, Dict[str, Any]], holders: Dict[str, List[int]]) -> List[str]:

@@ -19,9 +19,16 @@ NOTE: Failure page
 Failure news must outlive the store, which rank 0 hosts: once rank 0 exits, a rank that
 waits on nobody through a transfer would otherwise learn of a failure only at its
 transfer timeout. So the ranks of one host also share a failure page, the file
-/dev/shm/graphc-fail-<job> (<job>: a random id the first watchdog puts in the store,
-under graphc/<restart>/, so a restarted world gets a new page). Every rank's watchdog
-opens it (the first creates it), maps it and polls it beside the store; a rank that
+/dev/shm/graphc-fail-<uid>-<token> (<uid>: this process's user id; <token>: 32 hex digits
+from secrets.token_hex, which the first watchdog puts in the store under graphc/<restart>/,
+so a restarted world gets a new page). The store is readable and writable by any of its
+clients, so nothing read there is trusted: a token that is not exactly 32 lowercase hex
+digits is ignored (no page: the store and transfers still carry failures), and the path is
+built here, never taken from the store. The first rank of a host creates the file with
+O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600, so a symlink or file planted at that name is never
+followed or reused; the others open it with O_NOFOLLOW and use it only if it is a regular
+file of this user, mode 0600, with one link. Every rank's watchdog maps the page and polls
+it beside the store; a rank that
 raises, declares a peer dead or exits for a peer's failure writes the message there
 before the store, and keeps polling the page after the store is gone. Layout: the
 message length (0: no failure yet) at byte 0, written after the text at byte 64; the
@@ -40,8 +47,11 @@ import fcntl
 import mmap
 import os
 import platform
+import re
+import secrets
+import stat
 import time
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -200,6 +210,37 @@ class ShmTransport:
 PAGE_PREFIX = "/dev/shm/graphc-fail-"
 _PAGE_BYTES = 4096
 _TEXT = 64
+_TOKEN = re.compile(r"[0-9a-f]{32}")
+
+
+def page_token() -> str:
+    """A fresh random token for a failure page's name (See NOTE: Failure page)."""
+    return secrets.token_hex(16)
+
+
+def page_path(token: str) -> Optional[str]:
+    """The failure page's path for `token`, or None when `token` (read from the store, which
+    any client may write) is not 32 lowercase hex digits."""
+    if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+        return None
+    return f"{PAGE_PREFIX}{os.geteuid()}-{token}"
+
+
+def _open_page_file(path: str) -> int:
+    """Creates the page exclusively, or opens the one another rank of this host created;
+    refuses a symlink, another user's file or a file with other links (See NOTE: Failure page)."""
+    nofollow = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | nofollow, 0o600)
+    except FileExistsError:
+        pass
+    fd = os.open(path, os.O_RDWR | nofollow)  # a symlink raises ELOOP here
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_nlink != 1:
+        os.close(fd)
+        raise PermissionError(f"{path} is not a failure page this user created (mode "
+                              f"{oct(st.st_mode)}, owner {st.st_uid}, {st.st_nlink} links)")
+    return fd
 
 
 class FailurePage:
@@ -207,7 +248,7 @@ class FailurePage:
 
     def __init__(self, path: str, sharers: int):
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.fd = _open_page_file(path)
         self.closed = False
         with self._locked():
             if os.fstat(self.fd).st_size < _PAGE_BYTES:
@@ -234,7 +275,7 @@ class FailurePage:
 
     def read(self):
         """The failure written here, or None."""
-        n = self.length.value
+        n = min(max(self.length.value, 0), _PAGE_BYTES - _TEXT)
         return self.mem[_TEXT:_TEXT + n].decode(errors="replace") if n else None
 
     def write(self, message: str) -> None:

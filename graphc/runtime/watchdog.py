@@ -10,29 +10,16 @@ NOTE: Failure propagation
     to stderr and exits the process non-zero (os._exit: the main thread may be blocked
     in a collective that will never complete).
   - A rank that dies without raising (SIGKILL, OOM kill) cannot write the key. Its
-    watchdog also beats a heartbeat counter in the store (BEAT_KEY, once a second), and
-    reads its ring successor's (See NOTE: Watchdog cost); a successor whose counter stops
-    for GRAPHC_HEARTBEAT_TIMEOUT seconds (default 10) without having marked itself done
-    (DONE_KEY, at a normal exit) is declared dead: the rank that notices writes FAILED_KEY
-    for it and exits as above. A gloo transfer from a dead peer usually
-    fails sooner ("connection closed"), which run_step turns into a RankFailedError naming
-    that peer; the shared-memory transport sees no connection, so there the heartbeat is
-    what notices. Everything else is bounded by GRAPHC_TIMEOUT, the transfer timeout
-    (see dist_env.timeout_seconds).
-  - A lost connection to the store is not taken as a failure: rank 0 legitimately exits
-    first at the end of a run. The watchdog then goes on polling the host's failure page
-    (See NOTE: Failure page in shm.py), which every failure message is written to first,
-    so ranks on rank 0's host still hear of a failure reported after the store is gone.
-
-NOTE: Watchdog cost
+    ring predecessor (See NOTE: Watchdog cost
 The store is one process (rank 0's TCPStore), so the watchdogs' requests must grow with
 the world, not its square. Each rank, per second: 10 checks of FAILED_KEY (the 0.1 s
-poll that bounds how fast failure news spreads), 1 beat of its own counter, and 1 read
-of its ring successor's (rank r watches r + 1 mod world) - 12 requests, 12 * world in
-total. Every rank is watched by exactly one other; when the watched rank is done, its
-watcher moves on to the next rank, so a normal exit leaves no rank unwatched. A dead rank
-is noticed by its predecessor alone, within GRAPHC_HEARTBEAT_TIMEOUT + 1 s as before,
-and that one FAILED_KEY write reaches everyone through their polls.
+poll that bounds how fast failure news spreads), and until it has connected to the rank
+it watches, 1 check of that rank's liveness address - at most 11 requests, 11 * world in
+total; its liveness checks are socket peeks, no store request. Every rank is watched by
+exactly one other, its ring predecessor (rank r watches r + 1 mod world); when the
+watched rank is done, its watcher moves on to the next rank, so a normal exit leaves no
+rank unwatched. A dead rank is noticed by its predecessor alone, within a second, and
+that one FAILED_KEY write reaches everyone through their polls.
 tests/runtime/test_watchdog_cost.py counts the requests at 8, 64 and 256 ranks.
 """
 from __future__ import annotations
@@ -43,32 +30,32 @@ import re
 import sys
 import threading
 import time
-import uuid
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
 from ..env import seconds_from_env
 from ..errors import GraphcError, RankFailedError
-from . import host, shm
+from . import host, liveness, shm
 
 # Keys live under graphc/<torchrun restart count>/, so a restarted world (torchrun
 # --max-restarts, whose store may outlive a round) never reads the last round's failure.
 FAILED_KEY = "failed"
 ACK_KEY = "failed_acks"
 PAGE_KEY = "failure_page"
-BEAT_KEY = "beat/{}"
+ALIVE_KEY = "alive/{}"  # a rank's liveness address (See NOTE: Liveness in liveness.py)
 DONE_KEY = "done/{}"
 POLL_SECONDS = 0.1
 BEAT_SECONDS = 1.0
 ACK_WAIT_SECONDS = 3.0
 
 _PEER_RE = re.compile(r"rank (\d+)")
+_REPORT_RE = re.compile(r"rank (\d+): ")  # how every failure report graphc writes starts
 
 
 class Watchdog:
-    """Polls the store for another rank's failure, beats this rank's heartbeat, and watches
-    its ring successor's (See NOTE: Watchdog cost)."""
+    """Polls the store for another rank's failure, and watches its ring successor's process
+    (See NOTE: Watchdog cost, NOTE: Liveness)."""
 
     def __init__(self, store, rank: int, world_size: int, keys, start: bool = True, page=None):
         self.rank, self.world_size = rank, world_size
@@ -77,11 +64,28 @@ class Watchdog:
         self.heartbeat_timeout = heartbeat_timeout_seconds()
         self._stopped = False
         self._next_beat = 0.0
+        self.listener = self._listen()
         self.watched = self._successor(rank)  # None once every other rank is done
-        self._seen = (-1, 0.0)  # watched peer's last counter value, time it changed
+        self._probe: Optional[liveness.Probe] = None  # of the watched rank
+        self._ignored = set()  # forged store values already reported
         self._thread = threading.Thread(target=self._loop, name="graphc-watchdog", daemon=True)
         if start:
             self._thread.start()
+
+    def _listen(self) -> Optional["liveness.Listener"]:
+        """Opens and publishes this rank's liveness port; without one, its watcher can never
+        declare it dead, and transfers and GRAPHC_TIMEOUT still stop the world."""
+        try:
+            listener = liveness.Listener(self.world_size)
+        except OSError as e:
+            _warn(f"graphc: rank {self.rank} has no liveness port ({e}); a death of this rank is "
+                  "noticed by the transfers and GRAPHC_TIMEOUT only")
+            return None
+        try:
+            self.keys.set(ALIVE_KEY.format(self.rank), listener.address)
+        except Exception:
+            pass
+        return listener
 
     def _loop(self) -> None:
         while not self._stopped:
@@ -104,38 +108,64 @@ class Watchdog:
         if self.store_gone:
             return None
         if self.keys.check([FAILED_KEY]):
-            message = self.keys.get(FAILED_KEY).decode()
-            if not message.startswith(f"rank {self.rank}:"):
+            message = self._report_read(self.keys.get(FAILED_KEY))
+            if message and not message.startswith(f"rank {self.rank}:"):
                 return message
         if now < self._next_beat:
             return None
         self._next_beat = now + BEAT_SECONDS
-        self.keys.add(BEAT_KEY.format(self.rank), 1)
-        dead = self._silent_successor(now)
+        dead = self._dead_successor()
         return None if dead is None else self._declare_dead(dead)
 
-    def _silent_successor(self, now: float) -> Optional[int]:
-        """The watched peer if it has beaten before but not for heartbeat_timeout seconds and
-        is not done; a done peer hands the watch on to its own successor."""
+    def _report_read(self, raw: bytes) -> Optional[str]:
+        """A failure report from the store, or None for a value graphc never writes (any
+        store client can write one: it is reported once and ignored, not obeyed)."""
+        message = raw.decode("utf-8", "replace")
+        match = _REPORT_RE.match(message)
+        if match and int(match.group(1)) < self.world_size:
+            return message
+        self._ignore(FAILED_KEY, message)
+        return None
+
+    def _ignore(self, key: str, value: str) -> None:
+        if key not in self._ignored:
+            self._ignored.add(key)
+            _warn(f"graphc: rank {self.rank} ignores {key}={value[:60]!r} in the store: not a "
+                  "value graphc writes (see docs/reliability.md, What to trust)")
+
+    def _dead_successor(self) -> Optional[int]:
+        """The watched peer if the OS says its process is gone and it is not done; a done
+        peer hands the watch on to its own successor."""
         while self.watched is not None:
-            count = self.keys.add(BEAT_KEY.format(self.watched), 0)
-            if count != self._seen[0]:
-                self._seen = (count, now)
-                return None
-            if now - self._seen[1] <= self.heartbeat_timeout:
+            if self._verdict() is not liveness.Verdict.GONE:
                 return None
             if not self.keys.check([DONE_KEY.format(self.watched)]):
-                return self.watched if count > 0 else None  # one that never beat may be slow to start
-            self.watched, self._seen = self._successor(self.watched), (-1, now)
+                return self.watched
+            self._probe.close()
+            self.watched, self._probe = self._successor(self.watched), None
         return None
+
+    def _verdict(self) -> "liveness.Verdict":
+        if self._probe is None:
+            key = ALIVE_KEY.format(self.watched)
+            if not self.keys.check([key]):  # its first step has not started its watchdog yet
+                return liveness.Verdict.UNKNOWN
+            raw = self.keys.get(key)
+            address = liveness.parse_address(raw)
+            if address is None:
+                self._ignore(key, raw.decode("utf-8", "replace"))
+                return liveness.Verdict.UNKNOWN
+            self._probe = liveness.Probe(address, self.heartbeat_timeout)
+        return self._probe.verdict()
 
     def _successor(self, peer: int) -> Optional[int]:
         nxt = (peer + 1) % self.world_size
         return None if nxt == self.rank else nxt
 
     def _declare_dead(self, peer: int) -> str:
-        message = (f"rank {peer}: no heartbeat for {self.heartbeat_timeout:.0f}s (noticed by rank "
-                   f"{self.rank}); the process died, was killed, or is frozen")
+        message = (f"rank {peer}: its process is gone (noticed by rank {self.rank}: its liveness "
+                   "connection was closed or its host stopped answering); it died, was killed, or "
+                   "its host is unreachable")
         self._to_page(message)
         try:
             self.keys.set(FAILED_KEY, message)
@@ -147,8 +177,11 @@ class Watchdog:
         """Ends the polling thread (before interpreter shutdown: a daemon thread caught inside
         a store call while Python finalizes aborts the process)."""
         self._stopped = True
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * POLL_SECONDS + 1)
+        if self._thread is not threading.current_thread() and self._thread.is_alive():
+            self._thread.join(timeout=2 * POLL_SECONDS + 1 + liveness.CONNECT_SECONDS)
+        for sock in (self._probe, self.listener):
+            if sock is not None:
+                sock.close()
 
     def mark_done(self) -> None:
         """A normal exit: peers must not mistake the silence that follows for a death."""
@@ -200,7 +233,8 @@ class Watchdog:
 
 
 def heartbeat_timeout_seconds() -> float:
-    """GRAPHC_HEARTBEAT_TIMEOUT (seconds, default 10): silence after which a rank is dead."""
+    """GRAPHC_HEARTBEAT_TIMEOUT (seconds, default 10): how long a rank's host may leave TCP
+    keepalive probes unanswered before the rank is dead (See NOTE: Liveness)."""
     return seconds_from_env("GRAPHC_HEARTBEAT_TIMEOUT", 10)
 
 
@@ -234,11 +268,26 @@ def _open_page(keys) -> Optional["shm.FailurePage"]:
     if not shm.supported():
         return None
     try:
-        job = keys.compare_set(PAGE_KEY, "", uuid.uuid4().hex).decode()
-        sharers = host.SHARED_RANKS or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        return shm.FailurePage(shm.PAGE_PREFIX + job, sharers)
+        token = keys.compare_set(PAGE_KEY, "", shm.page_token()).decode("ascii", "replace")
     except Exception:
         return None
+    path = shm.page_path(token)
+    if path is None:  # not what a watchdog writes: someone else wrote the key
+        _warn(f"graphc: ignoring the failure page name {token[:40]!r} read from the store (not a "
+              "token graphc makes); failures still travel through the store and the transfers")
+        return None
+    try:
+        sharers = host.SHARED_RANKS or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return shm.FailurePage(path, sharers)
+    except (OSError, ValueError) as e:
+        _warn(f"graphc: no failure page ({type(e).__name__}: {e}); failures still travel through "
+              "the store and the transfers")
+        return None
+
+
+def _warn(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 @atexit.register

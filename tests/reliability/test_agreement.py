@@ -96,3 +96,27 @@ def test_ranks_that_disagree_stop_with_the_same_error():
     assert "rank(s) [1] did not reach" in results[0]["one rank"], results[0]["one rank"]
     assert all("checkpoint step" in r["checkpoint"] for r in results), results[0]["checkpoint"]
     assert results[0]["agree"] is None and results[1]["agree"] is None
+
+
+def _first_call_on_one_rank(rank, world, caller):
+    """The graph's first call, which also sets up the process group, on rank `caller` only."""
+    os.environ["GRAPHC_TIMEOUT"] = "3"
+    torch.manual_seed(0)
+    g = DataParallel(nn.Linear(3, 2))
+    return _message(lambda: g(*_dp_inputs(rank))) if rank == caller else None
+
+
+@pytest.mark.parametrize("caller", [0, 1])
+def test_a_first_call_on_one_rank_names_the_ranks_that_never_called(caller):
+    """`if rank == caller: graph(x)` before any process group exists: torch's own set-up
+    waited out the timeout and raised DistStoreError ('1/2 clients joined'); now the caller
+    raises a GraphcError naming the absent rank (rank 0 hosts the store, so a caller that
+    is not rank 0 finds no store at all)."""
+    results = run_world(_first_call_on_one_rank, 2, caller, timeout=120)
+    message = results[caller]
+    assert message is not None, "the rank that called the graph did not raise"
+    if caller == 0:
+        assert "rank(s) [1] did not reach the first call of a graph" in message, message
+    else:
+        assert "the store at 127.0.0.1:" in message and "which rank 0 hosts, did not answer" in message, message
+    assert "GRAPHC_TIMEOUT (3 s)" in message and "call the graph on every rank" in message, message

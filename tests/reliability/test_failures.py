@@ -23,10 +23,11 @@ HEARTBEAT = "3"  # GRAPHC_HEARTBEAT_TIMEOUT for the kill cases
 
 def _names_dead_rank_1(output: str) -> bool:
     """rank 0 names rank 1: through the transport (gloo: connection closed; shared memory:
-    its process, unreaped here, is a zombie) or through the missing heartbeat."""
+    its process, unreaped here, is a zombie) or through its closed liveness connection
+    (NOTE: Liveness in graphc/runtime/liveness.py)."""
     return bool(re.search(r"RankFailedError: rank 0: a transfer with rank 1 failed mid-step", output)
                 or re.search(r"RankFailedError: rank 1 failed: its process \d+ exited", output)
-                or "graphc: rank 1 failed: rank 1: no heartbeat for 3s (noticed by rank 0)" in output)
+                or "graphc: rank 1 failed: rank 1: its process is gone (noticed by rank 0" in output)
 
 
 def _report(name, seconds):

@@ -130,6 +130,7 @@ def _constant(gm: fx.GraphModule, node: fx.Node, meta):
     for part in node.target.split("."):
         value = getattr(value, part, None)
     position = (isinstance(value, torch.Tensor) and value.dim() >= 1 and not value.is_floating_point()
+                and value.dtype != torch.bool and not value.is_complex()
                 and not isinstance(value, torch.nn.Parameter) and value.numel() > 0
                 and sum(1 for k in value.shape if k != 1) <= 1  # arange(n), or arange(n)[:, None]
                 and torch.equal(value.reshape(-1), torch.arange(value.numel(), dtype=value.dtype,

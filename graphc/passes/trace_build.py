@@ -109,11 +109,33 @@ class BuildTracer(fx.Tracer):
         self.examples_used: List[fx.Node] = []
         self.failed: Dict[str, str] = {}  # node name -> why its value is unknown
         self.running_fake = False  # a leaf module runs on fakes: fx's patches step aside
+        self.source_file: Optional[str] = None  # the Graph's file, for error messages
+        self._modules_seen: Optional[list] = None
 
     def call_module(self, m, forward, args, kwargs):
         if self.running_fake:
             return forward(*args, **kwargs)
+        if not any(m is sub for sub in self._known_modules()):
+            return self._call_unowned(m, forward, args, kwargs)
         return super().call_module(m, forward, args, kwargs)
+
+    def _known_modules(self):
+        if self._modules_seen is None:
+            self._modules_seen = [sub for _, sub in self.trace_root.named_modules(remove_duplicate=False)]
+        return self._modules_seen
+
+    def _call_unowned(self, m, forward, args, kwargs):
+        """A module built inside a forward (BERT's `CrossEntropyLoss()` in its forward): traced
+        through, like the functional it calls, when it holds no state to train or keep."""
+        state = [n for n, _ in list(m.named_parameters()) + list(m.named_buffers())]
+        if state:
+            raise GraphcError(
+                f"build() calls a {type(m).__name__} at {_caller_line(self.source_file)} that was "
+                f"created during the step (not assigned in __init__), and it holds {state[:3]}: "
+                "graphc (like eager PyTorch's optimizer) could not train or save them, and a new "
+                "one would be made on every call. Fix: create it once in __init__ (as an "
+                "attribute of the model or the Graph).")
+        return forward(*args, **kwargs)
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         if self.running_fake:
@@ -249,6 +271,7 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
     defines it) name the user's code in error messages.
     """
     tracer = BuildTracer(root)
+    tracer.source_file = source_file
     batched = [t.dim() >= 1 for t in example_inputs] if batched is None else list(batched)
     names = _input_names(root, len(example_inputs))
     tracer.examples = [_microbatch_example(tracer, t, num_microbatches, b, name)

@@ -9,7 +9,7 @@ NOTE: DCP state dict
                "param_groups": [{"lr": ..., "params": [name, ...]}, ...]},
      "optimizer_class": "torch.optim.adam.Adam",
      "lr_scheduler": {...}, "steps": 7,
-     "rng": {"base_seed": 1234, "rank<r>": torch.get_rng_state()}}
+     "rng": RngStates: {"base_seed": 1234, "rank<r>": torch.get_rng_state()}}
 
 Names are the user's: the keys of `model.state_dict()` when one module assigned to the Graph
 holds all the state (else prefixed by the attribute name), as in full_state_dict(). A value
@@ -19,8 +19,19 @@ which every rank of its stage offers and DCP writes once (its planner keeps one 
 key and offset). The optimizer part follows `get_optimizer_state_dict`: state by parameter
 name, laid out like its parameter, and the optimizer's *global* param groups (every name of
 each group, not only this rank's), so they are the same on every rank and in every layout.
-The RNG state of each rank has a key of its own; `base_seed` (NOTE: Replica-equal
-randomness, runtime/rng.py) is shared, so a resumed run draws the same dropout masks.
+`base_seed` (NOTE: Replica-equal randomness, runtime/rng.py) is shared, so a resumed run
+draws the same dropout masks. Each rank's CPU RNG state: See NOTE: RNG states in checkpoints.
+
+NOTE: RNG states in checkpoints
+DCP loads only keys the checkpoint has, so an entry per rank ("rng.rank2") would make a
+checkpoint of 2 ranks unloadable on 4. So "rng" is an RngStates: as a dict it is this
+rank's part, {"base_seed", "rank<r>": state} (what graphc.save writes, one file per rank);
+as DCP's Stateful, which dcp.save and dcp.load ask on every rank alike, it is
+{"base_seed", "by_rank": (state of rank 0, state of rank 1, ...)}, gathered from every
+rank of the default process group (a tuple: DCP keeps it one entry, "rng.by_rank", whatever
+the world). Loading gives rank r the saved state of rank r; a rank the saved run did not
+have starts from torch.Generator().manual_seed((base_seed + r) % 2**64)'s state, so a larger
+world resumes, and the same way every time.
 
 A fresh optimizer has no state yet, so nothing would tell dcp.load what to read: the
 entries are then those its first step creates (taken from a step of a scratch copy on zero
@@ -31,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
 
@@ -78,8 +90,50 @@ def dcp_state_dict(state, base_seed: int) -> Dict[str, Any]:
     if state.lr_scheduler is not None:
         sd["lr_scheduler"] = copy.deepcopy(state.lr_scheduler.state_dict())
     sd["steps"] = state.steps
-    sd["rng"] = {"base_seed": base_seed, f"rank{state.rank}": torch.get_rng_state()}
+    sd["rng"] = RngStates(base_seed, state.rank, torch.get_rng_state())
     return sd
+
+
+class RngStates(dict):
+    """The "rng" entry of graph.state_dict() (See NOTE: RNG states in checkpoints).
+
+    A dict of this rank's part, {"base_seed": s, "rank<r>": state}; to dcp.save and dcp.load
+    (DCP's Stateful protocol), every rank's states in one entry.
+    """
+
+    def __init__(self, base_seed: int, rank: int, rng_state: torch.Tensor):
+        super().__init__({"base_seed": base_seed, f"rank{rank}": rng_state})
+        self.rank = rank
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Collective over the default process group: dcp.save and dcp.load call it on
+        every rank."""
+        return {"base_seed": self["base_seed"], "by_rank": _gather(self[f"rank{self.rank}"])}
+
+    def load_state_dict(self, loaded: Mapping) -> None:
+        """What dcp.load read: kept here for graph.load_state_dict, which applies it."""
+        self.clear()
+        self.update(loaded)
+
+    def __reduce__(self):
+        # torch.save of a graph.state_dict() pickles it as an OrderedDict, which
+        # torch.load(weights_only=True) reads, as it read the plain dict this once was
+        return OrderedDict, (list(self.items()),)
+
+    def __deepcopy__(self, memo) -> "RngStates":
+        twin = RngStates.__new__(RngStates)
+        twin.update(copy.deepcopy(dict(self), memo))
+        twin.rank = self.rank
+        return twin
+
+
+def _gather(rng_state: torch.Tensor) -> tuple:
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return (rng_state,)
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state)
+    return tuple(states)
 
 
 def saved_keys(state) -> List[str]:
@@ -270,9 +324,14 @@ def _check_model_keys(state, model: Mapping, prefix: str, strict: bool) -> Mappi
 
 
 def _rank_rng(rng: Mapping, rank: int) -> Optional[torch.Tensor]:
-    """This rank's RNG state; a file that holds another rank's only was saved by that rank."""
+    """This rank's RNG state (See NOTE: RNG states in checkpoints); a file that holds another
+    rank's only was saved by that rank."""
     if f"rank{rank}" in rng:
         return rng[f"rank{rank}"]
+    if "by_rank" in rng:  # from dcp.load: every saved rank's
+        if rank < len(rng["by_rank"]):
+            return rng["by_rank"][rank]
+        return torch.Generator().manual_seed((int(rng["base_seed"]) + rank) % 2 ** 64).get_state()
     others = sorted(k for k in rng if k.startswith("rank"))
     if others:
         saver = others[0].replace("rank", "rank ")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Sequence, Set
 
 from .errors import GraphcError
 
@@ -58,3 +60,99 @@ def int_from_env(name: str, default: int, minimum: int = 0, unit: str = "") -> i
         raise GraphcError(f"{name} must be {what}, found {raw!r}. Fix: unset it (default "
                           f"{default}) or set e.g. {name}={default}.")
     return value
+
+
+# NOTE: Environment variables. Every GRAPHC_* variable is declared once, in VARIABLES below:
+# its default, the values it accepts, what it means, and how its text is checked. Modules
+# read one with `env.read(name)`, never from os.environ, so a bad value fails with the same
+# message wherever it is read. docs/design.md's table of variables is generated from
+# VARIABLES (`markdown_table()`); tests/test_env.py checks the table and that nothing else
+# in graphc reads a GRAPHC_* variable from os.environ.
+@dataclass(frozen=True)
+class Variable:
+    """One GRAPHC_* environment variable."""
+    name: str
+    default: str               # the text an unset variable stands for
+    accepts: str               # the values a user may set, as the docs table shows them
+    meaning: str
+    check: Callable[[str], object]   # the text -> its value; raises GraphcError if bad
+
+
+def _seconds(name: str, default: float) -> Variable:
+    """A duration, checked by seconds_from_env (which reads the variable itself)."""
+    low, high, what = _SECONDS_RANGES[name]
+    return Variable(name, f"{default:g}", f"seconds, {low:g} to {high:g}", what,
+                    lambda raw: seconds_from_env(name, default))
+
+
+def _int(name: str, default: int, minimum: int, unit: str, meaning: str) -> Variable:
+    """A count, checked by int_from_env (which reads the variable itself)."""
+    return Variable(name, str(default), f"an int{' number of ' + unit if unit else ''} >= {minimum}",
+                    meaning, lambda raw: int_from_env(name, default, minimum, unit))
+
+
+def _choice(name: str, default: str, choices: Sequence[str], unset: str, meaning: str) -> Variable:
+    def check(raw: str) -> str:
+        if raw not in choices:
+            raise GraphcError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, found "
+                              f"{raw!r}. Fix: unset it ({unset}) or set one of those.")
+        return raw
+    return Variable(name, default, ", ".join(choices), meaning, check)
+
+
+def _ranks(raw: str) -> Optional[Set[int]]:
+    """GRAPHC_LOG_RANKS's text as a set of ranks; None means every rank."""
+    raw = raw.strip()
+    if raw.lower() == "all":
+        return None
+    try:
+        ranks = {int(part) for part in raw.split(",") if part.strip()}
+    except ValueError:
+        ranks = set()
+    if not ranks or min(ranks) < 0:
+        raise GraphcError(f"GRAPHC_LOG_RANKS must be 'all' or a list of ranks such as '0,3', "
+                          f"found {raw!r}. Fix: unset it (rank 0 prints) or set e.g. "
+                          f"GRAPHC_LOG_RANKS=all.")
+    return ranks
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+VARIABLES: Dict[str, Variable] = {v.name: v for v in (
+    _int("GRAPHC_DEBUG", 0, 0, "", "how much of the compilation to print: 1 a summary, 2 each "
+         "pass's time, 3 plans, 4 the whole history (graphc/compiler.py)"),
+    Variable("GRAPHC_LOG_RANKS", "0", "all, or ranks such as 0,3",
+             "the ranks whose graphc records print (graphc/log.py)", _ranks),
+    _seconds("GRAPHC_TIMEOUT", 300),
+    _seconds("GRAPHC_HEARTBEAT_TIMEOUT", 10),
+    _choice("GRAPHC_P2P", "auto", ("auto", "shm", "gloo"), "auto: shared memory where it can",
+            "the transport of cpu channels (graphc/runtime/comm.py): auto is shared memory "
+            "between ranks of one host, gloo elsewhere"),
+    _int("GRAPHC_SHM_MAX_MB", 1024, 1, "MiB", "the largest shared-memory ring of one channel"),
+    Variable("GRAPHC_TRACE", "", "0, 1, or a file path", "1 records each step's events "
+             "(graph.last_stats.events); a path also writes the merged Chrome trace "
+             "(graphc/runtime/trace.py)", _text),
+    Variable("GRAPHC_PLAN_NPROC", "", "a number of ranks >= 1", "plan mode: compile for this "
+             "many ranks and write the plans instead of training (graphc/plan_mode.py)", _text),
+    Variable("GRAPHC_PLAN_OUT", "graphc_plan", "a folder", "plan mode: where the files go", _text),
+    Variable("GRAPHC_PLAN_SIMULATE", "", "measure, or a device such as h100",
+             "plan mode: also simulate the step with these costs", _text),
+    Variable("GRAPHC_PLAN_RANKS", "", "ranks such as 0,7,-1", "plan mode: the ranks whose plan "
+             "files are written (unset: all)", _text),
+)}
+
+
+def read(name: str):
+    """The value of environment variable `name` (declared in VARIABLES), checked for the user;
+    what its declared default stands for when unset."""
+    var = VARIABLES[name]
+    return var.check(os.environ.get(name, var.default))
+
+
+def markdown_table() -> str:
+    """VARIABLES as the table docs/design.md shows (tests/test_env.py keeps the two equal)."""
+    rows = [f"| `{v.name}` | {f'`{v.default}`' if v.default else 'unset'} | {v.accepts} | {v.meaning} |"
+            for v in VARIABLES.values()]
+    return "\n".join(["| variable | default | accepts | meaning |", "|---|---|---|---|", *rows])

@@ -25,7 +25,7 @@ from typing import Optional, Set
 
 import torch.distributed as dist
 
-from .errors import GraphcError
+from . import env
 
 ROOT = "graphc"
 FORMAT = "[rank %(rank)s] %(name)s: %(message)s"
@@ -57,18 +57,7 @@ def this_rank() -> int:
 
 def log_ranks() -> Optional[Set[int]]:
     """GRAPHC_LOG_RANKS as a set of ranks; None means every rank."""
-    raw = os.environ.get("GRAPHC_LOG_RANKS", "0").strip()
-    if raw.lower() == "all":
-        return None
-    try:
-        ranks = {int(part) for part in raw.split(",") if part.strip()}
-    except ValueError:
-        ranks = set()
-    if not ranks or min(ranks) < 0:
-        raise GraphcError(f"GRAPHC_LOG_RANKS must be 'all' or a list of ranks such as '0,3', "
-                          f"found {raw!r}. Fix: unset it (rank 0 prints) or set e.g. "
-                          f"GRAPHC_LOG_RANKS=all.")
-    return ranks
+    return env.read("GRAPHC_LOG_RANKS")
 
 
 def prints_here(rank: Optional[int] = None) -> bool:

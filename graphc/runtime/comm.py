@@ -18,7 +18,7 @@ from typing import Dict, Iterable, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..env import int_from_env
+from .. import env
 from ..errors import GraphcError
 from ..plan.instructions import Send
 from ..plan.plan import ExecutionPlan
@@ -28,7 +28,7 @@ from .dist_env import timeout_seconds
 
 def shm_max_bytes() -> int:
     """GRAPHC_SHM_MAX_MB (default 1024): the largest shared-memory ring of one channel."""
-    return int_from_env("GRAPHC_SHM_MAX_MB", 1024, minimum=1, unit="MiB") * (1 << 20)
+    return env.read("GRAPHC_SHM_MAX_MB") * (1 << 20)
 
 
 class P2P:
@@ -90,10 +90,7 @@ def _channel_specs(plans: Iterable[ExecutionPlan]) -> Dict[Tuple[int, int], Tupl
 
 
 def _shm_pairs(specs) -> Tuple[list, Dict[int, int]]:
-    mode = os.environ.get("GRAPHC_P2P", "auto")
-    if mode not in ("auto", "shm", "gloo"):
-        raise GraphcError(f"GRAPHC_P2P must be auto, shm or gloo, found {mode!r}. Fix: unset it "
-                          "(auto: shared memory where it can) or set one of those.")
+    mode = env.read("GRAPHC_P2P")
     max_bytes = shm_max_bytes()  # before the collective below: every rank raises alike
     # collective: every rank gets the same groups, so every rank decides alike for a pair
     groups, free, pids = host.shared_memory_groups(probe=mode != "gloo" and shm.supported())

@@ -8,7 +8,7 @@ from typing import Tuple
 import torch
 import torch.distributed as dist
 
-from ..env import seconds_from_env
+from .. import env
 from ..errors import GraphcError
 from .agreement import wait_for_ranks
 
@@ -17,7 +17,7 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 def timeout_seconds() -> float:
     """GRAPHC_TIMEOUT (seconds, default 300): the longest any rank waits on another."""
-    return seconds_from_env("GRAPHC_TIMEOUT", 300)
+    return env.read("GRAPHC_TIMEOUT")
 
 
 def ensure_process_group(device_types=("cpu",)) -> Tuple[int, int]:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
+from .. import env
 from ..plan.instructions import (Backward, BackwardInput, BackwardWeight, Forward, Instruction,
                                  OptimizerStep, OverlapFB, Recv, Send, parse_instruction)
 
@@ -57,7 +58,7 @@ def kind_of(ins: Instruction) -> str:
 
 def trace_setting(config_path: Optional[str]) -> Tuple[bool, Optional[str]]:
     """(record events?, merged file path or None) from the config option, else GRAPHC_TRACE."""
-    value = config_path or os.environ.get("GRAPHC_TRACE", "")
+    value = config_path or env.read("GRAPHC_TRACE")
     if value in ("", "0"):
         return False, None
     if value == "1":

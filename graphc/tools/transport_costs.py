@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, List, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import env
 from ..errors import GraphcError
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def transport_kind(transport: str = "auto") -> str:
     """The transport graphc.runtime.comm uses between cpu ranks on one host."""
     from ..runtime import shm
     if transport == "auto":
-        transport = os.environ.get("GRAPHC_P2P", "auto")
+        transport = env.read("GRAPHC_P2P")
     if transport == "auto":
         return "shm" if shm.supported() else "gloo"
     if transport not in ("shm", "gloo"):
@@ -72,13 +73,13 @@ def measure_transport(transport: str = "auto", nbytes: int = 1 << 15, repeats: i
     kind = transport_kind(transport)
     nbytes = max(64, -(-nbytes // 4) * 4)
     # a fresh interpreter spawns the pair, so that no caller's __main__ is re-imported there
-    env = {k: v for k, v in os.environ.items()
+    child_env = {k: v for k, v in os.environ.items()
            if not k.startswith(("GRAPHC_PLAN", "MASTER_", "TORCHELASTIC")) and
            k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     with tempfile.TemporaryDirectory() as outdir:
         code = (f"from graphc.tools.transport_costs import _spawn_pair; "
                 f"_spawn_pair({kind!r}, {nbytes}, {repeats}, {threads}, {outdir!r})")
-        subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+        subprocess.run([sys.executable, "-c", code], check=True, env=child_env, timeout=300)
         return TransportCosts(**torch.load(os.path.join(outdir, "transport.pt")))
 
 

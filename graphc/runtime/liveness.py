@@ -80,6 +80,7 @@ class Probe:
         return Verdict.ALIVE if data else Verdict.GONE
 
     def _connect(self) -> bool:
+        self.refused = False
         try:
             self.sock = socket.create_connection(self.address, timeout=CONNECT_SECONDS)
         except ConnectionRefusedError:

@@ -1,6 +1,7 @@
 """torch.utils.checkpoint in a model's forward (graphc/passes/traced_checkpoint.py): both of
 torch's forms trace as the wrapped function and train equal to eager PyTorch on the whole
-batch in float64 (helpers.assert_same_as_eager, 1e-10), at accumulation 2, three SGD steps."""
+batch in float64 (helpers.assert_same_as_eager, 1e-10), at accumulation 2, three SGD steps:
+in one process, and on a 2-stage pipeline of real gloo ranks."""
 import copy
 
 import pytest
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import graphc
-from helpers import assert_same_as_eager, eager_train
+from helpers import assert_same_as_eager, eager_train, run_world
 
 D, C, B = 6, 3, 8
 
@@ -140,3 +141,46 @@ def test_checkpoint_outside_tracing_is_torchs_own():
     checkpoint(fn, h, use_reentrant=True).sum().backward()
     checkpoint(fn, h, use_reentrant=False).sum().backward()
     assert len(calls) == 4 and torch.allclose(h.grad, 4 * h)   # each recomputed once
+
+
+class PipelineTrain(graphc.Graph):
+    """Net's blocks on two stages: a checkpointed region on each rank of a pipeline."""
+
+    def __init__(self, model, opt):
+        super().__init__()
+        self.model = model
+        self.model.inp.config.set_stage(0, graphc.placement("cpu", ranks=[0]))
+        self.model.blocks[0].config.set_stage(0, graphc.placement("cpu", ranks=[0]))
+        self.model.blocks[1].config.set_stage(1, graphc.placement("cpu", ranks=[1]))
+        self.model.head.config.set_stage(1, graphc.placement("cpu", ranks=[1]))
+        self.config.set_gradient_accumulation_steps(2)
+        self.add_optimizer(opt)
+
+    def build(self, x, y):
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def _pipeline_worker(rank, world, how):
+    torch.manual_seed(0)
+    model = Net(how)
+    graph = PipelineTrain(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    losses = []
+    for x, y in _batches():
+        loss = graph(x, y).to_local()
+        losses.append(loss.item() if loss.numel() else None)
+    return losses, graph.full_state_dict()
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("how", ["reentrant_module", "non_reentrant_kwargs"])
+def test_checkpoint_on_a_pipeline_equals_eager(how):
+    torch.manual_seed(0)
+    ref = Net(how)
+    batches = _batches()
+    ref_losses, ref_state = eager_train(ref, lambda p: torch.optim.SGD(p, lr=0.1), None,
+                                        F.cross_entropy, batches, len(batches))
+    results = run_world(_pipeline_worker, 2, how)
+    losses, state = results[1]          # the loss lives on the last stage
+    assert_same_as_eager(losses, state, ref_losses, ref_state, what=f"pipeline 2, {how}")

@@ -46,7 +46,7 @@ PAGE_KEY = "failure_page"
 ALIVE_KEY = "alive/{}"  # a rank's liveness address (See NOTE: Liveness in liveness.py)
 DONE_KEY = "done/{}"
 POLL_SECONDS = 0.1
-BEAT_SECONDS = 1.0
+LIVENESS_SECONDS = 1.0  # how often the watched rank's liveness is checked
 ACK_WAIT_SECONDS = 3.0
 
 _PEER_RE = re.compile(r"rank (\d+)")
@@ -63,7 +63,7 @@ class Watchdog:
         self.store_gone = False
         self.heartbeat_timeout = heartbeat_timeout_seconds()
         self._stopped = False
-        self._next_beat = 0.0
+        self._next_check = 0.0
         self.listener = self._listen()
         self.watched = self._successor(rank)  # None once every other rank is done
         self._probe: Optional[liveness.Probe] = None  # of the watched rank
@@ -111,9 +111,9 @@ class Watchdog:
             message = self._report_read(self.keys.get(FAILED_KEY))
             if message and not message.startswith(f"rank {self.rank}:"):
                 return message
-        if now < self._next_beat:
+        if now < self._next_check:
             return None
-        self._next_beat = now + BEAT_SECONDS
+        self._next_check = now + LIVENESS_SECONDS
         dead = self._dead_successor()
         return None if dead is None else self._declare_dead(dead)
 

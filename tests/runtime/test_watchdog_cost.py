@@ -9,11 +9,11 @@ torch.distributed itself.
 import pytest
 
 from graphc.runtime import watchdog
-from graphc.runtime.watchdog import BEAT_SECONDS, POLL_SECONDS, Watchdog
+from graphc.runtime.watchdog import LIVENESS_SECONDS, POLL_SECONDS, Watchdog
 
 SECONDS = 20  # simulated
 SILENT_FROM = 3.0  # simulated second at which a `silent` or `dead` rank stops ticking
-PER_RANK_BOUND = 1 / POLL_SECONDS + 1 / BEAT_SECONDS  # failure polls + the watched rank's address
+PER_RANK_BOUND = 1 / POLL_SECONDS + 1 / LIVENESS_SECONDS  # failure polls + the watched rank's address
 
 
 class CountingStore:

@@ -31,7 +31,7 @@ import io
 import os
 import re
 import tempfile
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from typing import Any, Optional
 
 import torch
@@ -192,13 +192,12 @@ def _no_space(e: BaseException, writer: Optional[_HashingWriter]) -> bool:
 # -- what torch.load(weights_only=True) reads back -------------------------------------------
 def loadable_form(obj):
     """`obj` with numpy scalars as Python numbers (a numpy.float64 lr: torch.save pickles it
-    as a numpy object, which torch.load(weights_only=True) refuses) and dict subclasses as
-    dicts; tensors and everything else are kept as they are."""
-    if isinstance(obj, dict) and type(obj) not in (dict, OrderedDict, defaultdict):
-        obj = dict(obj)
+    as a numpy object, which torch.load(weights_only=True) refuses) and dict subclasses
+    (a defaultdict, the RNG entry of graph.state_dict()) as dicts; tensors and everything
+    else are kept as they are."""
     if isinstance(obj, dict):
-        return type(obj)(obj.default_factory, ((k, loadable_form(v)) for k, v in obj.items())) \
-            if isinstance(obj, defaultdict) else type(obj)((k, loadable_form(v)) for k, v in obj.items())
+        kind = OrderedDict if type(obj) is OrderedDict else dict  # both load; subclasses do not
+        return kind((k, loadable_form(v)) for k, v in obj.items())
     if type(obj) in (list, tuple):
         return type(obj)(loadable_form(v) for v in obj)
     if type(obj).__module__ == "numpy" and hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:

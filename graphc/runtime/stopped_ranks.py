@@ -43,14 +43,20 @@ def explain_stopped_peers(exc: BaseException, rank: int, world: int, call: int,
 
 
 def _done_ranks(rank: int, world: int) -> List[int]:
-    """The other ranks that exited normally, as the store says (waits up to WAIT_SECONDS)."""
-    from .watchdog import DONE_KEY, _watchdog
+    """The other ranks that exited normally, as the store says (waits up to WAIT_SECONDS).
+
+    A rank that raised marks itself done too when its interpreter exits (the watchdog's
+    atexit), after reporting its failure: with a failure reported, none stopped normally.
+    """
+    from .watchdog import DONE_KEY, FAILED_KEY, _watchdog
     dog = _watchdog()
     if dog is None:
         return []
     deadline = time.monotonic() + WAIT_SECONDS
     while True:
         try:
+            if dog.keys.check([FAILED_KEY]):
+                return []
             done = [r for r in range(world) if r != rank and dog.keys.check([DONE_KEY.format(r)])]
         except Exception:   # the store is gone with its host: nothing more to learn
             return []

@@ -3,12 +3,18 @@
 Compute instructions print like torch.distributed.pipelining actions: `1F3` is stage 1's
 forward of micro-batch 3, `1B3` its backward. Communication prints with its peer and
 payload: `0SEND_F3 to=1 [relu0:f32[4,512]]`, `1RECV_B3 from=2 [...]`.
+
+Each instruction class owns its whole vocabulary, as pipelining's `_ComputationType` does:
+its JSON `op`, its `span_kind` on a timeline (runtime/trace.py, the charts), a stage compute's
+`letter`, how it prints (`__str__`), the pattern it parses back from (`TEXT`, `_from_text`)
+and its JSON (`to_json`, `_from_json`). A new instruction is one class here, listed in
+INSTRUCTIONS; parse_instruction and instruction_from_json ask each class in turn.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar, Tuple
+from typing import ClassVar, Optional, Tuple
 
 from ..errors import GraphcError
 
@@ -71,12 +77,40 @@ class TensorSpec:
                           ints(m.group(4)), ints(m.group(5)))
 
 
+def _ints(text: str) -> Tuple[int, ...]:
+    return tuple(int(r) for r in text.split(",") if r.strip())
+
+
+def _specs(text: str) -> Tuple[TensorSpec, ...]:
+    return tuple(TensorSpec.parse(s) for s in text.split())
+
+
+def _specs_from_json(d: dict) -> Tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], tuple(t.get("at", ())),
+                            tuple(t.get("of", ()))) for t in d.get("tensors", ()))
+
+
 @dataclass(frozen=True)
 class Instruction:
-    op: ClassVar[str] = ""
+    op: ClassVar[str] = ""                  # its JSON "op"
+    span_kind: ClassVar[str] = ""           # what it shows as on a timeline (runtime/trace.py KINDS)
+    TEXT: ClassVar[Optional[re.Pattern]] = None   # its printed form, for parse_instruction
 
     def to_json(self) -> dict:
         return {"op": self.op}
+
+    @classmethod
+    def reads_json(cls, d: dict) -> bool:
+        """Whether `d` is this class's JSON (each dict is exactly one class's)."""
+        return d["op"] == cls.op
+
+    @classmethod
+    def _from_text(cls, m: re.Match) -> "Instruction":
+        raise NotImplementedError
+
+    @classmethod
+    def _from_json(cls, d: dict) -> "Instruction":
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -87,16 +121,34 @@ class _StageCompute(Instruction):
     stage: int
     microbatch: int
 
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.TEXT = re.compile(rf"(\d+){cls.letter}(\d+)")
+
+    @property
+    def caption(self) -> str:
+        """Its letter and micro-batch, as a chart box shows it: `F3`."""
+        return f"{self.letter}{self.microbatch}"
+
     def __str__(self) -> str:
         return f"{self.stage}{self.letter}{self.microbatch}"
 
     def to_json(self) -> dict:
         return {"op": self.op, "stage": self.stage, "microbatch": self.microbatch}
 
+    @classmethod
+    def _from_text(cls, m: re.Match) -> "_StageCompute":
+        return cls(int(m.group(1)), int(m.group(2)))
+
+    @classmethod
+    def _from_json(cls, d: dict) -> "_StageCompute":
+        return cls(d["stage"], d["microbatch"])
+
 
 @dataclass(frozen=True)
 class Forward(_StageCompute):
     op: ClassVar[str] = "forward"
+    span_kind: ClassVar[str] = "forward"
     letter: ClassVar[str] = "F"
 
 
@@ -105,6 +157,7 @@ class Backward(_StageCompute):
     """Backward of one micro-batch through one stage: input and weight gradients together."""
 
     op: ClassVar[str] = "backward"
+    span_kind: ClassVar[str] = "backward"
     letter: ClassVar[str] = "B"
 
 
@@ -114,6 +167,7 @@ class BackwardInput(_StageCompute):
     once); the stage keeps what its BackwardWeight of the same micro-batch needs."""
 
     op: ClassVar[str] = "backward_input"
+    span_kind: ClassVar[str] = "backward_input"
     letter: ClassVar[str] = "I"
 
 
@@ -122,6 +176,7 @@ class BackwardWeight(_StageCompute):
     """Second half of a split backward: the parameter gradients of one micro-batch."""
 
     op: ClassVar[str] = "backward_weight"
+    span_kind: ClassVar[str] = "backward_weight"
     letter: ClassVar[str] = "W"
 
 
@@ -132,8 +187,15 @@ class OverlapFB(Instruction):
     `(2F3;1B1)OVERLAP_F_B`; on a CPU the two run one after the other."""
 
     op: ClassVar[str] = "overlap_f_b"
+    span_kind: ClassVar[str] = "overlap"
+    TEXT: ClassVar[re.Pattern] = re.compile(r"\((\d+F\d+);(\d+B\d+)\)OVERLAP_F_B")
     forward: Forward
     backward: Backward
+
+    @property
+    def caption(self) -> str:
+        """Both halves' captions, as a chart box shows them: `F3|B1`."""
+        return f"{self.forward.caption}|{self.backward.caption}"
 
     def __str__(self) -> str:
         return f"({self.forward};{self.backward})OVERLAP_F_B"
@@ -141,9 +203,21 @@ class OverlapFB(Instruction):
     def to_json(self) -> dict:
         return {"op": self.op, "forward": self.forward.to_json(), "backward": self.backward.to_json()}
 
+    @classmethod
+    def _from_text(cls, m: re.Match) -> "OverlapFB":
+        return cls(parse_instruction(m.group(1)), parse_instruction(m.group(2)))
+
+    @classmethod
+    def _from_json(cls, d: dict) -> "OverlapFB":
+        return cls(instruction_from_json(d["forward"]), instruction_from_json(d["backward"]))
+
 
 @dataclass(frozen=True)
 class _P2P(Instruction):
+    """A point-to-point transfer, printed `<stage><WORD>_<direction><micro-batch> <to|from>=..`."""
+
+    word: ClassVar[str] = ""            # SEND or RECV
+    towards: ClassVar[str] = ""         # to or from
     stage: int
     microbatch: int
     peer: int
@@ -151,9 +225,18 @@ class _P2P(Instruction):
     peer_stage: int
     tensors: Tuple[TensorSpec, ...] = field(default=())
 
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.TEXT = re.compile(rf"(\d+){cls.word}_([FB])(\d+) {cls.towards}=(\d+) stage=(\d+) \[(.*)\]")
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    def __str__(self) -> str:
+        specs = " ".join(map(str, self.tensors))
+        return (f"{self.stage}{self.word}_{self.direction}{self.microbatch} {self.towards}={self.peer}"
+                f" stage={self.peer_stage} [{specs}]")
 
     def to_json(self) -> dict:
         return {"op": self.op, "stage": self.stage, "microbatch": self.microbatch,
@@ -161,25 +244,31 @@ class _P2P(Instruction):
                 "tensors": [t.to_json() for t in self.tensors],
                 "bytes": self.nbytes}
 
+    @classmethod
+    def _from_text(cls, m: re.Match) -> "_P2P":
+        return cls(int(m.group(1)), int(m.group(3)), int(m.group(4)), m.group(2), int(m.group(5)),
+                   _specs(m.group(6)))
+
+    @classmethod
+    def _from_json(cls, d: dict) -> "_P2P":
+        return cls(d["stage"], d["microbatch"], d["peer"], d["direction"], d["peer_stage"],
+                   _specs_from_json(d))
+
 
 @dataclass(frozen=True)
 class Send(_P2P):
     op: ClassVar[str] = "send"
-
-    def __str__(self) -> str:
-        specs = " ".join(map(str, self.tensors))
-        return (f"{self.stage}SEND_{self.direction}{self.microbatch} to={self.peer}"
-                f" stage={self.peer_stage} [{specs}]")
+    span_kind: ClassVar[str] = "send"
+    word: ClassVar[str] = "SEND"
+    towards: ClassVar[str] = "to"
 
 
 @dataclass(frozen=True)
 class Recv(_P2P):
     op: ClassVar[str] = "recv"
-
-    def __str__(self) -> str:
-        specs = " ".join(map(str, self.tensors))
-        return (f"{self.stage}RECV_{self.direction}{self.microbatch} from={self.peer}"
-                f" stage={self.peer_stage} [{specs}]")
+    span_kind: ClassVar[str] = "recv"
+    word: ClassVar[str] = "RECV"
+    towards: ClassVar[str] = "from"
 
 
 @dataclass(frozen=True)
@@ -187,6 +276,9 @@ class AllReduce(Instruction):
     """Sums the named tensors (gradients, by parameter name) over `ranks`."""
 
     op: ClassVar[str] = "all_reduce"
+    span_kind: ClassVar[str] = "collective"
+    purpose: ClassVar[Optional[str]] = None   # told apart in JSON by "purpose"
+    TEXT: ClassVar[re.Pattern] = re.compile(r"ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\]")
     ranks: Tuple[int, ...]
     tensors: Tuple[TensorSpec, ...] = field(default=())
 
@@ -197,6 +289,20 @@ class AllReduce(Instruction):
         return {"op": self.op, "ranks": list(self.ranks),
                 "tensors": [t.to_json() for t in self.tensors],
                 "bytes": sum(t.nbytes for t in self.tensors)}
+
+    @classmethod
+    def reads_json(cls, d: dict) -> bool:
+        # a conversion's all_reduce (a Collective) names its node; an unknown purpose is a sum
+        purpose = d.get("purpose") if d.get("purpose") in _PURPOSES else None
+        return d["op"] == cls.op and "node" not in d and purpose == cls.purpose
+
+    @classmethod
+    def _from_text(cls, m: re.Match) -> "AllReduce":
+        return cls(_ints(m.group(1)), _specs(m.group(2)))
+
+    @classmethod
+    def _from_json(cls, d: dict) -> "AllReduce":
+        return cls(tuple(d["ranks"]), _specs_from_json(d))
 
 
 @dataclass(frozen=True)
@@ -209,6 +315,8 @@ class TieAllReduce(AllReduce):
     across ranks.
     """
 
+    purpose: ClassVar[str] = "tie"
+    TEXT: ClassVar[re.Pattern] = re.compile(r"TIE_ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\] as \[(.*)\]")
     params: Tuple[str, ...] = field(default=(), compare=False)
 
     def __str__(self) -> str:
@@ -216,7 +324,15 @@ class TieAllReduce(AllReduce):
                 f"as [{' '.join(self.params)}]")
 
     def to_json(self) -> dict:
-        return {**super().to_json(), "purpose": "tie", "params": list(self.params)}
+        return {**super().to_json(), "purpose": self.purpose, "params": list(self.params)}
+
+    @classmethod
+    def _from_text(cls, m: re.Match) -> "TieAllReduce":
+        return cls(_ints(m.group(1)), _specs(m.group(2)), tuple(m.group(3).split()))
+
+    @classmethod
+    def _from_json(cls, d: dict) -> "TieAllReduce":
+        return cls(tuple(d["ranks"]), _specs_from_json(d), tuple(d.get("params", ())))
 
 
 @dataclass(frozen=True)
@@ -229,6 +345,9 @@ class ClipGradNorm(AllReduce):
     `params` differ per rank, so they do not take part in comparing instructions across ranks.
     """
 
+    purpose: ClassVar[str] = "clip_grad_norm"
+    TEXT: ClassVar[re.Pattern] = re.compile(
+        r"CLIP_GRAD_NORM max_norm=(\S+) ranks=\[([\d, ]*)\] \[(.*)\] of \[(.*)\]")
     max_norm: float = 1.0
     params: Tuple[str, ...] = field(default=(), compare=False)
 
@@ -237,16 +356,34 @@ class ClipGradNorm(AllReduce):
                 f"[{' '.join(map(str, self.tensors))}] of [{' '.join(self.params)}]")
 
     def to_json(self) -> dict:
-        return {**super().to_json(), "purpose": "clip_grad_norm", "max_norm": self.max_norm,
+        return {**super().to_json(), "purpose": self.purpose, "max_norm": self.max_norm,
                 "params": list(self.params)}
+
+    @classmethod
+    def _from_text(cls, m: re.Match) -> "ClipGradNorm":
+        return cls(_ints(m.group(2)), _specs(m.group(3)), float(m.group(1)), tuple(m.group(4).split()))
+
+    @classmethod
+    def _from_json(cls, d: dict) -> "ClipGradNorm":
+        return cls(tuple(d["ranks"]), _specs_from_json(d), d["max_norm"], tuple(d.get("params", ())))
 
 
 @dataclass(frozen=True)
 class OptimizerStep(Instruction):
     op: ClassVar[str] = "optimizer_step"
+    span_kind: ClassVar[str] = "optimizer"
+    TEXT: ClassVar[re.Pattern] = re.compile("OPTIMIZER_STEP")
 
     def __str__(self) -> str:
         return "OPTIMIZER_STEP"
+
+    @classmethod
+    def _from_text(cls, m: re.Match) -> "OptimizerStep":
+        return cls()
+
+    @classmethod
+    def _from_json(cls, d: dict) -> "OptimizerStep":
+        return cls()
 
 
 @dataclass(frozen=True)
@@ -258,6 +395,7 @@ class Collective(Instruction):
     it as part of that compute, not as a separate step.
     """
 
+    span_kind: ClassVar[str] = "collective"
     kind: str                          # all_gather, reduce_scatter, all_to_all, all_reduce
     stage: int
     microbatch: int
@@ -268,6 +406,8 @@ class Collective(Instruction):
     sbp_out: str
     nbytes: int                        # bytes this rank sends
     note: str = ""                     # e.g. "fallback: ..." (an op without an SBP rule)
+    TEXT: ClassVar[re.Pattern] = re.compile(
+        r"(\d+)([FB])(\d+)\.(\w+) (\S+) (.+)->(.+) ranks=\[([\d, ]*)\] bytes=(\d+)(?: # (.*))?")
 
     @property
     def op(self) -> str:  # type: ignore[override]
@@ -284,73 +424,43 @@ class Collective(Instruction):
                 "sbp_in": self.sbp_in, "sbp_out": self.sbp_out, "bytes": self.nbytes,
                 "note": self.note}
 
+    @classmethod
+    def reads_json(cls, d: dict) -> bool:
+        return "node" in d
 
-COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight, OverlapFB)
+    @classmethod
+    def _from_text(cls, m: re.Match) -> "Collective":
+        return cls(m.group(4).lower(), int(m.group(1)), int(m.group(3)), m.group(2),
+                   _ints(m.group(8)), m.group(5), m.group(6), m.group(7), int(m.group(9)),
+                   m.group(10) or "")
 
-_COMPUTE_RE = re.compile(r"(\d+)([FBIW])(\d+)")
-_STAGE_COMPUTES = (Forward, Backward, BackwardInput, BackwardWeight)
-_COMPUTE_CLS = {cls.letter: cls for cls in _STAGE_COMPUTES}
-_OVERLAP_RE = re.compile(r"\((\d+F\d+);(\d+B\d+)\)OVERLAP_F_B")
-_P2P_RE = re.compile(r"(\d+)(SEND|RECV)_([FB])(\d+) (to|from)=(\d+) stage=(\d+) \[(.*)\]")
-_COLL_RE = re.compile(r"(\d+)([FB])(\d+)\.(\w+) (\S+) (.+)->(.+) ranks=\[([\d, ]*)\] bytes=(\d+)(?: # (.*))?")
-_AR_RE = re.compile(r"ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\]")
-_TIE_RE = re.compile(r"TIE_ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\] as \[(.*)\]")
-_CLIP_RE = re.compile(r"CLIP_GRAD_NORM max_norm=(\S+) ranks=\[([\d, ]*)\] \[(.*)\] of \[(.*)\]")
+    @classmethod
+    def _from_json(cls, d: dict) -> "Collective":
+        return cls(d["op"], d["stage"], d["microbatch"], d["direction"], tuple(d["ranks"]),
+                   d["node"], d["sbp_in"], d["sbp_out"], d["bytes"], d.get("note", ""))
+
+
+_PURPOSES = (TieAllReduce.purpose, ClipGradNorm.purpose)   # AllReduce kinds told apart in JSON
+
+STAGE_COMPUTES = (Forward, Backward, BackwardInput, BackwardWeight)
+COMPUTE = STAGE_COMPUTES + (OverlapFB,)
+# every instruction class, the most frequent first (the order parse_instruction tries them)
+INSTRUCTIONS = COMPUTE + (Send, Recv, Collective, AllReduce, TieAllReduce, ClipGradNorm,
+                          OptimizerStep)
 
 
 def parse_instruction(text: str) -> Instruction:
     """Parses one line of `str(instruction)` back into the instruction."""
     text = text.strip()
-    if text == "OPTIMIZER_STEP":
-        return OptimizerStep()
-    if m := _COMPUTE_RE.fullmatch(text):
-        return _COMPUTE_CLS[m.group(2)](int(m.group(1)), int(m.group(3)))
-    if m := _OVERLAP_RE.fullmatch(text):
-        return OverlapFB(parse_instruction(m.group(1)), parse_instruction(m.group(2)))
-    if m := _P2P_RE.fullmatch(text):
-        cls = Send if m.group(2) == "SEND" else Recv
-        specs = tuple(TensorSpec.parse(s) for s in m.group(8).split())
-        return cls(int(m.group(1)), int(m.group(4)), int(m.group(6)), m.group(3),
-                   int(m.group(7)), specs)
-    if m := _COLL_RE.fullmatch(text):
-        return Collective(m.group(4).lower(), int(m.group(1)), int(m.group(3)), m.group(2),
-                          tuple(int(r) for r in m.group(8).split(",") if r.strip()), m.group(5),
-                          m.group(6), m.group(7), int(m.group(9)), m.group(10) or "")
-    if m := _CLIP_RE.fullmatch(text):
-        ranks = tuple(int(r) for r in m.group(2).split(",") if r.strip())
-        return ClipGradNorm(ranks, tuple(TensorSpec.parse(s) for s in m.group(3).split()),
-                            float(m.group(1)), tuple(m.group(4).split()))
-    if m := _TIE_RE.fullmatch(text):
-        ranks = tuple(int(r) for r in m.group(1).split(",") if r.strip())
-        return TieAllReduce(ranks, tuple(TensorSpec.parse(s) for s in m.group(2).split()),
-                            tuple(m.group(3).split()))
-    if m := _AR_RE.fullmatch(text):
-        ranks = tuple(int(r) for r in m.group(1).split(",") if r.strip())
-        return AllReduce(ranks, tuple(TensorSpec.parse(s) for s in m.group(2).split()))
+    for cls in INSTRUCTIONS:
+        m = cls.TEXT.fullmatch(text)
+        if m:
+            return cls._from_text(m)
     raise GraphcError(f"cannot parse plan instruction {text!r}")
 
 
 def instruction_from_json(d: dict) -> Instruction:
-    op = d["op"]
-    specs = tuple(TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], tuple(t.get("at", ())),
-                             tuple(t.get("of", ()))) for t in d.get("tensors", ()))
-    compute = next((cls for cls in _STAGE_COMPUTES if cls.op == op), None)
-    if compute is not None:
-        return compute(d["stage"], d["microbatch"])
-    if op == "overlap_f_b":
-        return OverlapFB(instruction_from_json(d["forward"]), instruction_from_json(d["backward"]))
-    if op in ("send", "recv"):
-        cls = Send if op == "send" else Recv
-        return cls(d["stage"], d["microbatch"], d["peer"], d["direction"], d["peer_stage"], specs)
-    if "node" in d:
-        return Collective(op, d["stage"], d["microbatch"], d["direction"], tuple(d["ranks"]),
-                          d["node"], d["sbp_in"], d["sbp_out"], d["bytes"], d.get("note", ""))
-    if op == "all_reduce" and d.get("purpose") == "clip_grad_norm":
-        return ClipGradNorm(tuple(d["ranks"]), specs, d["max_norm"], tuple(d.get("params", ())))
-    if op == "all_reduce" and d.get("purpose") == "tie":
-        return TieAllReduce(tuple(d["ranks"]), specs, tuple(d.get("params", ())))
-    if op == "all_reduce":
-        return AllReduce(tuple(d["ranks"]), specs)
-    if op == "optimizer_step":
-        return OptimizerStep()
-    raise GraphcError(f"unknown plan instruction op {op!r}")
+    cls = next((c for c in INSTRUCTIONS if c.reads_json(d)), None)
+    if cls is None:
+        raise GraphcError(f"unknown plan instruction op {d['op']!r}")
+    return cls._from_json(d)

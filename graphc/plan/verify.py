@@ -20,8 +20,8 @@ from collections import Counter, defaultdict, deque
 from typing import Dict, List, Sequence, Tuple
 
 from ..errors import PlanError
-from .instructions import (AllReduce, Backward, BackwardInput, BackwardWeight, Collective,
-                           Forward, Instruction, OverlapFB, Recv, Send)
+from .instructions import (STAGE_COMPUTES, AllReduce, Backward, BackwardInput, BackwardWeight,
+                           Collective, Forward, Instruction, OverlapFB, Recv, Send)
 from .plan import ExecutionPlan
 
 
@@ -46,8 +46,8 @@ def _fail(plan: ExecutionPlan, index: int, why: str) -> None:
 
 
 # the compute of one (stage, micro-batch) on its rank, in order: a whole or a split backward
-_PASSES = {Forward: "F", Backward: "B", BackwardInput: "I", BackwardWeight: "W"}
-_PROGRAMS = ("FB", "FIW")
+_PROGRAMS = (Forward.letter + Backward.letter,
+             Forward.letter + BackwardInput.letter + BackwardWeight.letter)
 
 
 def _check_compute_order(plan: ExecutionPlan) -> None:
@@ -57,9 +57,9 @@ def _check_compute_order(plan: ExecutionPlan) -> None:
     for i, ins in enumerate(plan.instructions):
         parts = (ins.forward, ins.backward) if isinstance(ins, OverlapFB) else (ins,)
         for part in parts:
-            if type(part) not in _PASSES:
+            if type(part) not in STAGE_COMPUTES:
                 continue
-            key, step = (part.stage, part.microbatch), _PASSES[type(part)]
+            key, step = (part.stage, part.microbatch), part.letter
             done = seen.get(key, "")
             if not any(prog.startswith(done + step) for prog in _PROGRAMS):
                 _fail(plan, i, _misordered(part, done, step, plan.schedule))
@@ -77,7 +77,7 @@ def _misordered(part: Instruction, done: str, step: str, schedule: str) -> str:
     what = f"`{part}` (stage {part.stage} micro-batch {part.microbatch}, after {after})"
     if step in done:
         why = f"{what} runs a second time"
-    elif step == "W":
+    elif step == BackwardWeight.letter:
         why = f"{what} comes before its I: a weight gradient needs the input gradient's pass first"
     elif not done:
         why = f"{what} comes before its forward"

@@ -20,8 +20,7 @@ from collections.abc import Mapping
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from .. import env
-from ..plan.instructions import (Backward, BackwardInput, BackwardWeight, Forward, Instruction,
-                                 OptimizerStep, OverlapFB, Recv, Send, parse_instruction)
+from ..plan.instructions import COMPUTE, INSTRUCTIONS, parse_instruction
 
 DEFAULT_STEPS = 5
 
@@ -41,19 +40,9 @@ class Span(NamedTuple):
 
 Timeline = Mapping  # rank -> List[Span]: a dict, or simulate()'s SimTimeline
 
-# what each instruction shows as on a timeline; the compute kinds count as busy time
-COMPUTE_KINDS = ("forward", "backward", "backward_input", "backward_weight", "overlap")
-KINDS = COMPUTE_KINDS + ("send", "recv", "collective", "optimizer")
-_KIND = {Forward: "forward", Backward: "backward", BackwardInput: "backward_input",
-         BackwardWeight: "backward_weight", OverlapFB: "overlap", Send: "send", Recv: "recv",
-         OptimizerStep: "optimizer"}
-
-
-def kind_of(ins: Instruction) -> str:
-    for cls in type(ins).__mro__:
-        if cls in _KIND:
-            return _KIND[cls]
-    return "collective"
+# what instructions show as on a timeline (each class's span_kind); compute counts as busy time
+COMPUTE_KINDS = tuple(cls.span_kind for cls in COMPUTE)
+KINDS = tuple(dict.fromkeys(cls.span_kind for cls in INSTRUCTIONS))
 
 
 def trace_setting(config_path: Optional[str]) -> Tuple[bool, Optional[str]]:
@@ -72,7 +61,7 @@ def spans_from_events(rank: int, events: Sequence[Tuple[str, float, float]],
     spans = []
     for i, (text, t0, t1) in enumerate(events):
         ins = parse_instruction(text)
-        spans.append(Span(rank, i, text.split(" ")[0], kind_of(ins), getattr(ins, "microbatch", None),
+        spans.append(Span(rank, i, text.split(" ")[0], ins.span_kind, getattr(ins, "microbatch", None),
                           t0 - origin, t1 - origin))
     return spans
 

@@ -17,12 +17,13 @@ is drawn, so training nodes install graphc without it.
 from __future__ import annotations
 
 import os
-import re
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from ..errors import GraphcError
+from ..plan.instructions import parse_instruction
+from ..runtime.trace import COMPUTE_KINDS
 from .rows import fold_ranks, row_label
 from .simulate import Span, Timeline
 
@@ -132,11 +133,12 @@ def _boxes_path(boxes, Path):
 
 def box_text(span: Span) -> Optional[str]:
     """A compute box's caption: its letter and micro-batch (`F3`, `W0`, `F3|B1`); else None."""
-    if span.kind == "overlap":
-        m = re.fullmatch(r"\(\d+([FB]\d+);\d+([FB]\d+)\)OVERLAP_F_B", span.label)
-        return f"{m.group(1)}|{m.group(2)}" if m else None
-    m = re.fullmatch(r"\d+([FBIW]\d+)", span.label)
-    return m.group(1) if m else None
+    if span.kind not in COMPUTE_KINDS:
+        return None
+    try:
+        return parse_instruction(span.label).caption
+    except GraphcError:
+        return None
 
 
 def _captions(ax, fig, spans: List[List[Span]], scale: float, end: float) -> None:

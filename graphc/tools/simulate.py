@@ -81,7 +81,7 @@ from ..plan.instructions import (AllReduce, Backward, BackwardInput, BackwardWei
                                  Forward, Instruction, OverlapFB, Recv, Send)
 from ..plan.plan import ExecutionPlan
 # the timeline vocabulary, shared with the measured traces the runtime writes
-from ..runtime.trace import COMPUTE_KINDS, Span, Timeline, kind_of
+from ..runtime.trace import COMPUTE_KINDS, Span, Timeline
 from .costs import CostModel
 
 # activations a kind adds to the micro-batches a rank holds: a forward keeps its micro-batch
@@ -306,7 +306,7 @@ class _Simulation:
             seen = cache.get(id(ins))
             if seen is None and type(ins) in (Send, Recv):   # per rank: only the op differs
                 p2p = (type(ins), ins.stage, ins.direction, ins.microbatch)
-                seen = shown.get(p2p) or shown.setdefault(p2p, (label_of(ins), kind_of(ins),
+                seen = shown.get(p2p) or shown.setdefault(p2p, (label_of(ins), ins.span_kind,
                                                                 ins.microbatch, None))
             label, kind, mb, op = seen or self._describe(ins, rank)
             ops.append(op or self._op(ins, rank, kind))
@@ -318,7 +318,7 @@ class _Simulation:
     def _describe(self, ins: Instruction, rank: int) -> tuple:
         """What an instruction shows as, and its op where that is alike on every rank
         (instruction objects are shared between ranks: see lower_plan, list_collectives)."""
-        kind = kind_of(ins)
+        kind = ins.span_kind
         alike = kind not in ("send", "recv", "optimizer")
         out = (label_of(ins), kind, getattr(ins, "microbatch", None),
                self._op(ins, rank, kind) if alike else None)

@@ -396,21 +396,32 @@ def triangular(ctx: RuleCtx) -> List[Candidate]:
 
 
 # -- casts and metadata ----------------------------------------------------------------
-_FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 def cast(ctx: RuleCtx) -> List[Candidate]:
-    """float()/to()/type_as(): any split of the first input; P stays P between floating
-    dtypes (a sum commutes with a float cast up to rounding, not with one to integers).
-    type_as's other tensor only lends its dtype: it keeps its layout."""
+    """float()/to()/type_as(): any split of the first input; P stays P only through a cast
+    that is exact (the same dtype, or a widening one: bf16/fp16 -> fp32 -> fp64), where
+    the cast of a sum is the sum of the casts. Through a narrowing cast (HF's RMSNorm
+    `.to(torch.float32)` of a float64 value) each rank's addend would be rounded before
+    the sum, where eager rounds the sum once: the value is reduced first. type_as's other
+    tensor only lends its dtype: it keeps its layout."""
     x, mx, out = ctx.node.args[0], ctx.meta(ctx.node.args[0]), ctx.out
     if mx is None or out is None:
         return []
     cands: List[Candidate] = [({x: S(d)}, S(d)) for d, size in enumerate(mx.shape)
                               if ctx.splits(size)]
-    if mx.dtype in _FLOATS and out.dtype in _FLOATS:
+    if _exact_cast(mx.dtype, out.dtype):
         cands.append(({x: P}, P))
     return cands
+
+
+# dtype name -> the float dtypes it casts to exactly (every value representable)
+_WIDER = {"bfloat16": {"bfloat16", "float32", "float64"}, "float16": {"float16", "float32", "float64"},
+          "float32": {"float32", "float64"}, "float64": {"float64"}}
+
+
+def _exact_cast(src: str, dst: str) -> bool:
+    return dst in _WIDER.get(src, ())
 
 
 def metadata(ctx: RuleCtx) -> List[Candidate]:

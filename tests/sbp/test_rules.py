@@ -88,15 +88,18 @@ def test_size_of_a_split_value_reads_the_global_size():
     assert localize_ops(gm)(local) == (8, torch.Size([8, 3]), torch.Size([8, 3]), 24, 2)
 
 
-def test_partial_sum_survives_casts_between_floats_only():
+def test_partial_sum_survives_exact_casts_only():
+    """A cast of a sum is the sum of the casts only when the cast is exact (widening): through
+    a narrowing one (HF RMSNorm's .to(float32) of a float64 value) the addends would be
+    rounded apart, so the value is reduced first; an integer cast of an addend is no addend."""
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
             self.fc = nn.Linear(8, 4, bias=False)
 
         def forward(self, x):
-            y = self.fc(x)  # row-parallel: partial_sum
-            return y.float().sum(), y.long().sum()
+            y = self.fc(x)  # row-parallel: partial_sum (float64)
+            return y.double().sum(), y.float().sum(), y.long().sum()
 
     model = Net()
     graphc.to_global(model.fc.weight, placement=P01, sbp=sbp.split(1))
@@ -106,5 +109,6 @@ def test_partial_sum_survives_casts_between_floats_only():
     cg = compiler.compile(graph, [torch.randn(4, 8)], 2)
     sigs = {n.name: n.meta[META_SBP] for n in cg.gm.graph.nodes if META_SBP in n.meta}
     assert sigs["linear"].out == (PartialSum(),)
-    assert sigs["float_1"].out == (PartialSum(),)
+    assert sigs["double"].out == (PartialSum(),)  # float64 -> float64: exact
+    assert sigs["float_1"].out != (PartialSum(),)  # float64 -> float32: reduced first
     assert sigs["long"].out == (Broadcast(),)  # an integer cast of an addend is not an addend

@@ -253,6 +253,7 @@ def _watchdog() -> Optional[Watchdog]:
         return None
     store = dist.distributed_c10d._get_default_store()
     if _WATCHDOG is not None and _WATCHDOG.store is not store:  # a new process group
+        _WATCHDOG.mark_done()  # done with the old one: its closing port is no death there
         _WATCHDOG.stop()
         _WATCHDOG.close_page()
         _WATCHDOG = None

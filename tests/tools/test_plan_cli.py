@@ -238,11 +238,16 @@ def test_simulate_measured_on_tensor_and_hybrid_layouts(tmp_path, fixed_transpor
                for p in load_plans(out, n) for i in p.instructions) or "tp" not in layout
 
 
-def test_simulate_measured_gpt_pipeline_by_data(tmp_path, fixed_transport):
-    """The GPT example on pipeline 2 x data 2 with measured costs (the issue's reproduction)."""
+@pytest.mark.parametrize("script,args", [
+    (os.path.join(ROOT, "examples", "gpt.py"), ["--pp", "2", "--dp", "2", "--steps", "1"]),
+    (os.path.join(HERE, "scripts", "llama_like.py"), ["--pp", "2", "--dp", "2"])],
+    ids=["gpt", "llama_like"])
+def test_simulate_measured_transformer_pipeline_by_data(tmp_path, fixed_transport, script, args):
+    """The GPT example and a small Llama-like model (GQA, RoPE buffers, RMSNorm) on pipeline
+    2 x data 2 with measured costs (the issue's reproductions)."""
     out = str(tmp_path / "plans")
-    assert main(["plan", os.path.join(ROOT, "examples", "gpt.py"), "--nproc", "4", "--out", out,
-                 "--simulate", "--no-chart", "--", "--pp", "2", "--dp", "2", "--steps", "1"]) == 0
+    assert main(["plan", script, "--nproc", "4", "--out", out, "--simulate", "--no-chart", "--",
+                 *args]) == 0
     with open(os.path.join(out, "simulation.txt")) as f:
         assert "costs measured on this machine" in f.read()
 

@@ -26,14 +26,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import graphc
+from graphc.plan.schedules import ONE_STAGE, V_SHAPED
 
 MICROBATCHES = 8
 TORCH_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
                  "interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
                  "zero_bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
                  "dualpipev": "ScheduleDualPipeV"}
-ONE_PER_RANK = ("gpipe", "1f1b")
-V_SHAPED = ("zbv", "dualpipev")
 
 
 class Block(nn.Module):
@@ -117,7 +116,7 @@ def torch_step(base, schedule, n, rank, x, y):
     opt = torch.optim.SGD(params, lr=0.01)
     cls = getattr(pipelining, TORCH_CLASSES[schedule])
     loss_fn = nn.CrossEntropyLoss()
-    sched = cls(stages[0] if schedule in ONE_PER_RANK else stages, n_microbatches=MICROBATCHES,
+    sched = cls(stages[0] if schedule in ONE_STAGE else stages, n_microbatches=MICROBATCHES,
                 loss_fn=loss_fn)
     first, last = 0 in mine, (n - 1) in mine
 
@@ -153,7 +152,7 @@ def main():
     rank = dist.get_rank()
     rows = []
     for schedule in args.schedules:
-        n = 2 if schedule in ONE_PER_RANK else 4
+        n = 2 if schedule in ONE_STAGE else 4
         runs = {"graphc": graphc_step(base, schedule, n, "auto", x, y),
                 "graphc gloo": graphc_step(base, schedule, n, "gloo", x, y),
                 "torch": torch_step(base, schedule, n, rank, x, y)}

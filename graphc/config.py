@@ -163,7 +163,7 @@ class GraphConfig:
         Example:
             self.config.set_activation_checkpointing("except_last")   # in the Graph's __init__
         """
-        from .runtime.executor import CHECKPOINT_MODES
+        from .plan.plan import CHECKPOINT_MODES
         self._check_open("set_activation_checkpointing")
         if mode not in CHECKPOINT_MODES:
             raise GraphcError(f"set_activation_checkpointing: mode must be one of "

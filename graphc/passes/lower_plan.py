@@ -19,14 +19,14 @@ from typing import Dict, List, Sequence, Tuple
 
 from ..plan.instructions import (ACT, GRAD, Backward, BackwardInput, Forward, Instruction,
                                  OptimizerStep, OverlapFB, Recv, Send, TensorSpec)
-from ..plan.plan import ExecutionPlan, StageInfo
+from ..plan.plan import NO_CHECKPOINTING, ExecutionPlan, StageInfo
 from ..plan.program import StageProgram
 from ..plan.schedules import compute_order, pipeline_ranks
 
 
 def lower_plan(programs: Sequence[StageProgram], stages: Sequence[StageInfo], schedule: str,
                num_microbatches: int, training: bool, world_size: int,
-               checkpointing: str = "never") -> List[ExecutionPlan]:
+               checkpointing: str = NO_CHECKPOINTING) -> List[ExecutionPlan]:
     position = pipeline_ranks(stages, schedule, training)
     p = max(position) + 1
     pp_rank_of = {r: position[s.stage_id] for s in stages for r in s.ranks}
@@ -46,7 +46,7 @@ def lower_plan(programs: Sequence[StageProgram], stages: Sequence[StageInfo], sc
             instrs.append(OptimizerStep())
         plans.append(ExecutionPlan(rank, world_size, instrs, num_microbatches, schedule,
                                    tuple(stages), training,
-                                   checkpointing=checkpointing if training else "never"))
+                                   checkpointing=checkpointing if training else NO_CHECKPOINTING))
     return _in_receive_order(plans)
 
 

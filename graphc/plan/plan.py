@@ -8,6 +8,24 @@ from .instructions import Instruction, instruction_from_json, parse_instruction
 
 PLAN_FORMAT = "graphc.plan/1"
 
+# Activation checkpointing of micro-batches (torchgpipe's Pipe `checkpoint`), the modes of
+# config.set_activation_checkpointing and ExecutionPlan.checkpointing: which micro-batches
+# recompute their forward in their backward (checkpointed_microbatches).
+CHECKPOINT_MODES = ("always", "except_last", "never")
+NO_CHECKPOINTING = "never"
+
+
+def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset:
+    """The micro-batches whose forward is recomputed in their backward (torchgpipe's Pipe `checkpoint`):
+    all of them ("always"), all but the last ("except_last": its backward follows at once),
+    or none ("never")."""
+    m = num_microbatches
+    if mode == "always":
+        return frozenset(range(m))
+    if mode == "except_last":
+        return frozenset(range(m - 1))
+    return frozenset()
+
 
 @dataclass(frozen=True)
 class StageInfo:
@@ -33,7 +51,7 @@ class ExecutionPlan:
     stages: Tuple[StageInfo, ...] = ()
     training: bool = True
     notes: Dict[str, str] = field(default_factory=dict)
-    checkpointing: str = "never"   # activation checkpointing of micro-batches (runtime/executor.py)
+    checkpointing: str = NO_CHECKPOINTING   # one of CHECKPOINT_MODES
 
     @property
     def local_stages(self) -> List[int]:
@@ -47,7 +65,7 @@ class ExecutionPlan:
         head = (f"# graphc plan: rank {self.rank} of {self.world_size}, schedule={self.schedule}, "
                 f"microbatches={self.num_microbatches}, stages={self.local_stages}, "
                 f"{'training' if self.training else 'inference'}"
-                + (f", checkpointing={self.checkpointing}" if self.checkpointing != "never" else ""))
+                + (f", checkpointing={self.checkpointing}" if self.checkpointing != NO_CHECKPOINTING else ""))
         stages = ([f"# {STAGES_LINE}: " + " ".join(f"{s.stage_id}={s.device_type}[{_fmt_ranks(s.ranks)}]"
                                                   for s in self.stages)] if self.stages else [])
         return [head] + stages + [f"# {key}: {text}" for key, text in sorted(self.notes.items())]
@@ -83,7 +101,7 @@ class ExecutionPlan:
                              d.get("num_microbatches", 1), d.get("schedule", "1f1b"),
                              stages, d.get("training", True),
                              notes=dict(d.get("notes", {})),
-                             checkpointing=d.get("checkpointing", "never"))
+                             checkpointing=d.get("checkpointing", NO_CHECKPOINTING))
 
     @staticmethod
     def parse(text: str) -> "ExecutionPlan":
@@ -100,7 +118,7 @@ class ExecutionPlan:
                   if not line.startswith("#")]
         return ExecutionPlan(rank, world, instrs, int(fields["microbatches"]), fields["schedule"],
                              stages, training="inference" not in head, notes=comments,
-                             checkpointing=fields.get("checkpointing", "never"))
+                             checkpointing=fields.get("checkpointing", NO_CHECKPOINTING))
 
 
 STAGES_LINE = "pipeline stages"   # `# pipeline stages: 0=cpu[0..3] 1=cpu[4..7]`, never a note's key

@@ -6,20 +6,25 @@ instructions pipeline rank `rank` (0..p-1) computes, in order, naming global sta
 `layout(schedule, p, num_stages)` says which stages each pipeline rank holds: one stage per
 rank for gpipe and 1f1b, stage s on rank s mod p for the interleaved ones (interleaved_1f1b,
 looped_bfs, zero_bubble), stages s and 2p-1-s on rank s for the V ones (zbv, dualpipev).
-`check_schedule` states what each schedule needs (stages per rank, micro-batches) and
-`peak_live` walks an order for the activations it keeps; docs/schedules.md compares them.
+Each schedule is a `Schedule` record in SCHEDULES: its name, its order function, its
+LayoutFamily (the layout and the stage count it needs) and its own check of the
+micro-batches, so a new schedule touches this file only. `check_schedule` applies the
+checks and `peak_live` walks an order for the activations it keeps; docs/schedules.md
+compares them.
 Communication is added later by lowering (`passes/lower_plan.py`).
 """
 from __future__ import annotations
 
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import GraphcError
 from .instructions import (Backward, BackwardInput, BackwardWeight, Forward, Instruction,
                            OverlapFB)
 
-Schedule = Callable[[int, int, int, int], List[Instruction]]
+# (rank, num_ranks, num_stages, num_microbatches) -> that pipeline rank's compute, in order
+ComputeOrder = Callable[[int, int, int, int], List[Instruction]]
 
 
 def gpipe(rank: int, num_ranks: int, num_stages: int, num_microbatches: int) -> List[Instruction]:
@@ -324,27 +329,123 @@ def forward_only(rank: int, num_ranks: int, num_stages: int, num_microbatches: i
             for i in range(num_microbatches)]
 
 
-SCHEDULES: Dict[str, Schedule] = {
-    "1f1b": one_f_one_b,
-    "dualpipev": dualpipev,
-    "gpipe": gpipe,
-    "interleaved_1f1b": interleaved_1f1b,
-    "looped_bfs": looped_bfs,
-    "zbv": zbv,
-    "zero_bubble": zero_bubble,
-}
+# -- the schedules as records: name, order, layout family, check ------------------------
 
-ONE_STAGE = ("gpipe", "1f1b")
-INTERLEAVED = ("interleaved_1f1b", "looped_bfs", "zero_bubble")
-V_SHAPED = ("zbv", "dualpipev")
+@dataclass(frozen=True)
+class LayoutFamily:
+    """How a family of schedules lays n stages on p pipeline ranks, and what that needs."""
+
+    name: str
+    layout: Callable[[int, int], List[List[int]]]   # (p, n) -> each rank's stage ids, ascending
+    num_stages: Callable[[int], Optional[int]]      # p -> the stages it needs; None: a multiple of p
+    check: Callable[[str, int, int], None]          # (where, p, n): refuses a stage count
+    needs: Callable[[str, int, int], str]           # (schedule, p, n): the layout, for an error
+
+
+def _one_stage_check(where: str, p: int, n: int) -> None:
+    if n != p:
+        raise GraphcError(f"{where} runs one stage per rank; found {n} stages. Fix: give each "
+                          "stage its own ranks, or choose 'interleaved_1f1b' for several stages "
+                          "per rank")
+
+
+def _one_stage_needs(schedule: str, p: int, n: int) -> str:
+    return (f"'{schedule}' runs one stage per rank, so every stage needs its own placement. "
+            "Fix: give each stage disjoint ranks, or choose a schedule for several chunks per "
+            "rank: config.set_pipeline_schedule('interleaved_1f1b') (stage s on the ranks of "
+            "stage s mod p) or 'zbv' / 'dualpipev' (stages s and 2p-1-s on one rank)")
+
+
+def _interleaved_check(where: str, p: int, n: int) -> None:
+    if n % p:
+        fits = " or ".join(str(k) for k in sorted({max(p, n // p * p), (n // p + 1) * p}))
+        raise GraphcError(f"{where} needs the same number of stages on every rank (a multiple "
+                          f"of {p}); found {n} stages. Fix: split the model into {fits} stages")
+
+
+def _interleaved_needs(schedule: str, p: int, n: int) -> str:
+    return (f"'{schedule}' needs stage s on the ranks of stage s mod p, the same number of "
+            f"chunks on every rank (for p={p}: " +
+            ", ".join(f"{list(range(r, n, p))}" for r in range(p)) + ")")
+
+
+def _v_check(where: str, p: int, n: int) -> None:
+    if n != 2 * p:
+        ranks = f", or use {n // 2} pipeline ranks" if n % 2 == 0 and n else ""
+        raise GraphcError(f"{where} needs exactly two stages per rank, {2 * p} in all; found "
+                          f"{n}. Fix: split the model into {2 * p} stages{ranks}")
+
+
+def _v_needs(schedule: str, p: int, n: int) -> str:
+    return (f"'{schedule}' needs 2p stages in a V: stages s and 2p-1-s on pipeline rank s "
+            f"(for p={p}: " + ", ".join(f"{r} and {2 * p - 1 - r}" for r in range(p)) + ")")
+
+
+def _round_robin(p: int, n: int) -> List[List[int]]:
+    return [list(range(r, n, p)) for r in range(p)]
+
+
+# one stage per rank (gpipe, 1f1b); stage s on rank s mod p (interleaved); s and 2p-1-s (V)
+ONE_STAGE_LAYOUT = LayoutFamily("one stage per rank", _round_robin, lambda p: p,
+                                _one_stage_check, _one_stage_needs)
+INTERLEAVED_LAYOUT = LayoutFamily("interleaved", _round_robin, lambda p: None,
+                                  _interleaved_check, _interleaved_needs)
+V_LAYOUT = LayoutFamily("V", lambda p, n: [sorted((r, 2 * p - 1 - r)) for r in range(p)],
+                        lambda p: 2 * p, _v_check, _v_needs)
+
+
+def _equal_rounds(where: str, p: int, m: int) -> None:
+    if m % max(1, m // p):
+        below = next(k for k in range(m, 0, -1) if _rounds_fit(p, k))
+        above = next(k for k in range(m, 2 * m + 2 * p) if _rounds_fit(p, k))
+        raise GraphcError(f"{where} runs micro-batches in max(1, m // p) rounds of equal size; "
+                          f"found {m} micro-batches, which do not split into {m // p} equal "
+                          f"rounds. Fix: config.set_gradient_accumulation_steps({below}) or "
+                          f"({above}) (a multiple of {p} always works)")
+
+
+def _microbatch_per_stage(where: str, p: int, m: int) -> None:
+    if m < 2 * p:
+        raise GraphcError(f"{where} needs at least as many micro-batches as stages, {2 * p}; "
+                          f"found {m}. Fix: config.set_gradient_accumulation_steps({2 * p}) or "
+                          "more, or choose 'zbv', which takes any number")
+
+
+def _rounds_fit(num_ranks: int, num_microbatches: int) -> bool:
+    return num_microbatches % max(1, num_microbatches // num_ranks) == 0
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: its name (config.set_pipeline_schedule), each pipeline rank's
+    compute order, the layout family of its stages, and what else it needs of the
+    micro-batches (`check(where, p, m)`, after the family's check of the stages)."""
+
+    name: str
+    order: ComputeOrder
+    family: LayoutFamily
+    check: Optional[Callable[[str, int, int], None]] = None
+
+
+SCHEDULES: Dict[str, Schedule] = {s.name: s for s in (
+    Schedule("1f1b", one_f_one_b, ONE_STAGE_LAYOUT),
+    Schedule("dualpipev", dualpipev, V_LAYOUT, _microbatch_per_stage),
+    Schedule("gpipe", gpipe, ONE_STAGE_LAYOUT),
+    Schedule("interleaved_1f1b", interleaved_1f1b, INTERLEAVED_LAYOUT, _equal_rounds),
+    Schedule("looped_bfs", looped_bfs, INTERLEAVED_LAYOUT),
+    Schedule("zbv", zbv, V_LAYOUT),
+    Schedule("zero_bubble", zero_bubble, INTERLEAVED_LAYOUT, _equal_rounds),
+)}
+
+# the schedules of each layout family, by name
+ONE_STAGE = tuple(s.name for s in SCHEDULES.values() if s.family is ONE_STAGE_LAYOUT)
+INTERLEAVED = tuple(s.name for s in SCHEDULES.values() if s.family is INTERLEAVED_LAYOUT)
+V_SHAPED = tuple(s.name for s in SCHEDULES.values() if s.family is V_LAYOUT)
 
 
 def layout(schedule: str, num_ranks: int, num_stages: int) -> List[List[int]]:
     """The stage ids each pipeline rank holds under `schedule`, in ascending order."""
-    p = num_ranks
-    if schedule in V_SHAPED:
-        return [sorted((r, 2 * p - 1 - r)) for r in range(p)]
-    return [list(range(r, num_stages, p)) for r in range(p)]
+    return SCHEDULES[schedule].family.layout(num_ranks, num_stages)
 
 
 def compute_order(schedule: str, rank: int, num_ranks: int, num_stages: int,
@@ -354,7 +455,7 @@ def compute_order(schedule: str, rank: int, num_ranks: int, num_stages: int,
     if not training:
         return forward_only(rank, num_ranks, num_stages, num_microbatches, schedule)
     check_schedule(schedule, num_ranks, num_stages, num_microbatches)
-    return SCHEDULES[schedule](rank, num_ranks, num_stages, num_microbatches)
+    return SCHEDULES[schedule].order(rank, num_ranks, num_stages, num_microbatches)
 
 
 def check_schedule(schedule: str, num_ranks: int, num_stages: int, num_microbatches: int) -> None:
@@ -378,33 +479,9 @@ def check_schedule(schedule: str, num_ranks: int, num_stages: int, num_microbatc
         raise GraphcError(f"unknown pipeline schedule {schedule!r}; choose one of "
                           f"{sorted(SCHEDULES)} (see docs/schedules.md)")
     where = f"pipeline schedule '{schedule}' with {p} pipeline ranks"
-    if schedule in ONE_STAGE and n != p:
-        raise GraphcError(f"{where} runs one stage per rank; found {n} stages. Fix: give each "
-                          "stage its own ranks, or choose 'interleaved_1f1b' for several stages "
-                          "per rank")
-    if schedule in INTERLEAVED and n % p:
-        fits = " or ".join(str(k) for k in sorted({max(p, n // p * p), (n // p + 1) * p}))
-        raise GraphcError(f"{where} needs the same number of stages on every rank (a multiple "
-                          f"of {p}); found {n} stages. Fix: split the model into {fits} stages")
-    if schedule in V_SHAPED and n != 2 * p:
-        ranks = f", or use {n // 2} pipeline ranks" if n % 2 == 0 and n else ""
-        raise GraphcError(f"{where} needs exactly two stages per rank, {2 * p} in all; found "
-                          f"{n}. Fix: split the model into {2 * p} stages{ranks}")
-    if schedule in ("interleaved_1f1b", "zero_bubble") and m % max(1, m // p):
-        below = next(k for k in range(m, 0, -1) if _rounds_fit(p, k))
-        above = next(k for k in range(m, 2 * m + 2 * p) if _rounds_fit(p, k))
-        raise GraphcError(f"{where} runs micro-batches in max(1, m // p) rounds of equal size; "
-                          f"found {m} micro-batches, which do not split into {m // p} equal "
-                          f"rounds. Fix: config.set_gradient_accumulation_steps({below}) or "
-                          f"({above}) (a multiple of {p} always works)")
-    if schedule == "dualpipev" and m < 2 * p:
-        raise GraphcError(f"{where} needs at least as many micro-batches as stages, {2 * p}; "
-                          f"found {m}. Fix: config.set_gradient_accumulation_steps({2 * p}) or "
-                          "more, or choose 'zbv', which takes any number")
-
-
-def _rounds_fit(num_ranks: int, num_microbatches: int) -> bool:
-    return num_microbatches % max(1, num_microbatches // num_ranks) == 0
+    SCHEDULES[schedule].family.check(where, p, n)
+    if SCHEDULES[schedule].check is not None:
+        SCHEDULES[schedule].check(where, p, m)
 
 
 def pipeline_ranks(stages, schedule: str, training: bool = True) -> List[int]:
@@ -433,28 +510,11 @@ def pipeline_ranks(stages, schedule: str, training: bool = True) -> List[int]:
             g = len(groups) - 1
         position.append(g)
     p, n = len(groups), len(stages)
-    if not training:
+    if not training or schedule not in SCHEDULES:
         return position
-    want = layout(schedule, p, n) if schedule in SCHEDULES else None
+    family = SCHEDULES[schedule].family
     have = [[sid for sid, g in enumerate(position) if g == r] for r in range(p)]
-    if want is not None and (have != want or (schedule in ONE_STAGE and n != p)
-                             or (schedule in V_SHAPED and n != 2 * p)):
-        raise GraphcError(_layout_error(schedule, p, n, groups, have))
+    if have != family.layout(p, n) or family.num_stages(p) not in (None, n):
+        found = ", ".join(f"ranks {list(groups[r])}: stages {have[r]}" for r in range(p))
+        raise GraphcError(f"pipeline schedule {family.needs(schedule, p, n)}; found {found}.")
     return position
-
-
-def _layout_error(schedule: str, p: int, n: int, groups, have) -> str:
-    found = ", ".join(f"ranks {list(groups[r])}: stages {have[r]}" for r in range(p))
-    if schedule in ONE_STAGE:
-        need = (f"'{schedule}' runs one stage per rank, so every stage needs its own placement. "
-                "Fix: give each stage disjoint ranks, or choose a schedule for several chunks per "
-                "rank: config.set_pipeline_schedule('interleaved_1f1b') (stage s on the ranks of "
-                "stage s mod p) or 'zbv' / 'dualpipev' (stages s and 2p-1-s on one rank)")
-    elif schedule in V_SHAPED:
-        need = (f"'{schedule}' needs 2p stages in a V: stages s and 2p-1-s on pipeline rank s "
-                f"(for p={p}: " + ", ".join(f"{r} and {2 * p - 1 - r}" for r in range(p)) + ")")
-    else:
-        need = (f"'{schedule}' needs stage s on the ranks of stage s mod p, the same number of "
-                f"chunks on every rank (for p={p}: " +
-                ", ".join(f"{list(range(r, n, p))}" for r in range(p)) + ")")
-    return f"pipeline schedule {need}; found {found}."

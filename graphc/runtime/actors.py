@@ -28,10 +28,10 @@ from ..errors import RankFailedError
 from ..plan.instructions import (ACT, COMPUTE, AllReduce, BackwardInput, BackwardWeight, ClipGradNorm,
                                  Collective, Forward, OptimizerStep, OverlapFB, Recv, Send)
 from ..plan.ops import all_reduce_sum
-from ..plan.plan import ExecutionPlan
+from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
 from .collectives import GradSync
-from .executor import StageExecutor, checkpointed_microbatches
+from .executor import StageExecutor
 from .stopped_ranks import explain_stopped_peers
 
 

@@ -222,21 +222,6 @@ class StageExecutor:
         return len(self.saved)
 
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
-
-
-def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset:
-    """The micro-batches whose forward is recomputed in their backward (torchgpipe's Pipe `checkpoint`):
-    all of them ("always"), all but the last ("except_last": its backward follows at once),
-    or none ("never")."""
-    m = num_microbatches
-    if mode == "always":
-        return frozenset(range(m))
-    if mode == "except_last":
-        return frozenset(range(m - 1))
-    return frozenset()
-
-
 def _identity(t):
     return t
 

@@ -20,12 +20,11 @@ from ..passes.lower_plan import lower_plan
 from ..plan.instructions import TensorSpec
 from ..plan.plan import StageInfo
 from ..plan.program import StageProgram
-from ..plan.schedules import SCHEDULES, V_SHAPED, layout
+from ..plan.schedules import INTERLEAVED, ONE_STAGE, SCHEDULES, V_SHAPED, layout
 from .costs import CostModel
 from .simulate import simulate
 
 SPEC = TensorSpec("h", (1,), "float32")
-CHUNKED = ("interleaved_1f1b", "looped_bfs", "zero_bubble")
 
 
 @dataclass
@@ -66,7 +65,7 @@ def bubble(schedule: str, p: int, v: int, m: int, backward: float = 1.0) -> Bubb
 
 def table(p: int = 4, v: int = 2, microbatches: Sequence[int] = (8, 16),
           backward: float = 1.0) -> List[Bubble]:
-    return [bubble(name, p, v if name in CHUNKED else 1, m, backward)
+    return [bubble(name, p, v if name in INTERLEAVED else 1, m, backward)
             for m in microbatches for name in SCHEDULES]
 
 
@@ -83,7 +82,7 @@ def render(rows: Sequence[Bubble]) -> str:
 def textbook(b: Bubble) -> str:
     """The bubble over ideal the literature gives (any B / F), or '' where it gives none."""
     p, v, m = b.ranks, b.chunks, b.microbatches
-    if b.schedule in ("gpipe", "1f1b"):
+    if b.schedule in ONE_STAGE:
         return f"{(p - 1) / m:.3f}"
     if b.schedule == "interleaved_1f1b":
         return f"{(p - 1) / (v * m):.3f}"

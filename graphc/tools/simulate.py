@@ -79,7 +79,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 from ..errors import PlanError
 from ..plan.instructions import (AllReduce, Backward, BackwardInput, BackwardWeight, Collective,
                                  Forward, Instruction, OverlapFB, Recv, Send)
-from ..plan.plan import ExecutionPlan
+from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 # the timeline vocabulary, shared with the measured traces the runtime writes
 from ..runtime.trace import COMPUTE_KINDS, Span, Timeline
 from .costs import CostModel
@@ -91,7 +91,6 @@ _LIVE = {"forward": 1, "backward": -1, "backward_weight": -1}
 
 def activation_peak(plan: ExecutionPlan, costs: CostModel) -> int:
     """Peak bytes of saved activations on one rank over its step (NOTE: Activation bytes)."""
-    from ..runtime.executor import checkpointed_microbatches   # a pure function of the mode
     act, inputs = costs.activation_bytes, stage_input_bytes(plan, costs)
     if not plan.training:       # inference frees each micro-batch's activations at once
         return max((act.get(s, 0) for s in plan.local_stages), default=0)

@@ -68,6 +68,7 @@ class GraphConfig:
         self.deferred_batch_norm = False
         self.activation_checkpointing = "never"
         self.whole_inputs: tuple = ()
+        self.check_microbatching = False
 
     def _check_open(self, what: str) -> None:
         if self._graph._compiled is not None:
@@ -193,6 +194,25 @@ class GraphConfig:
             raise GraphcError(f"set_whole_inputs takes build()'s argument names as strings, found "
                               f"{bad!r}. Fix: e.g. self.config.set_whole_inputs(\"prototypes\").")
         self.whole_inputs = tuple(dict.fromkeys(self.whole_inputs + tuple(names)))
+
+    def set_check_microbatching(self, enabled: bool = True) -> None:
+        """On the first call, also run the step eagerly on the whole batch and compare.
+
+        Rank 0 runs build() on a copy of the model and the whole batch, steps a copy of the
+        optimizer, and compares the loss and every parameter with graphc's first step; a
+        difference beyond rounding (1e-9 relative in float64, 1e-4 in float32) is a
+        GraphcError on every rank naming the values that differ (NOTE: Checked first step,
+        graphc/check_step.py). A safety net for a new model or layout; it costs one eager
+        step and two gathers of the model's state, once. Plans with random ops (dropout)
+        are not compared (a warning says so).
+
+        Example:
+            self.config.set_check_microbatching(True)   # in the Graph's __init__
+        """
+        self._check_open("set_check_microbatching")
+        if not isinstance(enabled, bool):
+            raise GraphcError(f"set_check_microbatching expects True or False, found {enabled!r}")
+        self.check_microbatching = enabled
 
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""

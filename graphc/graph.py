@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from . import compiler, plan_mode
 from .block import ModuleBlock
+from .check_step import FirstStepCheck, optimizer_groups, warn_if_random
 from .config import GraphConfig
 from .dcp import dcp_state_dict, user_prefix
 from .errors import GraphcError
@@ -181,13 +182,20 @@ class Graph:
 
     def __call__(self, *inputs):
         args = _local_and_global(inputs)
+        check = None
         if self._compiled is None:
+            if self.config.check_microbatching:  # NOTE: Checked first step
+                check = FirstStepCheck(self, optimizer_groups(self))
             self._compile(args)
         elif self._runtime is not None:  # (plan mode has no runtime: it stops just below)
             self._check_inputs(args)
             self._select_plan(args)
         if self._runtime is None:  # plan mode (graphc plan): plans written, no training
             plan_mode.stop_before_step(self)
+        if check is not None and not warn_if_random(self._compiled):
+            check.start(inputs)
+        else:
+            check = None
         self._set_draw()
         results, stats = run_step(self._runtime.step, [local for local, _ in args])
         object.__setattr__(self, "last_stats", stats)
@@ -195,7 +203,10 @@ class Graph:
         self._state.steps += 1 if self._compiled.training else 0
         if not self._compiled.training:
             object.__setattr__(self, "_forward_calls", self._forward_calls + 1)
-        return self._outputs(results)
+        outputs = self._outputs(results)
+        if check is not None:
+            check.compare(outputs)
+        return outputs
 
     @property
     def plan(self) -> ExecutionPlan:

@@ -1,0 +1,70 @@
+"""config.set_check_microbatching (NOTE: Checked first step): the first step is also run
+eagerly on the whole batch and compared; a program graphc would run differently is refused.
+The defect is re-introduced by patching the batch-split rule (the attention mask passed
+whole, as graphc did before the rule): the check must catch it, in one process and on
+real gloo ranks."""
+import pytest
+import torch
+
+import graphc
+import graphc.compiler
+from helpers import run_world
+from passes.test_split_inputs import MaskGraph, MaskedTokens, _mask_data
+
+
+class CheckedGraph(MaskGraph):
+    def __init__(self, model, opt, m, stages=False):
+        super().__init__(model, opt, m)
+        self.config.set_check_microbatching(True)
+        if stages:
+            self.model.emb.config.set_stage(0, graphc.placement("cpu", [0]))
+            self.model.out.config.set_stage(1, graphc.placement("cpu", [1]))
+
+
+def _seed_defect(setattr_):
+    """graphc before the explicit rule: the mask judged 'not batched' and passed whole, with
+    no data-flow confirmation (the check must catch what static analysis no longer sees)."""
+    find = graphc.compiler.find_batch_dims
+    setattr_(graphc.compiler, "split_inputs", lambda names, *a, **k: [n != "mask" for n in names])
+    setattr_(graphc.compiler, "find_batch_dims",
+             lambda gm, m, decide=True, split=None: find(gm, m, decide, None))
+
+
+def _mask_passed_whole(monkeypatch):
+    _seed_defect(monkeypatch.setattr)
+
+
+def _run(m, stages=False):
+    torch.manual_seed(0)
+    model = MaskedTokens()
+    graph = CheckedGraph(model, torch.optim.Adam(model.parameters(), lr=0.01), m, stages)
+    return graph(*_mask_data())
+
+
+def test_a_faithful_first_step_passes_the_check():
+    loss = _run(2)
+    assert loss.to_local().numel() == 1
+
+
+def test_the_check_refuses_a_silently_wrong_split(monkeypatch):
+    _mask_passed_whole(monkeypatch)
+    with pytest.raises(graphc.GraphcError, match=r"(?s)the first step differs from eager .*\(loss .*"
+                                                 r"set_whole_inputs"):
+        _run(2)
+
+
+def _world_worker(rank, world, defect):
+    if defect:
+        _seed_defect(setattr)
+    try:
+        _run(2, stages=True)
+    except graphc.GraphcError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.world
+def test_the_check_on_a_pipeline_passes_or_refuses_on_every_rank():
+    assert run_world(_world_worker, 2, False) == ["", ""]
+    reports = run_world(_world_worker, 2, True)
+    assert all("the first step differs from eager" in r for r in reports), reports

@@ -15,8 +15,9 @@ from typing import Dict, Set
 
 TESTS = Path(__file__).resolve().parent
 
-# the functions that start ranks: helpers.run_world, reliability/launch.py's torchrun and bare_world
-LAUNCHERS = {"run_world", "torchrun", "bare_world"}
+# the functions that start ranks: helpers.run_world, reliability/launch.py's torchrun and
+# bare_world, and graphc's own transport measurement (a gloo pair, tools/transport_costs.py)
+LAUNCHERS = {"run_world", "torchrun", "bare_world", "measure_transport"}
 TORCHRUN = "torch.distributed.run"   # in a command line given to subprocess
 
 

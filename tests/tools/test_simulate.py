@@ -164,6 +164,7 @@ def test_multi_step_deadlock_names_the_step():
         simulate(plans, CostModel.uniform(2), steps=3)
 
 
+@pytest.mark.world
 def test_measure_transport_between_two_processes():
     from graphc.runtime import shm
     from graphc.tools.costs import measure_transport

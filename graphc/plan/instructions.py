@@ -6,8 +6,9 @@ payload: `0SEND_F3 to=1 [relu0:f32[4,512]]`, `1RECV_B3 from=2 [...]`.
 
 Each instruction class owns its whole vocabulary, as pipelining's `_ComputationType` does:
 its JSON `op`, its `span_kind` on a timeline (runtime/trace.py, the charts), a stage compute's
-`letter`, how it prints (`__str__`), the pattern it parses back from (`TEXT`, `_from_text`)
-and its JSON (`to_json`, `_from_json`). A new instruction is one class here, listed in
+`letter`, the `word` a count of it is headed by (tools/summary.py), how it prints (`__str__`,
+and `label`, the listing up to its first space), the pattern it parses back from (`TEXT`,
+`_from_text`) and its JSON (`to_json`, `_from_json`). A new instruction is one class here, listed in
 INSTRUCTIONS; parse_instruction and instruction_from_json ask each class in turn.
 """
 from __future__ import annotations
@@ -94,7 +95,13 @@ def _specs_from_json(d: dict) -> Tuple[TensorSpec, ...]:
 class Instruction:
     op: ClassVar[str] = ""                  # its JSON "op"
     span_kind: ClassVar[str] = ""           # what it shows as on a timeline (runtime/trace.py KINDS)
+    word: ClassVar[str] = ""                # what a count of it is headed by (tools/summary.py)
     TEXT: ClassVar[Optional[re.Pattern]] = None   # its printed form, for parse_instruction
+
+    @property
+    def label(self) -> str:
+        """The listing up to its first space: `1F3`, `0SEND_F3`, `1F0.ALL_GATHER`, `ALL_REDUCE`."""
+        return str(self).split(" ", 1)[0]
 
     def to_json(self) -> dict:
         return {"op": self.op}
@@ -123,6 +130,7 @@ class _StageCompute(Instruction):
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
+        cls.word = cls.letter
         cls.TEXT = re.compile(rf"(\d+){cls.letter}(\d+)")
 
     @property
@@ -188,6 +196,7 @@ class OverlapFB(Instruction):
 
     op: ClassVar[str] = "overlap_f_b"
     span_kind: ClassVar[str] = "overlap"
+    word: ClassVar[str] = "OVERLAP_F_B"
     TEXT: ClassVar[re.Pattern] = re.compile(r"\((\d+F\d+);(\d+B\d+)\)OVERLAP_F_B")
     forward: Forward
     backward: Backward
@@ -233,10 +242,13 @@ class _P2P(Instruction):
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
+    @property
+    def label(self) -> str:
+        return f"{self.stage}{self.word}_{self.direction}{self.microbatch}"
+
     def __str__(self) -> str:
         specs = " ".join(map(str, self.tensors))
-        return (f"{self.stage}{self.word}_{self.direction}{self.microbatch} {self.towards}={self.peer}"
-                f" stage={self.peer_stage} [{specs}]")
+        return f"{self.label} {self.towards}={self.peer} stage={self.peer_stage} [{specs}]"
 
     def to_json(self) -> dict:
         return {"op": self.op, "stage": self.stage, "microbatch": self.microbatch,
@@ -277,10 +289,15 @@ class AllReduce(Instruction):
 
     op: ClassVar[str] = "all_reduce"
     span_kind: ClassVar[str] = "collective"
+    word: ClassVar[str] = "ALL_REDUCE"
     purpose: ClassVar[Optional[str]] = None   # told apart in JSON by "purpose"
     TEXT: ClassVar[re.Pattern] = re.compile(r"ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\]")
     ranks: Tuple[int, ...]
     tensors: Tuple[TensorSpec, ...] = field(default=())
+
+    @property
+    def label(self) -> str:
+        return self.word
 
     def __str__(self) -> str:
         return f"ALL_REDUCE ranks={list(self.ranks)} [{' '.join(map(str, self.tensors))}]"
@@ -315,6 +332,7 @@ class TieAllReduce(AllReduce):
     across ranks.
     """
 
+    word: ClassVar[str] = "TIE_ALL_REDUCE"
     purpose: ClassVar[str] = "tie"
     TEXT: ClassVar[re.Pattern] = re.compile(r"TIE_ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\] as \[(.*)\]")
     params: Tuple[str, ...] = field(default=(), compare=False)
@@ -345,6 +363,7 @@ class ClipGradNorm(AllReduce):
     `params` differ per rank, so they do not take part in comparing instructions across ranks.
     """
 
+    word: ClassVar[str] = "CLIP_GRAD_NORM"
     purpose: ClassVar[str] = "clip_grad_norm"
     TEXT: ClassVar[re.Pattern] = re.compile(
         r"CLIP_GRAD_NORM max_norm=(\S+) ranks=\[([\d, ]*)\] \[(.*)\] of \[(.*)\]")
@@ -372,6 +391,7 @@ class ClipGradNorm(AllReduce):
 class OptimizerStep(Instruction):
     op: ClassVar[str] = "optimizer_step"
     span_kind: ClassVar[str] = "optimizer"
+    word: ClassVar[str] = "OPTIMIZER_STEP"
     TEXT: ClassVar[re.Pattern] = re.compile("OPTIMIZER_STEP")
 
     def __str__(self) -> str:
@@ -396,6 +416,7 @@ class Collective(Instruction):
     """
 
     span_kind: ClassVar[str] = "collective"
+    word: ClassVar[str] = "collective"     # every conversion counted together
     kind: str                          # all_gather, reduce_scatter, all_to_all, all_reduce
     stage: int
     microbatch: int
@@ -413,10 +434,13 @@ class Collective(Instruction):
     def op(self) -> str:  # type: ignore[override]
         return self.kind
 
+    @property
+    def label(self) -> str:
+        return f"{self.stage}{self.direction}{self.microbatch}.{self.kind.upper()}"
+
     def __str__(self) -> str:
-        return (f"{self.stage}{self.direction}{self.microbatch}.{self.kind.upper()} {self.node} "
-                f"{self.sbp_in}->{self.sbp_out} ranks={list(self.ranks)} bytes={self.nbytes}"
-                + (f" # {self.note}" if self.note else ""))
+        return (f"{self.label} {self.node} {self.sbp_in}->{self.sbp_out} ranks={list(self.ranks)} "
+                f"bytes={self.nbytes}" + (f" # {self.note}" if self.note else ""))
 
     def to_json(self) -> dict:
         return {"op": self.kind, "stage": self.stage, "microbatch": self.microbatch,

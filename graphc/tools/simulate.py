@@ -127,16 +127,6 @@ def stage_input_bytes(plan: ExecutionPlan, costs: CostModel) -> Dict[int, int]:
     return out
 
 
-def label_of(ins: Instruction) -> str:
-    """The instruction's listing up to its first space: `1F3`, `0SEND_F3`, `1F0.ALL_GATHER`."""
-    if isinstance(ins, (Send, Recv)):
-        what = "SEND" if isinstance(ins, Send) else "RECV"
-        return f"{ins.stage}{what}_{ins.direction}{ins.microbatch}"
-    if isinstance(ins, Collective):
-        return f"{ins.stage}{ins.direction}{ins.microbatch}.{ins.kind.upper()}"
-    return str(ins).split(" ", 1)[0]
-
-
 @dataclass
 class RankSummary:
     rank: int
@@ -305,7 +295,7 @@ class _Simulation:
             seen = cache.get(id(ins))
             if seen is None and type(ins) in (Send, Recv):   # per rank: only the op differs
                 p2p = (type(ins), ins.stage, ins.direction, ins.microbatch)
-                seen = shown.get(p2p) or shown.setdefault(p2p, (label_of(ins), ins.span_kind,
+                seen = shown.get(p2p) or shown.setdefault(p2p, (ins.label, ins.span_kind,
                                                                 ins.microbatch, None))
             label, kind, mb, op = seen or self._describe(ins, rank)
             ops.append(op or self._op(ins, rank, kind))
@@ -319,7 +309,7 @@ class _Simulation:
         (instruction objects are shared between ranks: see lower_plan, list_collectives)."""
         kind = ins.span_kind
         alike = kind not in ("send", "recv", "optimizer")
-        out = (label_of(ins), kind, getattr(ins, "microbatch", None),
+        out = (ins.label, kind, getattr(ins, "microbatch", None),
                self._op(ins, rank, kind) if alike else None)
         self._cache[id(ins)] = out
         return out

@@ -13,10 +13,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Dict, List, Sequence
 
-from ..plan.instructions import (AllReduce, ClipGradNorm, Collective, Instruction, OptimizerStep,
-                                 Recv, Send, TieAllReduce)
+from ..plan.instructions import INSTRUCTIONS, AllReduce, Collective, Instruction, Recv, Send
 from .rows import ranges
-from .simulate import label_of
 
 
 def stage_summary(name: str, compiled, written: Sequence[int] = ()) -> str:
@@ -54,7 +52,7 @@ def _stage_lines(held: List[int], ranks: List[int], plans, labels, written) -> L
     out = [f"{what} {', '.join(map(str, held))}: ranks {ranges(ranks)} ({len(ranks)} rank(s))"]
     variants: Dict[tuple, List[int]] = {}
     for r in ranks:
-        shape = tuple(labels.get(id(i)) or labels.setdefault(id(i), label_of(i))
+        shape = tuple(labels.get(id(i)) or labels.setdefault(id(i), i.label)
                       for i in plans[r].instructions)
         variants.setdefault(shape, []).append(r)
     if len(variants) > 1:
@@ -72,26 +70,9 @@ def _stage_lines(held: List[int], ranks: List[int], plans, labels, written) -> L
 
 
 def _counts(instructions: Sequence[Instruction]) -> str:
-    kinds = Counter(_kind(i) for i in instructions)
-    order = ["F", "B", "I", "W", "OVERLAP_F_B", "SEND", "RECV", "collective", "ALL_REDUCE",
-             "TIE_ALL_REDUCE", "CLIP_GRAD_NORM", "OPTIMIZER_STEP"]
-    parts = [f"{kinds[k]} {k}" for k in order if kinds[k]]
+    kinds = Counter(i.word for i in instructions)
+    parts = [f"{kinds[cls.word]} {cls.word}" for cls in INSTRUCTIONS if kinds[cls.word]]
     return f"{len(instructions)} instructions a step: " + ", ".join(parts)
-
-
-def _kind(ins: Instruction) -> str:
-    if isinstance(ins, (Send, Recv)):
-        return "SEND" if isinstance(ins, Send) else "RECV"
-    if isinstance(ins, Collective):
-        return "collective"
-    if isinstance(ins, (TieAllReduce, ClipGradNorm)):
-        return "TIE_ALL_REDUCE" if isinstance(ins, TieAllReduce) else "CLIP_GRAD_NORM"
-    if isinstance(ins, AllReduce):
-        return "ALL_REDUCE"
-    if isinstance(ins, OptimizerStep):
-        return "OPTIMIZER_STEP"
-    text = str(ins)
-    return "OVERLAP_F_B" if text.endswith("OVERLAP_F_B") else text.lstrip("0123456789")[0]
 
 
 def _traffic(instructions: Sequence[Instruction], stages) -> List[str]:
@@ -107,7 +88,7 @@ def _traffic(instructions: Sequence[Instruction], stages) -> List[str]:
             colls[key] += ins.nbytes
             count[key] += 1
         elif isinstance(ins, AllReduce):       # gradients (tie, clip): the buffer reduced
-            key = (_kind(ins).lower(), len(ins.ranks), "reduced")
+            key = (ins.word.lower(), len(ins.ranks), "reduced")
             colls[key] += sum(t.nbytes for t in ins.tensors)
             count[key] += 1
     out = []

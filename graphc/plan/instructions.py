@@ -93,6 +93,8 @@ def _specs_from_json(d: dict) -> Tuple[TensorSpec, ...]:
 
 @dataclass(frozen=True)
 class Instruction:
+    """One step of a rank's plan; each subclass carries its whole vocabulary (module docstring)."""
+
     op: ClassVar[str] = ""                  # its JSON "op"
     span_kind: ClassVar[str] = ""           # what it shows as on a timeline (runtime/trace.py KINDS)
     word: ClassVar[str] = ""                # what a count of it is headed by (tools/summary.py)

@@ -1,0 +1,40 @@
+"""Each instruction class owns its vocabulary (graphc/plan/instructions.py): one sample of
+every class in INSTRUCTIONS prints, parses and serialises back to itself, its JSON is read by
+that class alone, and its timeline kind, count word and label come from the class."""
+import pytest
+
+from graphc.plan.instructions import (INSTRUCTIONS, STAGE_COMPUTES, AllReduce, Backward,
+                                      BackwardInput, BackwardWeight, ClipGradNorm, Collective,
+                                      Forward, OptimizerStep, OverlapFB, Recv, Send, TensorSpec,
+                                      TieAllReduce, instruction_from_json, parse_instruction)
+from graphc.runtime.trace import COMPUTE_KINDS, KINDS
+
+H = TensorSpec("h", (4, 8), "float64")
+SAMPLES = [Forward(1, 3), Backward(1, 3), BackwardInput(0, 2), BackwardWeight(0, 2),
+           OverlapFB(Forward(2, 3), Backward(1, 1)),
+           Send(0, 3, 1, "F", 1, (H,)), Recv(1, 3, 0, "F", 0, (H,)),
+           Collective("all_gather", 1, 0, "F", (0, 1), "box_1", "S(0)", "B", 128, "fallback: x"),
+           AllReduce((0, 1), (H,)), TieAllReduce((0, 3), (H,), ("lm_head.weight",)),
+           ClipGradNorm((0, 1), (TensorSpec("grad_norm_sq", (), "float64"),), 0.5, ("w",)),
+           OptimizerStep()]
+
+
+def test_one_sample_of_every_class():
+    assert [type(s) for s in SAMPLES] == list(INSTRUCTIONS)
+
+
+@pytest.mark.parametrize("ins", SAMPLES, ids=lambda i: type(i).__name__)
+def test_prints_parses_and_serialises_back(ins):
+    assert parse_instruction(str(ins)) == ins and str(parse_instruction(str(ins))) == str(ins)
+    assert instruction_from_json(ins.to_json()) == ins
+    assert [cls for cls in INSTRUCTIONS if cls.reads_json(ins.to_json())] == [type(ins)]
+    assert str(ins).split(" ", 1)[0] == ins.label
+    assert ins.span_kind in KINDS and ins.word
+
+
+def test_kinds_and_letters_come_from_the_classes():
+    assert COMPUTE_KINDS == ("forward", "backward", "backward_input", "backward_weight", "overlap")
+    assert [c.letter for c in STAGE_COMPUTES] == ["F", "B", "I", "W"]
+    assert [c.word for c in STAGE_COMPUTES] == ["F", "B", "I", "W"]
+    assert OverlapFB(Forward(2, 3), Backward(1, 1)).caption == "F3|B1"
+    assert Collective("all_reduce", 0, 0, "B", (0, 1), "n", "P", "B", 8).span_kind == "collective"

@@ -148,13 +148,14 @@ def measure(size: int, out: str, profile: str = None) -> dict:
     pp, dp, tp, m = SIZES[size]
     world_env(size)
     from graphc import compiler
-    from graphc.graph import _compile_inputs, _local_and_global
+    from graphc.executable import input_specs
     from graphc.tools import dump
     from graphc.tools.chart import charts_available
     from graphc.tools.summary import stage_summary
 
     graph, inputs = mlp_graph(pp, dp, tp, m)
-    example, layouts = _compile_inputs(_local_and_global(inputs))
+    specs = input_specs(inputs)
+    example, layouts = [s.example() for s in specs], [s.layout for s in specs]
     rec = {"ranks": size, "layout": f"{pp} x {dp} x {tp}", "microbatches": m,
            "rss_start_mib": maxrss_mib()}
     profiler = None

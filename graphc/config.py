@@ -1,6 +1,8 @@
 """Per-module and per-graph configuration, set by the user in Graph.__init__."""
 from __future__ import annotations
 
+import inspect
+
 from typing import Optional
 
 from .errors import GraphcError
@@ -219,3 +221,35 @@ class GraphConfig:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise GraphcError(f"recv window must be an int >= 1, found {n!r}")
         self.recv_window = n
+
+
+def compile_spec(graph):
+    """What compiler.compile reads of a Graph, taken now (NOTE in compiler.CompileSpec): the
+    traced root, the options and per-module settings, and a snapshot of what to_global
+    declared for its parameters and buffers, by every name each has (a tied weight under
+    each)."""
+    from .compiler import CompileSpec, ModuleSpec
+    from .global_tensor import declared_layout
+    from .sbp.declared import DeclaredLayouts
+    root, cfg = graph._root, graph.config
+    named = (list(root.named_parameters(remove_duplicate=False))
+             + list(root.named_buffers(remove_duplicate=False)))
+    declared = DeclaredLayouts({name: layout for name, t in named for layout in [declared_layout(t)] if layout})
+    modules = {name: ModuleSpec(c.stage_id, c.placement, c.activation_checkpointing)
+               for name, c in graph._module_configs.items()}
+    return CompileSpec(
+        name=type(graph).__name__, source_file=_source_file(type(graph)), root=root,
+        modules=modules, declared=declared,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        pipeline_schedule=cfg.pipeline_schedule, deferred_batch_norm=cfg.deferred_batch_norm,
+        gradient_bucket_bytes=cfg.gradient_bucket_bytes, grad_clip_norm=cfg.grad_clip_norm,
+        activation_checkpointing=cfg.activation_checkpointing, whole_inputs=cfg.whole_inputs)
+
+
+def _source_file(cls: type):
+    """The file defining the Graph class, for error messages pointing into it (None when
+    Python knows none: a built-in, or a class typed at the interpreter)."""
+    try:
+        return inspect.getsourcefile(cls)
+    except (TypeError, OSError):
+        return None

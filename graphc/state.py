@@ -14,6 +14,8 @@ from .dcp import DCP_FORMAT, class_name, load_dcp_state_dict, load_into
 from .errors import GraphcError
 from .global_tensor import declared_layout
 from .placement import Split
+from .runtime.agreement import check_agreement, fingerprint_tensor, step_facts
+from .runtime.dist_env import timeout_seconds
 from .meta import META_PIECES
 from .sbp.layout import coord, flat, local_component, place_shard
 
@@ -70,6 +72,21 @@ class GraphState:
             group["params"] = [p for p in group["params"] if id(p) in owned]
 
     # -- checkpoints -------------------------------------------------------------------
+    def agree(self, compiled, config, what: str, tag: str, with_parameters: bool) -> None:
+        """Every rank runs the same plans from equal replicas (See NOTE: Rank agreement):
+        the step facts, and (the first time) this rank's replicated parameters."""
+        facts = step_facts(compiled, config, self.steps)
+        holders: Dict[str, List[int]] = {}
+        if with_parameters:
+            tensors = self.root.state_dict(keep_vars=True)
+            split = getattr(self, "shards", {})
+            for key in self.local_keys:
+                if key in split or not isinstance(tensors[key], nn.Parameter):
+                    continue
+                facts["param:" + key] = fingerprint_tensor(tensors[key])
+                holders[key] = sorted({r for s in self.holders[key] for r in compiled.stages[s].ranks})
+        check_agreement(facts, holders, what, tag, timeout_seconds())
+
     def load(self, sd: Dict[str, Any], strict: bool = True) -> None:
         """Loads a graph.state_dict(); every check runs before anything changes."""
         check_state_dict(sd)

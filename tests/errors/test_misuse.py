@@ -330,8 +330,8 @@ def test_input_placed_away_from_its_stage():
     with raises("input 'x' is placed on", "first used on stage 0, which runs on ranks [0]",
                 "graphc.to_global(t, placement=graphc.placement(\"cpu\", ranks=[0])"):
         compiled = compile_for(g, 2)
-        from graphc.graph import _check_input_placements, _local_and_global
-        _check_input_placements(compiled, _local_and_global([x]))
+        from graphc.executable import check_input_placements, input_specs
+        check_input_placements(compiled, input_specs([x]))
 
 
 # -- optimizer ----------------------------------------------------------------------------

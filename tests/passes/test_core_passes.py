@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 
 import graphc
+from graphc.config import compile_spec
 from graphc import compiler
 from graphc.errors import GraphcError
 from graphc.meta import META_STAGE, META_STAGE_WHY, META_TENSOR
@@ -114,7 +115,7 @@ def test_compile_takes_a_spec_of_what_it_reads():
     """compile() reads a CompileSpec, not the Graph (issue 13); a Graph passed in is turned
     into its spec first. The spec is a snapshot: later config changes do not reach it."""
     graph = PipelineGraph(SkipNet(2), None, accumulation=2)
-    spec = graph._compile_spec()
+    spec = compile_spec(graph)
     assert isinstance(spec, compiler.CompileSpec) and spec.name == "PipelineGraph"
     assert spec.gradient_accumulation_steps == 2 and spec.root is graph._root
     assert {name: c.stage_id for name, c in spec.modules.items() if c.stage_id is not None} == \

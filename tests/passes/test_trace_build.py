@@ -96,7 +96,7 @@ def test_second_input_shape_compiles_a_second_plan():
     batches = lm_batches(2) + lm_batches(1, b=2, t=5, seed=2) + lm_batches(1, seed=3)
     (got, state), (want, ref), graph = train_pair(TinyGPT, LMGraph, batches)
     assert_same_as_eager(got, state, want, ref, "batch 4, 4, 2, 4")
-    assert len(graph._plans_by_shape) == 2
+    assert len(graph._cache.entries) == 2
 
 
 def test_compile_leaves_every_buffer_unchanged():

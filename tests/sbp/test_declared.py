@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 import graphc
+from graphc.config import compile_spec
 from graphc import compiler, global_tensor, sbp
 from graphc.placement import Broadcast, Split
 from graphc.sbp.declared import META_DECLARED, DeclaredLayouts
@@ -38,7 +39,7 @@ def test_a_tied_weight_is_declared_under_each_of_its_names():
     model = TinyGPT(layers=2)
     graphc.to_global(model.wte.weight, placement=graphc.placement("cpu", [0]), sbp=sbp.broadcast)
     graph = GPTGraph(model, None, [graphc.placement("cpu", [r]) for r in range(2)])
-    declared = graph._declared_layouts()
+    declared = compile_spec(graph).declared
     assert declared.of("model.wte.weight") == declared.of("model.lm_head.weight") is not None
 
 

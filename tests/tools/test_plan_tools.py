@@ -147,12 +147,13 @@ def test_select_ranks():
 # -- summary.py and the folded simulation, on compiled MLPs -----------------------------------
 def compile_mlp(monkeypatch, pp, dp, tp, m, schedule="1f1b"):
     from graphc import compiler
-    from graphc.graph import _compile_inputs, _local_and_global
+    from graphc.executable import input_specs
     world = pp * dp * tp
     for k, v in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", world)):
         monkeypatch.setenv(k, str(v))
     graph, inputs = plan_scale.mlp_graph(pp, dp, tp, m, schedule=schedule)
-    example, layouts = _compile_inputs(_local_and_global(inputs))
+    specs = input_specs(inputs)
+    example, layouts = [s.example() for s in specs], [s.layout for s in specs]
     return compiler.compile(graph, example, world, layouts)
 
 

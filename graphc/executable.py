@@ -1,0 +1,322 @@
+"""One compiled specialisation of a Graph: for one input signature and one set of guarded
+values (STYLE 17; thunder keeps a cache entry per input signature, torch.compile a guarded
+entry per guard set).
+
+An Executable is built from values, never from the Graph: the CompileSpec, the calls'
+InputSpecs and the world. Its life: `compile` (trace, passes, plans, and the guards of every
+Python value the compile read: NOTE: Guards), `start` (this rank's transport, groups and
+runtime; a compile without start is plan mode), `check` (the guards, on every call), `call`
+(one step, outputs merged over micro-batches). The Graph keeps an ExecutableCache and the
+state every executable of it shares (parameters, optimizer, agreement).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+from . import compiler
+from .errors import GraphcError
+from .global_tensor import GlobalTensor, declared_layout, global_from_local
+from .guards import MISSING, Guard, GuardSet, difference, fingerprint, global_guards, record_reads, structure_of
+from .log import get_logger, warn_user
+from .meta import META_ROWS, META_SBP, META_STAGE, META_TENSOR
+from .placement import placement as Placement
+from .plan.ops import compiled_groups, create_groups
+from .runtime.actors import Runtime
+from .runtime.comm import P2P
+from .runtime.dist_env import device_for
+from .runtime.trace import Tracer
+from .runtime.watchdog import run_step
+from .sbp.layout import is_even
+
+_log = get_logger("guards")
+# executables kept per input signature before a warning: a value that changes on every call
+# (a counter read by build()) would otherwise compile on every call, unseen (torch.compile's
+# cache_size_limit is 8 for the same reason)
+PLANS_PER_SIGNATURE = 8
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One input of a call: this rank's local component, and the global value it is part of
+    (shape; sbp and placement for a GlobalTensor, None for a plain tensor: broadcast, placed
+    where its first reader runs)."""
+
+    local: torch.Tensor
+    shape: Tuple[int, ...]
+    sbp: Optional[tuple] = None
+    placement: Optional[Placement] = None
+
+    @staticmethod
+    def of(x, index: int) -> "InputSpec":
+        if isinstance(x, GlobalTensor):
+            return InputSpec(x.to_local(), tuple(x.shape), x.sbp, x.placement)
+        if isinstance(x, torch.Tensor):
+            return InputSpec(x, tuple(x.shape))
+        raise GraphcError(f"input {index} of the graph is a {type(x).__name__}; graph inputs must be "
+                          "tensors or graphc.GlobalTensor. Fix: pass constants as module "
+                          "attributes or Graph attributes instead.")
+
+    @property
+    def layout(self) -> Optional[tuple]:
+        """(placement, sbp) of a GlobalTensor input, None for a plain tensor."""
+        return (self.placement, self.sbp) if self.sbp is not None else None
+
+    @property
+    def key(self) -> tuple:
+        """What a plan is specialised to for this input: shape, dtype, layout."""
+        return (self.shape, self.local.dtype, self.sbp, self.placement)
+
+    def example(self) -> torch.Tensor:
+        """An empty tensor of the global shape and dtype, for the compiler."""
+        return torch.empty(self.shape, dtype=self.local.dtype)
+
+
+def input_specs(inputs: Sequence[Any]) -> List[InputSpec]:
+    return [InputSpec.of(x, i) for i, x in enumerate(inputs)]
+
+
+def signature(specs: Sequence[InputSpec]) -> tuple:
+    return tuple(s.key for s in specs)
+
+
+class Executable:
+    """A compiled graph for one signature and guard set, and (once started) its runtime."""
+
+    def __init__(self, compiled: compiler.CompiledGraph):
+        self.compiled = compiled
+        self.runtime: Optional[Runtime] = None
+        self.tracer: Optional[Tracer] = None
+
+    @classmethod
+    def compile(cls, spec: compiler.CompileSpec, specs: Sequence[InputSpec], world: int) -> "Executable":
+        """compiler.compile for these inputs' global shapes and layouts, with the guards of
+        every Python value the compile read (NOTE: Guards)."""
+        before = global_guards()  # the modes the caller set, before tracing changes any
+        with record_reads(spec.root) as reads:
+            compiled = compiler.compile(spec, [s.example() for s in specs], world, [s.layout for s in specs])
+        compiled.guards = GuardSet(tuple(before + structure_of(spec.root) + reads.guards()))
+        check_input_placements(compiled, specs)
+        return cls(compiled)
+
+    def device(self, rank: int) -> torch.device:
+        """Where this rank's stages run (the CPU on a rank without a stage)."""
+        local = self.compiled.plan_for(rank).local_stages
+        return device_for(self.compiled.stages[local[0]].device_type) if local else torch.device("cpu")
+
+    def start(self, rank: int, optimizer, lr_scheduler, config) -> None:
+        """This rank's transport, process groups (collective: every rank, same order) and
+        runtime."""
+        plan = self.compiled.plan_for(rank)
+        programs = {s: self.compiled.programs[s] for s in plan.local_stages}
+        p2p = P2P(rank, self.compiled.plans)
+        create_groups(compiled_groups(self.compiled))
+        self.tracer = Tracer.from_config(config, rank)
+        self.runtime = Runtime(plan, programs, p2p, self.device(rank), optimizer, lr_scheduler,
+                               config.recv_window, self.tracer.record)
+
+    def check(self) -> Optional[Guard]:
+        """The first guard that no longer holds (None: this executable may run)."""
+        return self.compiled.guards.failing()
+
+    def check_inputs(self, specs: Sequence[InputSpec], name: str) -> None:
+        """What a second signature cannot change: the number of inputs, their ranks, their kinds."""
+        want = self.compiled.input_meta
+        if len(specs) != len(want):
+            raise GraphcError(f"{name} was compiled for {len(want)} inputs, called with {len(specs)}")
+        for i, (s, (w_shape, w_dtype)) in enumerate(zip(specs, want)):
+            if len(s.shape) != len(w_shape) or s.local.dtype.is_floating_point != w_dtype.is_floating_point:
+                raise GraphcError(
+                    f"input {i} of {name} has shape {list(s.shape)} and dtype "
+                    f"{s.local.dtype}, but the graph was compiled for {list(w_shape)} {w_dtype}. "
+                    "A new batch size, sequence length or precision compiles a second plan, but "
+                    "the number of dimensions and the kind of dtype (floating or integer) are "
+                    "part of the program. Fix: pass inputs of the same rank and kind, or build a "
+                    "second Graph.")
+
+    def call(self, specs: Sequence[InputSpec], draw: Tuple[int, int]):
+        """One step: (build()'s outputs as GlobalTensors, the step's stats)."""
+        self.runtime.set_draw(*draw)
+        results, stats = run_step(self.runtime.step, [s.local for s in specs])
+        self.tracer.after_step(stats)
+        return self.outputs(results), stats
+
+    def outputs(self, results: Dict[str, List[torch.Tensor]]):
+        """build()'s output structure, each tensor a GlobalTensor merged over micro-batches."""
+        compiled = self.compiled
+
+        def wrap(node: fx.Node):
+            stage = compiled.stages[node.meta[META_STAGE]]
+            sig = node.meta.get(META_SBP)
+            mesh = sig.mesh if sig else tuple(stage.ranks)
+            where = Placement(stage.device_type, [list(r) if isinstance(r, tuple) else r for r in mesh])
+            sbp = sig.out if sig else (_broadcast(),)
+            if node.name not in results:
+                return GlobalTensor(torch.empty(0), where, sbp, ())
+            return global_from_local(merge(results[node.name], node.meta.get(META_ROWS)), where, sbp,
+                                     _uneven_global_shape(node, compiled.num_microbatches))
+
+        return fx.node.map_arg(compiled.gm.graph.output_node().args[0], wrap)
+
+
+class ExecutableCache:
+    """A Graph's executables: per input signature, one per set of guarded values."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.entries: Dict[tuple, List[Executable]] = {}
+        self.current: Optional[Executable] = None
+        self.key: Optional[tuple] = None
+        self.recompiles: List[str] = []  # why each executable after the first was compiled
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.entries.values())
+
+    def lookup(self, key: tuple) -> Tuple[Optional[Executable], List[Guard]]:
+        """The executable whose guards hold for `key` (the current one first), else None and,
+        per cached executable of these inputs, the guard that failed. A module or parameter
+        replaced after compile is a GraphcError (see check_replaceable)."""
+        failures: List[Guard] = []
+        candidates = ([self.current] if key == self.key else []) + \
+            [e for e in reversed(self.entries.get(key, [])) if e is not self.current]
+        for exe in candidates:
+            failed = exe.check()
+            if failed is None:
+                return exe, failures
+            check_replaceable(self.name, failed)
+            failures.append(failed)
+        return None, failures
+
+    def add(self, key: tuple, exe: Executable, failures: Sequence[Guard] = ()) -> None:
+        entries = self.entries.setdefault(key, [])
+        entries.append(exe)
+        if self.current is not None:
+            why = self._why(failures)
+            self.recompiles.append(why)
+            if len(entries) == PLANS_PER_SIGNATURE + 1:
+                warn_user(f"{self.name} has compiled {len(entries)} plans for the same input "
+                          f"shapes, the last because {why}. A value build() reads changes from call "
+                          "to call, and every new value compiles a plan (slow). Fix: pass a "
+                          "changing number as a tensor input, or keep it constant between calls.")
+        self.use(key, exe)
+
+    def use(self, key: tuple, exe: Executable) -> None:
+        self.current, self.key = exe, key
+
+    def _why(self, failures: Sequence[Guard]) -> str:
+        """The recompile log's reason, as TORCH_LOGS=recompiles gives it: per cached plan of
+        these input shapes, the first value that no longer matches."""
+        reasons: List[str] = []
+        for failed in failures:
+            path, was, now = difference(failed.expected, fingerprint(failed.read()))
+            reason = f"{failed.where}{path} changed (compiled for {was}, now {now})"
+            reasons += [reason] if reason not in reasons else []
+        why = "; ".join(reasons) or "the inputs' shapes, dtypes or layouts are new"
+        _log.info("recompiling %s: %s", self.name, why)
+        return why
+
+
+def check_replaceable(name: str, failed: Guard) -> None:
+    """A module, parameter or buffer replaced after compile cannot get a plan of its own."""
+    if failed.replaceable:
+        return
+    now = failed.read()
+    what = "removed" if now is MISSING else f"replaced by another {type(now).__name__}"
+    raise GraphcError(
+        f"'{failed.where}' of {name} was {what} after the graph compiled. The "
+        "graph's optimizer, gradient buckets and parameter shards hold the objects it was "
+        "compiled with, so the new one would not be trained as eager trains it. Fix: build a "
+        "new Graph (and optimizer) for the changed model, or copy new values into the existing "
+        "parameters in place (with torch.no_grad(): p.copy_(new)).")
+
+
+def check_same_stages(old: compiler.CompiledGraph, new: compiler.CompiledGraph) -> None:
+    if [(s.stage_id, tuple(s.ranks)) for s in old.stages] != [(s.stage_id, tuple(s.ranks)) for s in new.stages]:
+        raise GraphcError(
+            "a new input shape or Graph attribute changed the graph's pipeline stages "
+            f"({[tuple(s.ranks) for s in old.stages]} -> {[tuple(s.ranks) for s in new.stages]}); "
+            "the parameters already live on the first plan's ranks. Fix: set stages with set_stage "
+            "so they do not depend on shapes, or build a second Graph.")
+
+
+def check_input_placements(compiled: compiler.CompiledGraph, specs: Sequence[InputSpec]) -> None:
+    placeholders = [n for n in compiled.gm.graph.nodes if n.op == "placeholder"]
+    for node, s in zip(placeholders, specs):
+        if s.placement is None:
+            continue
+        stage = compiled.stages[node.meta[META_STAGE]]
+        outside = [r for r in stage.ranks if r not in s.placement.flat_ranks]
+        if outside:
+            raise GraphcError(
+                f"input '{node.name}' is placed on {s.placement} but is first used on stage "
+                f"{stage.stage_id}, which runs on ranks {list(stage.ranks)}. Fix: create it with "
+                f"graphc.to_global(t, placement=graphc.placement(\"{stage.device_type}\", "
+                f"ranks={list(stage.ranks)}), sbp=graphc.sbp.broadcast).")
+
+
+def named_placements(spec: compiler.CompileSpec, specs: Sequence[InputSpec]) -> list:
+    """(who, placement) for every placement the program names: set_stage, to_global on
+    parameters and buffers, GlobalTensor inputs."""
+    named = [(f"module '{name}'", c.placement) for name, c in spec.modules.items()
+             if c.placement is not None]
+    for key, t in spec.root.state_dict(keep_vars=True).items():
+        layout = declared_layout(t)
+        named += [(f"parameter or buffer '{key}'", layout[0])] if layout else []
+    named += [(f"input {i}", s.placement) for i, s in enumerate(specs) if s.placement is not None]
+    return named
+
+
+def check_cuda_available(spec: compiler.CompileSpec, specs: Sequence[InputSpec]) -> None:
+    """A "cuda" placement needs a CUDA device on this machine (graphc plan needs none)."""
+    if torch.cuda.is_available():
+        return
+    for who, where in named_placements(spec, specs):
+        if where.type == "cuda":
+            raise GraphcError(
+                f"{who} is placed on {where}, but this machine has no CUDA device "
+                f"(torch.cuda.is_available() is False); a \"cuda\" placement needs one GPU per "
+                f"rank. Fix: use graphc.placement(\"cpu\", ranks={_ranks_repr(where)}), or run on "
+                "a machine with GPUs.")
+
+
+def _ranks_repr(where: Placement) -> list:
+    return [list(r) if isinstance(r, tuple) else r for r in where.ranks]
+
+
+def _broadcast():
+    from .placement import sbp
+    return sbp.broadcast
+
+
+def _uneven_global_shape(node: fx.Node, m: int):
+    """The global shape of an output split unevenly (its local shape differs by rank, so it
+    does not tell the global one); None for any other output. Micro-batches concatenate
+    along the dim merge joins them on."""
+    sig, meta = node.meta.get(META_SBP), node.meta.get(META_TENSOR)
+    if sig is None or meta is None or is_even(meta.shape, sig.out, sig.mesh):
+        return None
+    shape, rows = list(meta.shape), node.meta.get(META_ROWS)
+    joined = rows.dim if rows is not None else (0 if shape else None)
+    if m > 1 and joined is not None:
+        shape[joined] *= m
+    return tuple(shape)
+
+
+def merge(per_mb: List[torch.Tensor], rows=None) -> torch.Tensor:
+    """One output from its micro-batches' values: concatenated along the batch's rows, a
+    mean of a batch mean, a sum of a batch sum, or (no batch dim) the value every
+    micro-batch computed alike."""
+    if len(per_mb) == 1:
+        return per_mb[0]
+    if rows is not None and rows.dim is not None:
+        return torch.cat(per_mb, rows.dim)
+    if rows is not None and not rows.reduced:
+        return per_mb[0]
+    if rows is not None and rows.summed:  # a batch sum is the sum of its micro-batches' (NOTE: Batch sums)
+        return torch.stack(per_mb).sum(0)
+    if per_mb[0].dim() == 0 or rows is not None:
+        return torch.stack(per_mb).mean(0)
+    return torch.cat(per_mb, 0)

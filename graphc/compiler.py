@@ -86,6 +86,7 @@ class CompileSpec:
     grad_clip_norm: Optional[float] = None
     activation_checkpointing: str = "never"
     whole_inputs: Tuple[str, ...] = ()  # build() arguments never split into micro-batches
+    amp_dtype: Optional[torch.dtype] = None  # enable_amp: build() under autocast to this dtype
 
 
 @dataclass
@@ -150,7 +151,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     batched = None
     if m > 1:  # 0b. inputs whose dim 0 is the batch size are split (NOTE: Batch split) ...
         whole = _step(h, "trace_build (whole batch)", trace_build, spec.root, example_inputs, 1,
-                      None, spec.name, spec.source_file)
+                      None, spec.name, spec.source_file, _amp(spec, stages))
         split = _step(h, "split_inputs", split_inputs, input_names(whole), example_inputs,
                       spec.whole_inputs, spec.name)
         # ... which the data flow on build() for the whole batch confirms, or refuses
@@ -162,7 +163,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     # 1. trace build() into one fx graph for one micro-batch's shapes: the whole step,
     #    backward() as a node, shapes as constants
     gm = _step(h, "trace_build", trace_build, spec.root, example_inputs, m, batched,
-               spec.name, spec.source_file)
+               spec.name, spec.source_file, _amp(spec, stages))
     gm.meta[META_DECLARED] = declared   # the passes read them off the graph they annotate
     # 2. reject what a static graph cannot hold (host syncs, several backward())
     _step(h, "verify_traced", verify_traced, gm)
@@ -317,6 +318,14 @@ def _check_ranks(who: str, placement, world_size: int) -> None:
             f"{who}: placement {placement} names rank(s) {bad}, but the world has "
             f"{world_size} rank(s) (0..{world_size - 1}). Fix: launch with torchrun "
             f"--nproc_per_node {max(placement.flat_ranks) + 1}, or use ranks below {world_size}.")
+
+
+def _amp(spec: CompileSpec, stages) -> Optional[tuple]:
+    """config.enable_amp: build() traced under torch.autocast(device type, dtype) (NOTE:
+    Autocast regions), the device type of the stages' placements."""
+    if spec.amp_dtype is None:
+        return None
+    return ("cuda" if any(s.device_type == "cuda" for s in stages) else "cpu", spec.amp_dtype)
 
 
 def _default_device_type(root: torch.nn.Module) -> str:

@@ -5,6 +5,8 @@ import inspect
 
 from typing import Optional
 
+import torch
+
 from .errors import GraphcError
 from .passes.insert_grad_sync import DEFAULT_BUCKET_BYTES
 from .placement import placement as Placement
@@ -71,6 +73,7 @@ class GraphConfig:
         self.activation_checkpointing = "never"
         self.whole_inputs: tuple = ()
         self.check_microbatching = False
+        self.amp_dtype: Optional[torch.dtype] = None
 
     def _check_open(self, what: str) -> None:
         if self._graph._compiled is not None:
@@ -216,6 +219,33 @@ class GraphConfig:
             raise GraphcError(f"set_check_microbatching expects True or False, found {enabled!r}")
         self.check_microbatching = enabled
 
+    def enable_amp(self, enabled: bool = True, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Automatic mixed precision (OneFlow's name): build() runs under torch.autocast.
+
+        Every op of build() runs as it would inside `with torch.autocast(device, dtype):`
+        (matmuls and convolutions in `dtype`, reductions, norms and losses in float32, by
+        torch's autocast lists for the placements' device type), and `loss.backward()` runs
+        outside it, as the eager recipe does. Parameters and optimizer state stay float32
+        (the master weights), gradients are float32 and accumulate in float32 over the
+        micro-batches, and gradient all-reduces run in float32. Values crossing stages
+        travel in the dtype autocast gave them (half the bytes for bf16). On CPU the result
+        equals eager autocast bit for bit (docs/design.md, NOTE: Autocast regions).
+
+        Args:
+            enabled: True to run build() under autocast.
+            dtype: torch.bfloat16 or torch.float16.
+
+        Example:
+            self.config.enable_amp(True, dtype=torch.bfloat16)   # in the Graph's __init__
+        """
+        self._check_open("enable_amp")
+        if not isinstance(enabled, bool):
+            raise GraphcError(f"enable_amp expects True or False, found {enabled!r}")
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise GraphcError(f"enable_amp: dtype must be torch.bfloat16 or torch.float16, found "
+                              f"{dtype!r}. Fix: self.config.enable_amp(True, dtype=torch.bfloat16).")
+        self.amp_dtype = dtype if enabled else None
+
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -243,7 +273,8 @@ def compile_spec(graph):
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         pipeline_schedule=cfg.pipeline_schedule, deferred_batch_norm=cfg.deferred_batch_norm,
         gradient_bucket_bytes=cfg.gradient_bucket_bytes, grad_clip_norm=cfg.grad_clip_norm,
-        activation_checkpointing=cfg.activation_checkpointing, whole_inputs=cfg.whole_inputs)
+        activation_checkpointing=cfg.activation_checkpointing, whole_inputs=cfg.whole_inputs,
+        amp_dtype=cfg.amp_dtype)
 
 
 def _source_file(cls: type):

@@ -14,6 +14,7 @@ Requires: every module build() calls was assigned to the Graph in __init__.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import os
@@ -263,12 +264,13 @@ def run_module_on_fakes(module: torch.nn.Module, args, kwargs, fake):
 
 def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], num_microbatches: int = 1,
                 batched: Optional[Sequence[bool]] = None, graph_name: str = "Graph",
-                source_file: Optional[str] = None) -> fx.GraphModule:
+                source_file: Optional[str] = None, autocast: Optional[tuple] = None) -> fx.GraphModule:
     """Traces build() (root's forward) for one micro-batch of `example_inputs` (their global shapes).
 
     batched: per input, whether it is split into micro-batches along dim 0 (default: every
     input with a dim). graph_name and source_file (the Graph's class name and the file that
-    defines it) name the user's code in error messages.
+    defines it) name the user's code in error messages. autocast: (device type, dtype) that
+    build() runs under as a whole (config.enable_amp), as if written `with torch.autocast(...)`.
     """
     tracer = BuildTracer(root)
     tracer.source_file = source_file
@@ -279,7 +281,8 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
     with _traced_root(root, len(example_inputs)), _patched_calls(tracer, source_file), \
             traced_checkpoints(tracer):  # torch.utils.checkpoint traces as its function
         try:
-            g = tracer.trace(root)
+            with torch.autocast(*autocast) if autocast else contextlib.nullcontext():
+                g = tracer.trace(root)
         except GraphcError:
             raise
         except Exception as e:  # fx raises TraceError, TypeError, ... on untraceable user code

@@ -35,6 +35,8 @@ def find_batch_dims(gm: fx.GraphModule, num_microbatches: int, decide_inputs: bo
     env: Dict[fx.Node, object] = {}
     for node in gm.graph.nodes:
         env[node] = _value(gm, node, env, syms, events)
+        if _mutated(node) is not None:  # later readers of the tensor see what was written into it
+            env[_mutated(node)] = env[node]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     chosen = [] if split is None else [env[p].dims[0] for p, s in zip(placeholders, split)
                                        if s and isinstance(env[p], Rows) and env[p].dims]
@@ -44,7 +46,7 @@ def find_batch_dims(gm: fx.GraphModule, num_microbatches: int, decide_inputs: bo
     backward = next((n for n in gm.graph.nodes
                      if is_backward(n)), None)
     roots = [backward.args[0]] if backward is not None else gm.graph.output_node().all_input_nodes
-    used = _ancestors(roots)  # what the loss (or the outputs) depends on; not buffer updates
+    used = _ancestors(roots + _writes_into(gm, _ancestors(roots)))  # not buffer updates
     events = [e for e in events if e.node in used]
     if split is not None:
         batch = syms.classes(chosen)
@@ -170,6 +172,22 @@ def _candidates(env, syms: Symbols, events: List[Coupling], roots: List[fx.Node]
             found |= syms.classes(value.reduced | rows)
     found |= {c for e in events for c in _classes(e, syms)}
     return frozenset(found)
+
+
+def _mutated(node: fx.Node) -> Optional[fx.Node]:
+    """The tensor an in-place method writes into (`out.index_add_(0, i, src)` with its result
+    unused: the readers of `out` read the node `out` is, not this one). Not a parameter or
+    buffer: a buffer updated in forward runs once per micro-batch, as in eager accumulation."""
+    name = node.target if node.op == "call_method" else ""
+    base = node.args[0] if node.args else None
+    if name.endswith("_") and not name.endswith("__") and isinstance(base, fx.Node) and base.op != "get_attr":
+        return base
+    return None
+
+
+def _writes_into(gm: fx.GraphModule, used: set) -> List[fx.Node]:
+    """In-place writes into a tensor the loss (or the outputs) reads: they count as read too."""
+    return [n for n in gm.graph.nodes if _mutated(n) in used]
 
 
 def _ancestors(roots: List[fx.Node]) -> set:

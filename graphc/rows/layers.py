@@ -23,8 +23,10 @@ def _product(ctx: Ctx, parts: List[Rows]) -> frozenset:
 
 def matmul(ctx: Ctx):
     a, b = ctx.rows(0), ctx.rows(1)
-    if a is None or b is None:
-        return None
+    return None if a is None or b is None else _matmul_rows(ctx, a, b)
+
+
+def _matmul_rows(ctx: Ctx, a: Rows, b: Rows) -> Rows:
     ad, bd = a.dims, b.dims
     if len(ad) == 1 and len(bd) == 1:
         summed, out = _contract(ctx, ad[0], bd[0]), ()
@@ -37,6 +39,16 @@ def matmul(ctx: Ctx):
         lead = broadcast_rows(ctx, [Rows(ad[:-2]), Rows(bd[:-2])])
         out = lead + (ad[-2], bd[-1])
     return Rows(out, _product(ctx, [a, b]) | summed)
+
+
+def add_product(ctx: Ctx):
+    """addmm / addmv / baddbmm (HF GPT-2's Conv1D: `torch.addmm(bias, x.view(-1, nx), w)`):
+    beta * input + alpha * (m1 @ m2), a matmul's rows broadcast with the added input's."""
+    x, a, b = ctx.rows(0), ctx.rows(1), ctx.rows(2)
+    if x is None or a is None or b is None:
+        return None
+    product = _matmul_rows(ctx, a, b)
+    return Rows(broadcast_rows(ctx, [x, product]), combine_reduced(ctx, [x, product]))
 
 
 def linear(ctx: Ctx):

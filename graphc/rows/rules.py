@@ -15,12 +15,12 @@ from typing import Callable, Dict
 import torch.nn as nn
 
 from .context import Ctx, op_name
-from .layers import (attention, class_loss, created, default, distance, einsum, embedding, like,
+from .layers import (add_product, attention, class_loss, created, default, distance, einsum, embedding, like,
                      linear, matmul, multihead_attention, one_hot, outer_pairs, pointwise_loss, rnn)
-from .shapes import (along, attribute, concat, diagonal, divide, elementwise, expand, gather, getitem,
-                     identity, movedim, multiply, normalize_last, pad, per_sample, permute, picks,
-                     pieces, reduction, reshape, reverse_dims, squeeze, stack, transpose, triangle,
-                     unsqueeze)
+from .indexing import embedding_bag, gather, index_add, picks, repeat_interleave, scatter
+from .shapes import (along, attribute, concat, diagonal, divide, elementwise, expand, getitem, identity,
+                     movedim, multiply, normalize_last, pad, per_sample, permute, pieces, reduction,
+                     reshape, reverse_dims, squeeze, stack, transpose, triangle, unsqueeze)
 
 __all__ = ["Ctx", "RULES", "MODULE_RULES", "default", "rows_of"]
 
@@ -90,9 +90,12 @@ RULES.update({
     "unbind": pieces(1, drop=True),
     "select": picks(1, True), "narrow": picks(1, False), "index_select": picks(1, False),
     "gather": gather, "take_along_dim": gather, "pad": pad,
+    "scatter": scatter, "scatter_add": scatter, "scatter_reduce": scatter, "index_add": index_add,
+    "repeat_interleave": repeat_interleave, "embedding_bag": embedding_bag,  # NOTE: Indexing along a dim
     "tril": triangle, "triu": triangle, "diag": diagonal, "diagonal": diagonal,
     "diag_embed": diagonal, "trace": diagonal,
     "matmul": matmul, "mm": matmul, "bmm": matmul, "mv": matmul, "dot": matmul, "inner": matmul,
+    "addmm": add_product, "addmv": add_product, "baddbmm": add_product,
     "linear": linear, "einsum": einsum, "scaled_dot_product_attention": attention,
     "embedding": embedding, "one_hot": one_hot,
     "cosine_similarity": distance(2, 1), "pairwise_distance": distance(4, -1),
@@ -116,7 +119,7 @@ _ACTIVATION_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyR
                        nn.Hardsigmoid, nn.LogSigmoid, nn.PReLU, nn.Softsign, nn.Tanhshrink,
                        nn.Threshold, nn.GLU)
 MODULE_RULES: Dict[type, Callable] = {
-    nn.Linear: linear, nn.Embedding: embedding, nn.Identity: identity,
+    nn.Linear: linear, nn.Embedding: embedding, nn.EmbeddingBag: embedding_bag, nn.Identity: identity,
     nn.Dropout: elementwise(True), nn.Dropout1d: elementwise(True), nn.Dropout2d: elementwise(True),
     nn.Dropout3d: elementwise(True), nn.AlphaDropout: elementwise(True),
     nn.LayerNorm: normalize_last(1, ""), nn.RMSNorm: normalize_last(1, ""),

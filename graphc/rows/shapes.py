@@ -313,36 +313,6 @@ def pieces(dim_at: int, drop: bool = False):
     return rule
 
 
-def picks(dim_at: int, drop: bool):
-    """select / narrow / index_select along a dim: on a row dim, some rows of the batch."""
-    def rule(ctx: Ctx):
-        x = ctx.rows(0)
-        if x is None:
-            return None
-        d = norm_dim(ctx.arg(dim_at, "dim", 0), len(x.dims))
-        ins, out = ctx.shape(0), ctx.shape()
-        idx = ctx.rows(2) if op_name(ctx) == "index_select" else None
-        whole = (ins is not None and out is not None and not drop and out[d] == ins[d]
-                 and (idx is None or idx.position))
-        if not whole:
-            ctx.couple([x.dims[d]], f"'{op_name(ctx)}' picks rows of the batch")
-        return Rows(x.dims[:d] + x.dims[d + 1:] if drop else x.dims, x.reduced)
-    return rule
-
-
-def gather(ctx: Ctx):
-    x, idx = ctx.rows(0), ctx.rows(2)
-    if x is None or idx is None:
-        return None
-    d = norm_dim(ctx.arg(1, "dim"), len(x.dims))
-    ctx.couple([x.dims[d]], "gather picks rows of the batch by position")
-    for k, (a, b) in enumerate(zip(x.dims, idx.dims)):
-        if k != d:
-            ctx.unify(a, b)
-    return Rows(tuple(b if b is not None else (a if k != d else None)
-                      for k, (a, b) in enumerate(zip(x.dims, idx.dims))), combine_reduced(ctx, [x, idx]))
-
-
 def pad(ctx: Ctx):
     x = ctx.rows(0)
     if x is None:

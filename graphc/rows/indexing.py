@@ -1,0 +1,139 @@
+"""Rules of ops that pick, place or route entries by index (see graphc/rows/rules.py).
+
+NOTE: Indexing along a dim. Picking entries by index along a dim that holds no row of the
+batch (index_select over features, gather over classes, a lookup into a table) keeps the
+batch's rows where they are, and the result lines up with the index's own rows (a table
+read by token ids has the tokens' rows). Along a row dim of the batch it reads rows by
+their position in the whole batch, which a micro-batch does not hold: a coupling, unless
+the index is `torch.arange(n)` (every row, in order). Placing entries (scatter_add,
+index_add) along a dim without rows sums rows of the batch into bins, which is linear in
+the rows (a reduction over them); along a row dim it writes rows into other rows.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from . import Rows
+from .context import Ctx, broadcast_rows, combine_reduced, norm_dim, op_name
+
+
+def picks(dim_at: int, drop: bool):
+    """select / narrow / index_select along a dim: on a row dim, some rows of the batch."""
+    def rule(ctx: Ctx):
+        x = ctx.rows(0)
+        if x is None:
+            return None
+        d = norm_dim(ctx.arg(dim_at, "dim", 0), len(x.dims))
+        ins, out = ctx.shape(0), ctx.shape()
+        idx = ctx.rows(2) if op_name(ctx) == "index_select" else None
+        whole = (ins is not None and out is not None and not drop and out[d] == ins[d]
+                 and (idx is None or idx.position))
+        if not whole:
+            ctx.couple([x.dims[d]], f"'{op_name(ctx)}' picks rows of the batch")
+        if drop:
+            return Rows(x.dims[:d] + x.dims[d + 1:], x.reduced)
+        picked = idx.dims[0] if idx is not None and idx.dims and x.dims[d] is None else x.dims[d]
+        return Rows(x.dims[:d] + (picked,) + x.dims[d + 1:], combine_reduced(ctx, [x] + ([idx] if idx else [])))
+    return rule
+
+
+def gather(ctx: Ctx):
+    """gather(x, dim, index) / take_along_dim(x, index, dim): out[.., j, ..] = x[.., index[.., j, ..], ..];
+    every other dim lines x and index up."""
+    take = op_name(ctx) == "take_along_dim"
+    x, idx = ctx.rows(0), ctx.rows(1 if take else 2)
+    if x is None or idx is None:
+        return None
+    dim = ctx.arg(2 if take else 1, "dim")
+    if dim is None:  # take_along_dim on the flattened input
+        ctx.couple(x.symbols | idx.symbols, "take_along_dim without a dim reads the batch flattened")
+        return Rows.none(len(idx.dims))
+    d = norm_dim(dim, len(x.dims))
+    ctx.couple([x.dims[d]], f"'{op_name(ctx)}' picks rows of the batch by position")
+    dims = broadcast_rows(ctx, [Rows(x.dims[:d] + (None,) + x.dims[d + 1:]), idx])
+    return Rows(dims, combine_reduced(ctx, [x, idx]))
+
+
+def scatter(ctx: Ctx):
+    """scatter / scatter_add / scatter_reduce(x, dim, index, src): src's entries written into x at
+    index along dim. Summed into a dim without rows (a per-class count of the batch), they are a
+    reduction over the rows of src; written (not added) or into a row dim, rows meet other rows."""
+    x, idx, src = ctx.rows(0), ctx.rows(2), ctx.rows(3)
+    if x is None or idx is None:
+        return None
+    d = norm_dim(ctx.arg(1, "dim"), len(x.dims))
+    parts = [x, idx] + ([src] if src is not None else [])
+    others = [Rows(r.dims[:d] + (None,) + r.dims[d + 1:]) for r in parts]
+    dims = list(broadcast_rows(ctx, others))[-len(x.dims):]
+    dims[d] = x.dims[d]
+    ctx.couple([x.dims[d]], f"'{op_name(ctx)}' writes entries into rows of the batch by position")
+    placed = frozenset(s for r in parts[1:] for s in [r.dims[d]] if s is not None)
+    summed = op_name(ctx) == "scatter_add" or (op_name(ctx) == "scatter_reduce"
+                                                and ctx.arg(4, "reduce") in ("sum", "mean"))
+    if not summed:
+        ctx.couple(placed, f"'{op_name(ctx)}' writes rows of the batch over each other")
+    return Rows(tuple(dims), combine_reduced(ctx, parts) | (placed if summed else frozenset()))
+
+
+def index_add(ctx: Ctx):
+    """index_add(x, dim, index, source): source's slice i added to x's slice index[i] along dim.
+    Into a dim without rows, source's rows there are summed into bins (linear); into a row dim
+    only `torch.arange(n)` (every row onto itself) keeps rows apart."""
+    x, idx, src = ctx.rows(0), ctx.rows(2), ctx.rows(3)
+    if x is None or idx is None or src is None:
+        return None
+    d = norm_dim(ctx.arg(1, "dim"), len(x.dims))
+    onto_itself = idx.position and ctx.shape(2) == ctx.shape(0)[d:d + 1]
+    dims = list(broadcast_rows(ctx, [Rows(x.dims[:d] + (None,) + x.dims[d + 1:]),
+                                     Rows(src.dims[:d] + (None,) + src.dims[d + 1:])]))
+    if onto_itself:
+        ctx.unify(x.dims[d], src.dims[d])
+        dims[d] = x.dims[d] if x.dims[d] is not None else src.dims[d]
+        return Rows(tuple(dims), combine_reduced(ctx, [x, src]))
+    ctx.couple([x.dims[d]], f"'{op_name(ctx)}' adds entries into rows of the batch by position")
+    ctx.unify(idx.dims[0] if idx.dims else None, src.dims[d])
+    dims[d] = x.dims[d]
+    placed = frozenset(s for s in (src.dims[d], idx.dims[0] if idx.dims else None) if s is not None)
+    return Rows(tuple(dims), combine_reduced(ctx, [x, src]) | placed)
+
+
+def repeat_interleave(ctx: Ctx):
+    """x.repeat_interleave(k, dim): each entry k times in a row, so each row of the batch stays
+    one contiguous block, in order (MoE dispatch: each token once per chosen expert). Counts
+    given per row (a tensor) would cut the micro-batches unevenly; no dim flattens first."""
+    x = ctx.rows(0)
+    if x is None:
+        return None
+    repeats, dim = ctx.arg(1, "repeats"), ctx.arg(2, "dim")
+    if repeats is None:  # torch.repeat_interleave(counts): positions, as torch.arange gives
+        return Rows.none(len(ctx.shape() or (0,)))
+    if dim is None:
+        ctx.couple(x.symbols - {x.dims[0] if x.dims else None}, "repeat_interleave without a dim "
+                   "flattens the batch's rows into another dim")
+        return Rows(x.dims[:1], combine_reduced(ctx, [x]))
+    d = norm_dim(dim, len(x.dims))
+    if isinstance(repeats, fx.Node) and ctx.rows(repeats) is not None and len(ctx.rows(repeats).dims) > 0:
+        ctx.couple([x.dims[d]], "repeat_interleave repeats rows of the batch by counts from data "
+                   "(micro-batches would hold unequal parts)")
+    return Rows(x.dims, combine_reduced(ctx, [x] + ctx.tensors()[1:]))
+
+
+def embedding_bag(ctx: Ctx):
+    """F.embedding_bag(input, weight, offsets) / nn.EmbeddingBag(input, offsets): a [bags, n]
+    input gives one row per bag (its dim 0 keeps its rows; a bag's entries are reduced);
+    a flat input cut by offsets points at positions in the whole flat list."""
+    module = ctx.module is not None
+    x = ctx.rows(0)
+    if x is None:
+        return None
+    offsets = ctx.rows(1 if module else 2)
+    weights = ctx.rows(2) if module else ctx.rows(ctx.node.kwargs.get("per_sample_weights"))
+    if weights is not None:
+        broadcast_rows(ctx, [x, weights])
+    if len(x.dims) == 2:
+        ctx.couple([x.dims[1]], "an embedding bag reduces across rows of the batch")
+        return Rows((x.dims[0], None))
+    ctx.couple(x.symbols | (offsets.symbols if offsets is not None else frozenset()),
+               "an embedding bag cuts a flat list of the batch's rows by offsets (positions in "
+               "the whole list)")
+    return Rows.none(2)

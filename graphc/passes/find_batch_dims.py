@@ -124,20 +124,31 @@ def _value(gm, node: fx.Node, env, syms: Symbols, events: List[Coupling]):
 
 def _constant(gm: fx.GraphModule, node: fx.Node, meta):
     """A parameter, buffer or constant: no rows; torch.arange(n) (a constant once traced),
-    also reshaped along one axis (arange(b)[:, None]), is marked as a position index, so
-    x[torch.arange(n), y] reads as every row in order."""
+    also reshaped along one axis (arange(b)[:, None]) or flat with each entry repeated
+    (arange(n).repeat_interleave(k), an MoE's token of each pair), is marked as a position
+    index, so x[torch.arange(n), y] reads as every row in order."""
     if meta is None:
         return None
     value = gm
     for part in node.target.split("."):
         value = getattr(value, part, None)
-    position = (isinstance(value, torch.Tensor) and value.dim() >= 1 and not value.is_floating_point()
-                and value.dtype != torch.bool and not value.is_complex()
-                and not isinstance(value, torch.nn.Parameter) and value.numel() > 0
-                and sum(1 for k in value.shape if k != 1) <= 1  # arange(n), or arange(n)[:, None]
-                and torch.equal(value.reshape(-1), torch.arange(value.numel(), dtype=value.dtype,
-                                                                device=value.device)))
-    return Rows((None,) * len(meta.shape), position=position)
+    each = _repeated_positions(value)
+    return Rows((None,) * len(meta.shape), position=each > 0, repeats=max(each, 1))
+
+
+def _repeated_positions(value) -> int:
+    """k if value is arange(n).repeat_interleave(k) (k = 1: arange(n), also along one axis
+    of several), else 0."""
+    if not (isinstance(value, torch.Tensor) and value.dim() >= 1 and not value.is_floating_point()
+            and value.dtype != torch.bool and not value.is_complex()
+            and not isinstance(value, torch.nn.Parameter) and value.numel() > 0
+            and sum(1 for k in value.shape if k != 1) <= 1):  # arange(n), or arange(n)[:, None]
+        return 0
+    flat = value.reshape(-1)
+    rows = int(flat[-1]) + 1
+    each = flat.numel() // rows if value.dim() == 1 and rows > 0 else 1
+    positions = torch.arange(max(rows, 0), dtype=value.dtype, device=value.device).repeat_interleave(each)
+    return each if each * rows == flat.numel() and torch.equal(flat, positions) else 0
 
 
 def _pairs(env, syms: Symbols) -> List[Coupling]:

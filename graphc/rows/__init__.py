@@ -18,11 +18,13 @@ from typing import Dict, FrozenSet, Iterable, Optional, Tuple
 @dataclass(frozen=True)
 class Rows:
     """One tensor: the row symbol of each dim, the symbols reduced into it, and whether it
-    is `torch.arange(n)` (a position index, which lines up with any row dim of size n)."""
+    is `torch.arange(n)` (a position index, which lines up with any row dim of size n), or,
+    with `repeats` k, `torch.arange(n).repeat_interleave(k)` (each position k times in a row)."""
 
     dims: Tuple[Optional[int], ...]
     reduced: FrozenSet[int] = frozenset()
     position: bool = False
+    repeats: int = 1
 
     @property
     def symbols(self) -> FrozenSet[int]:

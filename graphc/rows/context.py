@@ -101,3 +101,12 @@ def op_name(ctx: Ctx) -> str:
     t = ctx.node.target
     name = t if isinstance(t, str) else getattr(t, "__name__", str(t))
     return name[:-1] if name.endswith("_") and not name.endswith("__") else name.strip("_")
+
+
+def in_order(idx: Optional[Rows], shape, n: int) -> bool:
+    """Is idx a 1-D position index over n rows that holds every row in order, each the same
+    number of times (`torch.arange(n)`, `torch.arange(n).repeat_interleave(k)`)? It reads
+    (or writes) each row of the batch from (or into) itself, in each micro-batch as in the
+    whole batch."""
+    return (idx is not None and idx.position and shape is not None and len(shape) == 1
+            and shape[0] == n * idx.repeats)

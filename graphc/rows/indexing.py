@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from . import Rows
-from .context import Ctx, broadcast_rows, combine_reduced, norm_dim, op_name
+from .context import Ctx, broadcast_rows, combine_reduced, in_order, norm_dim, op_name
 
 
 def picks(dim_at: int, drop: bool):
@@ -26,8 +26,8 @@ def picks(dim_at: int, drop: bool):
         d = norm_dim(ctx.arg(dim_at, "dim", 0), len(x.dims))
         ins, out = ctx.shape(0), ctx.shape()
         idx = ctx.rows(2) if op_name(ctx) == "index_select" else None
-        whole = (ins is not None and out is not None and not drop and out[d] == ins[d]
-                 and (idx is None or idx.position))
+        whole = (ins is not None and out is not None and not drop
+                 and (in_order(idx, ctx.shape(2), ins[d]) if idx is not None else out[d] == ins[d]))
         if not whole:
             ctx.couple([x.dims[d]], f"'{op_name(ctx)}' picks rows of the batch")
         if drop:
@@ -78,12 +78,13 @@ def scatter(ctx: Ctx):
 def index_add(ctx: Ctx):
     """index_add(x, dim, index, source): source's slice i added to x's slice index[i] along dim.
     Into a dim without rows, source's rows there are summed into bins (linear); into a row dim
-    only `torch.arange(n)` (every row onto itself) keeps rows apart."""
+    only a position index in order keeps rows apart: `torch.arange(n).repeat_interleave(k)`
+    adds each token's k expert outputs back into the token's own row (MoE dispatch)."""
     x, idx, src = ctx.rows(0), ctx.rows(2), ctx.rows(3)
     if x is None or idx is None or src is None:
         return None
     d = norm_dim(ctx.arg(1, "dim"), len(x.dims))
-    onto_itself = idx.position and ctx.shape(2) == ctx.shape(0)[d:d + 1]
+    onto_itself = in_order(idx, ctx.shape(2), ctx.shape(0)[d])
     dims = list(broadcast_rows(ctx, [Rows(x.dims[:d] + (None,) + x.dims[d + 1:]),
                                      Rows(src.dims[:d] + (None,) + src.dims[d + 1:])]))
     if onto_itself:
@@ -107,15 +108,20 @@ def repeat_interleave(ctx: Ctx):
     repeats, dim = ctx.arg(1, "repeats"), ctx.arg(2, "dim")
     if repeats is None:  # torch.repeat_interleave(counts): positions, as torch.arange gives
         return Rows.none(len(ctx.shape() or (0,)))
+    if dim is None and len(x.dims) == 1:  # a flat input: the same as dim 0
+        dim = 0
     if dim is None:
         ctx.couple(x.symbols - {x.dims[0] if x.dims else None}, "repeat_interleave without a dim "
                    "flattens the batch's rows into another dim")
         return Rows(x.dims[:1], combine_reduced(ctx, [x]))
     d = norm_dim(dim, len(x.dims))
-    if isinstance(repeats, fx.Node) and ctx.rows(repeats) is not None and len(ctx.rows(repeats).dims) > 0:
+    counts = ctx.rows(repeats) if isinstance(repeats, fx.Node) else None
+    if counts is not None and counts.dims:
         ctx.couple([x.dims[d]], "repeat_interleave repeats rows of the batch by counts from data "
                    "(micro-batches would hold unequal parts)")
-    return Rows(x.dims, combine_reduced(ctx, [x] + ctx.tensors()[1:]))
+    k = repeats if isinstance(repeats, int) else None
+    return Rows(x.dims, combine_reduced(ctx, [x] + ctx.tensors()[1:]),
+                position=x.position and k is not None, repeats=x.repeats * (k or 1))
 
 
 def embedding_bag(ctx: Ctx):

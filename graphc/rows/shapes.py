@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from . import Each, Rows
-from .context import Ctx, broadcast_rows, combine_reduced, norm_dim, norm_dims, op_name
+from .context import Ctx, broadcast_rows, combine_reduced, in_order, norm_dim, norm_dims, op_name
 
 
 # -- elementwise ------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def getitem(ctx: Ctx):
     items = list(index) if isinstance(index, tuple) else [index]
     if x.position and all(i is None or i == slice(None) for i in items):
         # torch.arange(n)[:, None]: still every position in order, along one axis
-        return Rows((None,) * len(ctx.shape() or ()), position=True)
+        return Rows((None,) * len(ctx.shape() or ()), position=True, repeats=x.repeats)
     if Ellipsis in items:
         at = items.index(Ellipsis)
         taken = sum(1 for i in items if i is not None and i is not Ellipsis)
@@ -248,10 +248,12 @@ def getitem(ctx: Ctx):
             dims.append(s)
         elif isinstance(item, fx.Node):
             idx, shape = ctx.rows(item), ctx.shape(item)
-            if idx is not None and idx.position and _along_one_axis(shape, ins[d]):
+            if idx is not None and idx.position and idx.repeats == 1 and _along_one_axis(shape, ins[d]):
                 # x[torch.arange(n)] on a dim of size n: every row, in order; reshaped
                 # (arange(b)[:, None]), along the axis of the index block where it is n long
                 idx = Rows(tuple(s if k == ins[d] else None for k in shape))
+            elif in_order(idx, shape, ins[d]):  # each row k times, in order (MoE dispatch)
+                idx = Rows((s,))
             else:
                 ctx.couple([s], "an index tensor picks rows of the batch by position")
             if not advanced:

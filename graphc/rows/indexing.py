@@ -5,9 +5,11 @@ batch (index_select over features, gather over classes, a lookup into a table) k
 batch's rows where they are, and the result lines up with the index's own rows (a table
 read by token ids has the tokens' rows). Along a row dim of the batch it reads rows by
 their position in the whole batch, which a micro-batch does not hold: a coupling, unless
-the index is `torch.arange(n)` (every row, in order). Placing entries (scatter_add,
-index_add) along a dim without rows sums rows of the batch into bins, which is linear in
-the rows (a reduction over them); along a row dim it writes rows into other rows.
+the index holds every position in order, `torch.arange(n)` or, each k times,
+`torch.arange(n).repeat_interleave(k)` (each row read from or written into itself; see
+context.in_order). Placing entries (scatter_add, index_add) along a dim without rows sums
+rows of the batch into bins, which is linear in the rows (a reduction over them); along a
+row dim it writes rows into other rows.
 """
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ RULES.update({
     "select": picks(1, True), "narrow": picks(1, False), "index_select": picks(1, False),
     "gather": gather, "take_along_dim": gather, "pad": pad,
     "scatter": scatter, "scatter_add": scatter, "scatter_reduce": scatter, "index_add": index_add,
-    "repeat_interleave": repeat_interleave, "embedding_bag": embedding_bag,  # NOTE: Indexing along a dim
+    "repeat_interleave": repeat_interleave, "embedding_bag": embedding_bag,  # See NOTE: Indexing along a dim
     "tril": triangle, "triu": triangle, "diag": diagonal, "diagonal": diagonal,
     "diag_embed": diagonal, "trace": diagonal,
     "matmul": matmul, "mm": matmul, "bmm": matmul, "mv": matmul, "dot": matmul, "inner": matmul,

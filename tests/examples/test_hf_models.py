@@ -4,6 +4,30 @@
 pipeline 2 at accumulation 2, on real gloo ranks, against eager PyTorch on the whole batch
 in float64.
 
+Mixtral's experts, as transformers 5 offers them (`experts_implementation`):
+- "batched_mm" (tested here): static shapes; each token repeated once per chosen expert
+  (repeat_interleave), the expert's weights looked up by the pair's expert id, one bmm per
+  pair, the top-2 outputs summed back into the token's row. graphc/rows keeps rows through
+  all of it (NOTE: Indexing along a dim).
+- "eager" (the per-expert loop: `torch.where(expert_mask[i])` token lists, `index_add_`):
+  blocked, it cannot be traced into a static plan. modeling_mixtral.py:78
+  `expert_hit = torch.greater(...).nonzero()` has a data-dependent length, so its fake value
+  fails (DynamicOutputShapeException: aten.nonzero.default) and line 80 `for expert_idx in
+  expert_hit:` raises "Proxy object cannot be iterated" (test_mixtral_eager_experts_are_refused);
+  past it, the per-expert token lists (line 84) and `if expert_idx == self.num_experts` (line
+  82) depend on the data of each step, which one static plan cannot follow.
+- "grouped_mm" (the default on this torch): blocked in float64, and not traceable in float32:
+  torch's CPU kernel refuses float64 ("Expected mat_a to be Float32, BFloat16 or Float16
+  matrix, got Double", eager), and its fake (meta) kernel wants bfloat16 ("Expected inputs of
+  BF16 type", float32 and float64). It also sorts the (token, expert) pairs across the whole
+  batch (moe.py: `torch.sort(expert_ids)`), which graphc/rows counts as a coupling.
+
+NOTE: GPT-2's default activation "gelu_new" calls `torch.pow(x, 3.0)`, which crashes the
+tracer (a segfault): trace_build.ShapeProxy reports `__class__` as torch.Tensor, so torch's
+argument parser, trying pow's `pow(Scalar self, Tensor exponent)` overload, unpacks the proxy
+as a tensor. `torch.remainder(x, 2.0)`, `torch.float_power(x, 2.0)` and `torch.where(c, x,
+0.0)` crash the same way. The GPT-2 here uses activation "gelu" until the tracer is fixed.
+
 Tolerance: parameters at the oracle's 1e-10. The returned loss is a float32 number
 (transformers' ForCausalLMLoss upcasts the logits with `logits.float()`), so it is checked
 at test_hf_masks.LLAMA_LOSS_RTOL, the floor eager needs against itself for that same loss
@@ -12,6 +36,8 @@ at test_hf_masks.LLAMA_LOSS_RTOL, the floor eager needs against itself for that 
 import pytest
 import torch
 
+import graphc
+from graphc.compiler import compile as compile_graph
 from helpers import assert_close, run_world
 from test_hf_masks import LLAMA_LOSS_RTOL, HFGraph
 
@@ -21,8 +47,7 @@ B, T, V = 8, 12, 64
 
 
 def _gpt2():
-    # activation_function="gelu": the default "gelu_new" (NewGELUActivation) calls
-    # torch.pow(x, 3.0), which segfaults graphc's tracer today (see the module's NOTE below)
+    # activation_function="gelu": the default "gelu_new" crashes the tracer (see the module's NOTE)
     cfg = transformers.GPT2Config(vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                   activation_function="gelu", bos_token_id=0, eos_token_id=0)
@@ -30,11 +55,11 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def _mixtral():
+def _mixtral(experts="batched_mm"):
     cfg = transformers.MixtralConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                      num_experts_per_tok=2, max_position_embeddings=32,
-                                     experts_implementation="batched_mm")
+                                     experts_implementation=experts)
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(cfg)
 
@@ -103,3 +128,12 @@ def test_mixtral_moe_on_pipeline_2_at_accumulation_2(masked):
     (repeat_interleave), the chosen experts' weights looked up by the token's expert ids, a
     bmm per token, the top-2 outputs summed back into the token's row."""
     _check("mixtral", masked, run_world(_worker, 2, "mixtral", masked))
+
+
+def test_mixtral_eager_experts_are_refused():
+    """The per-expert loop cannot be traced (see the module docstring): a GraphcError, at
+    compile, in one process; no plan is made."""
+    model = _mixtral("eager")
+    graph = HFGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, STAGES["mixtral"])
+    with pytest.raises(graphc.GraphcError, match="Proxy object cannot be iterated"):
+        compile_graph(graph, list(_batch(False)), 2)

@@ -35,8 +35,9 @@ def find_batch_dims(gm: fx.GraphModule, num_microbatches: int, decide_inputs: bo
     env: Dict[fx.Node, object] = {}
     for node in gm.graph.nodes:
         env[node] = _value(gm, node, env, syms, events)
-        if _mutated(node) is not None:  # later readers of the tensor see what was written into it
-            env[_mutated(node)] = env[node]
+        written = _mutated(node)
+        if written is not None and written.op != "placeholder":  # an input keeps its own rows
+            env[written] = env[node]  # later readers of the tensor see what was written into it
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     chosen = [] if split is None else [env[p].dims[0] for p, s in zip(placeholders, split)
                                        if s and isinstance(env[p], Rows) and env[p].dims]

@@ -1,6 +1,16 @@
-"""compile(): the pass order, written once.
+"""compile(): the pass order, written once, read as phases.
 
-Each step records its result and time in the compilation history (graphc/history.py).
+  declare   the stages and layouts the user wrote down, checked before tracing
+  trace     build() as one fx graph of the whole step (backward() a node)
+  place     a pipeline stage, a per-micro-batch shape and the batch rows for every node
+  shard     an SBP layout per node on its stage's mesh, every conversion explicit
+  split     one fx program per stage, with its sends and receives
+  schedule  and lower: every rank's execution plan (compute order, transfers,
+            collectives), verified together
+
+The steps' bodies live in graphc/passes/, one pass per file; this module holds what
+compile() reads (CompileSpec), what it produces (CompiledGraph) and the order. Each step
+records its result and time in the compilation history (graphc/history.py).
 GRAPHC_DEBUG levels: 1 a summary line, 2 adds each pass's time, 3 adds every rank's final
 plan, 4 adds the whole history (graphs with their annotations, programs, plans). They go
 to the `graphc.compile` logger (graphc/log.py): rank 0 prints by default, GRAPHC_LOG_RANKS
@@ -16,30 +26,34 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
-from .env import int_from_env
-from .errors import GraphcError
+from . import env
 from .guards import GuardSet
 from .history import PassRecord, record
 from .log import get_logger
 from .meta import is_backward
 from .passes.annotate_stages import annotate_stages
+from .passes.check_layout import check_layout
+from .passes.check_row_groups import check_row_groups
+from .passes.collect_placed_stages import collect_placed_stages
+from .passes.collect_stages import collect_stages, traced_autocast
 from .passes.decompose_modules import decompose_modules
 from .passes.defer_batch_norm import defer_batch_norm
 from .passes.feed_whole_batch import feed_whole_batch
-from .passes.check_row_groups import check_row_groups
 from .passes.find_batch_dims import find_batch_dims, input_names
+from .passes.find_meshes import find_meshes
 from .passes.infer_sbp import infer_sbp
+from .passes.insert_autocast_modes import insert_autocast_modes
 from .passes.insert_boxing import insert_boxing
 from .passes.insert_checkpoints import insert_checkpoints
 from .passes.insert_grad_clip import insert_grad_clip
-from .passes.insert_autocast_modes import insert_autocast_modes
 from .passes.insert_grad_modes import insert_grad_modes
 from .passes.insert_grad_sync import DEFAULT_BUCKET_BYTES, insert_grad_sync
 from .passes.insert_tie_sync import insert_tie_sync
 from .passes.list_collectives import list_collectives
 from .passes.localize_ops import localize_ops
 from .passes.lower_plan import lower_plan
-from .passes.place_by_layout import found_stages, place_by_layout
+from .passes.note_stages import note_stages
+from .passes.place_by_layout import place_by_layout
 from .passes.place_inputs import place_inputs
 from .passes.propagate_shapes import propagate_shapes
 from .passes.seed_random_ops import seed_random_ops
@@ -49,10 +63,8 @@ from .passes.trace_build import trace_build
 from .passes.verify_graph import verify_annotated, verify_traced, warn_unused_parameters
 from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
-from .plan.schedules import pipeline_ranks
 from .plan.verify import verify_plans
-from .sbp.declared import META_DECLARED, DeclaredLayouts, conversion_target, to_global_op
-from .sbp.layout import stage_meshes
+from .sbp.declared import META_DECLARED, DeclaredLayouts
 
 
 @dataclass(frozen=True)
@@ -113,7 +125,7 @@ _log = get_logger("compile")
 
 def debug_level() -> int:
     """GRAPHC_DEBUG (default 0): how much of the compilation to print (levels above)."""
-    return int_from_env("GRAPHC_DEBUG", 0, minimum=0)
+    return env.read("GRAPHC_DEBUG")
 
 
 SLOW_PASS_SECONDS = 1.0  # a pass slower than this is reported at a terminal, whatever GRAPHC_DEBUG
@@ -144,94 +156,106 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
         spec = spec._compile_spec()
     h: List[PassRecord] = []
     m = spec.gradient_accumulation_steps
-    # 0. the stages set_stage names, checked (ranks inside the world, ids without gaps)
+
+    # ** declare: what the user wrote down, checked before anything is traced
+    # the stages set_stage names (the trace's autocast device type comes from them)
     stages, stage_of_module = _step(h, "collect_stages", collect_stages, spec, world_size)
-    # 0a. the layouts to_global gave the Graph's parameters and buffers, as they are now
+    # the layouts to_global gave the Graph's parameters and buffers, as they are now
     declared = _step(h, "declared_layouts", lambda: spec.declared)
+
+    # ** trace: build() as one fx graph of the whole step, backward() a node, shapes constants
     batched = None
-    if m > 1:  # 0b. inputs whose dim 0 is the batch size are split (NOTE: Batch split) ...
+    if m > 1:  # inputs whose dim 0 is the batch size are split (NOTE: Batch split) ...
         whole = _step(h, "trace_build (whole batch)", trace_build, spec.root, example_inputs, 1,
-                      None, spec.name, spec.source_file, _amp(spec, stages))
+                      None, spec.name, spec.source_file, traced_autocast(stages, spec.amp_dtype))
         split = _step(h, "split_inputs", split_inputs, input_names(whole), example_inputs,
                       spec.whole_inputs, spec.name)
         # ... which the data flow on build() for the whole batch confirms, or refuses
         whole = _step(h, "propagate_shapes (whole batch)", propagate_shapes, whole, example_inputs, 1)
         whole = _step(h, "find_batch_dims (whole batch)", find_batch_dims, whole, m, False, split)
         batched = split
-        # 0c. batched inputs cut their rows into micro-batches alike (NOTE: Row groups)
+        # batched inputs cut their rows into micro-batches alike (NOTE: Row groups)
         _step(h, "check_row_groups", check_row_groups, input_names(whole), batched, input_layouts, m)
-    # 1. trace build() into one fx graph for one micro-batch's shapes: the whole step,
-    #    backward() as a node, shapes as constants
+    # the graph every later pass annotates, traced for one micro-batch's shapes
     gm = _step(h, "trace_build", trace_build, spec.root, example_inputs, m, batched,
-               spec.name, spec.source_file, _amp(spec, stages))
+               spec.name, spec.source_file, traced_autocast(stages, spec.amp_dtype))
     gm.meta[META_DECLARED] = declared   # the passes read them off the graph they annotate
-    # 2. reject what a static graph cannot hold (host syncs, several backward())
+    # reject what a static graph cannot hold (host syncs, several backward()) before placing it
     _step(h, "verify_traced", verify_traced, gm)
-    # 2'. modules with parameters that build() never uses are said once (no rank owns them)
+    # modules with parameters that build() never uses are said once (no rank owns them)
     _step(h, "warn_unused_parameters", warn_unused_parameters, spec.root, gm)
     training = any(is_backward(n) for n in gm.graph.nodes)
+
+    # ** place: a stage for every node, then its per-micro-batch shape and batch rows
     if not stage_of_module:
-        # 2a. without set_stage every op runs where its inputs and parameters are placed; each
-        #     placement is a stage, in data-flow order (NOTE: Stages from placements)
+        # without set_stage every op runs where its inputs and parameters are placed; each
+        # placement is a stage, in data-flow order (NOTE: Stages from placements)
         gm = _step(h, "place_by_layout", place_by_layout, gm, input_layouts)
-        stages = _step(h, "placed_stages", placed_stages, gm, spec.pipeline_schedule, world_size) or stages
-    else:  # 2a'. with set_stage, a GlobalTensor input starts on the stage of its placement
+        stages = _step(h, "placed_stages", collect_placed_stages, gm, spec.pipeline_schedule,
+                       world_size) or stages
+    else:  # with set_stage, a GlobalTensor input starts on the stage of its placement
         gm = _step(h, "place_inputs", place_inputs, gm, input_layouts, stages)
-    if training:  # 2b. the stages' layout is one the schedule can run (with the modules named)
+    if training:  # the stages are final: their ranks must be a layout the schedule can run
         _step(h, "check_layout", check_layout, stages, stage_of_module, spec.pipeline_schedule)
-    # 3. a pipeline stage for every node, from set_stage (or the placements) and data flow
+    # set_stage (or the placements) and data flow give the remaining nodes their stage
     gm = _step(h, "annotate_stages", annotate_stages, gm, stage_of_module)
-    # 4. per-micro-batch shapes, so every transfer's buffer is known before running
+    # per-micro-batch shapes, so every transfer's buffer is known before running
     gm = _step(h, "propagate_shapes", propagate_shapes, gm, example_inputs, m)
-    # 4a. where each value holds the batch's rows (outputs merge over micro-batches by it)
+    # where each value holds the batch's rows (outputs merge over micro-batches by it)
     gm = _step(h, "find_batch_dims", find_batch_dims, gm, m, False)
-    # 5. check data flows forward through stages and the loss is a scalar
+    # data flows forward through stages and the loss is a scalar, before anything is sharded
     _step(h, "verify_annotated", verify_annotated, gm, stage_of_module, len(stages))
-    # 5'. each stage's mesh: 2-D where a declared placement names its ranks as one
-    meshes = _step(h, "declared_meshes", declared_meshes, stages, spec, gm, input_layouts, declared)
-    # 5a. nn layers as functional ops on get_attr parameters, so SBP rules see parameters
+
+    # ** shard: an SBP layout per node on its stage's mesh, conversions made explicit
+    # each stage's mesh: 2-D where a declared placement names its ranks as one
+    meshes = _step(h, "declared_meshes", find_meshes, stages, spec, gm, input_layouts, declared)
+    # nn layers as functional ops on get_attr parameters, so SBP rules see parameters
     gm = _step(h, "decompose_modules", decompose_modules, gm, meshes)
-    # 5a'. with deferred batch norm, running statistics take one whole-mini-batch update per step
+    # with deferred batch norm, running statistics take one whole-mini-batch update per step
     gm = _step(h, "defer_batch_norm", defer_batch_norm, gm, spec.deferred_batch_norm, m)
-    # 5b. an SBP signature per node, cheapest by bytes moved, honouring the user's layouts
+    # an SBP signature per node, cheapest by bytes moved, honouring the user's layouts
     gm = _step(h, "infer_sbp", infer_sbp, gm, meshes, [l[1] if l else None for l in input_layouts], m)
-    # 5c. every SBP mismatch becomes a collective (with its dual in backward)
+    # every SBP mismatch becomes a collective (with its dual in backward)
     gm = _step(h, "insert_boxing", insert_boxing, gm)
-    # 5d. ops reading global sizes (mean over a split dim, reshape) get their local form
+    # ops reading global sizes (mean over a split dim, reshape) get their local form
     gm = _step(h, "localize_ops", localize_ops, gm)
-    # 5e. random ops draw by layout: replicas the same numbers, shards their own
+    # random ops draw by layout, now final: replicas the same numbers, shards their own
     gm = _step(h, "seed_random_ops", seed_random_ops, gm)
-    # 6. one fx program per stage, with its sends and receives
+
+    # ** split: one fx program per stage, with its sends and receives
     programs = _step(h, "split_stages", split_stages, gm, len(stages))
-    # 6b. build()'s no_grad / enable_grad regions kept inside each stage program
+    # build()'s no_grad / enable_grad regions kept inside each stage program
     programs = _step(h, "insert_grad_modes", insert_grad_modes, programs, training)
-    # 6b'. build()'s torch.autocast regions kept inside each stage program (never dropped)
+    # build()'s torch.autocast regions kept inside each stage program (never dropped)
     programs = _step(h, "insert_autocast_modes", insert_autocast_modes, programs)
-    # 6c. inputs without a batch dim fed whole; token-mean losses divided by the whole batch's count
+    # inputs without a batch dim fed whole; token-mean losses divided by the whole batch's count
     programs = _step(h, "feed_whole_batch", feed_whole_batch, programs, gm, m)
-    # 6d. modules marked for activation checkpointing run as recomputed regions
+    # modules marked for activation checkpointing run as recomputed regions (after grad modes)
     checkpointed = {name for name, c in spec.modules.items() if c.activation_checkpointing}
     programs = _step(h, "insert_checkpoints", insert_checkpoints, programs,
                      checkpointed if training else set())
-    # 7. schedule + point-to-point lowering into every rank's execution plan
+
+    # ** schedule and lower: every rank's execution plan
+    # the schedule's compute order, with point-to-point sends and receives around it
     plans = _step(h, "lower_plan", lower_plan, programs, stages, spec.pipeline_schedule, m,
                   training, world_size, spec.activation_checkpointing)
-    # 7b. all-reduce of partial_sum gradients (data parallel), bucketed, before the step
+    # all-reduce of partial_sum gradients (data parallel), bucketed, before the step
     plans = _step(h, "insert_grad_sync", insert_grad_sync, plans, gm,
                   spec.gradient_bucket_bytes)
-    # 7b'. a parameter held by several stages (tied): its gradients summed over them
+    # a parameter held by several stages (tied): its gradients summed over them, after grad sync
     plans = _step(h, "insert_tie_sync", insert_tie_sync, plans, programs, stages)
-    # 7c. clipping by the global grad norm (one scalar all-reduce), once gradients are final
+    # clipping by the global grad norm (one scalar all-reduce), once gradients are final
     plans = _step(h, "insert_grad_clip", insert_grad_clip, plans, programs, meshes,
                   spec.grad_clip_norm, declared)
-    # 7d. each conversion's collectives listed where its compute issues them (SBP, ranks, bytes)
+    # each conversion's collectives listed where its compute issues them (SBP, ranks, bytes)
     plans = _step(h, "list_collectives", list_collectives, plans, programs)
-    # 8. all plans together must pair up and be free of deadlock
+    # all plans together pair up and are free of deadlock, with every instruction in place
     _step(h, "verify_plans", verify_plans, plans)
-    # 9. the stages nobody wrote down (found from placements), kept on every rank's plan
+    # the stages nobody wrote down (found from placements), kept on every rank's plan ...
     plans = _step(h, "note_stages", note_stages, plans, gm, world_size)
     if "stages" in plans[0].notes:  # ... and said once
         _log.info("%s: %s", spec.name, plans[0].notes["stages"])
+
     input_meta = [(tuple(t.shape), t.dtype) for t in example_inputs]
     compiled = CompiledGraph(gm, stages, programs, plans, training, m, input_meta, h, meshes)
     if debug_level() >= 1:
@@ -243,106 +267,3 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
         for plan in plans:
             _log.debug("%s", plan)
     return compiled
-
-
-def collect_stages(spec: CompileSpec, world_size: int):
-    """The StageInfo list from the modules' set_stage calls, checked for the common mistakes."""
-    configured = {name: c for name, c in spec.modules.items() if c.stage_id is not None}
-    if not configured:
-        ranks = tuple(range(world_size))
-        return [StageInfo(0, ranks, _default_device_type(spec.root))], {}
-    by_id: Dict[int, Any] = {}
-    for name, c in sorted(configured.items(), key=lambda kv: kv[1].stage_id):
-        _check_ranks(f"module '{name}'", c.placement, world_size)
-        prev = by_id.setdefault(c.stage_id, (name, c.placement))
-        if prev[1] != c.placement:
-            raise GraphcError(
-                f"stage {c.stage_id} is given two placements: module '{prev[0]}' has {prev[1]} and "
-                f"module '{name}' has {c.placement}. Fix: give every module of one stage the same "
-                "placement, or different stage ids.")
-    ids = sorted(by_id)
-    if ids != list(range(len(ids))):
-        missing = sorted(set(range(max(ids) + 1)) - set(ids))
-        raise GraphcError(f"stage ids must be 0, 1, ..., p-1 without gaps; found {ids} "
-                          f"(missing {missing}). Fix: renumber the set_stage calls.")
-    stages = [StageInfo(sid, by_id[sid][1].flat_ranks, by_id[sid][1].type) for sid in ids]
-    pipeline_ranks(stages, spec.pipeline_schedule, training=False)  # overlaps
-    return stages, {name: c.stage_id for name, c in configured.items()}
-
-
-def check_layout(stages, stage_of_module: Dict[str, int], schedule: str) -> None:
-    """Refuses stages the schedule cannot run in training, naming a module of each stage."""
-    try:
-        pipeline_ranks(stages, schedule, training=True)
-    except GraphcError as exc:
-        first: Dict[int, str] = {}
-        for name, sid in sorted(stage_of_module.items()):
-            first.setdefault(sid, name)
-        where = ", ".join(f"stage {sid}: module '{name}'" for sid, name in sorted(first.items()))
-        raise GraphcError(f"{exc}{' (' + where + ')' if where else ''}") from None
-
-
-def placed_stages(gm: fx.GraphModule, schedule: str, world_size: int) -> List[StageInfo]:
-    """The stages place_by_layout found, checked as set_stage's are ([] if none was placed)."""
-    found = found_stages(gm)
-    for f in found:
-        _check_ranks(f.sources[0], f.placement, world_size)
-    stages = [StageInfo(i, f.placement.flat_ranks, f.placement.type) for i, f in enumerate(found)]
-    if stages:
-        pipeline_ranks(stages, schedule, training=False)  # overlaps
-    return stages
-
-
-def note_stages(plans: List[ExecutionPlan], gm: fx.GraphModule, world_size: int) -> List[ExecutionPlan]:
-    """The plans, each noting the stages found from placements (see stages_note) if any."""
-    note = stages_note(gm, world_size)
-    if note:
-        for plan in plans:
-            plan.notes["stages"] = note
-    return plans
-
-
-def stages_note(gm: fx.GraphModule, world_size: int) -> str:
-    """'stages found from placements: stage 0 = ranks [0, 1] (...), ...', or '' when the
-    placements give the one stage on every rank that a program without them runs on."""
-    found = found_stages(gm)
-    if not found or (len(found) == 1 and sorted(found[0].placement.flat_ranks) == list(range(world_size))):
-        return ""
-    return "stages found from placements: " + ", ".join(f"stage {i} = {f}" for i, f in enumerate(found))
-
-
-def _check_ranks(who: str, placement, world_size: int) -> None:
-    bad = [r for r in placement.flat_ranks if r >= world_size]
-    if bad:
-        raise GraphcError(
-            f"{who}: placement {placement} names rank(s) {bad}, but the world has "
-            f"{world_size} rank(s) (0..{world_size - 1}). Fix: launch with torchrun "
-            f"--nproc_per_node {max(placement.flat_ranks) + 1}, or use ranks below {world_size}.")
-
-
-def _amp(spec: CompileSpec, stages) -> Optional[tuple]:
-    """config.enable_amp: build() traced under torch.autocast(device type, dtype) (NOTE:
-    Autocast regions), the device type of the stages' placements."""
-    if spec.amp_dtype is None:
-        return None
-    return ("cuda" if any(s.device_type == "cuda" for s in stages) else "cpu", spec.amp_dtype)
-
-
-def _default_device_type(root: torch.nn.Module) -> str:
-    for p in root.parameters():
-        return "cuda" if p.is_cuda else "cpu"
-    return "cpu"
-
-
-def declared_meshes(stages, spec: CompileSpec, gm, input_layouts, declared) -> List[tuple]:
-    """One mesh per stage, from every placement the user declared (sbp/layout.stage_meshes)."""
-    return stage_meshes(stages, _declared_placements(spec, gm, input_layouts, declared))
-
-
-def _declared_placements(spec: CompileSpec, gm, input_layouts, declared):
-    """Every placement the user named: set_stage, to_global on parameters, inputs, build()."""
-    found = [c.placement for c in spec.modules.values() if c.placement]
-    found += declared.placements()
-    found += [l[0] for l in input_layouts if l]
-    found += [conversion_target(n)[0] for n in gm.graph.nodes if n.target is to_global_op]
-    return found

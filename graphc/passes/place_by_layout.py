@@ -15,7 +15,7 @@ Requires: trace_build; no module configured with set_stage (compile() runs it on
 
 NOTE: Stages from placements. Each distinct placement (device type and set of ranks) is one
 pipeline stage. From here on the compiler treats the stages found exactly as stages given
-by set_stage (compiler.placed_stages checks them the same way), so with accumulation the
+by set_stage (collect_placed_stages checks them the same way), so with accumulation the
 program pipelines as if the user had written one set_stage per placement. Placements that
 share some ranks but not all cannot be stages, and a value sent back to an earlier
 placement would make the stages a cycle; both are refused here, naming what was placed.

@@ -35,6 +35,11 @@ that same loss (measured in test_hf_masks.test_llama_loss_noise_floor_of_eager).
 here: losses within 1.2e-7 relative of eager's (one float32 rounding), parameters within
 1.4e-17 (GPT-2 and Mixtral, with and without a mask).
 """
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -139,3 +144,29 @@ def test_mixtral_eager_experts_are_refused():
     graph = HFGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, STAGES["mixtral"])
     with pytest.raises(graphc.GraphcError, match="Proxy object cannot be iterated"):
         compile_graph(graph, list(_batch(False)), 2)
+
+
+_GPT2_GELU_NEW = """
+import sys, torch
+sys.path[:0] = {paths!r}
+torch.set_default_dtype(torch.float64)
+import transformers
+from graphc.compiler import compile as compile_graph
+from test_hf_models import B, T, V, HFGraph, STAGES
+cfg = transformers.GPT2Config(vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+model = transformers.GPT2LMHeadModel(cfg)
+ids = torch.zeros(B, T, dtype=torch.long)
+graph = HFGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, STAGES["gpt2"])
+compile_graph(graph, [ids, torch.ones_like(ids), ids], 2)
+"""
+
+
+def test_gpt2_default_activation_compiles():
+    """In a process of its own, so that the crash does not take pytest down: an expected
+    failure while it segfaults, a failure on any other error."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = _GPT2_GELU_NEW.format(paths=[here, os.path.dirname(here)])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if done.returncode == -signal.SIGSEGV:
+        pytest.xfail("torch.pow(proxy, 3.0) in gelu_new segfaults the tracer (see the module's NOTE)")
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])

@@ -146,6 +146,18 @@ def test_mixtral_eager_experts_are_refused():
         compile_graph(graph, list(_batch(False)), 2)
 
 
+def test_mixtral_load_balancing_loss_is_refused():
+    """Still a coupling: the auxiliary loss (output_router_logits) multiplies the batch's
+    share of tokens per expert by its mean router probability, two batch statistics, which
+    per micro-batch are the micro-batch's own."""
+    model = _mixtral()
+    model.config.output_router_logits = True
+    graph = HFGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, STAGES["mixtral"])
+    with pytest.raises(graphc.GraphcError, match="couples rows of the batch") as info:
+        compile_graph(graph, list(_batch(False)), 2)
+    assert "load_balancing_loss_func" in str(info.value)
+
+
 _GPT2_GELU_NEW = """
 import sys, torch
 sys.path[:0] = {paths!r}

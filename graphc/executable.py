@@ -11,18 +11,22 @@ state every executable of it shares (parameters, optimizer, agreement).
 """
 from __future__ import annotations
 
+import inspect
+import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from . import compiler
 from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
 from .guards import MISSING, Guard, GuardSet, difference, fingerprint, global_guards, record_reads, structure_of
 from .log import get_logger, warn_user
-from .meta import META_ROWS, META_SBP, META_STAGE, META_TENSOR
+from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .placement import placement as Placement
 from .plan.ops import compiled_groups, create_groups
 from .runtime.actors import Runtime
@@ -79,6 +83,76 @@ def input_specs(inputs: Sequence[Any]) -> List[InputSpec]:
     return [InputSpec.of(x, i) for i, x in enumerate(inputs)]
 
 
+@dataclass(frozen=True)
+class InputTree:
+    """build()'s arguments when they are not all tensors (NOTE: Input trees): the pytree
+    spec of the call's arguments and a name per leaf (`batch_input_ids` for
+    batch["input_ids"]), which become the traced graph's inputs."""
+
+    spec: Any
+    names: Tuple[str, ...]
+
+
+def flatten_call(inputs: Sequence[Any], build) -> Tuple[List[InputSpec], Optional[InputTree]]:
+    """NOTE: Input trees. A call whose arguments are tensors is passed as it is (tree None);
+    nested dicts, lists and tuples (a Hugging Face batch) are flattened to their tensor
+    leaves, each an input of the graph, and build() gets the structure back while tracing."""
+    if all(isinstance(x, (torch.Tensor, GlobalTensor)) for x in inputs):
+        return input_specs(inputs), None
+    is_leaf = lambda x: isinstance(x, GlobalTensor)  # noqa: E731 - a GlobalTensor is one input
+    paths, spec = pytree.tree_flatten_with_path(tuple(inputs), is_leaf=is_leaf)
+    params = [p.name for p in list(inspect.signature(build).parameters.values())[1:]]
+    names, specs = [], []
+    for i, (path, leaf) in enumerate(paths):
+        name = _leaf_name(path, params)
+        if not isinstance(leaf, (torch.Tensor, GlobalTensor)):
+            where = path[0].idx if len(path) == 1 else f"'{name}'"
+            raise GraphcError(f"input {where} of the graph is a {type(leaf).__name__}; graph inputs must "
+                              "be tensors or graphc.GlobalTensor, or dicts, lists and tuples of them. "
+                              "Fix: pass constants as module attributes or Graph attributes instead.")
+        names.append(name if name not in names else f"{name}_{i}")
+        specs.append(InputSpec.of(leaf, i))
+    return specs, InputTree(spec, tuple(names))
+
+
+def _leaf_name(path, params: List[str]) -> str:
+    """batch["input_ids"] -> 'batch_input_ids': an identifier for a leaf's key path."""
+    parts = []
+    for k, key in enumerate(path):
+        value = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
+        if k == 0 and isinstance(value, int) and value < len(params):
+            value = params[value]
+        parts.append(re.sub(r"\W", "_", str(value)))
+    name = "_".join(parts) or "input"
+    return name if name[0].isalpha() or name[0] == "_" else f"x_{name}"
+
+
+@contextmanager
+def traced_tree(root: torch.nn.Module, tree: Optional[InputTree]):
+    """While compiling: the root's forward takes the leaves, by name, and calls build() with
+    the structure rebuilt from them (NOTE: Input trees)."""
+    if tree is None:
+        yield
+        return
+    cls = type(root)
+    original = cls.__dict__.get("forward")
+    build = cls.forward
+    rebuild = pytree.tree_unflatten
+    scope: Dict[str, Any] = {"build": build, "rebuild": rebuild, "spec": tree.spec}
+    names = ", ".join(tree.names)
+    src = (f"def forward(self, {names}):\n"
+           f"    return build(self, *rebuild([{names}], spec))\n")
+    exec(src, scope)  # noqa: S102 - a fixed-arity wrapper, names from the batch's keys
+    cls.forward = scope["forward"]
+    try:
+        yield
+    finally:
+        if original is None:
+            del cls.forward
+        else:
+            cls.forward = original
+
+
 def signature(specs: Sequence[InputSpec]) -> tuple:
     return tuple(s.key for s in specs)
 
@@ -92,11 +166,12 @@ class Executable:
         self.tracer: Optional[Tracer] = None
 
     @classmethod
-    def compile(cls, spec: compiler.CompileSpec, specs: Sequence[InputSpec], world: int) -> "Executable":
+    def compile(cls, spec: compiler.CompileSpec, specs: Sequence[InputSpec], world: int,
+                tree: Optional[InputTree] = None) -> "Executable":
         """compiler.compile for these inputs' global shapes and layouts, with the guards of
         every Python value the compile read (NOTE: Guards)."""
         before = global_guards()  # the modes the caller set, before tracing changes any
-        with record_reads(spec.root) as reads:
+        with record_reads(spec.root) as reads, traced_tree(spec.root, tree):
             compiled = compiler.compile(spec, [s.example() for s in specs], world, [s.layout for s in specs])
         compiled.guards = GuardSet(tuple(before + structure_of(spec.root) + reads.guards()))
         check_input_placements(compiled, specs)
@@ -159,7 +234,9 @@ class Executable:
             return global_from_local(merge(results[node.name], node.meta.get(META_ROWS)), where, sbp,
                                      _uneven_global_shape(node, compiled.num_microbatches))
 
-        return fx.node.map_arg(compiled.gm.graph.output_node().args[0], wrap)
+        out = fx.node.map_arg(compiled.gm.graph.output_node().args[0], wrap)
+        tree = compiled.gm.meta.get(META_OUTPUT_TREE)  # the user's own classes (NOTE: Output trees)
+        return pytree.tree_unflatten(list(out), tree) if tree is not None else out
 
 
 class ExecutableCache:

@@ -13,7 +13,7 @@ from .config import GraphConfig, compile_spec
 from .dcp import dcp_state_dict, user_prefix
 from .errors import GraphcError
 from .optim_check import check_optimizer
-from .executable import (Executable, ExecutableCache, check_cuda_available, check_same_stages, input_specs,
+from .executable import (Executable, ExecutableCache, check_cuda_available, check_same_stages, flatten_call,
                          named_placements, signature)
 from .guards import current_log
 from .plan.plan import ExecutionPlan
@@ -135,18 +135,18 @@ class Graph:
     def compile(self, *inputs) -> ExecutionPlan:
         """Compiles for these example inputs without running a step; returns this rank's plan."""
         if self._compiled is None:
-            self._compile(input_specs(inputs))
+            self._compile(*flatten_call(inputs, type(self).build))
         return self.plan
 
     def __call__(self, *inputs):
-        specs = input_specs(inputs)
+        specs, tree = flatten_call(inputs, type(self).build)  # NOTE: Input trees
         check = None
         if self._compiled is None:
             if self.config.check_microbatching:  # NOTE: Checked first step
                 check = FirstStepCheck(self, optimizer_groups(self))
-            self._compile(specs)
+            self._compile(specs, tree)
         elif self._runtime is not None:  # (plan mode has no runtime: it stops just below)
-            self._compiled_for(specs)
+            self._compiled_for(specs, tree)
         if self._runtime is None:  # plan mode (graphc plan): plans written, no training
             plan_mode.stop_before_step(self)
         check = check if check is not None and not warn_if_random(self._compiled) else None
@@ -193,27 +193,27 @@ class Graph:
         """Why each plan after the first was compiled (NOTE: Guards), oldest first."""
         return self._cache.recompiles
 
-    def _compile(self, specs) -> None:
+    def _compile(self, specs, tree=None) -> None:
         mode = plan_mode.active()
         if mode is not None:  # graphc plan: compile for N ranks here, write, no process group
-            exe = Executable.compile(self._compile_spec(), specs, mode.nproc)
+            exe = Executable.compile(self._compile_spec(), specs, mode.nproc, tree)
             mode.write_graph(self, exe.compiled)  # the tools' writer (See NOTE: Plan-mode writer)
-            self._cache.add(signature(specs), exe)
+            self._cache.add((signature(specs), tree), exe)
             return
         spec = self._compile_spec()
         check_cuda_available(spec, specs)  # before torch's own AssertionError, on every rank
         device_types = {where.type for _, where in named_placements(spec, specs)}  # set_stage or not
         rank, world = ensure_process_group(device_types or {"cpu"})
-        exe = Executable.compile(spec, specs, world)
+        exe = Executable.compile(spec, specs, world, tree)
         object.__setattr__(self, "_rank", rank)
         self._start(exe, new_state=True)
-        self._cache.add(signature(specs), exe)
+        self._cache.add((signature(specs), tree), exe)
         # after a pending checkpoint is loaded: it names the run's base seed (or its RNG state,
         # from older graphc, carries the run's initial seed)
         seed = agree_base_seed(self._instance, timeout_seconds())
         object.__setattr__(self, "_base_seed", seed if self._state.base_seed is None else self._state.base_seed)
 
-    def _compiled_for(self, specs) -> None:
+    def _compiled_for(self, specs, tree=None) -> None:
         """A new input shape, or a Python value build() read that changed (NOTE: Guards),
         selects (or compiles and caches) another executable.
 
@@ -221,11 +221,11 @@ class Graph:
         same call (compiling is deterministic; new process groups are created collectively).
         """
         self._cache.current.check_inputs(specs, type(self).__name__)
-        key = signature(specs)
+        key = (signature(specs), tree)
         exe, failures = self._cache.lookup(key)
         if exe is None:
             with self._state.global_shapes():  # split parameters hold shards by now
-                exe = Executable.compile(self._compile_spec(), specs, len(self._compiled.plans))
+                exe = Executable.compile(self._compile_spec(), specs, len(self._compiled.plans), tree)
             check_same_stages(self._compiled, exe.compiled)
             self._state.compiled = exe.compiled
             self._start(exe, new_state=False)

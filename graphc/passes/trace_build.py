@@ -16,19 +16,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import os
 import random
 import traceback
+import types
 from contextlib import contextmanager
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
 
 from ..errors import GraphcError
-from ..meta import META_AUTOCAST, META_BATCHED, META_GRAD_ENABLED
+from ..meta import META_AUTOCAST, META_BATCHED, META_GRAD_ENABLED, META_OUTPUT_TREE
 from ..plan.autocast_ops import autocast_state
 from .traced_checkpoint import traced_checkpoints
 from .unsupported_modules import check_runnable_module
@@ -278,7 +281,8 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
     names = _input_names(root, len(example_inputs))
     tracer.examples = [_microbatch_example(tracer, t, num_microbatches, b, name)
                        for name, t, b in zip(names, example_inputs, batched)]
-    with _traced_root(root, len(example_inputs)), _patched_calls(tracer, source_file), \
+    outputs: Dict[str, Any] = {}
+    with _traced_root(root, len(example_inputs), outputs), _patched_calls(tracer, source_file), \
             traced_checkpoints(tracer):  # torch.utils.checkpoint traces as its function
         try:
             with torch.autocast(*autocast) if autocast else contextlib.nullcontext():
@@ -296,7 +300,10 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
         node.meta[META_BATCHED] = b
     for node in g.nodes:
         node.meta.pop(_FAKE, None)
-    return fx.GraphModule(root, g, class_name=type(root).__name__)
+    gm = fx.GraphModule(root, g, class_name=type(root).__name__)
+    if "tree" in outputs:
+        gm.meta[META_OUTPUT_TREE] = outputs["tree"]
+    return gm
 
 
 def _input_names(root: torch.nn.Module, n: int) -> List[str]:
@@ -329,23 +336,35 @@ def _microbatch_example(tracer: BuildTracer, t: torch.Tensor, m: int, batched: b
 
 
 @contextmanager
-def _traced_root(root: torch.nn.Module, n: int):
-    """build(self, *xs) traced as build(self, x0, ..., x{n-1}): fx cannot trace *args."""
+def _traced_root(root: torch.nn.Module, n: int, outputs: Dict[str, Any]):
+    """build(self, *xs) traced as build(self, x0, ..., x{n-1}) (fx cannot trace *args), and
+    build()'s result flattened when it is a structure fx cannot hold (NOTE: Output trees)."""
     build = type(root).forward
     params = list(inspect.signature(build).parameters.values())[1:]
-    if not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
-        yield
-        return
-    fixed = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    star = next(p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL)
-    names = fixed + [f"{star}_{i}" for i in range(max(0, n - len(fixed)))]
-    src = f"def forward(self, {', '.join(names)}):\n    return build(self, {', '.join(names)})\n"
-    scope: Dict[str, Any] = {"build": build}
-    exec(src, scope)  # noqa: S102 - a fixed-arity wrapper, names from the user's signature
+    fn = build
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        fixed = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                        inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        star = next(p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL)
+        names = fixed + [f"{star}_{i}" for i in range(max(0, n - len(fixed)))]
+        src = f"def forward(self, {', '.join(names)}):\n    return build(self, {', '.join(names)})\n"
+        scope: Dict[str, Any] = {"build": build}
+        exec(src, scope)  # noqa: S102 - a fixed-arity wrapper, names from the user's signature
+        fn = scope["forward"]
+
+    flatten = _flat_outputs  # a closure cell: the function below runs in the user's globals
+
+    def forward(self, *args, **kwargs):
+        return flatten(fn(self, *args, **kwargs), outputs)
+
+    # fx reads the argument names off the unwrapped function and patches math functions
+    # in the globals of the one it calls: those of the user's build()
+    forward = types.FunctionType(forward.__code__, getattr(build, "__globals__", {}), "forward",
+                                 None, forward.__closure__)
+    functools.update_wrapper(forward, fn)
     cls = type(root)
     original = cls.__dict__.get("forward")
-    cls.forward = scope["forward"]
+    cls.forward = forward
     try:
         yield
     finally:
@@ -353,6 +372,45 @@ def _traced_root(root: torch.nn.Module, n: int):
             del cls.forward
         else:
             cls.forward = original
+
+
+# NOTE: Output trees. build() may return any structure (a Hugging Face ModelOutput, a dict
+# of dicts); fx holds tuples, lists and dicts. A structure with another container (a
+# ModelOutput, registered as a pytree node by transformers) is returned to fx as the
+# tuple of its leaves and its tree spec kept on the graph (gm.meta[META_OUTPUT_TREE]), so
+# the Graph returns the user's own classes. A leaf that is neither a tensor nor a plain
+# constant (a DynamicCache built while tracing) would be a stale object: refused.
+_PLAIN_LEAVES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _flat_outputs(out, outputs: Dict[str, Any]):
+    leaves, spec = pytree.tree_flatten(out)
+    for leaf, (path, _) in zip(leaves, _paths(out)):
+        if not isinstance(leaf, (fx.Proxy, torch.Tensor) + _PLAIN_LEAVES):
+            raise GraphcError(
+                f"build() returns a {type(leaf).__name__} at {path or 'its result'}: a Python object "
+                "made while tracing would be returned unchanged on every step. Fix: return "
+                "tensors (e.g. out.loss, out.logits); a Hugging Face model's cache is left out "
+                "with use_cache=False.")
+    if _builtin_tree(spec):
+        return out
+    outputs["tree"] = spec
+    return tuple(leaves)
+
+
+def _paths(out):
+    try:
+        return pytree.tree_flatten_with_path(out)[0]
+    except Exception:  # a node type without key paths: no names, the check still runs
+        return [("", leaf) for leaf in pytree.tree_leaves(out)]
+
+
+def _builtin_tree(spec) -> bool:
+    """Is the structure only tuples, lists and dicts (which fx holds as they are)?"""
+    if spec.type is None:
+        return True
+    children = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
+    return spec.type in (tuple, list, dict) and all(_builtin_tree(c) for c in children)
 
 
 @contextmanager

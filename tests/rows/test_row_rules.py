@@ -139,6 +139,11 @@ def scatter_rows(net, x, k):
     return torch.zeros_like(h).scatter(0, k, h[:, :2]).tanh().mean()
 
 
+def scatter_add_rows(net, x, k):
+    h = net.lin(x)
+    return torch.zeros_like(h).scatter_add(0, k, h[:, :2]).tanh().mean()
+
+
 def index_add_features(net, x):
     h = torch.zeros(x.shape[0], C).index_add(1, torch.tensor([0, 2, 2, 4, 1, 3]), net.lin(x))
     return h.tanh().mean()
@@ -163,6 +168,11 @@ def masked_fill_rows(net, x, mask):
 def where_rows(net, x, mask):
     h = net.lin(x)
     return torch.where(mask[:, None], h, -2 * h).tanh().mean()
+
+
+def masked_fill_batch_mean(net, x):  # the batch's mean meets its own rows: still a coupling
+    h = net.lin(x)
+    return h.masked_fill(h > h.mean(0), 0.0).tanh().mean()
 
 
 def where_batch_mean(net, x):  # the batch's mean meets its own rows: still a coupling
@@ -243,8 +253,10 @@ def test_op_along_another_dim_keeps_rows_and_equals_eager(fn, names):
     (gather_rows, ("x", "k"), "'gather' picks rows of the batch"),
     (take_along_rows, ("x", "k"), "'take_along_dim' picks rows of the batch"),
     (scatter_rows, ("x", "k"), "'scatter' writes entries into rows of the batch"),
+    (scatter_add_rows, ("x", "k"), "'scatter_add' writes entries into rows of the batch"),
     (index_add_rows, ("x", "y"), "'index_add' adds entries into rows of the batch"),
     (index_add_rows_in_place, ("x", "y"), "'index_add' adds entries into rows of the batch"),
+    (masked_fill_batch_mean, ("x",), "h.masked_fill(h > h.mean(0), 0.0)"),
     (where_batch_mean, ("x",), "torch.where(h > h.mean(0), h, torch.zeros_like(h))"),
     (topk_rows, ("x",), "'topk' runs across the batch's rows"),
     (sort_rows, ("x",), "'sort' runs across the batch's rows"),

@@ -20,7 +20,7 @@ from .layers import (add_product, attention, class_loss, created, default, dista
 from .indexing import embedding_bag, gather, index_add, picks, repeat_interleave, scatter
 from .shapes import (along, attribute, concat, diagonal, divide, elementwise, expand, getitem, identity,
                      movedim, multiply, normalize_last, pad, per_sample, permute, pieces, reduction,
-                     reshape, reverse_dims, squeeze, stack, transpose, triangle, unsqueeze)
+                     reshape, reverse_dims, squeeze, stack, tile, transpose, triangle, unsqueeze)
 
 __all__ = ["Ctx", "RULES", "MODULE_RULES", "default", "rows_of"]
 
@@ -83,7 +83,7 @@ RULES.update({
     "movedim": movedim, "moveaxis": movedim, "t": reverse_dims,
     "getattr": attribute, "getitem": getitem,
     "unsqueeze": unsqueeze, "squeeze": squeeze, "expand": expand, "expand_as": expand,
-    "broadcast_to": expand, "repeat": identity,
+    "broadcast_to": expand, "repeat": tile, "tile": tile,
     "type_as": identity,
     "cat": concat, "concat": concat, "concatenate": concat, "stack": stack,
     "chunk": pieces(2), "split": pieces(2), "tensor_split": pieces(2), "split_with_sizes": pieces(2),

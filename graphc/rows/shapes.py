@@ -212,6 +212,24 @@ def expand(ctx: Ctx):
     return Rows((None,) * (len(out) - len(x.dims)) + x.dims, x.reduced)
 
 
+def tile(ctx: Ctx):
+    """x.repeat(*sizes) / torch.tile(x, dims): each dim tiled k times, and new leading dims.
+    A row dim tiled lays the batch out [r0..rn, r0..rn], a micro-batch [its rows, its rows]:
+    lined up with rows repeated in place (repeat_interleave, a reshape of [n, k]) or indexed
+    by position, they would meet other rows."""
+    x, out = ctx.rows(0), ctx.shape()
+    if x is None or out is None:
+        return None
+    sizes = ctx.node.args[1:] or ctx.node.kwargs.get("repeats", ctx.node.kwargs.get("dims", ()))
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple, torch.Size)):
+        sizes = sizes[0]
+    sizes = (1,) * (len(out) - len(sizes)) + tuple(sizes)
+    dims = (None,) * (len(out) - len(x.dims)) + x.dims
+    ctx.couple([s for s, k in zip(dims, sizes) if k != 1], f"'{op_name(ctx)}' tiles the batch's rows "
+               "(each micro-batch would tile only its own)")
+    return Rows(dims, x.reduced)
+
+
 def getitem(ctx: Ctx):
     base = ctx.env.get(ctx.node.args[0]) if isinstance(ctx.node.args[0], fx.Node) else None
     index = ctx.node.args[1]

@@ -96,6 +96,16 @@ def baddbmm(net, xs):
     return torch.baddbmm(net.lin.bias, xs, w).sigmoid().mean()
 
 
+def tile_features(net, x):
+    return net.lin(x).repeat(3, 1, 2).tanh().mean()
+
+
+def tile_rows_added_back(net, xs):  # tiled rows are not each token's own copies
+    flat = xs.reshape(-1, D)
+    token = torch.arange(flat.shape[0]).repeat_interleave(2)
+    return torch.zeros_like(flat).index_add(0, token, net.lin(flat.repeat(2, 1))).pow(2).mean()
+
+
 def index_select_features(net, x):
     return net.lin(x).index_select(1, torch.tensor([4, 0, 2])).tanh().mean()
 
@@ -234,7 +244,7 @@ def advanced_index_rows(net, x, k):
 
 
 @pytest.mark.parametrize("fn, names", [
-    (addmm, ("xs",)), (addmv, ("x",)), (baddbmm, ("xs",)),
+    (addmm, ("xs",)), (addmv, ("x",)), (baddbmm, ("xs",)), (tile_features, ("x",)),
     (index_select_features, ("x",)), (index_select_table, ("y", "x")),
     (gather_features, ("x", "k")), (take_along_features, ("x", "k")),
     (scatter_features, ("x", "y")), (scatter_add_features, ("x", "k")), (index_add_features, ("x",)),
@@ -249,6 +259,7 @@ def test_op_along_another_dim_keeps_rows_and_equals_eager(fn, names):
 
 @pytest.mark.parametrize("fn, names, op", [
     (addmm_rows_as_weight, ("x",), "torch.addmm(net.lin.weight, x.T, x)"),
+    (tile_rows_added_back, ("xs",), "'repeat' tiles the batch's rows"),
     (index_select_rows, ("x",), "'index_select' picks rows of the batch"),
     (gather_rows, ("x", "k"), "'gather' picks rows of the batch"),
     (take_along_rows, ("x", "k"), "'take_along_dim' picks rows of the batch"),

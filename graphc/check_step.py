@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from .errors import GraphcError
 from .global_tensor import GlobalTensor
@@ -36,12 +37,15 @@ class FirstStepCheck:
         self.graph, self.groups = graph, groups
         self.rank, self.world = 0, 1  # known once compiled (graphc starts the process group)
         self.inputs: List[torch.Tensor] = []
+        self.tree = None
         self.before: Dict[str, torch.Tensor] = {}
 
     def start(self, inputs: Tuple[Any, ...]) -> None:
         """Once compiled, before graphc's step: the whole batch and the model's state."""
         self.rank, self.world = _rank_world()
-        self.inputs = _gather_inputs(inputs, self.rank, self.world)
+        is_leaf = lambda x: isinstance(x, GlobalTensor)  # noqa: E731 - one input each
+        leaves, self.tree = pytree.tree_flatten(tuple(inputs), is_leaf=is_leaf)  # NOTE: Input trees
+        self.inputs = _gather_inputs(leaves, self.rank, self.world)
         self.before = self.graph.full_state_dict(rank0_only=True) if self.world > 1 else \
             {k: v.detach().clone() for k, v in self.graph._root.state_dict().items()}
 
@@ -76,7 +80,7 @@ class FirstStepCheck:
             opt.zero_grad(set_to_none=True)
         else:
             opt = None
-        out = type(graph).build(root, *self.inputs)
+        out = type(graph).build(root, *pytree.tree_unflatten(self.inputs, self.tree))
         if opt is not None:
             opt.step()
         want_loss = _first_scalar(out)
@@ -194,7 +198,7 @@ def _prefix(root: nn.Module, sd: Dict[str, torch.Tensor]) -> str:
 
 def _first_scalar(out) -> Optional[torch.Tensor]:
     """The first 0-dim floating value in build()'s outputs (its loss), or None."""
-    items = out if isinstance(out, (tuple, list)) else [out]
+    items = pytree.tree_leaves(out, is_leaf=lambda x: isinstance(x, GlobalTensor))
     for o in items:
         t = o.to_local() if isinstance(o, GlobalTensor) else o
         if isinstance(t, torch.Tensor) and t.dim() == 0 and torch.is_floating_point(t):

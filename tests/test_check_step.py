@@ -68,3 +68,25 @@ def test_the_check_on_a_pipeline_passes_or_refuses_on_every_rank():
     assert run_world(_world_worker, 2, False) == ["", ""]
     reports = run_world(_world_worker, 2, True)
     assert all("the first step differs from eager" in r for r in reports), reports
+
+
+def test_the_check_takes_a_dict_batch():
+    """A Hugging Face-style build(self, batch): the check rebuilds the batch for eager."""
+    class DictGraph(graphc.Graph):
+        def __init__(self, model, opt):
+            super().__init__()
+            self.model = model
+            self.config.set_gradient_accumulation_steps(2)
+            self.config.set_check_microbatching(True)
+            self.add_optimizer(opt)
+
+        def build(self, batch):
+            loss = torch.nn.functional.cross_entropy(self.model(batch["x"]), batch["y"])
+            loss.backward()
+            return {"loss": loss}
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    out = DictGraph(model, torch.optim.SGD(model.parameters(), lr=0.1))(
+        {"x": torch.randn(8, 4), "y": torch.randint(0, 3, (8,))})
+    assert out["loss"].to_local().dim() == 0

@@ -27,6 +27,7 @@ from .global_tensor import GlobalTensor, declared_layout, global_from_local
 from .guards import MISSING, Guard, GuardSet, difference, fingerprint, global_guards, record_reads, structure_of
 from .log import get_logger, warn_user
 from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
+from .passes.trace_build import forward_replaced
 from .placement import placement as Placement
 from .plan.ops import compiled_groups, create_groups
 from .runtime.actors import Runtime
@@ -134,23 +135,15 @@ def traced_tree(root: torch.nn.Module, tree: Optional[InputTree]):
     if tree is None:
         yield
         return
-    cls = type(root)
-    original = cls.__dict__.get("forward")
-    build = cls.forward
+    build = type(root).forward
     rebuild = pytree.tree_unflatten
     scope: Dict[str, Any] = {"build": build, "rebuild": rebuild, "spec": tree.spec}
     names = ", ".join(tree.names)
     src = (f"def forward(self, {names}):\n"
            f"    return build(self, *rebuild([{names}], spec))\n")
     exec(src, scope)  # noqa: S102 - a fixed-arity wrapper, names from the batch's keys
-    cls.forward = scope["forward"]
-    try:
+    with forward_replaced(type(root), scope["forward"]):
         yield
-    finally:
-        if original is None:
-            del cls.forward
-        else:
-            cls.forward = original
 
 
 def signature(specs: Sequence[InputSpec]) -> tuple:

@@ -362,7 +362,13 @@ def _traced_root(root: torch.nn.Module, n: int, outputs: Dict[str, Any]):
     forward = types.FunctionType(forward.__code__, getattr(build, "__globals__", {}), "forward",
                                  None, forward.__closure__)
     functools.update_wrapper(forward, fn)
-    cls = type(root)
+    with forward_replaced(type(root), forward):
+        yield
+
+
+@contextmanager
+def forward_replaced(cls: type, forward):
+    """cls.forward is `forward` for the duration (the traced root's class only)."""
     original = cls.__dict__.get("forward")
     cls.forward = forward
     try:

@@ -71,7 +71,7 @@ def scatter(ctx: Ctx):
     ctx.couple([x.dims[d]], f"'{op_name(ctx)}' writes entries into rows of the batch by position")
     placed = frozenset(s for r in parts[1:] for s in [r.dims[d]] if s is not None)
     summed = op_name(ctx) == "scatter_add" or (op_name(ctx) == "scatter_reduce"
-                                                and ctx.arg(4, "reduce") in ("sum", "mean"))
+                                                and ctx.arg(4, "reduce") == "sum")
     if not summed:
         ctx.couple(placed, f"'{op_name(ctx)}' writes rows of the batch over each other")
     return Rows(tuple(dims), combine_reduced(ctx, parts) | (placed if summed else frozenset()))
@@ -98,6 +98,29 @@ def index_add(ctx: Ctx):
     dims[d] = x.dims[d]
     placed = frozenset(s for s in (src.dims[d], idx.dims[0] if idx.dims else None) if s is not None)
     return Rows(tuple(dims), combine_reduced(ctx, [x, src]) | placed)
+
+
+def index_write(ctx: Ctx):
+    """index_fill(x, dim, index, value) / index_copy(x, dim, index, source): x's slices at index
+    along dim replaced. Into a row dim that is writing rows by their position in the whole
+    batch (a micro-batch would write its own rows 1 and 3); source's rows replacing slices of
+    a dim without rows are written over each other."""
+    x, idx = ctx.rows(0), ctx.rows(2)
+    if x is None or idx is None:
+        return None
+    d = norm_dim(ctx.arg(1, "dim"), len(x.dims))
+    src = ctx.rows(3)
+    src = src if src is not None and len(src.dims) == len(x.dims) else None
+    if not in_order(idx, ctx.shape(2), ctx.shape(0)[d]):
+        ctx.couple([x.dims[d]], f"'{op_name(ctx)}' writes entries into rows of the batch by position")
+        ctx.couple([src.dims[d] if src is not None else None], f"'{op_name(ctx)}' writes rows of "
+                   "the batch over other entries")
+    parts = [x] + ([src] if src is not None else [])
+    dims = list(broadcast_rows(ctx, [Rows(r.dims[:d] + (None,) + r.dims[d + 1:]) for r in parts]))
+    dims[d] = x.dims[d]
+    if src is not None:
+        ctx.unify(x.dims[d], src.dims[d])
+    return Rows(tuple(dims), combine_reduced(ctx, [x] + ctx.tensors()[1:]))
 
 
 def repeat_interleave(ctx: Ctx):

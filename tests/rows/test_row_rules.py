@@ -171,6 +171,23 @@ def index_add_rows_in_place(net, x, y):  # the same, its result unused: `out` is
     return out.tanh().mean()
 
 
+def index_fill_features(net, x):
+    return net.lin(x).index_fill(1, torch.tensor([0, 3]), 0.0).tanh().mean()
+
+
+def index_fill_rows(net, x):  # rows 1 and 3 of the batch; per micro-batch, of each micro-batch
+    return net.lin(x).index_fill(0, torch.tensor([1, 3]), 0.0).tanh().mean()
+
+
+def index_copy_features(net, x):
+    h = net.lin(x)
+    return h.index_copy(1, torch.tensor([5, 0]), h[:, :2].exp()).tanh().mean()
+
+
+def index_copy_rows(net, x):
+    return net.lin(x).index_copy(0, torch.tensor([0, 2]), net.table[:2].exp()).tanh().mean()
+
+
 def masked_fill_rows(net, x, mask):
     return net.lin(x).masked_fill(mask[:, None], 0.0).tanh().mean()
 
@@ -248,6 +265,7 @@ def advanced_index_rows(net, x, k):
     (index_select_features, ("x",)), (index_select_table, ("y", "x")),
     (gather_features, ("x", "k")), (take_along_features, ("x", "k")),
     (scatter_features, ("x", "y")), (scatter_add_features, ("x", "k")), (index_add_features, ("x",)),
+    (index_fill_features, ("x",)), (index_copy_features, ("x",)),
     (masked_fill_rows, ("x", "mask")), (where_rows, ("x", "mask")),
     (topk_features, ("x",)), (sort_features, ("x",)), (argsort_features, ("x",)),
     (embedding_bag_functional, ("ids", "x")), (embedding_bag_module, ("ids", "x")),
@@ -267,6 +285,8 @@ def test_op_along_another_dim_keeps_rows_and_equals_eager(fn, names):
     (scatter_add_rows, ("x", "k"), "'scatter_add' writes entries into rows of the batch"),
     (index_add_rows, ("x", "y"), "'index_add' adds entries into rows of the batch"),
     (index_add_rows_in_place, ("x", "y"), "'index_add' adds entries into rows of the batch"),
+    (index_fill_rows, ("x",), "'index_fill' writes entries into rows of the batch"),
+    (index_copy_rows, ("x",), "'index_copy' writes entries into rows of the batch"),
     (masked_fill_batch_mean, ("x",), "h.masked_fill(h > h.mean(0), 0.0)"),
     (where_batch_mean, ("x",), "torch.where(h > h.mean(0), h, torch.zeros_like(h))"),
     (topk_rows, ("x",), "'topk' runs across the batch's rows"),

@@ -12,7 +12,8 @@ The steps' bodies live in graphc/passes/, one pass per file; this module holds w
 compile() reads (CompileSpec), what it produces (CompiledGraph) and the order. Each step
 records its result and time in the compilation history (graphc/history.py).
 GRAPHC_DEBUG levels: 1 a summary line, 2 adds each pass's time, 3 adds every rank's final
-plan, 4 adds the whole history (graphs with their annotations, programs, plans). They go
+plan, 4 adds the whole history (graphs with their annotations, programs, plans), 5 also
+checks every step's node annotations against their schemas (passes/verify_meta.py). They go
 to the `graphc.compile` logger (graphc/log.py): rank 0 prints by default, GRAPHC_LOG_RANKS
 chooses others.
 """
@@ -61,6 +62,7 @@ from .passes.split_inputs import split_inputs
 from .passes.split_stages import split_stages
 from .passes.trace_build import trace_build
 from .passes.verify_graph import verify_annotated, verify_traced, warn_unused_parameters
+from .passes.verify_meta import MetaVerifier
 from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
 from .plan.verify import verify_plans
@@ -131,17 +133,31 @@ def debug_level() -> int:
 SLOW_PASS_SECONDS = 1.0  # a pass slower than this is reported at a terminal, whatever GRAPHC_DEBUG
 
 
-def _step(history: List[PassRecord], name: str, fn: Callable, *args) -> Any:
+@dataclass
+class _Compilation:
+    """One compile() under way: its history and, at GRAPHC_DEBUG=5, the annotation checks
+    run after every step (passes/verify_meta.py: NOTE: Annotation verifier)."""
+
+    history: List[PassRecord] = field(default_factory=list)
+    verifier: MetaVerifier = field(default_factory=MetaVerifier)
+
+
+def _step(run: _Compilation, name: str, fn: Callable, *args) -> Any:
     start = time.perf_counter()
     out = fn(*args)
     took = time.perf_counter() - start
-    history.append(record(name, took, out))
-    if debug_level() >= 2:
+    run.history.append(record(name, took, out))
+    level = debug_level()
+    if level >= 2:
         _log.debug("pass %s: %.1f ms", name, took * 1e3)
     elif took > SLOW_PASS_SECONDS and sys.stderr.isatty():  # progress on long compiles, at a terminal
         _log.info("pass %s took %.1f s", name, took)
-    if debug_level() >= 4:
-        _log.debug("%s", history[-1].text)
+    if level >= 4:
+        _log.debug("%s", run.history[-1].text)
+    if level >= 5:  # the graph the step made, or else the one it read
+        gm = next((g for g in (out, *args) if isinstance(g, fx.GraphModule)), None)
+        if gm is not None:
+            run.verifier.check(name, gm)
     return out
 
 
@@ -154,112 +170,113 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     """
     if not isinstance(spec, CompileSpec):
         spec = spec._compile_spec()
-    h: List[PassRecord] = []
+    run = _Compilation()
     m = spec.gradient_accumulation_steps
 
     # ** declare: what the user wrote down, checked before anything is traced
     # the stages set_stage names (the trace's autocast device type comes from them)
-    stages, stage_of_module = _step(h, "collect_stages", collect_stages, spec, world_size)
+    stages, stage_of_module = _step(run, "collect_stages", collect_stages, spec, world_size)
     # the layouts to_global gave the Graph's parameters and buffers, as they are now
-    declared = _step(h, "declared_layouts", lambda: spec.declared)
+    declared = _step(run, "declared_layouts", lambda: spec.declared)
 
     # ** trace: build() as one fx graph of the whole step, backward() a node, shapes constants
     batched = None
     if m > 1:  # inputs whose dim 0 is the batch size are split (NOTE: Batch split) ...
-        whole = _step(h, "trace_build (whole batch)", trace_build, spec.root, example_inputs, 1,
+        whole = _step(run, "trace_build (whole batch)", trace_build, spec.root, example_inputs, 1,
                       None, spec.name, spec.source_file, traced_autocast(stages, spec.amp_dtype))
-        split = _step(h, "split_inputs", split_inputs, input_names(whole), example_inputs,
+        split = _step(run, "split_inputs", split_inputs, input_names(whole), example_inputs,
                       spec.whole_inputs, spec.name)
         # ... which the data flow on build() for the whole batch confirms, or refuses
-        whole = _step(h, "propagate_shapes (whole batch)", propagate_shapes, whole, example_inputs, 1)
-        whole = _step(h, "find_batch_dims (whole batch)", find_batch_dims, whole, m, False, split)
+        whole = _step(run, "propagate_shapes (whole batch)", propagate_shapes, whole, example_inputs, 1)
+        whole = _step(run, "find_batch_dims (whole batch)", find_batch_dims, whole, m, False, split)
         batched = split
         # batched inputs cut their rows into micro-batches alike (NOTE: Row groups)
-        _step(h, "check_row_groups", check_row_groups, input_names(whole), batched, input_layouts, m)
+        _step(run, "check_row_groups", check_row_groups, input_names(whole), batched, input_layouts, m)
     # the graph every later pass annotates, traced for one micro-batch's shapes
-    gm = _step(h, "trace_build", trace_build, spec.root, example_inputs, m, batched,
+    gm = _step(run, "trace_build", trace_build, spec.root, example_inputs, m, batched,
                spec.name, spec.source_file, traced_autocast(stages, spec.amp_dtype))
     gm.meta[META_DECLARED] = declared   # the passes read them off the graph they annotate
     # reject what a static graph cannot hold (host syncs, several backward()) before placing it
-    _step(h, "verify_traced", verify_traced, gm)
+    _step(run, "verify_traced", verify_traced, gm)
     # modules with parameters that build() never uses are said once (no rank owns them)
-    _step(h, "warn_unused_parameters", warn_unused_parameters, spec.root, gm)
+    _step(run, "warn_unused_parameters", warn_unused_parameters, spec.root, gm)
     training = any(is_backward(n) for n in gm.graph.nodes)
 
     # ** place: a stage for every node, then its per-micro-batch shape and batch rows
     if not stage_of_module:
         # without set_stage every op runs where its inputs and parameters are placed; each
         # placement is a stage, in data-flow order (NOTE: Stages from placements)
-        gm = _step(h, "place_by_layout", place_by_layout, gm, input_layouts)
-        stages = _step(h, "placed_stages", collect_placed_stages, gm, spec.pipeline_schedule,
+        gm = _step(run, "place_by_layout", place_by_layout, gm, input_layouts)
+        stages = _step(run, "placed_stages", collect_placed_stages, gm, spec.pipeline_schedule,
                        world_size) or stages
     else:  # with set_stage, a GlobalTensor input starts on the stage of its placement
-        gm = _step(h, "place_inputs", place_inputs, gm, input_layouts, stages)
+        gm = _step(run, "place_inputs", place_inputs, gm, input_layouts, stages)
+    run.verifier.stage_count = len(stages)  # final from here on: META_STAGE ranges over them
     if training:  # the stages are final: their ranks must be a layout the schedule can run
-        _step(h, "check_layout", check_layout, stages, stage_of_module, spec.pipeline_schedule)
+        _step(run, "check_layout", check_layout, stages, stage_of_module, spec.pipeline_schedule)
     # set_stage (or the placements) and data flow give the remaining nodes their stage
-    gm = _step(h, "annotate_stages", annotate_stages, gm, stage_of_module)
+    gm = _step(run, "annotate_stages", annotate_stages, gm, stage_of_module)
     # per-micro-batch shapes, so every transfer's buffer is known before running
-    gm = _step(h, "propagate_shapes", propagate_shapes, gm, example_inputs, m)
+    gm = _step(run, "propagate_shapes", propagate_shapes, gm, example_inputs, m)
     # where each value holds the batch's rows (outputs merge over micro-batches by it)
-    gm = _step(h, "find_batch_dims", find_batch_dims, gm, m, False)
+    gm = _step(run, "find_batch_dims", find_batch_dims, gm, m, False)
     # data flows forward through stages and the loss is a scalar, before anything is sharded
-    _step(h, "verify_annotated", verify_annotated, gm, stage_of_module, len(stages))
+    _step(run, "verify_annotated", verify_annotated, gm, stage_of_module, len(stages))
 
     # ** shard: an SBP layout per node on its stage's mesh, conversions made explicit
     # each stage's mesh: 2-D where a declared placement names its ranks as one
-    meshes = _step(h, "declared_meshes", find_meshes, stages, spec, gm, input_layouts, declared)
+    meshes = _step(run, "declared_meshes", find_meshes, stages, spec, gm, input_layouts, declared)
     # nn layers as functional ops on get_attr parameters, so SBP rules see parameters
-    gm = _step(h, "decompose_modules", decompose_modules, gm, meshes)
+    gm = _step(run, "decompose_modules", decompose_modules, gm, meshes)
     # with deferred batch norm, running statistics take one whole-mini-batch update per step
-    gm = _step(h, "defer_batch_norm", defer_batch_norm, gm, spec.deferred_batch_norm, m)
+    gm = _step(run, "defer_batch_norm", defer_batch_norm, gm, spec.deferred_batch_norm, m)
     # an SBP signature per node, cheapest by bytes moved, honouring the user's layouts
-    gm = _step(h, "infer_sbp", infer_sbp, gm, meshes, [l[1] if l else None for l in input_layouts], m)
+    gm = _step(run, "infer_sbp", infer_sbp, gm, meshes, [l[1] if l else None for l in input_layouts], m)
     # every SBP mismatch becomes a collective (with its dual in backward)
-    gm = _step(h, "insert_boxing", insert_boxing, gm)
+    gm = _step(run, "insert_boxing", insert_boxing, gm)
     # ops reading global sizes (mean over a split dim, reshape) get their local form
-    gm = _step(h, "localize_ops", localize_ops, gm)
+    gm = _step(run, "localize_ops", localize_ops, gm)
     # random ops draw by layout, now final: replicas the same numbers, shards their own
-    gm = _step(h, "seed_random_ops", seed_random_ops, gm)
+    gm = _step(run, "seed_random_ops", seed_random_ops, gm)
 
     # ** split: one fx program per stage, with its sends and receives
-    programs = _step(h, "split_stages", split_stages, gm, len(stages))
+    programs = _step(run, "split_stages", split_stages, gm, len(stages))
     # build()'s no_grad / enable_grad regions kept inside each stage program
-    programs = _step(h, "insert_grad_modes", insert_grad_modes, programs, training)
+    programs = _step(run, "insert_grad_modes", insert_grad_modes, programs, training)
     # build()'s torch.autocast regions kept inside each stage program (never dropped)
-    programs = _step(h, "insert_autocast_modes", insert_autocast_modes, programs)
+    programs = _step(run, "insert_autocast_modes", insert_autocast_modes, programs)
     # inputs without a batch dim fed whole; token-mean losses divided by the whole batch's count
-    programs = _step(h, "feed_whole_batch", feed_whole_batch, programs, gm, m)
+    programs = _step(run, "feed_whole_batch", feed_whole_batch, programs, gm, m)
     # modules marked for activation checkpointing run as recomputed regions (after grad modes)
     checkpointed = {name for name, c in spec.modules.items() if c.activation_checkpointing}
-    programs = _step(h, "insert_checkpoints", insert_checkpoints, programs,
+    programs = _step(run, "insert_checkpoints", insert_checkpoints, programs,
                      checkpointed if training else set())
 
     # ** schedule and lower: every rank's execution plan
     # the schedule's compute order, with point-to-point sends and receives around it
-    plans = _step(h, "lower_plan", lower_plan, programs, stages, spec.pipeline_schedule, m,
+    plans = _step(run, "lower_plan", lower_plan, programs, stages, spec.pipeline_schedule, m,
                   training, world_size, spec.activation_checkpointing)
     # all-reduce of partial_sum gradients (data parallel), bucketed, before the step
-    plans = _step(h, "insert_grad_sync", insert_grad_sync, plans, gm,
+    plans = _step(run, "insert_grad_sync", insert_grad_sync, plans, gm,
                   spec.gradient_bucket_bytes)
     # a parameter held by several stages (tied): its gradients summed over them, after grad sync
-    plans = _step(h, "insert_tie_sync", insert_tie_sync, plans, programs, stages)
+    plans = _step(run, "insert_tie_sync", insert_tie_sync, plans, programs, stages)
     # clipping by the global grad norm (one scalar all-reduce), once gradients are final
-    plans = _step(h, "insert_grad_clip", insert_grad_clip, plans, programs, meshes,
+    plans = _step(run, "insert_grad_clip", insert_grad_clip, plans, programs, meshes,
                   spec.grad_clip_norm, declared)
     # each conversion's collectives listed where its compute issues them (SBP, ranks, bytes)
-    plans = _step(h, "list_collectives", list_collectives, plans, programs)
+    plans = _step(run, "list_collectives", list_collectives, plans, programs)
     # all plans together pair up and are free of deadlock, with every instruction in place
-    _step(h, "verify_plans", verify_plans, plans)
+    _step(run, "verify_plans", verify_plans, plans)
     # the stages nobody wrote down (found from placements), kept on every rank's plan ...
-    plans = _step(h, "note_stages", note_stages, plans, gm, world_size)
+    plans = _step(run, "note_stages", note_stages, plans, gm, world_size)
     if "stages" in plans[0].notes:  # ... and said once
         _log.info("%s: %s", spec.name, plans[0].notes["stages"])
 
     input_meta = [(tuple(t.shape), t.dtype) for t in example_inputs]
-    compiled = CompiledGraph(gm, stages, programs, plans, training, m, input_meta, h, meshes)
+    compiled = CompiledGraph(gm, stages, programs, plans, training, m, input_meta, run.history, meshes)
     if debug_level() >= 1:
-        total = sum(r.seconds for r in h)
+        total = sum(r.seconds for r in run.history)
         _log.info("compiled %s: %d stage(s), %d micro-batch(es), schedule=%s, %s, %.0f ms",
                   spec.name, len(stages), m, spec.pipeline_schedule,
                   "training" if training else "inference", total * 1e3)

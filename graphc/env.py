@@ -122,7 +122,8 @@ def _text(raw: str) -> str:
 
 VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     _int("GRAPHC_DEBUG", 0, 0, "", "how much of the compilation to print: 1 a summary, 2 each "
-         "pass's time, 3 plans, 4 the whole history (graphc/compiler.py)"),
+         "pass's time, 3 plans, 4 the whole history, 5 also checks every pass's node annotations "
+         "(graphc/compiler.py, graphc/passes/verify_meta.py)"),
     Variable("GRAPHC_LOG_RANKS", "0", "all, or ranks such as 0,3",
              "the ranks whose graphc records print (graphc/log.py)", _ranks),
     _seconds("GRAPHC_TIMEOUT", 300),

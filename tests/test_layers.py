@@ -27,6 +27,10 @@ LAYER_OF = {
     "graphc.compiler": "compiler",
     "graphc.history": "compiler",  # the compilation history's records and their text
     "graphc": "api",      # graph.py, config.py, global_tensor.py, block.py, state.py, ...
+    # one compiled specialisation (compile, start, check, call): API, built from values; it
+    # reaches down to the compiler, runtime and plan, never up to the user's Graph class
+    "graphc.executable": "api",
+    "graphc.check_step": "api", "graphc.optim_check": "api",  # the Graph's checks of a step, optimizer
     "graphc.tools": "tools",
     "graphc.cli": "entry", "graphc.__main__": "entry",
 }
@@ -150,6 +154,48 @@ def test_right_way_imports_pass():
     assert not wrong_way("graphc.graph", "from . import plan_mode\nfrom .runtime.trace import Tracer\n",
                          "x.py")
     assert not wrong_way("graphc.tools.plan_cli", "from ..plan_mode import plan_mode\n", "x.py")
+
+
+# API modules that hold no Graph: they must not import the user's class or its config, so
+# that they are built from values (issue 20: an Executable is built from an InputSpec and a
+# CompileSpec, never from the Graph).
+BUILT_FROM_VALUES = {"graphc.executable", "graphc.check_step", "graphc.optim_check"}
+GRAPH_SIDE = {"graphc.graph", "graphc.config"}
+
+
+def graph_side_imports(module: str, source: str, where: str):
+    return [f"{where}:{line}: {module} imports {target} (built from values, never from the Graph)"
+            for line, target in graphc_imports(module, source) if target in GRAPH_SIDE]
+
+
+def test_executable_and_checks_are_built_from_values():
+    found = []
+    for path, module in all_modules():
+        if module in BUILT_FROM_VALUES:
+            found += graph_side_imports(module, path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("module, source, culprit", [
+    ("graphc.compiler", "from .executable import Executable\n", "graphc.executable"),
+    ("graphc.runtime.actors", "from ..executable import InputSpec\n", "graphc.executable"),
+    ("graphc.passes.lower_plan", "from ..check_step import check_step\n", "graphc.check_step"),
+    ("graphc.plan.plan", "from ..optim_check import check_optimizer\n", "graphc.optim_check"),
+    ("graphc.executable", "from .tools.dump import write_all\n", "graphc.tools.dump"),
+])
+def test_executable_sits_in_the_api_layer(module, source, culprit):
+    found = wrong_way(module, source, "synthetic.py")
+    assert [key for _, key in found] == [(module, culprit)]
+    assert (module, culprit) not in ALLOWED
+
+
+def test_executable_reaches_down_to_compiler_runtime_and_plan_only():
+    ok = "from . import compiler\nfrom .runtime.actors import Runtime\nfrom .plan.ops import box\n" \
+         "from .meta import META_SBP\nfrom .global_tensor import GlobalTensor\n"
+    assert not wrong_way("graphc.executable", ok, "x.py")
+    assert not graph_side_imports("graphc.executable", ok, "x.py")
+    assert graph_side_imports("graphc.executable", "from .graph import Graph\n", "x.py")
+    assert graph_side_imports("graphc.check_step", "def f():\n    from .config import compile_spec\n", "x.py")
 
 
 def test_plan_mode_writer_is_the_tools_write_all():

@@ -123,6 +123,30 @@ def index_write(ctx: Ctx):
     return Rows(tuple(dims), combine_reduced(ctx, [x] + ctx.tensors()[1:]))
 
 
+def put(ctx: Ctx):
+    """index_put(x, indices, values) / masked_scatter(x, mask, source): entries written at
+    positions read from data. index_put along a row dim writes rows by their position in the
+    whole batch; masked_scatter takes the source's entries in flat order, so which entry lands
+    in a row counts the masked entries of every row before it."""
+    x = ctx.rows(0)
+    if x is None:
+        return None
+    if op_name(ctx) == "masked_scatter":
+        source = ctx.rows(2)
+        ctx.couple(source.symbols if source is not None else [], "masked_scatter takes the source's "
+                   "entries in flat order, counted across the batch's rows")
+        dims = broadcast_rows(ctx, [x, ctx.rows(1) or Rows.none(0)])
+        return Rows(dims, combine_reduced(ctx, ctx.tensors()))
+    indices = ctx.arg(1, "indices") or ()
+    for k, i in enumerate(indices):
+        if isinstance(i, fx.Node) and k < len(x.dims) and not in_order(ctx.rows(i), ctx.shape(i), ctx.shape(0)[k]):
+            ctx.couple([x.dims[k]], f"'{op_name(ctx)}' writes entries into rows of the batch by position")
+    values = ctx.rows(2)
+    ctx.couple(values.symbols if values is not None else [], f"'{op_name(ctx)}' writes rows of the "
+               "batch at positions read from data")
+    return Rows(x.dims, combine_reduced(ctx, ctx.tensors()))
+
+
 def repeat_interleave(ctx: Ctx):
     """x.repeat_interleave(k, dim): each entry k times in a row, so each row of the batch stays
     one contiguous block, in order (MoE dispatch: each token once per chosen expert). Counts

@@ -17,7 +17,7 @@ import torch.nn as nn
 from .context import Ctx, op_name
 from .layers import (add_product, attention, class_loss, created, default, distance, einsum, embedding, like,
                      linear, matmul, multihead_attention, one_hot, outer_pairs, pointwise_loss, rnn)
-from .indexing import embedding_bag, gather, index_add, index_write, picks, repeat_interleave, scatter
+from .indexing import embedding_bag, gather, index_add, index_write, picks, put, repeat_interleave, scatter
 from .shapes import (along, attribute, concat, diagonal, divide, elementwise, expand, getitem, identity,
                      movedim, multiply, normalize_last, pad, per_sample, permute, pieces, reduction,
                      reshape, reverse_dims, squeeze, stack, tile, transpose, triangle, unsqueeze)
@@ -41,7 +41,7 @@ _NONLINEAR = ("relu", "gelu", "silu", "sigmoid", "tanh", "exp", "exp2", "log", "
               "bitwise_or", "isnan", "isinf", "isfinite", "nan_to_num", "lerp", "floordiv",
               "floor_divide", "mod", "remainder", "fmod", "atan2", "float_power", "xlogy", "prelu",
               "rrelu", "silu", "logit", "sinh", "cosh", "asin", "acos", "atan", "tan", "addcmul",
-              "addcdiv", "heaviside", "copysign", "masked_scatter", "polar",
+              "addcdiv", "heaviside", "copysign", "polar",
               "hardshrink", "softshrink", "sigmoid", "bool", "long", "int", "short", "byte", "char",
               "glu")
 _LINEAR_REDUCE = {"sum": 1, "mean": 1, "nansum": 1, "nanmean": 1}
@@ -91,7 +91,7 @@ RULES.update({
     "select": picks(1, True), "narrow": picks(1, False), "index_select": picks(1, False),
     "gather": gather, "take_along_dim": gather, "pad": pad,
     "scatter": scatter, "scatter_add": scatter, "scatter_reduce": scatter, "index_add": index_add,
-    "index_fill": index_write, "index_copy": index_write,
+    "index_fill": index_write, "index_copy": index_write, "index_put": put, "masked_scatter": put,
     "repeat_interleave": repeat_interleave, "embedding_bag": embedding_bag,  # See NOTE: Indexing along a dim
     "tril": triangle, "triu": triangle, "diag": diagonal, "diagonal": diagonal,
     "diag_embed": diagonal, "trace": diagonal,

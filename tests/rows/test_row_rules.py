@@ -188,6 +188,21 @@ def index_copy_rows(net, x):
     return net.lin(x).index_copy(0, torch.tensor([0, 2]), net.table[:2].exp()).tanh().mean()
 
 
+def index_put_features(net, x):  # features 4 and 0 of every row
+    h = net.lin(x).T
+    return h.index_put((torch.tensor([4, 0]),), net.table[0, :1]).tanh().mean()
+
+
+def index_put_rows(net, x, k):  # rows named by data
+    h = net.lin(x)
+    return h.index_put((k[:, 0], k[:, 1]), h[:, 0]).tanh().mean()
+
+
+def masked_scatter_rows(net, x, mask):  # the source's entries counted across the rows
+    h = net.lin(x)
+    return h.masked_scatter(mask[:, None].expand_as(h), (2 * h).exp()).tanh().mean()
+
+
 def masked_fill_rows(net, x, mask):
     return net.lin(x).masked_fill(mask[:, None], 0.0).tanh().mean()
 
@@ -265,7 +280,7 @@ def advanced_index_rows(net, x, k):
     (index_select_features, ("x",)), (index_select_table, ("y", "x")),
     (gather_features, ("x", "k")), (take_along_features, ("x", "k")),
     (scatter_features, ("x", "y")), (scatter_add_features, ("x", "k")), (index_add_features, ("x",)),
-    (index_fill_features, ("x",)), (index_copy_features, ("x",)),
+    (index_fill_features, ("x",)), (index_copy_features, ("x",)), (index_put_features, ("x",)),
     (masked_fill_rows, ("x", "mask")), (where_rows, ("x", "mask")),
     (topk_features, ("x",)), (sort_features, ("x",)), (argsort_features, ("x",)),
     (embedding_bag_functional, ("ids", "x")), (embedding_bag_module, ("ids", "x")),
@@ -287,6 +302,8 @@ def test_op_along_another_dim_keeps_rows_and_equals_eager(fn, names):
     (index_add_rows_in_place, ("x", "y"), "'index_add' adds entries into rows of the batch"),
     (index_fill_rows, ("x",), "'index_fill' writes entries into rows of the batch"),
     (index_copy_rows, ("x",), "'index_copy' writes entries into rows of the batch"),
+    (index_put_rows, ("x", "k"), "'index_put' writes"),
+    (masked_scatter_rows, ("x", "mask"), "masked_scatter takes the source's entries in flat order"),
     (masked_fill_batch_mean, ("x",), "h.masked_fill(h > h.mean(0), 0.0)"),
     (where_batch_mean, ("x",), "torch.where(h > h.mean(0), h, torch.zeros_like(h))"),
     (topk_rows, ("x",), "'topk' runs across the batch's rows"),

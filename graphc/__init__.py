@@ -3,6 +3,7 @@
 Public API (see README.md, "The API by example"): Graph, placement, sbp, to_global,
 GlobalTensor, GraphcError, ExecutionPlan.
 """
+from . import amp
 from .checkpoint import load, save
 from .errors import GraphcError, PlanError, RankFailedError
 from .global_tensor import GlobalTensor, to_global
@@ -13,4 +14,4 @@ from .plan.plan import ExecutionPlan
 __version__ = "0.1.0"
 
 __all__ = ["Graph", "GlobalTensor", "GraphcError", "PlanError", "RankFailedError",
-           "ExecutionPlan", "placement", "sbp", "to_global", "save", "load", "__version__"]
+           "ExecutionPlan", "placement", "sbp", "to_global", "save", "load", "amp", "__version__"]

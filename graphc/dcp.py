@@ -54,7 +54,8 @@ from .placement import Broadcast, Split
 from .sbp.layout import local_component, shard_slices
 
 DCP_FORMAT = "graphc.state/2"
-ENTRIES = ("format", "model", "optim", "optimizer_class", "lr_scheduler", "steps", "rng")
+ENTRIES = ("format", "model", "optim", "optimizer_class", "lr_scheduler", "steps", "rng",
+           "grad_scaler")  # the loss scale and its growth tracker (graphc/amp.py), when set
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,7 @@ class Executable:
         local = self.compiled.plan_for(rank).local_stages
         return device_for(self.compiled.stages[local[0]].device_type) if local else torch.device("cpu")
 
-    def start(self, rank: int, optimizer, lr_scheduler, config) -> None:
+    def start(self, rank: int, optimizer, lr_scheduler, config, grad_scaler=None) -> None:
         """This rank's transport, process groups (collective: every rank, same order) and
         runtime."""
         plan = self.compiled.plan_for(rank)
@@ -184,7 +184,7 @@ class Executable:
         create_groups(compiled_groups(self.compiled))
         self.tracer = Tracer.from_config(config, rank)
         self.runtime = Runtime(plan, programs, p2p, self.device(rank), optimizer, lr_scheduler,
-                               config.recv_window, self.tracer.record)
+                               config.recv_window, self.tracer.record, grad_scaler)
 
     def check(self) -> Optional[Guard]:
         """The first guard that no longer holds (None: this executable may run)."""

@@ -78,6 +78,7 @@ class Graph:
         object.__setattr__(self, "config", GraphConfig(self))
         object.__setattr__(self, "_optimizer", None)
         object.__setattr__(self, "_lr_scheduler", None)
+        object.__setattr__(self, "grad_scaler", None)  # graphc.amp.GradScaler (set_grad_scaler)
         object.__setattr__(self, "_state", None)
         object.__setattr__(self, "_pending_state", None)
         object.__setattr__(self, "_rank", 0)
@@ -127,6 +128,21 @@ class Graph:
         check_optimizer(optimizer, lr_sch)
         object.__setattr__(self, "_optimizer", optimizer)
         object.__setattr__(self, "_lr_scheduler", lr_sch)
+
+    def set_grad_scaler(self, scaler) -> None:
+        """Loss scaling for float16 (OneFlow's name; NOTE: Loss scaling, graphc/amp.py).
+
+        Example:
+            self.config.enable_amp(True, dtype=torch.float16)
+            self.set_grad_scaler(graphc.amp.GradScaler(init_scale=2.0**16))
+        """
+        from .amp import GradScaler
+        if not isinstance(scaler, GradScaler):
+            raise GraphcError(f"set_grad_scaler expects a graphc.amp.GradScaler, found {type(scaler).__name__}. "
+                              "Fix: self.set_grad_scaler(graphc.amp.GradScaler(init_scale=2.0**16)).")
+        if self._compiled is not None:
+            raise GraphcError("set_grad_scaler was called after the graph was compiled; call it in __init__")
+        object.__setattr__(self, "grad_scaler", scaler)
 
     # -- compile and run -------------------------------------------------------------
     def _compile_spec(self) -> compiler.CompileSpec:
@@ -245,7 +261,7 @@ class Graph:
         # every rank runs the same plans from equal replicas (See NOTE: Rank agreement)
         self._state.agree(exe.compiled, self.config, f"the compiled {type(self).__name__}",
                           f"{self._instance}/{len(self._cache)}", with_parameters=new_state)
-        exe.start(self._rank, self._optimizer, self._lr_scheduler, self.config)
+        exe.start(self._rank, self._optimizer, self._lr_scheduler, self.config, self.grad_scaler)
 
     # -- state -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -268,7 +284,10 @@ class Graph:
         if self._state is None:
             raise GraphcError("state_dict() needs a compiled graph: run one step or call "
                               "graph.compile(*inputs) first")
-        return dcp_state_dict(self._state, self._base_seed)
+        sd = dcp_state_dict(self._state, self._base_seed)
+        if self.grad_scaler is not None:  # the loss scale resumes where it was (graphc/amp.py)
+            sd["grad_scaler"] = self.grad_scaler.state_dict()
+        return sd
 
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
         """Loads a graph.state_dict(); before compiling, it is applied at compile.
@@ -286,6 +305,8 @@ class Graph:
         if not isinstance(strict, bool):
             raise GraphcError(f"load_state_dict: strict must be True or False, found {strict!r}")
         check_state_dict(state)  # the structure now; keys and shapes once compiled
+        if self.grad_scaler is not None and "grad_scaler" in state:  # graphc/amp.py
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
         if self._state is None:
             object.__setattr__(self, "_pending_state", (state, strict))
             return

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..errors import RankFailedError
@@ -167,9 +168,12 @@ class Runtime:
     """
 
     def __init__(self, plan: ExecutionPlan, programs: Dict[int, StageProgram], p2p, device,
-                 optimizer=None, lr_scheduler=None, window: int = 2, trace: bool = False):
+                 optimizer=None, lr_scheduler=None, window: int = 2, trace: bool = False,
+                 grad_scaler=None):
         self.plan, self.p2p, self.device = plan, p2p, device
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.enabled else None
+        self.found_inf: Optional[bool] = None  # this step's overflow, once gradients are unscaled
         self.window, self.trace = window, trace
         self.calls = 0   # steps begun: a failure names the call a stopped peer did not make
         m = plan.num_microbatches
@@ -255,6 +259,10 @@ class Runtime:
         assembling: Dict[tuple, list] = {}   # values being received in pieces: [tensor, elements to come]
         if self.plan.training and self.optimizer is not None:
             self._own_grads()
+        if self.grad_scaler is not None and self.plan.training:  # NOTE: Loss scaling (graphc/amp.py)
+            self.found_inf = None
+            for ex in self.executors.values():
+                ex.loss_scale = self.grad_scaler.get_scale() / self.plan.num_microbatches
         if self.grad_sync is not None and self.plan.training:
             self.grad_sync.start_step()
         profiling = torch.autograd.profiler._is_profiler_enabled  # checked once per step: cheap
@@ -280,6 +288,7 @@ class Runtime:
                         actor.drain()
                     self._optimizer_step()
                 elif isinstance(ins, ClipGradNorm):
+                    self._unscale()
                     self._clip_grad_norm(ins)
                 elif isinstance(ins, AllReduce):
                     self.grad_sync.wait(ins)
@@ -340,10 +349,32 @@ class Runtime:
             for p in ex.program.module.parameters():
                 p.grad = None
 
+    def _unscale(self) -> None:
+        """NOTE: Loss scaling. This rank's gradients times 1/scale, and whether any rank or
+        stage found inf/NaN (one MAX all-reduce over the world); once per step."""
+        if self.grad_scaler is None or self.found_inf is not None:
+            return
+        inv = self.grad_scaler.inverse()
+        found = torch.zeros((), dtype=torch.float32)
+        params = _local_parameters([ex.program for ex in self.executors.values()])
+        for p in {id(p): p for p in params.values()}.values():
+            if p.grad is not None:
+                p.grad.mul_(inv.to(p.grad.dtype))
+                found = torch.maximum(found, (~torch.isfinite(p.grad)).any().float())
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        self.found_inf = bool(found)
+
     def _optimizer_step(self) -> None:
         if self.optimizer is None:
             return
-        self.optimizer.step()
+        if self.grad_scaler is not None:
+            self._unscale()
+            if not self.found_inf:
+                self.optimizer.step()
+            self.grad_scaler.update(self.found_inf)
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

@@ -83,3 +83,13 @@ class GradScaler:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self._scale = torch.tensor(float(state["scale"]), dtype=torch.float32)
         self.growth_tracker = int(state["growth_tracker"])
+
+
+def checked_scaler(scaler, compiled: bool) -> GradScaler:
+    """What Graph.set_grad_scaler accepts: a graphc.amp.GradScaler, before compiling."""
+    if not isinstance(scaler, GradScaler):
+        raise GraphcError(f"set_grad_scaler expects a graphc.amp.GradScaler, found {type(scaler).__name__}. "
+                          "Fix: self.set_grad_scaler(graphc.amp.GradScaler(init_scale=2.0**16)).")
+    if compiled:
+        raise GraphcError("set_grad_scaler was called after the graph was compiled; call it in __init__")
+    return scaler

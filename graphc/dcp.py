@@ -485,3 +485,10 @@ def to_local_form(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_local_form(v) for v in obj)
     return obj
+
+
+def unprefixed(root, sd: Dict[str, Any]) -> Dict[str, Any]:
+    """Drops the attribute prefix when a single assigned module holds all the state (so
+    full_state_dict is keyed like the user's model.state_dict())."""
+    prefix = user_prefix(root)
+    return {k[len(prefix):]: v for k, v in sd.items()}

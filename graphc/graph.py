@@ -7,42 +7,22 @@ import torch
 import torch.nn as nn
 
 from . import compiler, plan_mode
+from .amp import checked_scaler
 from .block import ModuleBlock
+from .build_root import BuildRoot
 from .check_step import FirstStepCheck, optimizer_groups, warn_if_random
 from .config import GraphConfig, compile_spec
-from .dcp import dcp_state_dict, user_prefix
+from .dcp import dcp_state_dict, unprefixed
 from .errors import GraphcError
-from .optim_check import check_optimizer
 from .executable import (Executable, ExecutableCache, check_cuda_available, check_same_stages, flatten_call,
                          named_placements, signature)
-from .guards import current_log
+from .optim_check import check_optimizer
 from .plan.plan import ExecutionPlan
 from .runtime.dist_env import ensure_process_group, timeout_seconds
 from .runtime.rng import agree_base_seed
 from .state import GraphState, check_state_dict
 
 _CREATED: Dict[str, int] = {}  # Graph subclass name -> instances created in this process
-
-
-class _BuildRoot(nn.Module):
-    """The nn.Module traced for build(): holds the user's modules under their names.
-
-    Attribute lookups that are not modules fall back to the Graph, so build() can use
-    the Graph's other attributes and helper methods.
-    """
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            graph = self.__dict__.get("_graphc_graph")
-            if graph is None:
-                raise
-            value = getattr(graph, name)
-            log = current_log()
-            if log is not None and name in graph.__dict__:  # baked into the trace: guarded (NOTE: Guards)
-                log.note(graph, name, value, prefix="self")
-            return value
 
 
 class Graph:
@@ -70,7 +50,7 @@ class Graph:
     """
 
     def __init__(self):
-        root_cls = type(f"{type(self).__name__}Build", (_BuildRoot,), {"forward": type(self).build})
+        root_cls = type(f"{type(self).__name__}Build", (BuildRoot,), {"forward": type(self).build})
         root = root_cls()
         object.__setattr__(root, "_graphc_graph", self)
         object.__setattr__(self, "_root", root)
@@ -136,13 +116,7 @@ class Graph:
             self.config.enable_amp(True, dtype=torch.float16)
             self.set_grad_scaler(graphc.amp.GradScaler(init_scale=2.0**16))
         """
-        from .amp import GradScaler
-        if not isinstance(scaler, GradScaler):
-            raise GraphcError(f"set_grad_scaler expects a graphc.amp.GradScaler, found {type(scaler).__name__}. "
-                              "Fix: self.set_grad_scaler(graphc.amp.GradScaler(init_scale=2.0**16)).")
-        if self._compiled is not None:
-            raise GraphcError("set_grad_scaler was called after the graph was compiled; call it in __init__")
-        object.__setattr__(self, "grad_scaler", scaler)
+        object.__setattr__(self, "grad_scaler", checked_scaler(scaler, compiled=self._compiled is not None))
 
     # -- compile and run -------------------------------------------------------------
     def _compile_spec(self) -> compiler.CompileSpec:
@@ -194,15 +168,9 @@ class Graph:
             raise GraphcError("the graph is not compiled yet; call graph.compile(*inputs) first")
         return self._compiled
 
-    @property
-    def _compiled(self):
-        exe = self.__dict__["_cache"].current
-        return exe.compiled if exe is not None else None
-
-    @property
-    def _runtime(self):
-        exe = self.__dict__["_cache"].current
-        return exe.runtime if exe is not None else None
+    # the current executable's compiled graph and runtime (None before the first compile)
+    _compiled = property(lambda self: getattr(self.__dict__["_cache"].current, "compiled", None))
+    _runtime = property(lambda self: getattr(self.__dict__["_cache"].current, "runtime", None))
 
     @property
     def recompiles(self) -> List[str]:
@@ -327,8 +295,8 @@ class Graph:
             if rank == 0: torch.save(full, "model.pt")
         """
         if self._state is None:
-            return _unprefixed(self._root, {k: v.detach().clone() for k, v in self._root.state_dict().items()})
-        return _unprefixed(self._root, self._state.full_state_dict(rank0_only, cpu_offload))
+            return unprefixed(self._root, {k: v.detach().clone() for k, v in self._root.state_dict().items()})
+        return unprefixed(self._root, self._state.full_state_dict(rank0_only, cpu_offload))
 
     def __repr__(self) -> str:
         name = type(self).__name__
@@ -339,8 +307,3 @@ class Graph:
         parts = [f"{name} (compiled){notes}"] + [str(p) for p in self._compiled.programs] + [str(self.plan)]
         return "\n\n".join(parts)
 
-
-def _unprefixed(root: nn.Module, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Drops the attribute prefix when a single assigned module holds all the state."""
-    prefix = user_prefix(root)
-    return {k[len(prefix):]: v for k, v in sd.items()}

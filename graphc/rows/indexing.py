@@ -19,6 +19,12 @@ from . import Rows
 from .context import Ctx, broadcast_rows, combine_reduced, in_order, norm_dim, op_name
 
 
+def _tensor(ctx: Ctx, a):
+    """The Rows of an argument's value, None for a number (ctx.rows would read an int as the
+    position of an argument)."""
+    return ctx.rows(a) if isinstance(a, fx.Node) else None
+
+
 def picks(dim_at: int, drop: bool):
     """select / narrow / index_select along a dim: on a row dim, some rows of the batch."""
     def rule(ctx: Ctx):
@@ -27,9 +33,10 @@ def picks(dim_at: int, drop: bool):
             return None
         d = norm_dim(ctx.arg(dim_at, "dim", 0), len(x.dims))
         ins, out = ctx.shape(0), ctx.shape()
-        idx = ctx.rows(2) if op_name(ctx) == "index_select" else None
+        index = ctx.arg(2, "index") if op_name(ctx) == "index_select" else None
+        idx = _tensor(ctx, index)
         whole = (ins is not None and out is not None and not drop
-                 and (in_order(idx, ctx.shape(2), ins[d]) if idx is not None else out[d] == ins[d]))
+                 and (in_order(idx, ctx.shape(index), ins[d]) if idx is not None else out[d] == ins[d]))
         if not whole:
             ctx.couple([x.dims[d]], f"'{op_name(ctx)}' picks rows of the batch")
         if drop:
@@ -43,7 +50,7 @@ def gather(ctx: Ctx):
     """gather(x, dim, index) / take_along_dim(x, index, dim): out[.., j, ..] = x[.., index[.., j, ..], ..];
     every other dim lines x and index up."""
     take = op_name(ctx) == "take_along_dim"
-    x, idx = ctx.rows(0), ctx.rows(1 if take else 2)
+    x, idx = ctx.rows(0), _tensor(ctx, ctx.arg(1, "indices") if take else ctx.arg(2, "index"))
     if x is None or idx is None:
         return None
     dim = ctx.arg(2 if take else 1, "dim")
@@ -60,7 +67,7 @@ def scatter(ctx: Ctx):
     """scatter / scatter_add / scatter_reduce(x, dim, index, src): src's entries written into x at
     index along dim. Summed into a dim without rows (a per-class count of the batch), they are a
     reduction over the rows of src; written (not added) or into a row dim, rows meet other rows."""
-    x, idx, src = ctx.rows(0), ctx.rows(2), ctx.rows(3)
+    x, idx, src = ctx.rows(0), _tensor(ctx, ctx.arg(2, "index")), _tensor(ctx, ctx.arg(3, "src"))
     if x is None or idx is None:
         return None
     d = norm_dim(ctx.arg(1, "dim"), len(x.dims))
@@ -82,11 +89,12 @@ def index_add(ctx: Ctx):
     Into a dim without rows, source's rows there are summed into bins (linear); into a row dim
     only a position index in order keeps rows apart: `torch.arange(n).repeat_interleave(k)`
     adds each token's k expert outputs back into the token's own row (MoE dispatch)."""
-    x, idx, src = ctx.rows(0), ctx.rows(2), ctx.rows(3)
+    index = ctx.arg(2, "index")
+    x, idx, src = ctx.rows(0), _tensor(ctx, index), _tensor(ctx, ctx.arg(3, "source"))
     if x is None or idx is None or src is None:
         return None
     d = norm_dim(ctx.arg(1, "dim"), len(x.dims))
-    onto_itself = in_order(idx, ctx.shape(2), ctx.shape(0)[d])
+    onto_itself = in_order(idx, ctx.shape(index), ctx.shape(0)[d])
     dims = list(broadcast_rows(ctx, [Rows(x.dims[:d] + (None,) + x.dims[d + 1:]),
                                      Rows(src.dims[:d] + (None,) + src.dims[d + 1:])]))
     if onto_itself:
@@ -105,13 +113,14 @@ def index_write(ctx: Ctx):
     along dim replaced. Into a row dim that is writing rows by their position in the whole
     batch (a micro-batch would write its own rows 1 and 3); source's rows replacing slices of
     a dim without rows are written over each other."""
-    x, idx = ctx.rows(0), ctx.rows(2)
+    index = ctx.arg(2, "index")
+    x, idx = ctx.rows(0), _tensor(ctx, index)
     if x is None or idx is None:
         return None
     d = norm_dim(ctx.arg(1, "dim"), len(x.dims))
-    src = ctx.rows(3)
+    src = _tensor(ctx, ctx.arg(3, "source", ctx.node.kwargs.get("value")))
     src = src if src is not None and len(src.dims) == len(x.dims) else None
-    if not in_order(idx, ctx.shape(2), ctx.shape(0)[d]):
+    if not in_order(idx, ctx.shape(index), ctx.shape(0)[d]):
         ctx.couple([x.dims[d]], f"'{op_name(ctx)}' writes entries into rows of the batch by position")
         ctx.couple([src.dims[d] if src is not None else None], f"'{op_name(ctx)}' writes rows of "
                    "the batch over other entries")
@@ -132,16 +141,17 @@ def put(ctx: Ctx):
     if x is None:
         return None
     if op_name(ctx) == "masked_scatter":
-        source = ctx.rows(2)
+        source = _tensor(ctx, ctx.arg(2, "source"))
         ctx.couple(source.symbols if source is not None else [], "masked_scatter takes the source's "
                    "entries in flat order, counted across the batch's rows")
-        dims = broadcast_rows(ctx, [x, ctx.rows(1) or Rows.none(0)])
+        mask = _tensor(ctx, ctx.arg(1, "mask"))
+        dims = broadcast_rows(ctx, [x] + ([mask] if mask is not None else []))
         return Rows(dims, combine_reduced(ctx, ctx.tensors()))
     indices = ctx.arg(1, "indices") or ()
     for k, i in enumerate(indices):
         if isinstance(i, fx.Node) and k < len(x.dims) and not in_order(ctx.rows(i), ctx.shape(i), ctx.shape(0)[k]):
             ctx.couple([x.dims[k]], f"'{op_name(ctx)}' writes entries into rows of the batch by position")
-    values = ctx.rows(2)
+    values = _tensor(ctx, ctx.arg(2, "values"))
     ctx.couple(values.symbols if values is not None else [], f"'{op_name(ctx)}' writes rows of the "
                "batch at positions read from data")
     return Rows(x.dims, combine_reduced(ctx, ctx.tensors()))
@@ -181,8 +191,8 @@ def embedding_bag(ctx: Ctx):
     x = ctx.rows(0)
     if x is None:
         return None
-    offsets = ctx.rows(1 if module else 2)
-    weights = ctx.rows(2) if module else ctx.rows(ctx.node.kwargs.get("per_sample_weights"))
+    offsets = _tensor(ctx, ctx.arg(1 if module else 2, "offsets"))
+    weights = _tensor(ctx, ctx.arg(2 if module else 8, "per_sample_weights"))
     if weights is not None:
         broadcast_rows(ctx, [x, weights])
     if len(x.dims) == 2:

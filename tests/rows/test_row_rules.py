@@ -122,6 +122,18 @@ def gather_features(net, x, k):
     return net.lin(x).gather(1, k).tanh().mean()
 
 
+def gather_keywords(net, x, k):  # arguments by name read as by position
+    return net.lin(x).gather(dim=1, index=k).tanh().mean()
+
+
+def gather_rows_keywords(net, x, k):
+    return net.lin(x).gather(dim=0, index=k).tanh().mean()
+
+
+def scatter_number(net, x, k):  # an int value is a number, not the position of an argument
+    return net.lin(x).scatter(1, k, 0).tanh().mean()
+
+
 def gather_rows(net, x, k):
     return net.lin(x).gather(0, k).tanh().mean()
 
@@ -278,7 +290,8 @@ def advanced_index_rows(net, x, k):
 @pytest.mark.parametrize("fn, names", [
     (addmm, ("xs",)), (addmv, ("x",)), (baddbmm, ("xs",)), (tile_features, ("x",)),
     (index_select_features, ("x",)), (index_select_table, ("y", "x")),
-    (gather_features, ("x", "k")), (take_along_features, ("x", "k")),
+    (gather_features, ("x", "k")), (gather_keywords, ("x", "k")), (take_along_features, ("x", "k")),
+    (scatter_number, ("x", "k")),
     (scatter_features, ("x", "y")), (scatter_add_features, ("x", "k")), (index_add_features, ("x",)),
     (index_fill_features, ("x",)), (index_copy_features, ("x",)), (index_put_features, ("x",)),
     (masked_fill_rows, ("x", "mask")), (where_rows, ("x", "mask")),
@@ -295,6 +308,7 @@ def test_op_along_another_dim_keeps_rows_and_equals_eager(fn, names):
     (tile_rows_added_back, ("xs",), "'repeat' tiles the batch's rows"),
     (index_select_rows, ("x",), "'index_select' picks rows of the batch"),
     (gather_rows, ("x", "k"), "'gather' picks rows of the batch"),
+    (gather_rows_keywords, ("x", "k"), "'gather' picks rows of the batch"),
     (take_along_rows, ("x", "k"), "'take_along_dim' picks rows of the batch"),
     (scatter_rows, ("x", "k"), "'scatter' writes entries into rows of the batch"),
     (scatter_add_rows, ("x", "k"), "'scatter_add' writes entries into rows of the batch"),

@@ -44,7 +44,9 @@ class ModuleBlock:
             return self._module[idx]
         child = self._module[idx]
         if isinstance(self._module, (nn.Sequential, nn.ModuleList)):
-            name = str(idx % len(self._module))
+            # the child's own name: a Sequential built from an OrderedDict names them (ViT's
+            # encoder.layers["encoder_layer_1"]), so position 1 is not named "1"
+            name = list(self._module._modules)[idx]
         else:
             name = str(idx)
         return self._child(name, child)

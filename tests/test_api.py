@@ -72,3 +72,21 @@ def test_single_process_graph_runs_and_prints():
     assert isinstance(out, graphc.GlobalTensor) and out.to_local().shape == (4, 2)
     assert "0F0" in str(g.plan) and "def forward" in repr(g)
     assert g.plan.to_json()["format"] == "graphc.plan/1"
+
+
+def test_sequential_from_an_ordered_dict_is_indexed_by_its_own_names():
+    """ViT's encoder.layers[1] is named "encoder_layer_1", not "1" (it was staged wrong)."""
+    from collections import OrderedDict
+
+    class G(graphc.Graph):
+        def __init__(self):
+            super().__init__()
+            self.seq = torch.nn.Sequential(OrderedDict(first=torch.nn.Linear(2, 2), second=torch.nn.Linear(2, 2)))
+            self.seq[1].config.set_stage(1, graphc.placement("cpu", [1]))
+            self.seq[-2].config.set_stage(0, graphc.placement("cpu", [0]))
+
+        def build(self, x):
+            return self.seq(x)
+
+    g = G()
+    assert {name: c.stage_id for name, c in g._module_configs.items()} == {"seq.second": 1, "seq.first": 0}

@@ -28,8 +28,18 @@ from ..sbp import local_ops
 from ..sbp.declared import declared_in
 from ..sbp.layout import flat, mesh_shape
 
-_ACTIVATIONS = {nn.ReLU: F.relu, nn.GELU: F.gelu, nn.SiLU: F.silu, nn.Tanh: F.tanh,
-                nn.Sigmoid: F.sigmoid}
+# elementwise modules: their functional and its keyword arguments from the module, so a
+# split value stays split through them (MobileNetV2's ReLU6 gathered the batch before)
+_ACTIVATIONS = {
+    nn.ReLU: (F.relu, ()), nn.GELU: (F.gelu, ("approximate",)), nn.SiLU: (F.silu, ()),
+    nn.Tanh: (F.tanh, ()), nn.Sigmoid: (F.sigmoid, ()), nn.ReLU6: (F.relu6, ()),
+    nn.Hardswish: (F.hardswish, ()), nn.Hardsigmoid: (F.hardsigmoid, ()), nn.Mish: (F.mish, ()),
+    nn.LeakyReLU: (F.leaky_relu, ("negative_slope",)), nn.ELU: (F.elu, ("alpha",)),
+    nn.SELU: (F.selu, ()), nn.CELU: (F.celu, ("alpha",)), nn.Softplus: (F.softplus, ("beta", "threshold")),
+    nn.Hardtanh: (F.hardtanh, ("min_val", "max_val")), nn.LogSigmoid: (F.logsigmoid, ()),
+    nn.Softsign: (F.softsign, ()), nn.Tanhshrink: (F.tanhshrink, ()),
+    nn.Threshold: (F.threshold, ("threshold", "value")),
+}
 
 
 def decompose_modules(gm: fx.GraphModule, meshes) -> fx.GraphModule:
@@ -69,8 +79,8 @@ def _call(gm, node, fn, args, kwargs=None) -> fx.Node:
 def _functional(gm, node: fx.Node, mod: nn.Module):
     x = node.args[0]
     if type(mod) in _ACTIVATIONS and not node.kwargs and len(node.args) == 1:
-        kw = {"approximate": mod.approximate} if isinstance(mod, nn.GELU) else {}
-        return _call(gm, node, _ACTIVATIONS[type(mod)], [x], kw)
+        fn, names = _ACTIVATIONS[type(mod)]
+        return _call(gm, node, fn, [x], {k: getattr(mod, k) for k in names})
     if isinstance(mod, nn.Identity):
         return x
     if isinstance(mod, nn.Dropout) and len(node.args) == 1:

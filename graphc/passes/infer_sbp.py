@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import GraphcError
+from ..log import get_logger
 from ..meta import (META_BATCHED, META_GRAD_PARTIAL, META_PIECES, META_SBP, META_STAGE, META_TENSOR,
                     SbpSignature, is_backward)
 from ..placement import Broadcast, PartialSum, Split, normalize_sbp
@@ -25,6 +26,8 @@ from ..sbp.cost import conversion_cost, tensor_bytes
 from ..sbp.declared import conversion_target, declared_in, to_global_op
 from ..sbp.layout import B, flat, fmt, is_even, local_shape, mesh_shape, same_shape
 from ..sbp.rules import RuleCtx, draws_random, rule_for
+
+_log = get_logger("sbp")
 
 
 def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence,
@@ -49,7 +52,29 @@ def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence,
             _check_microbatches(node, sig, num_microbatches)
         node.meta[META_SBP] = _single_rank_axes_broadcast(sig)
     _mark_grad_partial(gm)
+    _warn_fallbacks(gm)
     return gm
+
+
+def _warn_fallbacks(gm: fx.GraphModule) -> None:
+    """A slow path is said, once per compile: an op without an SBP rule whose split or
+    partial inputs are gathered to whole values on a stage of several ranks (the plan marks
+    the collective `fallback: <op>` too)."""
+    found = []
+    for node in gm.graph.nodes:
+        sig = node.meta.get(META_SBP)
+        if sig is None or not sig.fallback or len(flat(sig.mesh)) == 1:
+            continue
+        gathered = [a for a in node.all_input_nodes if META_SBP in a.meta
+                    and not all(isinstance(s, Broadcast) for s in a.meta[META_SBP].out)]
+        if gathered:
+            trace = node.meta.get("stack_trace", "").strip().splitlines()
+            where = f" at {trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else ""
+            found.append(f"'{node.name}' ({node.format_node().split('=', 1)[-1].strip()[:60]}){where}")
+    if found:
+        _log.warning("%d op(s) have no SBP rule and gather split or partial values to run whole on "
+                     "every rank of their stage (a slow path: the batch or the weights are "
+                     "all-gathered): %s", len(found), "; ".join(found[:5]) + (" ..." if len(found) > 5 else ""))
 
 
 def _check_microbatches(node: fx.Node, sig: SbpSignature, m: int) -> None:

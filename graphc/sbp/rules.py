@@ -614,7 +614,8 @@ _register(elementwise, "masked_fill", "masked_fill_", torch.masked_fill, torch.w
           torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge,
           "eq", "ne", "lt", "le", "gt", "ge", "logical_not", torch.logical_not, operator.invert,
           "rsqrt", torch.rsqrt, "sqrt", torch.sqrt, "pow", torch.pow, operator.pow, "abs", torch.abs,
-          F.relu6, F.leaky_relu, F.elu, F.hardtanh, F.hardswish, F.softplus, F.mish)
+          F.relu6, F.leaky_relu, F.elu, F.hardtanh, F.hardswish, F.softplus, F.mish,
+          F.selu, F.celu, F.hardsigmoid, F.logsigmoid, F.softsign, F.tanhshrink, F.threshold)
 _register(triangular, torch.tril, torch.triu, "tril", "triu")
 _register(cast, "float", "double", "half", "bfloat16", "to", "type", "type_as")
 _register(metadata, "size", "dim", "numel", "nelement", "ndimension", "get_device")

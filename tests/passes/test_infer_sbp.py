@@ -1,4 +1,6 @@
 """infer_sbp in one process: graphs compiled for 2 ranks without a process group."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -8,6 +10,7 @@ import graphc
 from graphc import compiler, sbp
 from graphc.meta import META_GRAD_PARTIAL, META_SBP
 from graphc.placement import Broadcast, PartialSum, Split
+from helpers import assert_close, run_world
 
 P01 = graphc.placement("cpu", [0, 1])
 
@@ -85,6 +88,62 @@ def test_op_without_rule_is_a_visible_fallback():
     assert cumsum.fallback and cumsum.out == (Broadcast(),)
     text = str(cg.plans[0])
     assert "ALL_GATHER" in text and "fallback: cumsum" in text
+
+
+def test_a_fallback_gathering_split_values_is_a_logged_warning(capsys):
+    model = graphc.to_global(Net(), placement=P01, sbp=sbp.broadcast)
+    capsys.readouterr()
+    compile_for(LossGraph(model, body=lambda h: torch.cumsum(h, 1)), sbp.split(0), sbp.split(0))
+    err = capsys.readouterr().err
+    assert "1 op(s) have no SBP rule and gather split or partial values" in err and "'cumsum'" in err
+    assert "test_infer_sbp.py" in err  # the user's line
+
+
+class ActivationNet(nn.Module):
+    """MobileNetV2's habit: activation modules (ReLU6, Hardswish, ...) between layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.acts = nn.Sequential(nn.ReLU6(), nn.Hardswish(), nn.LeakyReLU(0.2), nn.ELU(), nn.Softplus(),
+                                  nn.Hardtanh(-2.0, 2.0), nn.SELU(), nn.Mish())
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(self.acts(self.fc1(x)))
+
+
+def test_activation_modules_keep_the_batch_split(capsys):
+    """They were run whole after an all-gather of the batch (a silent 'fallback' in the plan)."""
+    model = graphc.to_global(ActivationNet(), placement=P01, sbp=sbp.broadcast)
+    capsys.readouterr()
+    cg = compile_for(LossGraph(model), sbp.split(0), sbp.split(0))
+    assert not any(s.fallback for s in sig_of(cg, lambda n: True))
+    assert "fallback" not in str(cg.plans[0]) and "ALL_GATHER" not in str(cg.plans[0])
+    assert "no SBP rule" not in capsys.readouterr().err
+
+
+def _activation_dp(rank, world):
+    torch.manual_seed(0)
+    model = ActivationNet()
+    ref = copy.deepcopy(model)
+    graph = LossGraph(graphc.to_global(model, placement=P01, sbp=sbp.broadcast))
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    rows = slice(4 * rank, 4 * rank + 4)
+    loss = graph(graphc.to_global(x[rows], placement=P01, sbp=sbp.split(0)),
+                 graphc.to_global(y[rows], placement=P01, sbp=sbp.split(0))).to_local()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = F.cross_entropy(ref(x), y)
+    opt.zero_grad(), want.backward(), opt.step()
+    return loss, want.detach(), graph.full_state_dict(), ref.state_dict()
+
+
+@pytest.mark.world
+def test_activation_modules_on_data_parallel_equal_eager():
+    for loss, want, state, want_state in run_world(_activation_dp, 2):
+        assert_close(loss, want, "loss")
+        for k, v in want_state.items():
+            assert_close(state[k], v, k)
 
 
 def test_view_and_mean_rules_remap_split_dims():

@@ -1,0 +1,44 @@
+"""examples/hf_llama.py: a Hugging Face Llama from a dict DataLoader (padded lines, attention
+masks, labels -100 on padding), its own loss. The example's losses in float64 on pipeline 2,
+data 2 and tensor 2 (2 gloo ranks) equal its one-process run; Llama's loss is a float32
+number (its own upcast of the logits): compared at 8 float32 eps relative, the floor
+tests/examples/test_hf_masks.py measures for eager itself."""
+import functools
+import os
+import sys
+
+import pytest
+import torch
+
+from helpers import run_world
+
+pytest.importorskip("transformers")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+import hf_llama  # noqa: E402
+
+ARGS = ["--steps", "3", "--layers", "2", "--embd", "32", "--block", "24"]
+RTOL = 8 * torch.finfo(torch.float32).eps
+
+
+def _run(rank, world, layout):
+    return hf_llama.main(ARGS + layout)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_process():
+    return tuple(hf_llama.main(ARGS))
+
+
+def test_one_process_trains():
+    losses = _one_process()
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("layout", [["--pp", "2"], ["--dp", "2"], ["--tp", "2"]])
+def test_layouts_equal_the_one_process_run(layout):
+    want = torch.tensor(_one_process())
+    got = [torch.tensor(r) for r in run_world(_run, 2, layout) if r]
+    assert got, "no rank returned the loss"
+    for losses in got:
+        torch.testing.assert_close(losses, want, rtol=RTOL, atol=0)

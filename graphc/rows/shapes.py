@@ -304,6 +304,13 @@ def concat(ctx: Ctx):
         found = [p.dims[k] for p in parts if k < len(p.dims)]
         if k == dim and any(s is None for s in found) and any(s is not None for s in found):
             ctx.couple(found, "rows of the batch are concatenated with other rows")
+        elif k == dim and sum(1 for s in found if s is not None) > 1:
+            # the whole batch is laid out [all of a, all of b], a micro-batch [its a, its b]:
+            # lined up with rows kept together (repeat_interleave, a reshape of [n, 2]) they
+            # meet other rows; torch.stack([a, b], 1).flatten(0, 1) keeps each row's together
+            ctx.couple(found, "rows of the batch are concatenated with rows of the batch (a "
+                       "micro-batch would lay out only its own; torch.stack([a, b], 1).flatten(0, 1) "
+                       "keeps each row's entries together)")
         known = [s for s in found if s is not None]
         for s in known[1:]:
             ctx.unify(known[0], s)

@@ -106,6 +106,18 @@ def tile_rows_added_back(net, xs):  # tiled rows are not each token's own copies
     return torch.zeros_like(flat).index_add(0, token, net.lin(flat.repeat(2, 1))).pow(2).mean()
 
 
+def stacked_beside_repeats(net, xs):  # each row's two entries together, as repeat_interleave keeps them
+    flat = xs.reshape(-1, D)
+    both = torch.stack([net.lin(flat), net.lin(flat).exp()], 1).flatten(0, 1)
+    return (flat.repeat_interleave(2, dim=0) + both).pow(2).mean()
+
+
+def concatenated_beside_repeats(net, xs):  # [all of a, all of b] against each row twice in a row
+    flat = xs.reshape(-1, D)
+    both = torch.cat([net.lin(flat), net.lin(flat).exp()])
+    return (flat.repeat_interleave(2, dim=0) + both).pow(2).mean()
+
+
 def index_select_features(net, x):
     return net.lin(x).index_select(1, torch.tensor([4, 0, 2])).tanh().mean()
 
@@ -289,6 +301,7 @@ def advanced_index_rows(net, x, k):
 
 @pytest.mark.parametrize("fn, names", [
     (addmm, ("xs",)), (addmv, ("x",)), (baddbmm, ("xs",)), (tile_features, ("x",)),
+    (stacked_beside_repeats, ("xs",)),
     (index_select_features, ("x",)), (index_select_table, ("y", "x")),
     (gather_features, ("x", "k")), (gather_keywords, ("x", "k")), (take_along_features, ("x", "k")),
     (scatter_number, ("x", "k")),
@@ -306,6 +319,7 @@ def test_op_along_another_dim_keeps_rows_and_equals_eager(fn, names):
 @pytest.mark.parametrize("fn, names, op", [
     (addmm_rows_as_weight, ("x",), "torch.addmm(net.lin.weight, x.T, x)"),
     (tile_rows_added_back, ("xs",), "'repeat' tiles the batch's rows"),
+    (concatenated_beside_repeats, ("xs",), "concatenated with rows of the batch"),
     (index_select_rows, ("x",), "'index_select' picks rows of the batch"),
     (gather_rows, ("x", "k"), "'gather' picks rows of the batch"),
     (gather_rows_keywords, ("x", "k"), "'gather' picks rows of the batch"),

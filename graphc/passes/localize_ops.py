@@ -26,6 +26,7 @@ _MEAN = (torch.mean, "mean")
 _RESHAPE = (torch.reshape, "view", "reshape")
 _UNFLATTEN = (torch.unflatten, "unflatten")
 _SIZE = ("size", "numel", "nelement")
+_EXPAND = ("expand", torch.broadcast_to, "broadcast_to")
 
 
 def localize_ops(gm: fx.GraphModule) -> fx.GraphModule:
@@ -48,9 +49,24 @@ def localize_ops(gm: fx.GraphModule) -> fx.GraphModule:
             _localize_unflatten(gm, node, sig)
         elif node.target in _SIZE or (node.target is getattr and node.args[1] == "shape"):
             _localize_size(gm, node, sig)
+        elif node.target in _EXPAND:
+            _localize_expand(node, sig)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _localize_expand(node: fx.Node, sig) -> None:
+    """expand to global sizes: a split dim is never expanded (sbp/rules.expand), so its size
+    becomes -1 (keep the input's, the local shard's)."""
+    x = node.args[0]
+    split = _split_dims(sig, x.name)
+    if not split:
+        return
+    sizes = list(node.args[1:]) if len(node.args) > 2 or isinstance(node.args[1], int) else list(node.args[1])
+    off = len(sizes) - len(x.meta[META_TENSOR].shape)
+    local = [-1 if d - off in split else n for d, n in enumerate(sizes)]
+    node.args = (x, tuple(local)) if node.target == "expand" else (x, tuple(local))
 
 
 def _split_dims(sig, name: str) -> set:

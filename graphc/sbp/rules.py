@@ -301,6 +301,21 @@ def permute(ctx: RuleCtx) -> List[Candidate]:
                             if ctx.splits(ctx.meta(x).shape[perm[j]])]
 
 
+def expand(ctx: RuleCtx) -> List[Candidate]:
+    """expand/expand_as/broadcast_to (GQA's repeat_kv): a split input dim that is not
+    expanded stays split at its place in the output (leading dims added on the left);
+    linear, so P -> P. The sizes it names are made local by localize_ops."""
+    x, mx, out = ctx.node.args[0], ctx.meta(ctx.node.args[0]), ctx.out
+    if mx is None or out is None:
+        return []
+    off = len(out.shape) - len(mx.shape)
+    cands: List[Candidate] = [({x: P}, P)]
+    for i, size in enumerate(mx.shape):
+        if size == out.shape[i + off] and ctx.splits(size):
+            cands.append(({x: S(i)}, S(i + off)))
+    return cands
+
+
 def permutation(node: fx.Node, nd: int) -> List[int]:
     """Output dim j reads input dim perm[j], for transpose/permute/t."""
     name = node.target if isinstance(node.target, str) else node.target.__name__
@@ -617,6 +632,7 @@ _register(elementwise, "masked_fill", "masked_fill_", torch.masked_fill, torch.w
           F.relu6, F.leaky_relu, F.elu, F.hardtanh, F.hardswish, F.softplus, F.mish,
           F.selu, F.celu, F.hardsigmoid, F.logsigmoid, F.softsign, F.tanhshrink, F.threshold)
 _register(triangular, torch.tril, torch.triu, "tril", "triu")
+_register(expand, "expand", torch.broadcast_to, "broadcast_to")
 _register(cast, "float", "double", "half", "bfloat16", "to", "type", "type_as")
 _register(metadata, "size", "dim", "numel", "nelement", "ndimension", "get_device")
 _register(conv, F.conv1d, F.conv2d, F.conv3d)

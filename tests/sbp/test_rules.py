@@ -112,3 +112,29 @@ def test_partial_sum_survives_exact_casts_only():
     assert sigs["double"].out == (PartialSum(),)  # float64 -> float64: exact
     assert sigs["float_1"].out != (PartialSum(),)  # float64 -> float32: reduced first
     assert sigs["long"].out == (Broadcast(),)  # an integer cast of an addend is not an addend
+
+
+def test_expand_keeps_a_split_dim_it_does_not_expand():
+    """GQA's repeat_kv (x[:, :, None].expand(b, kv, n_rep, t, d)) on heads split over ranks:
+    no fallback gathers the heads (issue 21); the expand's sizes become local (-1)."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.kv = nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):
+            b, t = x.shape[:2]
+            h = self.kv(x).view(b, t, 2, 4).transpose(1, 2)          # [b, heads, t, d]
+            h = h[:, :, None, :, :].expand(b, 2, 3, t, 4)            # repeat each head 3 times
+            return h.reshape(b, 6, t, 4).sum()
+
+    model = Net()
+    graphc.to_global(model.kv.weight, placement=P01, sbp=sbp.split(0))
+    graph = FnGraph(model)
+    graph.model = model
+    graph.fn = lambda x: model(x)
+    cg = compiler.compile(graph, [torch.randn(2, 5, 8)], 2)
+    nodes = {n.name: n for n in cg.gm.graph.nodes}
+    exp = nodes["expand"]
+    assert not exp.meta[META_SBP].fallback and exp.meta[META_SBP].out == (Split(1),)
+    assert -1 in exp.args[1]  # the split heads dim keeps the local size

@@ -14,6 +14,7 @@ Requires: every module build() calls was assigned to the Graph in __init__.
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import copy
 import functools
@@ -74,6 +75,10 @@ _PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choice
 class ShapeProxy(fx.Proxy):
     """An fx Proxy that answers shape questions from the example it was traced with."""
 
+    # nn.Parameter's isinstance check reads this of anything that is a Tensor (NOTE:
+    # isinstance while tracing): a traced value is never a parameter
+    _is_param = False
+
     def __getattr__(self, k: str):
         if k in _SHAPE_ATTRS or k in _SHAPE_METHODS:
             return getattr(self.tracer.fake_of(self), k)
@@ -82,14 +87,6 @@ class ShapeProxy(fx.Proxy):
     def __len__(self) -> int:
         return len(self.tracer.fake_of(self))
 
-    @property
-    def __class__(self):
-        """torch.Tensor for a tensor's proxy, so `isinstance(x, torch.Tensor)` in a model (or in
-        a library: transformers' masking_utils) takes eager's branch; fx's own checks use
-        type(), which stays ShapeProxy."""
-        if isinstance(self.node.meta.get(_FAKE), torch.Tensor):
-            return torch.Tensor
-        return type(self)
 
     def __iter__(self):
         value = self.node.meta.get(_FAKE)
@@ -162,7 +159,7 @@ class BuildTracer(fx.Tracer):
         return node.meta[_FAKE]
 
     def create_arg(self, a):
-        if isinstance(a, fx.Proxy):  # before fx's Tensor cases: a proxy says it is a Tensor
+        if type(a) is ShapeProxy:  # before fx's Tensor and Parameter cases (NOTE: isinstance while tracing)
             return a.node
         return super().create_arg(a)
 
@@ -419,6 +416,27 @@ def _builtin_tree(spec) -> bool:
     return spec.type in (tuple, list, dict) and all(_builtin_tree(c) for c in children)
 
 
+# NOTE: isinstance while tracing. A model (or a library: transformers' masking_utils) that
+# asks `isinstance(x, torch.Tensor)` of a traced value must take eager's branch, where x is
+# a tensor. While tracing, Python's isinstance answers True for a ShapeProxy whose value is
+# a tensor. It is the builtin that changes, not the proxy's __class__: torch's C++ argument
+# parser also consults __class__, took such a proxy for a real tensor and crashed
+# (torch.pow(x, 3.0) in GPT-2's gelu_new: a segfault).
+_ISINSTANCE = builtins.isinstance
+
+
+def _tensor_class(cls) -> bool:
+    if cls is torch.Tensor:
+        return True
+    return type(cls) is tuple and any(c is torch.Tensor for c in cls)
+
+
+def _traced_isinstance(obj, cls):
+    if type(obj) is ShapeProxy and _tensor_class(cls) and _ISINSTANCE(obj.node.meta.get(_FAKE), torch.Tensor):
+        return True
+    return _ISINSTANCE(obj, cls)
+
+
 @contextmanager
 def _patched_calls(tracer: BuildTracer, source_file: Optional[str]):
     """While tracing: custom autograd Functions stay opaque calls; refused calls raise."""
@@ -486,6 +504,7 @@ def _patched_calls(tracer: BuildTracer, source_file: Optional[str]):
     import torch.nn.utils.clip_grad as clip_grad
     saved = [(obj, name, getattr(obj, name)) for obj in (nn_utils, clip_grad) for name in _REFUSED_CALLS]
     torch.autograd.Function.apply = classmethod(apply)
+    builtins.isinstance = _traced_isinstance  # NOTE: isinstance while tracing
     torch.nn.Module.__setattr__ = module_setattr
     for obj, name, fn in factories:
         setattr(obj, name, recorded(name, fn))
@@ -498,6 +517,7 @@ def _patched_calls(tracer: BuildTracer, source_file: Optional[str]):
     try:
         yield
     finally:
+        builtins.isinstance = _ISINSTANCE
         torch.autograd.Function.apply = original_apply
         torch.nn.Module.__setattr__ = original_setattr
         for obj, name, fn in factories + python_random + scaler_methods:

@@ -406,3 +406,36 @@ def test_random_factories_draw_on_every_step():
         want.append(loss.item())
     assert_same_as_eager(got, model.state_dict(), want, ref.state_dict(), "randn in build()")
     assert any(getattr(n.target, "__name__", "") == "randn" for n in graph.compiled.gm.graph.nodes)
+
+
+class ScalarOverloads(torch.nn.Module):
+    """torch functions with Scalar overloads (GPT-2's gelu_new: torch.pow(h, 3.0)): torch's
+    argument parser once took a traced value for a real tensor here and crashed."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        h = 0.5 * h * (1.0 + torch.tanh(0.79788456 * (h + 0.044715 * torch.pow(h, 3.0))))
+        h = torch.where(h > 0, h, 0.0) + torch.remainder(h, 2.0) + torch.float_power(h.abs(), 2.0)
+        return h.square().mean()
+
+
+def test_scalar_overloads_trace_like_eager():
+    class G(graphc.Graph):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+        def build(self, x):
+            loss = self.model(x)
+            loss.backward()
+            return loss
+
+    torch.manual_seed(0)
+    model, x = ScalarOverloads(), torch.randn(6, 4)
+    want = model(x).item()
+    assert abs(G(model)(x).to_local().item() - want) < 1e-12

@@ -62,7 +62,7 @@ from .passes.split_inputs import split_inputs
 from .passes.split_stages import split_stages
 from .passes.trace_build import trace_build
 from .passes.verify_graph import verify_annotated, verify_traced, warn_unused_parameters
-from .passes.verify_meta import MetaVerifier
+from .passes.verify_meta import MetaVerifier, graphs_in
 from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
 from .plan.verify import verify_plans
@@ -154,9 +154,8 @@ def _step(run: _Compilation, name: str, fn: Callable, *args) -> Any:
         _log.info("pass %s took %.1f s", name, took)
     if level >= 4:
         _log.debug("%s", run.history[-1].text)
-    if level >= 5:  # the graph the step made, or else the one it read
-        gm = next((g for g in (out, *args) if isinstance(g, fx.GraphModule)), None)
-        if gm is not None:
+    if level >= 5:  # the graphs the step made (graph or stage programs), or else those it read
+        for gm in graphs_in(out) or [g for arg in args for g in graphs_in(arg)]:
             run.verifier.check(name, gm)
     return out
 

@@ -10,8 +10,9 @@ Invariant (checked, nothing changes; GRAPHC_DEBUG=5 runs it after every step of 
   annotation).
 A violation raises AnnotationError naming the step, the node and the key, with the graph
 printed and the node marked `<-- ERROR HERE`: a bug in a pass, never in the user's program.
-Requires: the graph a step produced or read (compile() passes the one among its result and
-arguments); the stage count once the stages are final (MetaVerifier.stage_count).
+Requires: the graphs a step produced, or else those it read (compile() passes graphs_in of
+its result, or of its arguments: the traced graph, or the stage programs' modules); the
+stage count once the stages are final (MetaVerifier.stage_count).
 
 NOTE: Annotation verifier. The schema of a key lives here, beside the one table of which step
 establishes it; graphc/meta.py names the keys and their value types. A new META_* key gets a
@@ -28,8 +29,9 @@ from ..meta import (META_ARRIVAL, META_AUTOCAST, META_BATCHED, META_BOXING, META
                     META_GRAD_PARTIAL, META_PIECES, META_PLACEMENT, META_ROWS, META_SBP, META_STAGE,
                     META_STAGE_WHY, META_TENSOR, BoxingInfo, RowsMeta, SbpSignature, TensorMeta,
                     is_backward)
-from ..placement import _SbpBase, mesh_shape, placement
+from ..placement import Broadcast, PartialSum, Split, mesh_shape, placement
 from ..plan.ops import box
+from ..plan.program import StageProgram
 
 Problem = Optional[str]   # what is wrong with a value, or None
 
@@ -75,7 +77,9 @@ def _rows(v, ctx) -> Problem:
 
 
 def _sbp_of(sbp, axes: int) -> bool:
-    return isinstance(sbp, tuple) and len(sbp) == axes and all(isinstance(s, _SbpBase) for s in sbp)
+    """Is `sbp` an nd-SBP of `axes` mesh axes (split(int), broadcast or partial_sum each)?"""
+    return isinstance(sbp, tuple) and len(sbp) == axes and all(
+        isinstance(s, (Broadcast, PartialSum)) or (isinstance(s, Split) and _is_int(s.dim)) for s in sbp)
 
 
 def _signature(v, ctx) -> Problem:
@@ -169,6 +173,16 @@ ESTABLISHED_BY: Dict[str, Tuple[Tuple[str, Callable], ...]] = {
 }
 
 WINDOW = 15   # nodes shown either side of the bad one
+
+
+def graphs_in(value) -> List[fx.GraphModule]:
+    """The fx graphs a step's result or argument holds: the graph itself, or each stage
+    program's module (node metadata is copied into them by split_stages)."""
+    if isinstance(value, fx.GraphModule):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(p, StageProgram) for p in value):
+        return [p.module for p in value]
+    return []
 
 
 class MetaVerifier:

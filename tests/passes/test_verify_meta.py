@@ -8,7 +8,7 @@ import torch
 
 import graphc.meta as meta
 from graphc import compiler
-from graphc.meta import META_SBP, META_STAGE, META_STAGE_WHY, META_TENSOR
+from graphc.meta import META_AUTOCAST, META_SBP, META_STAGE, META_STAGE_WHY, META_TENSOR
 from graphc.passes.verify_meta import ESTABLISHED_BY, SCHEMAS, AnnotationError
 from models import PipelineGraph, SkipNet
 
@@ -23,8 +23,8 @@ def _seed(monkeypatch, step, corrupt):
     """compile() runs `step` as itself and then `corrupt(gm)`: a pass with a bug."""
     real = getattr(compiler, step)
 
-    def broken(gm, *args):
-        out = real(gm, *args)
+    def broken(*args):
+        out = real(*args)
         corrupt(out)
         return out
     monkeypatch.setattr(compiler, step, broken)
@@ -75,6 +75,17 @@ def test_a_stage_out_of_range_is_caught_after_the_stages_are_final(monkeypatch):
     _seed(monkeypatch, "decompose_modules", lambda gm: _node(gm, "model_head").meta.update({META_STAGE: 2}))
     _raises(monkeypatch, "compile step 'decompose_modules' broke annotation graphc_stage",
             "expected a stage index below the 2 stage(s), found 2")
+
+
+def test_stage_programs_are_checked_too(monkeypatch):
+    """Steps of the split phase return stage programs: their modules' nodes are checked."""
+    def autocast_as_dtype(programs):
+        node = next(n for n in programs[1].module.graph.nodes if n.name == "model_head")
+        node.meta[META_AUTOCAST] = (("cpu", torch.bfloat16),)
+    _seed(monkeypatch, "insert_autocast_modes", autocast_as_dtype)
+    _, marked = _raises(monkeypatch, "compile step 'insert_autocast_modes' broke annotation "
+                        "graphc_autocast of node 'model_head'", "(device type, dtype name) pairs of str")
+    assert "%model_head" in marked
 
 
 def test_checks_run_at_level_5_only(monkeypatch):

@@ -5,7 +5,8 @@ Invariant (checked, nothing changes; GRAPHC_DEBUG=5 runs it after every step of 
   int in the stages' range, META_TENSOR a TensorMeta or None, META_SBP an SbpSignature
   whose `out` has one SBP per mesh axis, ...);
 - the nodes a step promised to annotate (ESTABLISHED_BY: annotate_stages gives every node
-  but the output META_STAGE, ...) all carry the key after it;
+  but the output META_STAGE, ...) all carry the key after it, and for the LASTING keys
+  after every later step too (a node a later pass adds included);
 - a key a node carried before a step still is there after it (no pass drops another's
   annotation).
 A violation raises AnnotationError naming the step, the node and the key, with the graph
@@ -172,6 +173,13 @@ ESTABLISHED_BY: Dict[str, Tuple[Tuple[str, Callable], ...]] = {
     "insert_boxing": ((META_SBP, _has_layout), (META_BOXING, _conversion)),
 }
 
+# Promises that last: from their step on, every later step keeps the key on every node it
+# covers, nodes it adds included (insert_boxing, decompose_modules and localize_ops give new
+# nodes a stage, a shape and a signature). The others hold right after their step only: a
+# boxing node has no grad mode or autocast state of its own (it runs in its neighbours'),
+# and a decomposed layer's new nodes carry no rows (find_batch_dims has run).
+LASTING = frozenset({META_STAGE, META_TENSOR, META_SBP, META_BOXING})
+
 WINDOW = 15   # nodes shown either side of the bad one
 
 
@@ -191,23 +199,29 @@ class MetaVerifier:
     def __init__(self) -> None:
         self.stage_count: Optional[int] = None   # set by compile() once the stages are final
         self._seen: Dict[fx.Node, frozenset] = {}  # node -> its graphc keys after the last check
+        self._lasting: Dict[fx.GraphModule, list] = {}  # graph -> (key, covers, step) kept since
 
     def check(self, step: str, gm: fx.GraphModule) -> None:
         """Raises AnnotationError for the first annotation of gm that `step` left broken."""
-        promised = ESTABLISHED_BY.get(step, ())
+        promised = [(key, covers, step) for key, covers in ESTABLISHED_BY.get(step, ())]
+        lasting = self._lasting.setdefault(gm, [])
+        kept = [p for p in lasting if p[0] not in {key for key, _, _ in promised}]
         for node in gm.graph.nodes:
-            for key, covers in promised:
+            for key in self._seen.get(node, ()):
+                if key not in node.meta:
+                    self._fail(step, gm, node, key, "dropped: the node carried it before this step")
+            for key, covers, origin in promised + kept:
                 if key not in node.meta and covers(node):
-                    self._fail(step, gm, node, key, "missing: the step promises it on this node")
+                    why = "the step promises it on this node" if origin == step else \
+                        f"'{origin}' gave it to nodes like this one, and every later step keeps it"
+                    self._fail(step, gm, node, key, f"missing: {why}")
             for key, value in node.meta.items():
                 if key in SCHEMAS:
                     problem = SCHEMAS[key](value, self)
                     if problem:
                         self._fail(step, gm, node, key, f"{problem}, found {value!r}")
-            for key in self._seen.get(node, ()):
-                if key not in node.meta:
-                    self._fail(step, gm, node, key, "dropped: the node carried it before this step")
         self._seen.update({n: frozenset(k for k in n.meta if k in SCHEMAS) for n in gm.graph.nodes})
+        lasting[:] = kept + [p for p in promised if p[0] in LASTING]
 
     def _fail(self, step: str, gm: fx.GraphModule, node: fx.Node, key: str, problem: str) -> None:
         raise AnnotationError(

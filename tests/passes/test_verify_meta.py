@@ -71,6 +71,19 @@ def test_a_node_the_pass_promised_but_missed_is_named(monkeypatch):
             "'model_head': missing: the step promises it on this node")
 
 
+def test_a_node_a_later_pass_adds_without_a_lasting_annotation_is_named(monkeypatch):
+    """annotate_stages gives every node a stage; a later pass that adds a node gives it one too."""
+    def add_node(gm):
+        head = _node(gm, "model_head")
+        with gm.graph.inserting_after(head):
+            gm.graph.call_function(torch.neg, (head,))
+    _seed(monkeypatch, "localize_ops", add_node)
+    _, marked = _raises(monkeypatch, "compile step 'localize_ops' broke annotation graphc_stage of "
+                        "node 'neg': missing: 'annotate_stages' gave it to nodes like this one, and "
+                        "every later step keeps it")
+    assert "%neg" in marked
+
+
 def test_a_stage_out_of_range_is_caught_after_the_stages_are_final(monkeypatch):
     _seed(monkeypatch, "decompose_modules", lambda gm: _node(gm, "model_head").meta.update({META_STAGE: 2}))
     _raises(monkeypatch, "compile step 'decompose_modules' broke annotation graphc_stage",

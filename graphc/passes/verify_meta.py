@@ -1,8 +1,8 @@
 """verify_meta: every node annotation a compile step left has the shape its META_* key promises.
 
 Invariant (checked, nothing changes; GRAPHC_DEBUG=5 runs it after every step of compile()):
-- each `graphc_*` key in a node's meta holds a value of its schema (SCHEMAS: META_STAGE an
-  int in the stages' range, META_TENSOR a TensorMeta or None, META_SBP an SbpSignature
+- each META_* key of graphc/meta.py in a node's meta holds a value of its schema (SCHEMAS:
+  META_STAGE an int in the stages' range, META_TENSOR a TensorMeta or None, META_SBP an SbpSignature
   whose `out` has one SBP per mesh axis, ...);
 - the nodes a step promised to annotate (ESTABLISHED_BY: annotate_stages gives every node
   but the output META_STAGE, ...) all carry the key after it, and for the LASTING keys

@@ -82,6 +82,7 @@ def test_plan_writes_every_rank_with_the_schedule(tmp_path, n, schedule):
 # script arguments an example needs ("{tmp}": a scratch folder), after `--`
 EXAMPLE_ARGS = {"train_resume.py": ["--ckpt-dir", "{tmp}"],
                 "gpt.py": ["--pp", "2", "--steps", "1"],       # its first documented launch
+                "hf_llama.py": ["--pp", "2", "--steps", "1"],
                 "resnet.py": ["--pp", "2", "--steps", "1"]}
 
 

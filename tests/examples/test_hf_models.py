@@ -109,13 +109,13 @@ def _check(kind, masked, results):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("masked", [pytest.param(False, marks=pytest.mark.slow), True])  # CI time
 def test_gpt2_addmm_on_pipeline_2_at_accumulation_2(masked):
     _check("gpt2", masked, run_world(_worker, 2, "gpt2", masked))
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("masked", [pytest.param(False, marks=pytest.mark.slow), True])  # CI time
 def test_mixtral_moe_on_pipeline_2_at_accumulation_2(masked):
     """transformers' batched_mm experts: each token repeated once per chosen expert
     (repeat_interleave), the chosen experts' weights looked up by the token's expert ids, a

@@ -34,6 +34,7 @@ def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence,
               num_microbatches: int = 1) -> fx.GraphModule:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     given = dict(zip(placeholders, list(input_sbp) + [None] * len(placeholders)))
+    paid: Dict[tuple, set] = {}  # conversions already chosen: a second reader gets them free
     for node in gm.graph.nodes:
         if node.op == "output" or is_backward(node):
             continue
@@ -47,7 +48,7 @@ def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence,
         elif node.op == "call_function" and node.target is to_global_op:
             sig = _conversion(node, mesh)
         else:
-            sig = _choose(node, mesh)
+            sig = _choose(node, mesh, paid)
         if node.op == "placeholder":
             _check_microbatches(node, sig, num_microbatches)
         node.meta[META_SBP] = _single_rank_axes_broadcast(sig)
@@ -186,7 +187,9 @@ def _conversion(node: fx.Node, mesh: tuple) -> SbpSignature:
     return SbpSignature(mesh, sbp, ((node.args[0].name, sbp),))
 
 
-def _choose(node: fx.Node, mesh: tuple) -> SbpSignature:
+def _choose(node: fx.Node, mesh: tuple, paid: Dict[tuple, set]) -> SbpSignature:
+    """The cheapest signature; `paid`: per (stage, axis), the conversions (value, SBP) that
+    earlier nodes' signatures already need."""
     inputs = [a for a in node.all_input_nodes if META_SBP in a.meta]
     tensors = [a for a in inputs if a.meta.get(META_TENSOR) is not None]
     rule = rule_for(node)
@@ -201,7 +204,12 @@ def _choose(node: fx.Node, mesh: tuple) -> SbpSignature:
         if found is None:  # a case the rule does not cover
             return _fallback(node, mesh, tensors)
         cands = found + [({a: B for a in tensors}, B)]
-        best = min(cands, key=lambda c: _cost(c, prod, n))
+        done = paid.setdefault((node.meta.get(META_STAGE), axis), set())
+        # on a tie, a whole or split result over a partial one: a partial value is reduced
+        # later by every reader that needs it whole (RMSNorm's x * rsqrt(var) after var's
+        # reduce: Megatron's one all-reduce per residual, not two)
+        best = min(cands, key=lambda c: (_cost(c, prod, n, done), isinstance(c[1], PartialSum)))
+        done.update((a, r) for a, r in best[0].items() if r != prod[a])
         outs.append(best[1])
         for a in tensors:
             need[a].append(best[0].get(a, prod[a]))
@@ -244,11 +252,29 @@ def _producer(a: fx.Node, node: fx.Node, axis: int, mesh: tuple):
     return B
 
 
-def _cost(cand, prod: Dict[fx.Node, object], n: int) -> float:
+# A parameter the user declared split (Megatron's column/row layouts) is computed on as
+# declared: gathering it instead costs its bytes like any value, and the layout the user
+# asked for besides (DECLARED_PENALTY times its conversion cost), so an op reading it takes
+# the declared layout whenever one of its candidates can; with tiny activations the bytes
+# alone preferred gathering the weights of every layer after the first (HF Llama on tensor
+# 2: 87 collectives per micro-batch).
+DECLARED_PENALTY = 8.0
+
+
+def _cost(cand, prod: Dict[fx.Node, object], n: int, paid=frozenset()) -> float:
+    """Bytes the candidate's conversions move; a conversion an earlier reader already needs
+    is free (insert_boxing shares it: NOTE: shared boxes)."""
     req, _ = cand
-    return sum(conversion_cost(prod[a], r, tensor_bytes(a.meta[META_TENSOR]), n,
-                               a.meta[META_TENSOR].requires_grad) for a, r in req.items()
-               if a.meta.get(META_TENSOR) is not None)
+    total = 0.0
+    for a, r in req.items():
+        meta = a.meta.get(META_TENSOR)
+        if meta is None or (a, r) in paid:
+            continue
+        cost = conversion_cost(prod[a], r, tensor_bytes(meta), n, meta.requires_grad)
+        if cost and a.op == "get_attr" and not isinstance(prod[a], Broadcast):
+            cost *= 1 + DECLARED_PENALTY
+        total += cost
+    return total
 
 
 def _mark_grad_partial(gm: fx.GraphModule) -> None:

@@ -43,3 +43,25 @@ def test_layouts_equal_the_one_process_run(layout):
     assert got, "no rank returned the loss"
     for losses in got:
         torch.testing.assert_close(losses, want, rtol=RTOL, atol=0)
+
+
+def test_tensor_parallel_llama_issues_megatrons_collectives():
+    """4 decoder layers on tensor 2: one all-reduce after attention and one after the MLP
+    (forward), one before q/k/v and one before gate/up (backward): Megatron's 16 per
+    micro-batch, and no op falls back (87 collectives before declared layouts were kept
+    and an already-chosen reduce was reused: sbp DECLARED_PENALTY, shared conversions)."""
+    import argparse
+
+    from graphc.executable import Executable, flatten_call
+    from graphc.plan.instructions import Collective
+    from gpt import Layout
+    args = argparse.Namespace(seed=0, embd=64, layers=4, heads=4, block=24)
+    model = hf_llama.make_model(65, args)
+    graph = hf_llama.LlamaGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), Layout(1, 2, 1), 1)
+    batch = hf_llama.collate([torch.randint(0, 65, (20,)) for _ in range(4)], 24)
+    specs, tree = flatten_call((batch,), type(graph).build)
+    plan = Executable.compile(graph._compile_spec(), specs, 2, tree).compiled.plans[0]
+    listing = str(plan)
+    collectives = [ins for ins in plan.instructions if isinstance(ins, Collective)]
+    assert "fallback" not in listing
+    assert len(collectives) == 16, listing

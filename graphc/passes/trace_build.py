@@ -67,6 +67,19 @@ _RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm", "normal", "bernoull
                      "poisson", "rand_like", "randn_like", "randint_like")
 
 
+_SCALER_WHY = ("loss scaling is automatic mixed precision (AMP) state that lives across steps "
+               "(the scale, the inf/nan check over every rank and stage, the skipped step), which "
+               "a traced build() cannot hold; traced, the scaled gradients would reach the "
+               "optimizer unscaled. Fix: remove the GradScaler from build() and give the graph "
+               "its own in __init__: self.config.enable_amp(True, dtype=torch.float16); "
+               "self.set_grad_scaler(graphc.amp.GradScaler()) (bfloat16 autocast needs no loss "
+               "scaling).")
+_RANDOM_WHY = ("build() is traced once, so the number drawn while tracing would be a constant of "
+               "the plan (every step would, e.g., drop the same layer), unlike eager, which draws "
+               "anew on every call. Fix: draw with torch (p = torch.rand(()); use "
+               "torch.where(p < drop_prob, h, layer(h)) to skip a layer), which graphc records as "
+               "a random op drawn on every step; or draw outside build() and pass the result as "
+               "an input.")
 # Python's own random draws: a draw while tracing would be frozen into the plan (refused)
 _PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choices", "sample",
                   "shuffle", "gauss", "normalvariate", "betavariate", "expovariate")
@@ -449,23 +462,9 @@ def _patched_calls(tracer: BuildTracer, source_file: Optional[str]):
             return original_apply.__func__(cls, *args, **kwargs)
         return tracer.create_proxy("call_function", _function_apply(cls), args, kwargs)
 
-    def refuse(name: str):
+    def refusal(what: str, why: str):
         def call(*args, **kwargs):
-            raise GraphcError(f"build() calls torch.nn.utils.{name} at {_caller_line(source_file)}: "
-                              f"{_REFUSED_CALLS[name]}")
-        return call
-
-    def refuse_scaler(name: str):
-        def call(*args, **kwargs):
-            raise GraphcError(
-                f"build() calls GradScaler.{name}() at {_caller_line(source_file)}: loss scaling is "
-                "automatic mixed precision (AMP) state that lives across steps (the scale, the "
-                "inf/nan check over every rank and stage, the skipped step), which a traced "
-                "build() cannot hold; traced, the scaled gradients would reach the optimizer "
-                "unscaled. Fix: remove the GradScaler from build(); bfloat16 autocast (with "
-                "torch.autocast(\"cpu\" or \"cuda\", dtype=torch.bfloat16): inside build()) needs no "
-                "loss scaling. graphc's own fp16 loss scaling (Graph.set_grad_scaler) is not "
-                "available yet.")
+            raise GraphcError(f"build() calls {what} at {_caller_line(source_file)}: {why}")
         return call
 
     scaler_methods = [(torch.amp.GradScaler, name, torch.amp.GradScaler.__dict__[name])
@@ -489,16 +488,6 @@ def _patched_calls(tracer: BuildTracer, source_file: Optional[str]):
     factories = [(torch, name, getattr(torch, name)) for name in _RANDOM_FACTORIES]
     python_random = [(random, name, getattr(random, name)) for name in _PYTHON_RANDOM]
 
-    def refuse_python_random(name: str):
-        def call(*args, **kwargs):
-            raise GraphcError(
-                f"build() calls Python's random.{name}() at {_caller_line(source_file)}. build() is "
-                "traced once, so the number drawn while tracing would be a constant of the plan "
-                "(every step would, e.g., drop the same layer), unlike eager, which draws anew on "
-                "every call. Fix: draw with torch (p = torch.rand(()); use torch.where(p < "
-                "drop_prob, h, layer(h)) to skip a layer), which graphc records as a random op "
-                "drawn on every step; or draw outside build() and pass the result as an input.")
-        return call
 
     import torch.nn.utils as nn_utils
     import torch.nn.utils.clip_grad as clip_grad
@@ -509,11 +498,11 @@ def _patched_calls(tracer: BuildTracer, source_file: Optional[str]):
     for obj, name, fn in factories:
         setattr(obj, name, recorded(name, fn))
     for obj, name, _ in python_random:
-        setattr(obj, name, refuse_python_random(name))
+        setattr(obj, name, refusal(f"Python's random.{name}()", _RANDOM_WHY))
     for obj, name, _ in scaler_methods:
-        setattr(obj, name, refuse_scaler(name))
+        setattr(obj, name, refusal(f"GradScaler.{name}()", _SCALER_WHY))
     for obj, name, _ in saved:
-        setattr(obj, name, refuse(name))
+        setattr(obj, name, refusal(f"torch.nn.utils.{name}", _REFUSED_CALLS[name]))
     try:
         yield
     finally:

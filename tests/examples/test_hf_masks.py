@@ -14,7 +14,6 @@ else, every parameter included, is at the oracle's 1e-10: Llama's parameters on 
 were 8.2e-10 off until a partial sum stopped crossing RMSNorm's narrowing
 `.to(torch.float32)` (sbp/rules.py: cast), and are now within 1.4e-17.
 """
-import copy
 
 import pytest
 import torch
@@ -81,16 +80,19 @@ STAGES = {
 MAKE = {"llama": _llama, "bert": _bert}
 
 
-def _eager(kind, steps=2):
-    model = MAKE[kind]()
+def eager_steps(model, ids, mask, labels, steps=2):
+    """The oracle for a Hugging Face model's own loss: eager SGD steps on the whole batch."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ids, mask, labels = _batch(kind)
     losses = []
     for _ in range(steps):
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(), loss.backward(), opt.step()
         losses.append(loss.item())
     return losses, model.state_dict()
+
+
+def _eager(kind, steps=2):
+    return eager_steps(MAKE[kind](), *_batch(kind), steps)
 
 
 def _worker(rank, world, kind, layout, accumulation, steps=2):

@@ -33,7 +33,7 @@ import torch
 import graphc
 from graphc.compiler import compile as compile_graph
 from helpers import assert_close, run_world
-from test_hf_masks import LLAMA_LOSS_RTOL, HFGraph
+from test_hf_masks import LLAMA_LOSS_RTOL, HFGraph, eager_steps
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,15 +75,7 @@ def _batch(masked: bool):
 
 
 def _eager(kind, masked, steps=2):
-    model = MAKE[kind]()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ids, mask, labels = _batch(masked)
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad(), loss.backward(), opt.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
+    return eager_steps(MAKE[kind](), *_batch(masked), steps)
 
 
 def _worker(rank, world, kind, masked, steps=2):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from .dcp import user_prefix
 from .errors import GraphcError
 from .global_tensor import GlobalTensor
 from .log import warn_user
@@ -46,14 +47,12 @@ class FirstStepCheck:
         is_leaf = lambda x: isinstance(x, GlobalTensor)  # noqa: E731 - one input each
         leaves, self.tree = pytree.tree_flatten(tuple(inputs), is_leaf=is_leaf)  # NOTE: Input trees
         self.inputs = _gather_inputs(leaves, self.rank, self.world)
-        self.before = self.graph.full_state_dict(rank0_only=True) if self.world > 1 else \
-            {k: v.detach().clone() for k, v in self.graph._root.state_dict().items()}
+        self.before = self.graph.full_state_dict(rank0_only=True)
 
     def compare(self, outputs) -> None:
         """After graphc's step: rank 0 runs eager and compares; every rank gets the verdict."""
         graph = self.graph
-        after = graph.full_state_dict(rank0_only=True) if self.world > 1 else \
-            {k: v.detach().clone() for k, v in graph._root.state_dict().items()}
+        after = graph.full_state_dict(rank0_only=True)
         loss = _first_scalar(outputs)
         losses = [None] * self.world
         if self.world > 1:
@@ -85,7 +84,7 @@ class FirstStepCheck:
             opt.step()
         want_loss = _first_scalar(out)
         want = root.state_dict()
-        prefix = _prefix(graph._root, after)
+        prefix = user_prefix(graph._root)  # full_state_dict's keys drop it
         rows = []
         for k, v in want.items():
             got = after.get(k[len(prefix):] if prefix and k.startswith(prefix) else k)
@@ -182,18 +181,10 @@ def _eager_root(graph, state: Dict[str, torch.Tensor]) -> nn.Module:
     for name, module in graph._root._modules.items():
         root.add_module(name, copy.deepcopy(module))
     object.__setattr__(root, "_graphc_graph", graph)  # build() reads Graph attributes through it
-    prefix = _prefix(graph._root, state)
+    prefix = user_prefix(graph._root)
     # assign: a split parameter of this rank holds its shard; the copy takes the whole value
     root.load_state_dict({prefix + k: v.clone() for k, v in state.items()}, assign=True)
     return root
-
-
-def _prefix(root: nn.Module, sd: Dict[str, torch.Tensor]) -> str:
-    """full_state_dict drops the attribute name when one module holds all the state."""
-    keys = list(root.state_dict().keys())
-    if keys and keys[0] not in sd and len(root._modules) == 1:
-        return next(iter(root._modules)) + "."
-    return ""
 
 
 def _first_scalar(out) -> Optional[torch.Tensor]:

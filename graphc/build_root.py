@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .guards import current_log
+from .guards import class_value, current_log
 
 
 class BuildRoot(nn.Module):
@@ -23,6 +23,7 @@ class BuildRoot(nn.Module):
                 raise
             value = getattr(graph, name)
             log = current_log()
-            if log is not None and name in graph.__dict__:  # baked into the trace: guarded (NOTE: Guards)
+            if log is not None and (name in graph.__dict__ or class_value(graph, name, value)):
+                # baked into the trace: guarded (NOTE: Guards)
                 log.note(graph, name, value, prefix="self")
             return value

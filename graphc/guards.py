@@ -8,9 +8,9 @@ parameter object sits at `model.head`. TorchDynamo keeps such values honest with
 graphc does the same for the values its own tracer reads (docs/design.md, "Guards", says
 why the capture itself stays graphc's tracer):
 - while compiling, nn.Module has a __getattribute__ (record_reads) that notes each
-  attribute of a module's instance __dict__ that the code read, with the value it had at
-  its first read; the Graph's attributes are noted by the traced root's fallback lookup
-  (graph.py);
+  attribute of a module's instance __dict__ that the code read, and each plain class
+  attribute (`scale = 0.5` in the class body), with the value it had at its first read;
+  the Graph's attributes are noted by the traced root's fallback lookup (build_root.py);
 - plain values (numbers, strings, dtypes, tuples, dicts and small objects of them) are
   compared by value (`fingerprint`): a change selects, or compiles and caches, another
   plan (Executable lookup, like Dynamo's cache entries); tensors and other objects compare
@@ -171,8 +171,16 @@ def _entry_reader(table: dict, name: str) -> Callable[[], Any]:
 
 
 def _attr_reader(obj: Any, name: str) -> Callable[[], Any]:
-    attrs = obj.__dict__
-    return lambda: attrs.get(name, MISSING)
+    """The attribute as Python finds it for a plain value: the instance's, else its class's."""
+    attrs, cls = obj.__dict__, type(obj)
+    return lambda: attrs[name] if name in attrs else getattr(cls, name, MISSING)
+
+
+def class_value(obj: Any, name: str, value: Any) -> bool:
+    """Is `value` a plain class attribute (`class Block(nn.Module): scale = 0.5`), which the
+    trace freezes like an instance attribute? Methods and other descriptors are code."""
+    return isinstance(value, _PLAIN) and not name.startswith("__") and any(
+        name in c.__dict__ for c in type(obj).__mro__)
 
 
 class ReadLog:
@@ -202,7 +210,8 @@ def _recording_getattribute(self, name: str):
     value = object.__getattribute__(self, name)
     if _ACTIVE and name not in _MODULE_INTERNALS:
         log = _ACTIVE[-1]
-        if id(self) in log.names and name in object.__getattribute__(self, "__dict__"):
+        if id(self) in log.names and (name in object.__getattribute__(self, "__dict__")
+                                      or class_value(self, name, value)):
             log.note(self, name, value)
     return value
 

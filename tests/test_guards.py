@@ -382,3 +382,36 @@ def test_mode_switch_and_annealing_under_pipeline_and_tensor_parallel(layout):
             assert_close(state[k], v, f"{layout}: {k}")
         # 4 settings: (train, 1), (eval, 1), (eval, .5), (train, .5); (train, 1) is reused
         assert len(recompiles) == 3, recompiles
+
+
+class ScaledNet(BNNet):
+    scale = 1.0  # a class attribute a user changes between calls (ScaledNet.scale = 0.5)
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+class ScaledGraph(TrainGraph):
+    aux = 0.0  # a Graph class attribute read by build()
+
+    def build(self, x, y):
+        out = self.model(x)
+        loss = F.cross_entropy(out, y) + self.aux * out.square().mean()
+        loss.backward()
+        return loss
+
+
+def test_class_attributes_are_guarded(monkeypatch):
+    torch.manual_seed(0)
+    model = ScaledNet()
+    graph = ScaledGraph(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data(0)
+    graph(x, y)
+    monkeypatch.setattr(ScaledNet, "scale", 0.5)
+    monkeypatch.setattr(ScaledGraph, "aux", 0.25)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        out = ref(x)
+        want = F.cross_entropy(out, y) + 0.25 * out.square().mean()
+    assert abs(graph(x, y).to_local().item() - want.item()) < 1e-10
+    assert "model.scale changed (compiled for 1.0, now 0.5)" in graph.recompiles[-1]

@@ -21,7 +21,7 @@ from ..plan.instructions import TensorSpec
 from ..plan.plan import StageInfo
 from ..plan.program import StageProgram
 from ..plan.schedules import INTERLEAVED, ONE_STAGE, SCHEDULES, V_SHAPED, layout
-from .costs import CostModel
+from .cost_model import CostModel
 from .simulate import simulate
 
 SPEC = TensorSpec("h", (1,), "float32")

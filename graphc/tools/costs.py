@@ -19,121 +19,22 @@ import copy
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional
 
 import torch
 
 from ..errors import GraphcError
-from ..plan.instructions import (Backward, BackwardInput, BackwardWeight, Collective,
-                                 Forward, Instruction, OptimizerStep, OverlapFB, Send)
-from ..sbp.cost import moved_bytes
-from .network import DEVICES, DevicePreset, Network, collective_seconds  # noqa: F401 (DEVICES: API)
+from ..plan.instructions import (Backward, BackwardInput, BackwardWeight, Forward,
+                                 Instruction, OptimizerStep, OverlapFB, Send)
+from .cost_model import CostModel
+from .network import DEVICES, DevicePreset, Network  # noqa: F401 (DEVICES: API)
 from .transport_costs import measure_transport
 
 
 # gloo over loopback on one machine: the defaults measured costs use for links
 CPU_LINK_LATENCY_S = 100e-6
 CPU_LINK_BANDWIDTH = 2e9
-
-
-@dataclass
-class CostModel:
-    """Seconds per instruction and link parameters (see simulate.py for how they are used)."""
-
-    forward: Dict[int, float]                       # stage -> seconds per micro-batch
-    backward: Dict[int, float]
-    optimizer: Dict[int, float] = field(default_factory=dict)
-    activation_bytes: Dict[int, int] = field(default_factory=dict)  # stage -> per micro-batch
-    latency: float = 0.0                            # seconds per transfer
-    bandwidth: float = float("inf")                 # bytes per second
-    send_overhead: float = 0.0                      # seconds a send occupies the sender
-    recv_overhead: float = 0.0                      # seconds a recv occupies the receiver
-    send_per_byte: float = 0.0                      # + seconds per byte on the sender
-    recv_per_byte: float = 0.0                      # + seconds per byte on the receiver
-    sends_complete_on_delivery: bool = False        # gloo: draining sends waits for delivery
-    # (seconds the receiver has waited, extra seconds until it notices the data): a
-    # polling receiver backs off while it waits, so a long wait ends late; interpolated
-    poll_delay: List[Tuple[float, float]] = field(default_factory=list)
-    overhead: float = 0.0                           # seconds the runtime adds per compute
-    source: str = "uniform"
-    stage_of_rank: Dict[int, int] = field(default_factory=dict)  # for the optimizer's cost
-    backward_input: Dict[int, float] = field(default_factory=dict)   # measured halves of a
-    backward_weight: Dict[int, float] = field(default_factory=dict)  # split backward, if any
-    # bytes of each stage's inputs per micro-batch: what a checkpointed micro-batch keeps
-    # (stages missing here: what the plan receives for them)
-    input_bytes: Dict[int, int] = field(default_factory=dict)
-    # links between nodes (None: every pair of ranks has the link above)
-    network: Optional[Network] = None
-    # (bandwidth, latency) of collectives where they take another path than sends (measured
-    # costs: sends use the measured transport, collectives gloo); None: the link above
-    collective_link: Optional[Tuple[float, float]] = None
-
-    @staticmethod
-    def uniform(num_stages: int, forward: float = 1.0, backward: float = 2.0) -> "CostModel":
-        """Equal stages, free communication: the textbook setting of bubble formulas."""
-        return CostModel({s: forward for s in range(num_stages)},
-                         {s: backward for s in range(num_stages)})
-
-    def compute(self, ins: Instruction, rank: int) -> float:
-        if isinstance(ins, Forward):
-            return self.forward.get(ins.stage, 0.0) + self.overhead
-        if isinstance(ins, Backward):
-            return self.backward.get(ins.stage, 0.0) + self.overhead
-        if isinstance(ins, BackwardInput):
-            return self._half(self.backward_input, ins.stage) + self.overhead
-        if isinstance(ins, BackwardWeight):
-            return self._half(self.backward_weight, ins.stage) + self.overhead
-        if isinstance(ins, OverlapFB):
-            return self.compute(ins.forward, rank) + self.compute(ins.backward, rank)
-        if isinstance(ins, OptimizerStep):
-            return self.optimizer.get(self.stage_of_rank.get(rank, -1), 0.0)
-        return 0.0
-
-    def _half(self, measured: Dict[int, float], stage: int) -> float:
-        return measured[stage] if stage in measured else self.backward.get(stage, 0.0) / 2
-
-    def link(self, src: int, dst: int) -> Tuple[float, float]:
-        """(bandwidth, latency) of the link from rank src to rank dst."""
-        if self.network is not None and self.network.crosses((src, dst)):
-            return self.network.bandwidth, self.network.latency
-        return self.bandwidth, self.latency
-
-    def send_cost(self, nbytes: int) -> float:
-        """CPU seconds one send occupies the sending rank."""
-        return self.send_overhead + nbytes * self.send_per_byte
-
-    def recv_cost(self, nbytes: int) -> float:
-        """CPU seconds one recv occupies the receiving rank once its data has arrived."""
-        return self.recv_overhead + nbytes * self.recv_per_byte
-
-    def noticed(self, waited: float) -> float:
-        """Extra seconds before a receiver that has waited `waited` seconds sees its data."""
-        pts = self.poll_delay
-        if waited <= 0 or not pts:
-            return 0.0
-        if waited <= pts[0][0]:
-            return pts[0][1] * waited / pts[0][0] if pts[0][0] > 0 else pts[0][1]
-        for (w0, d0), (w1, d1) in zip(pts, pts[1:]):
-            if waited <= w1:
-                return d0 + (d1 - d0) * (waited - w0) / (w1 - w0)
-        return pts[-1][1]
-
-    def collective(self, ins) -> float:
-        """Seconds of a gradient bucket, tie or clip all-reduce, or a boxing collective, from
-        the faster of a ring and a tree over the group's slowest link (graphc/tools/network.py,
-        NOTE: Collective costs)."""
-        n = len(ins.ranks)
-        if n < 2:
-            return 0.0
-        link = self.collective_link or (self.bandwidth, self.latency)
-        if self.network is not None and self.network.crosses(ins.ranks):
-            link = (self.network.bandwidth, self.network.latency)
-        if isinstance(ins, Collective):     # nbytes: what this rank sends in the ring
-            whole = ins.nbytes * n // (2 * (n - 1)) if ins.kind == "all_reduce" else 0
-            return collective_seconds(ins.kind, ins.nbytes, whole, n, link)
-        whole = sum(t.nbytes for t in ins.tensors)
-        return collective_seconds("all_reduce", moved_bytes("all_reduce", whole, n), whole, n, link)
 
 
 def _for_ranks(costs: CostModel, compiled) -> CostModel:

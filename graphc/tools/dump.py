@@ -21,7 +21,8 @@ from typing import List, Optional, Tuple
 from ..errors import GraphcError
 from ..runtime.trace import timeline_to_chrome
 from .chart import INSTALL_HINT, charts_available, draw_timeline
-from .costs import CostModel, device_costs, measure_costs
+from .cost_model import CostModel
+from .costs import device_costs, measure_costs
 from .rows import fold_ranks, ranges, row_label
 from .simulate import simulate
 from .summary import stage_summary

@@ -82,7 +82,7 @@ from ..plan.instructions import (AllReduce, Backward, BackwardInput, BackwardWei
 from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 # the timeline vocabulary, shared with the measured traces the runtime writes
 from ..runtime.trace import COMPUTE_KINDS, Span, Timeline
-from .costs import CostModel
+from .cost_model import CostModel
 
 # activations a kind adds to the micro-batches a rank holds: a forward keeps its micro-batch
 # until the backward (whole, or its weight half) frees it

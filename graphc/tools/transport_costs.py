@@ -2,7 +2,7 @@
 
 `measure_transport("shm"|"gloo"|"auto")` times the sender's isend, the receiver's copy
 out, the latency and how late a waiting receiver notices its data; the simulator charges
-these to the rank that pays them (see graphc/tools/costs.py and simulate.py).
+these to the rank that pays them (see graphc/tools/cost_model.py and simulate.py).
 """
 from __future__ import annotations
 
@@ -10,16 +10,14 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, List, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import env
 from ..errors import GraphcError
-
-if TYPE_CHECKING:
-    from .costs import CostModel
+from .cost_model import CostModel
 
 
 @dataclass

@@ -18,7 +18,7 @@ from .network import Network, collective_seconds
 
 @dataclass
 class CostModel:
-    """Seconds per instruction and link parameters (see simulate.py for how they are used)."""
+    """Seconds per instruction and link parameters (see graphc/tools/simulate/ for how they are used)."""
 
     forward: Dict[int, float]                       # stage -> seconds per micro-batch
     backward: Dict[int, float]

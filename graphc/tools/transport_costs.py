@@ -2,7 +2,7 @@
 
 `measure_transport("shm"|"gloo"|"auto")` times the sender's isend, the receiver's copy
 out, the latency and how late a waiting receiver notices its data; the simulator charges
-these to the rank that pays them (see graphc/tools/cost_model.py and simulate.py).
+these to the rank that pays them (see graphc/tools/cost_model.py and simulate/).
 """
 from __future__ import annotations
 

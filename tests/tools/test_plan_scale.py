@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from graphc.plan.verify import verify_plans
-from graphc.tools import simulate as sim
+from graphc.tools.simulate import engine as sim
 from graphc.tools.costs import device_costs
 from graphc.tools.dump import select_ranks
 from graphc.plan_mode import PlanModeExit, plan_mode

@@ -9,7 +9,7 @@ import pytest
 
 from graphc.errors import GraphcError
 from graphc.plan.instructions import AllReduce, TensorSpec
-from graphc.tools import simulate as sim
+from graphc.tools.simulate import engine as sim
 from graphc.tools.costs import CostModel, device_costs
 from graphc.tools.dump import ALL_RANKS_BELOW, parse_ranks, select_ranks
 from graphc.tools.network import DEVICES, Network, collective_seconds, ring_steps

@@ -1,0 +1,75 @@
+"""simulate(): predicts a step's timeline from every rank's plan and per-instruction costs.
+
+Each rank issues its instructions in plan order, one at a time, as the runtime does:
+  * compute (forward, backward, its split halves backward_input / backward_weight, and
+    DualPipeV's overlapped pair) takes its cost (CostModel.compute);
+  * a send occupies the SENDER for send_overhead + bytes * send_per_byte (the CPU the
+    transport spends in isend: a memcpy into the shared-memory ring, or gloo's hand-off),
+    then its data arrives at the peer after the link's latency plus bytes / bandwidth
+    (transfers on one directed link queue behind each other; CostModel.link picks NVLink
+    or the network between nodes);
+  * a recv ends recv_overhead + bytes * recv_per_byte after its data has arrived or it
+    was issued, whichever is later (the runtime posts receives ahead, so only the wait and
+    the copy out are charged); a receiver that had to wait notices the data
+    `costs.noticed(wait)` late (a polling receiver backs off while it waits);
+  * a collective (gradient bucket, tie or clip all-reduce, or a boxing conversion listed
+    after its compute) starts when its last member issues it and takes
+    CostModel.collective (a ring or tree over the group's slowest link);
+  * with `sends_complete_on_delivery` (gloo), the optimizer step and the end of a step
+    wait until every send of the rank has been delivered (the runtime drains its sends).
+With `steps` > 1 the plans run that many times back to back, as a training loop calls
+the graph: a rank starts step k+1 as soon as it finished its own step k, while others
+may still be in step k, bounded only by the data dependencies (messages on a link are
+matched in order across steps). `step_time` is then the steady-state period: the mean
+time between the ends of consecutive steps after the first.
+If the ranks that compute outnumber `cores`, every compute span is stretched by
+ranks / cores: processor sharing with all ranks busy (an upper bound; see docs/inspect.md).
+Link contention between different rank pairs is not modelled.
+
+The package, by concern:
+  * engine.py: the event engine (links, collectives, the worklist of ranks, the times);
+  * memory.py: memory accounting (live micro-batches, peak activation bytes);
+  * folding.py: rank folding (classes of ranks that share one timeline);
+  * result.py: what a simulation returns (SimResult, RankSummary, SimTimeline);
+  * codes.py: the op tuples the engine runs, one per instruction, and their codes.
+
+Example:
+    from graphc.tools.cost_model import CostModel
+    result = simulate(compiled.plans, CostModel.uniform(num_stages=4))
+    print(result.table())
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ...plan.plan import ExecutionPlan
+# the timeline vocabulary, shared with the measured traces the runtime writes
+from ...runtime.trace import Span, Timeline
+from ..cost_model import CostModel
+from .engine import _Simulation
+from .memory import activation_peak, stage_input_bytes
+from .result import RankSummary, SimResult, SimTimeline
+
+__all__ = ["simulate", "SimResult", "RankSummary", "SimTimeline", "Span", "Timeline",
+           "activation_peak", "stage_input_bytes"]
+
+
+def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
+             cores: Optional[int] = None) -> SimResult:
+    """Runs every rank's plan against `costs`; returns the timeline and per-rank summary.
+
+    Args:
+        plans: one ExecutionPlan per rank (CompiledGraph.plans), verified or not.
+        costs: per-stage compute costs, transport and link costs, activation sizes.
+        steps: consecutive steps to run; > 1 reports the steady-state period as step_time.
+        cores: CPU cores the ranks share (None: each rank has its own device or core).
+    Returns:
+        SimResult with `step_time`, `bubble_fraction`, `ranks` and `timeline`.
+    Raises:
+        PlanError if the plans cannot finish (a recv or collective that nothing satisfies).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, found {steps}")
+    sim = _Simulation(plans, costs, steps, cores)
+    sim.run()
+    return sim.result()

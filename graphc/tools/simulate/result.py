@@ -1,0 +1,80 @@
+"""What a simulation returns: the timeline, the step time and a summary per rank."""
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List
+
+from ...plan.plan import ExecutionPlan
+from ...runtime.trace import Span, Timeline
+
+
+@dataclass
+class RankSummary:
+    rank: int
+    stages: List[int]
+    busy: float                # time spent in compute
+    finish: float              # when the rank's last instruction ends
+    bubble: float              # 1 - busy / step_time (ranks that compute)
+    peak_live_microbatches: int
+    peak_activation_bytes: int
+
+
+@dataclass
+class SimResult:
+    timeline: Timeline
+    step_time: float           # one step's makespan, or the steady-state period (steps > 1)
+    ranks: List[RankSummary] = field(default_factory=list)
+    step_ends: List[float] = field(default_factory=list)   # when the last rank ended each step
+    steps: int = 1
+
+    @property
+    def first_step_time(self) -> float:
+        return self.step_ends[0] if self.step_ends else self.step_time
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The mean bubble over the ranks that run a stage."""
+        working = [r.bubble for r in self.ranks if r.stages]
+        return sum(working) / len(working) if working else 0.0
+
+    def table(self, unit: str = "ms", scale: float = 1e3) -> str:
+        """A per-rank table: compute, finish, bubble, peak live micro-batches and memory."""
+        head = (f"{'rank':>4}  {'stages':>6}  {'compute ' + unit:>12}  {'finish ' + unit:>12}  "
+                f"{'bubble':>7}  {'live mb':>7}  {'peak act MiB':>12}")
+        rows = [head]
+        for r in self.ranks:
+            rows.append(f"{r.rank:>4}  {','.join(map(str, r.stages)) or '-':>6}  "
+                        f"{r.busy * scale:>12.3f}  {r.finish * scale:>12.3f}  {r.bubble:>7.1%}  "
+                        f"{r.peak_live_microbatches:>7}  {r.peak_activation_bytes / 2**20:>12.3f}")
+        what = (f"steady-state step time (period over {self.steps} steps; first step "
+                f"{self.first_step_time * scale:.3f} {unit})" if self.steps > 1 else "step time")
+        rows.append(f"{what} {self.step_time * scale:.3f} {unit}, mean bubble "
+                    f"{self.bubble_fraction:.1%}")
+        return "\n".join(rows)
+
+
+class SimTimeline(Mapping):
+    """rank -> its Spans in issue order, built on demand from the simulated times."""
+
+    def __init__(self, plans: Dict[int, ExecutionPlan], shown: Dict[int, tuple],
+                 starts: Dict[int, array], ends: Dict[int, array]):
+        self._plans, self._shown, self._starts, self._ends = plans, shown, starts, ends
+
+    def __getitem__(self, rank: int) -> List[Span]:
+        labels, kinds, mbs = self._shown[rank]
+        n = len(labels)
+        return [Span(rank, k % n, labels[k % n], kinds[k % n], mbs[k % n], t0, t1, k // n)
+                for k, (t0, t1) in enumerate(zip(self._starts[rank], self._ends[rank]))]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._plans)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def signature(self, rank: int) -> tuple:
+        """Equal for two ranks exactly when their timelines show the same boxes at the same
+        times (ranks of one stage usually do): charts fold them into one row."""
+        return self._shown[rank][0], self._starts[rank].tobytes(), self._ends[rank].tobytes()

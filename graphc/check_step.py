@@ -18,10 +18,10 @@ import copy
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from . import world as ranks
 from .dcp import user_prefix
 from .errors import GraphcError
 from .global_tensor import GlobalTensor
@@ -56,16 +56,14 @@ class FirstStepCheck:
         loss = _first_scalar(outputs)
         losses = [None] * self.world
         if self.world > 1:
-            dist.all_gather_object(losses, None if loss is None else float(loss))
+            losses = ranks.current().all_gather_object(None if loss is None else float(loss))
         else:
             losses = [None if loss is None else float(loss)]
         report = ""
         if self.rank == 0:
             report = self._run_eager_and_compare(after, next((x for x in losses if x is not None), None))
         if self.world > 1:
-            box = [report]
-            dist.broadcast_object_list(box, src=0)
-            report = box[0]
+            report = ranks.current().broadcast_object(report, src=0)
         if report:
             raise GraphcError(report)
 
@@ -125,9 +123,7 @@ def warn_if_random(compiled) -> bool:
 
 
 def _rank_world() -> Tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return ranks.rank_and_size()
 
 
 def _gather_inputs(inputs, rank: int, world: int) -> List[torch.Tensor]:
@@ -136,8 +132,7 @@ def _gather_inputs(inputs, rank: int, world: int) -> List[torch.Tensor]:
     locals_ = [x.to_local() if isinstance(x, GlobalTensor) else x for x in inputs]
     if world == 1:
         return [x.detach().clone() for x in locals_]
-    everyone: List[Any] = [None] * world
-    dist.all_gather_object(everyone, [x.detach().cpu() for x in locals_])
+    everyone: List[Any] = ranks.current().all_gather_object([x.detach().cpu() for x in locals_])
     if rank != 0:
         return []
     out = []

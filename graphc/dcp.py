@@ -49,6 +49,7 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 import torch.nn as nn
 
+from . import world
 from .errors import GraphcError
 from .placement import Broadcast, Split
 from .sbp.layout import local_component, shard_slices
@@ -129,12 +130,10 @@ class RngStates(dict):
 
 
 def _gather(rng_state: torch.Tensor) -> tuple:
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    everyone = world.multi()
+    if everyone is None:
         return (rng_state,)
-    states = [None] * dist.get_world_size()
-    dist.all_gather_object(states, rng_state)
-    return tuple(states)
+    return tuple(everyone.all_gather_object(rng_state))
 
 
 def saved_keys(state) -> List[str]:

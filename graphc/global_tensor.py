@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from . import world
 from .block import ModuleBlock
 from .errors import GraphcError
 from .placement import Broadcast, PartialSum, Split, normalize_sbp
@@ -166,9 +167,8 @@ def _check_local_shape(local: torch.Tensor, placement: Placement, sbp: tuple, sh
 
 
 def _this_rank():
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+    if world.current() is not None:
+        return world.rank()
     rank = os.environ.get("RANK")
     return int(rank) if rank is not None and rank.isdigit() else None
 

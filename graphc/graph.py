@@ -6,7 +6,7 @@ from typing import Any, Dict, List
 import torch
 import torch.nn as nn
 
-from . import compiler, plan_mode
+from . import compiler, plan_mode, world
 from .amp import checked_scaler
 from .block import ModuleBlock
 from .build_root import BuildRoot
@@ -22,7 +22,7 @@ from .runtime.dist_env import ensure_process_group, timeout_seconds
 from .runtime.rng import agree_base_seed
 from .state import GraphState, check_state_dict
 
-_CREATED: Dict[str, int] = {}  # Graph subclass name -> instances created in this process
+_CREATED: Dict[tuple, int] = {}  # (Graph subclass name, process) -> instances created
 
 
 class Graph:
@@ -69,8 +69,10 @@ class Graph:
         object.__setattr__(self, "_base_seed", 0)  # rank 0's torch.initial_seed(), agreed at compile
         object.__setattr__(self, "_forward_calls", 0)
         # this graph's name in rank agreement: class and creation order, the same on every rank
-        _CREATED[type(self).__name__] = _CREATED.get(type(self).__name__, 0) + 1
-        object.__setattr__(self, "_instance", f"{type(self).__name__}-{_CREATED[type(self).__name__]}")
+        # (per process: each rank of a local world counts its own, NOTE: Local world)
+        counter = (type(self).__name__, getattr(world.current(), "process_key", None))
+        _CREATED[counter] = _CREATED.get(counter, 0) + 1
+        object.__setattr__(self, "_instance", f"{type(self).__name__}-{_CREATED[counter]}")
 
     # -- modules ---------------------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:

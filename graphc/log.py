@@ -23,9 +23,7 @@ import sys
 import warnings
 from typing import Optional, Set
 
-import torch.distributed as dist
-
-from . import env
+from . import env, world
 
 ROOT = "graphc"
 FORMAT = "[rank %(rank)s] %(name)s: %(message)s"
@@ -47,8 +45,8 @@ def get_logger(area: str) -> logging.Logger:
 
 def this_rank() -> int:
     """The global rank of this process: the process group's, else torchrun's RANK, else 0."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+    if world.current() is not None:
+        return world.rank()
     try:
         return int(os.environ.get("RANK", "0"))
     except ValueError:

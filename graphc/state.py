@@ -7,9 +7,9 @@ from collections import defaultdict
 from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from . import world
 from .dcp import DCP_FORMAT, class_name, load_dcp_state_dict, load_into
 from .errors import GraphcError
 from .global_tensor import declared_layout
@@ -197,7 +197,7 @@ class GraphState:
         other rank returns {}; with cpu_offload the tensors returned are on the CPU."""
         out: Dict[str, torch.Tensor] = {}
         done: Dict[int, torch.Tensor] = {}
-        live = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        live = world.multi() is not None
         device = getattr(self, "device", torch.device("cpu"))
         for k, t in self.root.state_dict(keep_vars=True).items():
             if id(t) in done:  # another name of a tied tensor (the same on every rank)
@@ -216,11 +216,11 @@ class GraphState:
         with rank0_only)."""
         src = self.compiled.stages[self.owner[k]].ranks[0]
         if not rank0_only:
-            dist.broadcast(value, src)
+            world.current().broadcast(value, src)
         elif src != 0 and self.rank == src:
-            dist.send(value, 0)
+            world.current().send(value, 0)
         elif src != 0 and self.rank == 0:
-            dist.recv(value, src)
+            world.current().recv(value, src)
 
     def _gather_shards(self, k: str, value: torch.Tensor, rank0_only: bool) -> torch.Tensor:
         """Collective: the full tensor from its shards, one copy of each (from the first rank
@@ -235,18 +235,18 @@ class GraphState:
         if not rank0_only:
             if self.rank in sources:
                 place_shard(full, value, sbp, mesh, self.rank, pieces)
-            dist.all_reduce(full)
+            world.current().all_reduce(full)
             return full
         if self.rank != 0:
             if self.rank in sources:
-                dist.send(value.contiguous(), 0)
+                world.current().send(value.contiguous(), 0)
             return value
         for r in sources:
             part = value
             if r != 0:
                 part = torch.empty(local_component(torch.empty(shape, device="meta"), sbp, mesh, r,
                                                    pieces).shape, dtype=value.dtype, device=value.device)
-                dist.recv(part, r)
+                world.current().recv(part, r)
             place_shard(full, part, sbp, mesh, r, pieces)
         return full
 

@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "graphc"
 LAYER_OF = {
     "graphc.errors": "value", "graphc.meta": "value", "graphc.placement": "value",
     "graphc.log": "value", "graphc.env": "value", "graphc.loss_ops": "value",
-    "graphc.plan_mode": "value", "graphc.guards": "value",  # the plan-mode setting; tools write the files
+    "graphc.plan_mode": "value", "graphc.guards": "value",
+    "graphc.world": "value",  # the world a rank communicates in (NOTE: Worlds)  # the plan-mode setting; tools write the files
     "graphc.sbp": "value", "graphc.rows": "value",
     "graphc.plan": "plan",
     "graphc.runtime": "runtime",

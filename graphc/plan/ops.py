@@ -17,30 +17,21 @@ kept in this module's registry.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
+from .. import world
 from ..sbp.boxing import BOXINGS
 from ..sbp.layout import chunk_range, chunk_sizes
 from .instructions import AllReduce
 
-_GROUPS: Dict[Tuple[int, ...], object] = {}
-
-
 def create_groups(rank_sets: Iterable[Sequence[int]]) -> None:
-    """Creates a process group per rank set; collective over the world, deterministic order."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    world = dist.get_world_size()
-    for ranks in sorted({tuple(r) for r in rank_sets if len(r) > 1}):
-        if ranks in _GROUPS:
-            continue
-        if ranks == tuple(range(world)):
-            _GROUPS[ranks] = dist.group.WORLD
-        else:
-            _GROUPS[ranks] = dist.new_group(list(ranks))
+    """Creates a process group per rank set; collective over the world, deterministic order
+    (a local world needs none: See NOTE: Worlds in graphc/runtime/world.py)."""
+    torch_world = world.torch_world()
+    if torch_world is not None:
+        torch_world.create_groups(rank_sets)
 
 
 # NOTE: Shapes only
@@ -63,18 +54,16 @@ def shapes_only(rank: int):
         _SHAPES_ONLY.pop()
 
 
-def my_group(groups: tuple) -> Tuple[object, int, int]:
-    """(process group, my index in it, its size) for this rank's group among `groups`."""
+def my_group(groups: tuple) -> Tuple[Tuple[int, ...], int, int]:
+    """(its ranks, my index in it, its size) for this rank's group among `groups`."""
     if _SHAPES_ONLY:
         rank = _SHAPES_ONLY[-1]
         g = next((g for g in groups if rank in g), groups[0])
-        return None, (g.index(rank) if rank in g else 0), len(g)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+        return tuple(g), (g.index(rank) if rank in g else 0), len(g)
+    rank = world.rank()
     for g in groups:
         if rank in g:
-            if len(g) > 1 and tuple(g) not in _GROUPS:
-                create_groups([g])  # only reached in single-group worlds (tests, one stage)
-            return _GROUPS.get(tuple(g)), g.index(rank), len(g)
+            return tuple(g), g.index(rank), len(g)
     raise RuntimeError(f"internal: rank {rank} is in none of the groups {groups}")
 
 
@@ -107,7 +96,7 @@ def _all_reduce(x, group):
     if _SHAPES_ONLY:
         return x.contiguous().clone()
     y = x.contiguous().clone()
-    dist.all_reduce(y, group=group)
+    world.current().all_reduce(y, group)
     return y
 
 
@@ -117,7 +106,7 @@ def _all_gather(x, dim, group, n, extent):
         return x.new_zeros(_with(x.shape, dim, extent))
     mine = _pad_to(x, dim, sizes[0])
     parts = [torch.empty_like(mine) for _ in range(n)]
-    dist.all_gather(parts, mine, group=group)
+    world.current().all_gather(parts, mine, group)
     return torch.cat([p.narrow(dim, 0, size) for p, size in zip(parts, sizes)], dim)
 
 
@@ -127,7 +116,7 @@ def _reduce_scatter(x, dim, group, n, k):
         return x.new_zeros(_with(x.shape, dim, sizes[k]))
     parts = [_pad_to(p, dim, sizes[0]) for p in x.split(sizes, dim)]
     out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)
+    world.current().reduce_scatter(out, parts, group)
     return out.narrow(dim, 0, sizes[k])
 
 
@@ -139,7 +128,7 @@ def _all_to_all(x, src_dim, dst_dim, group, n, k, extent):
     send = [_pad_to(_pad_to(p, dst_dim, dst_sizes[0]), src_dim, src_sizes[0])
             for p in x.split(dst_sizes, dst_dim)]
     recv = [torch.empty_like(p) for p in send]
-    dist.all_to_all(recv, send, group=group)
+    world.current().all_to_all(recv, send, group)
     return torch.cat([p.narrow(src_dim, 0, size).narrow(dst_dim, 0, dst_sizes[k])
                       for p, size in zip(recv, src_sizes)], src_dim)
 
@@ -210,7 +199,7 @@ class _Box(torch.autograd.Function):
 
 def _group_index(groups: tuple) -> int:
     """Which of `groups` is this rank's (a box's per-group arguments line up with them)."""
-    rank = _SHAPES_ONLY[-1] if _SHAPES_ONLY else (dist.get_rank() if dist.is_initialized() else 0)
+    rank = _SHAPES_ONLY[-1] if _SHAPES_ONLY else world.rank()
     return next((i for i, g in enumerate(groups) if rank in g), 0)
 
 

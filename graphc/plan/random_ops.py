@@ -29,8 +29,9 @@ from contextlib import contextmanager
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from .. import world
 
 # the random ops seeded, by the name the rewritten node carries (fx cannot print a function
 # as an argument); call_method targets as "Tensor.<name>"
@@ -67,13 +68,13 @@ def seeded(op: str, key: str, coords: tuple, *args, **kwargs):
     seeded for this node (`key`), step, micro-batch and this rank's shard (`coords`:
     (rank, coordinate) pairs; empty for a value replicated on every rank)."""
     base, step, mb = _DRAW.get() or (torch.initial_seed(), 0, 0)
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = world.rank()
     shard = dict(coords).get(rank, ())
     digest = hashlib.sha256(repr((base, step, mb, key, shard)).encode()).digest()
     seed = int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
     cuda = _on_cuda(args, kwargs)
     devices = [torch.cuda.current_device()] if cuda else []
-    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+    with world.RNG_LOCK, torch.random.fork_rng(devices=devices, device_type="cuda"):
         torch.default_generator.manual_seed(seed)
         if cuda:
             torch.cuda.manual_seed(seed)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
+from .. import world
 from ..errors import RankFailedError
 from ..plan.instructions import (ACT, COMPUTE, AllReduce, BackwardInput, BackwardWeight, ClipGradNorm,
                                  Collective, Forward, OptimizerStep, OverlapFB, Recv, Send)
@@ -361,8 +361,9 @@ class Runtime:
             if p.grad is not None:
                 p.grad.mul_(inv.to(p.grad.dtype))
                 found = torch.maximum(found, (~torch.isfinite(p.grad)).any().float())
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        everyone = world.multi()
+        if everyone is not None:
+            everyone.all_reduce(found, op="max")
         self.found_inf = bool(found)
 
     def _optimizer_step(self) -> None:

@@ -21,8 +21,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
+from .. import world as world_of_ranks
 from ..errors import GraphcError
 
 
@@ -43,10 +43,11 @@ def check_agreement(facts: Dict[str, Any], holders: Dict[str, List[int]], what: 
     order, and its compile count), so a rank that skipped a graph is found, not paired with
     the next exchange.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    everyone = world_of_ranks.multi()
+    if everyone is None:
         return
-    rank, world = dist.get_rank(), dist.get_world_size()
-    store = store or dist.distributed_c10d._get_default_store()
+    rank, world = everyone.rank, everyone.size
+    store = store or everyone.store()
     prefix = f"graphc/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/agree/{tag}/"
     store.set(prefix + str(rank), json.dumps(facts, sort_keys=True, default=str))
     everyone = _gather(store, prefix, world, timeout, what)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
+from .. import world
 from ..plan.instructions import AllReduce, TieAllReduce
 from ..plan.ops import my_group
 
@@ -26,11 +26,20 @@ class GradSync:
     rest of the backward, whatever the schedule's order of chunks and micro-batches.
     `wait(ins)` finishes an AllReduce instruction's bucket (launching it first if its hooks
     did not fire, e.g. unused parameters). Buckets launch in plan order on every rank.
+
+    NOTE: Gradient reduce dtype
+    A bucket is summed in the dtype its instruction's TensorSpecs name (insert_grad_sync:
+    config.set_grad_reduce_dtype, else the gradients' own): each rank casts its gradients
+    (its addends, accumulated in their own dtype over the micro-batches) into a flat bucket
+    of that dtype, the all-reduce sums it there, and the sum is cast back into a bucket of
+    the gradients' dtype whose views become the .grad. Only the sum over ranks is rounded.
     """
 
     def __init__(self, buckets: List[Tuple[Tuple[int, ...], List[torch.nn.Parameter]]],
-                 expected: Optional[Dict[int, int]] = None):
+                 expected: Optional[Dict[int, int]] = None,
+                 dtypes: Optional[List[Optional[torch.dtype]]] = None):
         self.buckets = buckets
+        self.dtypes = dtypes or [None] * len(buckets)   # per bucket: summed in (None: the grads')
         self.armed = False
         self.remaining: List[int] = []
         self.works: Dict[int, Tuple[object, torch.Tensor]] = {}
@@ -38,6 +47,7 @@ class GradSync:
         self.next = 0
         self.early = 0                      # buckets of the last step launched by hooks
         self.flats: Dict[int, torch.Tensor] = {}
+        self.wides: Dict[int, torch.Tensor] = {}   # a bucket's sum back in the gradients' dtype
         self.carried: Dict[int, torch.Tensor] = {}
         self.last_of = {id(p): i for i, (_, params) in enumerate(buckets) for p in params}
         self.index: Dict[object, int] = {}
@@ -75,7 +85,8 @@ class GradSync:
                  for ins in syncs]
         m = plan.num_microbatches
         sync = GradSync([(ins.ranks, [params[n] for n in ns]) for ins, ns in zip(syncs, names)],
-                        {k: m * n for k, n in uses.items()})
+                        {k: m * n for k, n in uses.items()},
+                        [getattr(torch, ins.tensors[0].dtype) if ins.tensors else None for ins in syncs])
         sync.index = {ins: i for i, ins in enumerate(syncs)}
         return sync
 
@@ -116,12 +127,13 @@ class GradSync:
         ranks, params = self.buckets[i]
         group, _, n = my_group((ranks,))
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        dtype = self.dtypes[i] or grads[0].dtype
         flat = self.flats.get(i)  # reused every step: no fresh bucket-sized allocation
-        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
-            flat = self.flats[i] = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
+        if flat is None or flat.dtype != dtype or flat.device != grads[0].device:
+            flat = self.flats[i] = torch.empty(sum(g.numel() for g in grads), dtype=dtype,
                                                device=grads[0].device)
-        torch.cat(grads, out=flat)
-        work = dist.all_reduce(flat, group=group, async_op=True) if n > 1 else None
+        torch.cat(grads, out=flat)  # cast to the reduce dtype on the way in (NOTE above)
+        work = world.current().all_reduce(flat, group, async_op=True) if n > 1 else None
         self.works[i] = (work, flat)
         self.next = i + 1
 
@@ -133,6 +145,7 @@ class GradSync:
         work, flat = self.works.pop(i)
         if work is not None:
             work.wait()
+        flat = self._widened(i, flat)
         offset = 0
         for p in self.buckets[i][1]:  # the reduced gradients are views of the bucket: no copy
             numel = p.numel()
@@ -142,3 +155,13 @@ class GradSync:
             offset += numel
         if not self.works:
             self.armed = False
+
+    def _widened(self, i: int, flat: torch.Tensor) -> torch.Tensor:
+        """Bucket i's sum in its gradients' dtype (itself when it was summed in it)."""
+        dtype = self.buckets[i][1][0].dtype
+        if flat.dtype == dtype:
+            return flat
+        wide = self.wides.get(i)
+        if wide is None or wide.shape != flat.shape or wide.device != flat.device or wide.dtype != dtype:
+            wide = self.wides[i] = torch.empty(flat.shape, dtype=dtype, device=flat.device)
+        return wide.copy_(flat)

@@ -2,6 +2,8 @@
 
 - shm: ranks on one host with cpu tensors exchange them through shared-memory rings
   (see NOTE: Shared-memory channels in shm.py): a send is one memcpy, no thread hand-off.
+- a local world's ranks (threads of one process, NOTE: Worlds in graphc/world.py) hand
+  tensors over in memory, through the world itself.
 - gloo (cpu) / NCCL (cuda): asynchronous isend/irecv. Gloo matches messages by tag, so
   each tensor carries its sequence number on its channel. NCCL ignores tags and matches
   in issue order per communicator; each direction of a rank pair gets its own
@@ -18,7 +20,7 @@ from typing import Dict, Iterable, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import env
+from .. import env, world
 from ..errors import GraphcError
 from ..plan.instructions import Send
 from ..plan.plan import ExecutionPlan
@@ -39,7 +41,13 @@ class P2P:
         self.groups: Dict[Tuple[int, int], object] = {}
         self.shm = None
         self.pairs = []
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        self.local = None   # a local world's rank: its transfers are in memory
+        everyone = world.multi()
+        if everyone is None:
+            return
+        if world.torch_world() is None:
+            self.local = everyone
+            self.pairs = sorted(pair for pair in _channel_specs(plans) if rank in pair)
             return
         specs = _channel_specs(plans)
         self.pairs = sorted(pair for pair in specs if rank in pair)
@@ -55,11 +63,15 @@ class P2P:
         return self.shm is not None and pair in self.shm.channels
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
+        if self.local is not None:
+            return self.local.isend(tensor, peer, tag)
         if self._uses_shm((self.rank, peer)):
             return self.shm.isend(tensor, peer, tag)
         return dist.isend(tensor, peer, group=self.groups.get((self.rank, peer)), tag=tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
+        if self.local is not None:
+            return self.local.irecv(tensor, peer, tag)
         if self._uses_shm((peer, self.rank)):
             return self.shm.irecv(tensor, peer, tag)
         return dist.irecv(tensor, peer, group=self.groups.get((peer, self.rank)), tag=tag)
@@ -67,7 +79,7 @@ class P2P:
     @property
     def kinds(self) -> Dict[Tuple[int, int], str]:
         """Which transport each of this rank's channels uses (for printing and tests)."""
-        out = {pair: "gloo" for pair in self.pairs}
+        out = {pair: "local" if self.local is not None else "gloo" for pair in self.pairs}
         out.update({pair: "shm" for pair in (self.shm.channels if self.shm else {})})
         out.update({pair: "nccl" for pair in self.groups})
         return out

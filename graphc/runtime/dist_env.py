@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env
+from .. import world as worlds
 from ..errors import GraphcError
 from .agreement import wait_for_ranks
 
@@ -25,8 +26,8 @@ def ensure_process_group(device_types=("cpu",)) -> Tuple[int, int]:
 
     Without torchrun's environment and without a group, this is a single process: (0, 1).
     """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+    if worlds.current() is not None:   # torch.distributed's group, or a local world (NOTE: Worlds)
+        return worlds.rank_and_size()
     if not all(v in os.environ for v in _TORCHRUN_VARS):
         return 0, 1
     wants_cuda = "cuda" in device_types

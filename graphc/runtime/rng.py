@@ -9,18 +9,20 @@ import os
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
+
+from .. import world
 
 
 def agree_base_seed(tag: str, timeout: float) -> int:
     """Rank 0's torch.initial_seed(), read by every rank through the c10d store (one set on
     rank 0, one get elsewhere). tag names the graph alike on every rank."""
     seed = torch.initial_seed()
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    everyone = world.multi()
+    if everyone is None:
         return seed
-    store = dist.distributed_c10d._get_default_store()
+    store = everyone.store()
     key = f"graphc/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/seed/{tag}"
-    if dist.get_rank() == 0:
+    if everyone.rank == 0:
         store.set(key, str(seed))
         return seed
     store.wait([key], timedelta(seconds=timeout))

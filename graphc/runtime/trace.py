@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
-from .. import env
+from .. import env, world
 from ..plan.instructions import COMPUTE, INSTRUCTIONS, parse_instruction
 
 DEFAULT_STEPS = 5
@@ -129,9 +129,8 @@ class Tracer:
 
 
 def _gather_to_rank0(rank: int, mine: list) -> List[list]:
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    everyone = world.multi()
+    if everyone is None:
         return [mine]
-    out = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, out, dst=0)
+    out = everyone.gather_object(mine, dst=0)
     return out

@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from .. import world
 from ..env import seconds_from_env
 from ..errors import GraphcError, RankFailedError
 from . import host, liveness, shm
@@ -249,7 +250,7 @@ _WATCHDOG: Optional[Watchdog] = None
 def _watchdog() -> Optional[Watchdog]:
     """The process's watchdog, started on the first step of a multi-rank world."""
     global _WATCHDOG
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if world.torch_world() is None or dist.get_world_size() == 1:  # a local world: no processes to watch
         return None
     store = dist.distributed_c10d._get_default_store()
     if _WATCHDOG is not None and _WATCHDOG.store is not store:  # a new process group

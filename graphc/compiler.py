@@ -101,6 +101,7 @@ class CompileSpec:
     activation_checkpointing: str = "never"
     whole_inputs: Tuple[str, ...] = ()  # build() arguments never split into micro-batches
     amp_dtype: Optional[torch.dtype] = None  # enable_amp: build() under autocast to this dtype
+    grad_reduce_dtype: Optional[torch.dtype] = None  # gradient buckets' dtype (None: the grads')
 
 
 @dataclass
@@ -257,7 +258,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
                   training, world_size, spec.activation_checkpointing)
     # all-reduce of partial_sum gradients (data parallel), bucketed, before the step
     plans = _step(run, "insert_grad_sync", insert_grad_sync, plans, gm,
-                  spec.gradient_bucket_bytes)
+                  spec.gradient_bucket_bytes, spec.grad_reduce_dtype)
     # a parameter held by several stages (tied): its gradients summed over them, after grad sync
     plans = _step(run, "insert_tie_sync", insert_tie_sync, plans, programs, stages)
     # clipping by the global grad norm (one scalar all-reduce), once gradients are final

@@ -12,6 +12,9 @@ from .passes.insert_grad_sync import DEFAULT_BUCKET_BYTES
 from .placement import placement as Placement
 
 
+_REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 class ModuleConfig:
     """`graph.<module>.config`: the pipeline stage of one module.
 
@@ -74,6 +77,7 @@ class GraphConfig:
         self.whole_inputs: tuple = ()
         self.check_microbatching = False
         self.amp_dtype: Optional[torch.dtype] = None
+        self.grad_reduce_dtype: Optional[torch.dtype] = None   # None: each gradient's own dtype
 
     def _check_open(self, what: str) -> None:
         if self._graph._compiled is not None:
@@ -246,6 +250,32 @@ class GraphConfig:
                               f"{dtype!r}. Fix: self.config.enable_amp(True, dtype=torch.bfloat16).")
         self.amp_dtype = dtype if enabled else None
 
+    def set_grad_reduce_dtype(self, dtype: torch.dtype = torch.float32) -> None:
+        """The dtype data-parallel gradients are all-reduced in. torch.float32 (the default)
+        reduces each gradient in its own dtype: float32 for float32 parameters, amp included.
+
+        torch.bfloat16 or torch.float16 halves the bytes of every gradient bucket: each rank
+        casts its float32 gradient (its addend of the sum) down before the all-reduce and the
+        sum back up to float32 after it, as torch DDP's bf16_compress_hook does. Gradients
+        still accumulate in float32 over the micro-batches, and parameters and optimizer
+        state stay float32; only the sum over ranks is rounded. The plan's ALL_REDUCE lists
+        the gradients in this dtype and counts its bytes. Ties between stages and the
+        gradient clipping norm are summed in float32 whatever this says.
+
+        Args:
+            dtype: torch.float32, torch.bfloat16 or torch.float16.
+
+        Example:
+            self.config.enable_amp(True, dtype=torch.bfloat16)
+            self.config.set_grad_reduce_dtype(torch.bfloat16)   # half the bytes per bucket
+        """
+        self._check_open("set_grad_reduce_dtype")
+        if dtype not in _REDUCE_DTYPES:
+            raise GraphcError(f"set_grad_reduce_dtype: dtype must be one of "
+                              f"{', '.join(map(str, _REDUCE_DTYPES))}, found {dtype!r}. Fix: "
+                              "self.config.set_grad_reduce_dtype(torch.bfloat16).")
+        self.grad_reduce_dtype = None if dtype == torch.float32 else dtype
+
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -274,7 +304,7 @@ def compile_spec(graph):
         pipeline_schedule=cfg.pipeline_schedule, deferred_batch_norm=cfg.deferred_batch_norm,
         gradient_bucket_bytes=cfg.gradient_bucket_bytes, grad_clip_norm=cfg.grad_clip_norm,
         activation_checkpointing=cfg.activation_checkpointing, whole_inputs=cfg.whole_inputs,
-        amp_dtype=cfg.amp_dtype)
+        amp_dtype=cfg.amp_dtype, grad_reduce_dtype=cfg.grad_reduce_dtype)
 
 
 def _source_file(cls: type):

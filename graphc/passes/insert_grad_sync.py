@@ -6,14 +6,18 @@ ops, i.e. data parallelism) issues, before its optimizer step, all_reduce instru
 over that axis's group covering the parameter, in buckets of at most `bucket_bytes` (the
 first at most 1 MiB, as DDP does) in backward order (last-used parameters first). The runtime launches each bucket as soon as
 its gradients are final during the last micro-batch's backward; the instruction waits.
-No other gradient is reduced.
+No other gradient is reduced. Each bucket's TensorSpecs carry the dtype the sum travels
+in: the gradient's own, or config.set_grad_reduce_dtype's (the runtime casts each rank's
+addend down to it and the sum back, NOTE: Gradient reduce dtype in runtime/collectives.py),
+so the plan prints and counts the bytes that move.
 Requires: infer_sbp, lower_plan.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
 import torch.fx as fx
 
 from ..meta import META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR
@@ -26,8 +30,9 @@ FIRST_BUCKET_BYTES = 2 ** 20  # small, so the first all-reduce starts early in t
 
 
 def insert_grad_sync(plans: Sequence[ExecutionPlan], gm: fx.GraphModule,
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> List[ExecutionPlan]:
-    per_rank = _partial_grads(gm)
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                     reduce_dtype: Optional[torch.dtype] = None) -> List[ExecutionPlan]:
+    per_rank = _partial_grads(gm, reduce_dtype)
     for plan in plans:
         wanted = per_rank.get(plan.rank)
         if not wanted or not plan.training:
@@ -39,8 +44,10 @@ def insert_grad_sync(plans: Sequence[ExecutionPlan], gm: fx.GraphModule,
     return list(plans)
 
 
-def _partial_grads(gm: fx.GraphModule) -> Dict[int, Dict[Tuple[int, ...], List[TensorSpec]]]:
-    """rank -> group -> gradient specs (local shapes), in backward order."""
+def _partial_grads(gm: fx.GraphModule, reduce_dtype: Optional[torch.dtype]
+                   ) -> Dict[int, Dict[Tuple[int, ...], List[TensorSpec]]]:
+    """rank -> group -> gradient specs (local shapes, the dtype they are summed in), in
+    backward order."""
     out: Dict[int, Dict[Tuple[int, ...], List[TensorSpec]]] = defaultdict(lambda: defaultdict(list))
     # (parameter, ranks): a tied parameter's names share one .grad, reduced once; so do two
     # chunks on the same ranks that use it
@@ -58,11 +65,18 @@ def _partial_grads(gm: fx.GraphModule) -> Dict[int, Dict[Tuple[int, ...], List[T
             for group in axis_groups(sig.mesh, axis):
                 # the group's ranks hold shards of one shape (uneven splits differ by group)
                 spec = TensorSpec(str(node.target), local_shape(meta.shape, sig.out, sig.mesh, group[0]),
-                                  meta.dtype)
+                                  _reduced_in(meta.dtype, reduce_dtype))
                 if len(group) > 1:
                     for r in group:
                         out[r][group].append(spec)
     return out
+
+
+def _reduced_in(grad_dtype: str, reduce_dtype: Optional[torch.dtype]) -> str:
+    """The dtype (torch name) a gradient of `grad_dtype` is summed in over its ranks."""
+    if reduce_dtype is None or not getattr(torch, grad_dtype).is_floating_point:
+        return grad_dtype
+    return str(reduce_dtype).removeprefix("torch.")
 
 
 def _buckets(specs: List[TensorSpec], limit: int) -> List[List[TensorSpec]]:

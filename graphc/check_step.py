@@ -15,6 +15,8 @@ shapes and a warning says so.
 from __future__ import annotations
 
 import copy
+import warnings
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -26,6 +28,8 @@ from .dcp import user_prefix
 from .errors import GraphcError
 from .global_tensor import GlobalTensor
 from .log import warn_user
+from .placement import Broadcast, Split
+from .sbp.layout import coord, flat, place_shard
 
 # relative tolerance by the parameters' dtype: graphc only reorders sums (helpers.py's oracle)
 RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -71,7 +75,7 @@ class FirstStepCheck:
         graph = self.graph
         root = _eager_root(graph, self.before)
         if graph._optimizer is not None and self.groups:
-            params = dict(root.named_parameters())
+            params = dict(root.named_parameters(remove_duplicate=False))
             groups = [dict(opts, params=[params[n] for n in names if n in params]) for opts, names in self.groups]
             opt = type(graph._optimizer)(groups)
             opt.zero_grad(set_to_none=True)
@@ -128,7 +132,8 @@ def _rank_world() -> Tuple[int, int]:
 
 def _gather_inputs(inputs, rank: int, world: int) -> List[torch.Tensor]:
     """Every input's whole (global) value, on rank 0 (on other ranks: []). A plain tensor
-    is taken from rank 0's copy; a GlobalTensor split(0) is its parts in placement order."""
+    is taken from rank 0's copy; a GlobalTensor is put together from its holders' local
+    components (split or broadcast on any mesh; the first rank along broadcast axes)."""
     locals_ = [x.to_local() if isinstance(x, GlobalTensor) else x for x in inputs]
     if world == 1:
         return [x.detach().clone() for x in locals_]
@@ -137,16 +142,19 @@ def _gather_inputs(inputs, rank: int, world: int) -> List[torch.Tensor]:
         return []
     out = []
     for i, x in enumerate(inputs):
-        if not isinstance(x, GlobalTensor) or all(s == _broadcast() for s in _sbps(x)):
-            src = x.placement.flat_ranks[0] if isinstance(x, GlobalTensor) else 0
-            out.append(everyone[src][i])
+        if not isinstance(x, GlobalTensor):
+            out.append(everyone[0][i])
             continue
-        sbps = _sbps(x)
-        if len(sbps) != 1 or getattr(sbps[0], "dim", None) != 0:
-            raise GraphcError(f"config.set_check_microbatching: input {i} is laid out as {x.sbp} on "
-                              f"{x.placement}; the check gathers inputs split(0) over a 1-D placement "
-                              "or broadcast. Fix: switch the check off for this layout.")
-        out.append(torch.cat([everyone[r][i] for r in x.placement.flat_ranks], 0))
+        sbps, mesh = _sbps(x), x.placement.ranks
+        if any(not isinstance(s, (Split, Broadcast)) for s in sbps):
+            raise GraphcError(f"the eager check: input {i} is laid out as {x.sbp} on {x.placement}; "
+                              "the check puts inputs together from split and broadcast parts only. "
+                              "Fix: pass that input split or broadcast, or switch the check off.")
+        full = torch.empty(tuple(x.shape), dtype=everyone[0][i].dtype)
+        for r in flat(mesh):
+            if all(d == 0 for d, s in zip(coord(mesh, r), sbps) if not isinstance(s, Split)):
+                place_shard(full, everyone[r][i], sbps, mesh, r)
+        out.append(full)
     return out
 
 
@@ -171,14 +179,21 @@ def optimizer_groups(graph) -> List[Tuple[Dict[str, Any], List[str]]]:
 
 
 def _eager_root(graph, state: Dict[str, torch.Tensor]) -> nn.Module:
-    """A root like the traced one, holding copies of the user's modules with `state`."""
+    """A root like the traced one, holding copies of the user's modules with `state` (the
+    full, unprefixed state dict): each parameter and buffer object takes its whole value
+    once, so tied ones stay tied and split ones (this rank's shard) become whole."""
     root = type(graph._root)()
     for name, module in graph._root._modules.items():
         root.add_module(name, copy.deepcopy(module))
     object.__setattr__(root, "_graphc_graph", graph)  # build() reads Graph attributes through it
     prefix = user_prefix(graph._root)
-    # assign: a split parameter of this rank holds its shard; the copy takes the whole value
-    root.load_state_dict({prefix + k: v.clone() for k, v in state.items()}, assign=True)
+    done = set()
+    for k, t in root.state_dict(keep_vars=True).items():
+        key = k[len(prefix):] if prefix and k.startswith(prefix) else k
+        if id(t) in done or key not in state:
+            continue
+        done.add(id(t))
+        t.data = state[key].to(t.dtype).clone()
     return root
 
 
@@ -190,3 +205,176 @@ def _first_scalar(out) -> Optional[torch.Tensor]:
         if isinstance(t, torch.Tensor) and t.dim() == 0 and torch.is_floating_point(t):
             return t.detach()
     return None
+
+
+# NOTE: Checked steps
+# In check mode (graphc/check_mode.py: `graphc check`, graphc.testing.check) every call of a
+# graph is compared, not only the first: rank 0 keeps an EagerTwin (a copy of the model, of
+# the optimizer with the same hyperparameters and of the LR scheduler, made from the
+# graph's state before its first step) and steps it on the whole batch after each graphc
+# step, then compares the loss and every parameter (gathered with full_state_dict). The twin
+# goes on from its own state, so a difference that grows over steps shows as it grows, and
+# the first step and parameter that depart are named. Every rank gets the step's verdict.
+class EagerTwin:
+    """Rank 0's eager copy of a graph: model, optimizer and LR scheduler, one step per call."""
+
+    def __init__(self, graph, groups, state: Dict[str, torch.Tensor]):
+        self.graph = graph
+        self.root = _eager_root(graph, state)
+        self.opt = None
+        self.sch = None
+        if graph._optimizer is not None and groups:
+            params = dict(self.root.named_parameters(remove_duplicate=False))
+            self.opt = type(graph._optimizer)(
+                [dict(opts, params=[params[n] for n in names if n in params]) for opts, names in groups])
+            if graph._lr_scheduler is not None:  # its counters and lambdas, stepping the twin's optimizer
+                self.sch = copy.deepcopy(graph._lr_scheduler, {id(graph._optimizer): self.opt})
+
+    def step(self, inputs: List[torch.Tensor], tree) -> Tuple[Any, Dict[str, torch.Tensor]]:
+        """build() eagerly on the whole batch, then the optimizer and scheduler steps."""
+        if self.opt is not None:
+            self.opt.zero_grad(set_to_none=True)
+        out = type(self.graph).build(self.root, *pytree.tree_unflatten(inputs, tree))
+        if self.opt is not None:
+            self.opt.step()
+            if self.sch is not None:
+                with warnings.catch_warnings():  # the copy's optimizer.step carries no scheduler wrapper
+                    warnings.filterwarnings("ignore", message="Seems like `optimizer.step", category=UserWarning)
+                    self.sch.step()
+        prefix = user_prefix(self.graph._root)
+        state = {k[len(prefix):] if prefix and k.startswith(prefix) else k: v.detach()
+                 for k, v in self.root.state_dict().items()}
+        return out, state
+
+
+@dataclass
+class StepRow:
+    """One checked step: graphc's and eager's loss, and the largest parameter difference."""
+
+    step: int
+    loss: Optional[float]
+    eager_loss: Optional[float]
+    dloss: float
+    dparam: float
+    worst: str             # the parameter with the largest difference ("" without parameters)
+    bad: List[str]         # every value beyond the tolerance this step ("<loss>" for the loss)
+
+
+@dataclass
+class StepReport:
+    """A graph's checked steps against eager (rank 0's; see NOTE: Checked steps)."""
+
+    graph: str
+    world: int
+    rows: List[StepRow] = field(default_factory=list)
+    per_param: Dict[str, float] = field(default_factory=dict)   # name -> max |difference| over steps
+    where: Dict[str, str] = field(default_factory=dict)         # name -> stage and ranks holding it
+    bound: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.rows) and not any(r.bad for r in self.rows)
+
+    @property
+    def first_departure(self) -> Optional[Tuple[int, str]]:
+        for r in self.rows:
+            if r.bad:
+                return r.step, r.bad[0]
+        return None
+
+    def text(self) -> str:
+        lines = [f"{self.graph} on {self.world} rank(s) vs eager PyTorch on the whole batch "
+                 f"(bound |d| <= {self.bound:g} * (1 + |eager|)):",
+                 f"  {'step':>4}  {'loss':>22}  {'eager loss':>22}  {'|dloss|':>9}  {'max |dparam|':>12}  parameter"]
+        for r in self.rows:
+            lines.append(f"  {r.step:>4}  {_fmt(r.loss):>22}  {_fmt(r.eager_loss):>22}  {r.dloss:9.2e}  "
+                         f"{r.dparam:12.2e}  {r.worst}{'  <- differs' if r.bad else ''}")
+        first = self.first_departure
+        if first is None:
+            lines.append(f"  OK: {len(self.rows)} step(s), {len(self.per_param)} parameter(s) agree.")
+        else:
+            step, name = first
+            holder = f" ({self.where[name]})" if name in self.where else ""
+            lines.append(f"  DIFFERS: first at step {step}, {name}{holder}; largest per parameter:")
+            worst = sorted(self.per_param.items(), key=lambda kv: -kv[1])[:8]
+            lines += [f"    {name}: {d:.3g}" + (f"  ({self.where[name]})" if name in self.where else "")
+                      for name, d in worst]
+        return "\n".join(lines)
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.17g}"
+
+
+class StepChecker:
+    """Compares every call of one graph with its EagerTwin (NOTE: Checked steps)."""
+
+    def __init__(self, graph, groups, bound):
+        self.graph, self.groups, self.bound = graph, groups, bound
+        self.twin: Optional[EagerTwin] = None
+        self.report: Optional[StepReport] = None
+        self.inputs: List[torch.Tensor] = []
+        self.tree = None
+        self.rank, self.world = 0, 1
+
+    def start(self, inputs: Tuple[Any, ...]) -> None:
+        """Before graphc's step (compiled): the whole batch; the twin on the first call."""
+        self.rank, self.world = _rank_world()
+        is_leaf = lambda x: isinstance(x, GlobalTensor)  # noqa: E731 - one input each
+        leaves, self.tree = pytree.tree_flatten(tuple(inputs), is_leaf=is_leaf)
+        self.inputs = _gather_inputs(leaves, self.rank, self.world)
+        if self.report is None:
+            before = self.graph.full_state_dict(rank0_only=True)
+            if self.rank == 0:
+                self.twin = EagerTwin(self.graph, self.groups, before)
+            self.report = StepReport(type(self.graph).__name__, self.world, bound=self.bound(torch.float64))
+            self.report.where = _holders(self.graph)
+
+    def compare(self, outputs) -> Optional[StepRow]:
+        """After graphc's step: rank 0 steps the twin and compares; every rank gets the row."""
+        after = self.graph.full_state_dict(rank0_only=True)
+        loss = _first_scalar(outputs)
+        losses = [None if loss is None else float(loss)]
+        if self.world > 1:
+            losses = ranks.current().all_gather_object(losses[0])
+        got = next((x for x in losses if x is not None), None)
+        row = None
+        if self.rank == 0:
+            out, want = self.twin.step(self.inputs, self.tree)
+            row = self._row(len(self.report.rows), got, _first_scalar(out), after, want)
+        if self.world > 1:
+            row = ranks.current().broadcast_object(row, src=0)
+        self.report.rows.append(row)
+        return row
+
+    def _row(self, step, got, want_loss, after, want) -> StepRow:
+        bad, worst, dparam = [], "", 0.0
+        for k, v in want.items():
+            g = after.get(k)
+            if g is None or not torch.is_floating_point(v) or not v.numel():
+                continue
+            d = (g.to(v.dtype) - v).abs().max().item()
+            self.report.per_param[k] = max(self.report.per_param.get(k, 0.0), d)
+            if d >= dparam:
+                dparam, worst = d, k
+            if d > self.bound(v.dtype) * (1.0 + v.abs().max().item()):
+                bad.append((d, k))
+        eager = None if want_loss is None else float(want_loss)
+        dloss = abs(got - eager) if got is not None and eager is not None else 0.0
+        if got is not None and eager is not None and dloss > self.bound(want_loss.dtype) * (1.0 + abs(eager)):
+            bad.append((float("inf"), "<loss>"))
+        bad.sort(reverse=True)
+        return StepRow(step, got, eager, dloss, dparam, worst, [k for _, k in bad])
+
+
+def _holders(graph) -> Dict[str, str]:
+    """parameter name -> 'stage s on ranks [...]' for the report."""
+    state = graph._state
+    out = {}
+    if state is None:
+        return out
+    for k, stage in getattr(state, "owner", {}).items():
+        ranks_of = graph._compiled.stages[stage].ranks
+        out[k] = f"stage {graph._compiled.stages[stage].stage_id} on ranks {list(ranks_of)}"
+    prefix = user_prefix(graph._root)
+    return {k[len(prefix):] if prefix and k.startswith(prefix) else k: v for k, v in out.items()}

@@ -50,6 +50,7 @@ from .passes.insert_grad_clip import insert_grad_clip
 from .passes.insert_grad_modes import insert_grad_modes
 from .passes.insert_grad_sync import DEFAULT_BUCKET_BYTES, insert_grad_sync
 from .passes.insert_tie_sync import insert_tie_sync
+from .passes.insert_zero_sync import insert_zero_sync
 from .passes.list_collectives import list_collectives
 from .passes.localize_ops import localize_ops
 from .passes.lower_plan import lower_plan
@@ -101,6 +102,8 @@ class CompileSpec:
     activation_checkpointing: str = "never"
     whole_inputs: Tuple[str, ...] = ()  # build() arguments never split into micro-batches
     amp_dtype: Optional[torch.dtype] = None  # enable_amp: build() under autocast to this dtype
+    zero_stage: int = 0                # enable_zero: 0 off, 1 or 2 (NOTE: ZeRO, runtime/zero.py)
+    zero_shard_min_size: int = 1024    # parameters with fewer elements stay replicated
     grad_reduce_dtype: Optional[torch.dtype] = None  # gradient buckets' dtype (None: the grads')
 
 
@@ -259,6 +262,9 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     # all-reduce of partial_sum gradients (data parallel), bucketed, before the step
     plans = _step(run, "insert_grad_sync", insert_grad_sync, plans, gm,
                   spec.gradient_bucket_bytes, spec.grad_reduce_dtype)
+    # under ZeRO, sharded parameters' gradients reduce-scattered instead, gathered after the step
+    plans = _step(run, "insert_zero_sync", insert_zero_sync, plans, gm, spec.zero_stage,
+                  spec.zero_shard_min_size, spec.gradient_bucket_bytes)
     # a parameter held by several stages (tied): its gradients summed over them, after grad sync
     plans = _step(run, "insert_tie_sync", insert_tie_sync, plans, programs, stages)
     # clipping by the global grad norm (one scalar all-reduce), once gradients are final

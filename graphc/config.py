@@ -77,6 +77,8 @@ class GraphConfig:
         self.whole_inputs: tuple = ()
         self.check_microbatching = False
         self.amp_dtype: Optional[torch.dtype] = None
+        self.zero_stage = 0                 # enable_zero: 0 (off), 1, 2 (See NOTE: ZeRO)
+        self.zero_shard_min_size = 1024
         self.grad_reduce_dtype: Optional[torch.dtype] = None   # None: each gradient's own dtype
 
     def _check_open(self, what: str) -> None:
@@ -276,6 +278,47 @@ class GraphConfig:
                               "self.config.set_grad_reduce_dtype(torch.bfloat16).")
         self.grad_reduce_dtype = None if dtype == torch.float32 else dtype
 
+    def enable_zero(self, enabled: bool = True, stage: int = 2, shard_min_size: int = 1024) -> None:
+        """Sharded data parallelism (ZeRO; OneFlow's name and arguments).
+
+        On every stage whose parameters are replicated over a data-parallel mesh axis (their
+        gradients partial_sum), each parameter of at least `shard_min_size` elements is
+        split(0) over that axis for the optimizer (See NOTE: ZeRO in graphc/runtime/zero.py):
+          stage 1: the optimizer holds only this rank's rows of it (its state 1/d of the
+                   replicated run's); gradients are reduce-scattered once per step (after the
+                   last micro-batch's backward) into this rank's rows, the optimizer steps on
+                   them, and the parameter is all-gathered after the step;
+          stage 2: as 1, and the full-size gradient buckets are freed once reduce-scattered
+                   (stage 1 keeps them between steps, as DDP does).
+        Bytes moved per step equal data parallel's (a reduce-scatter and an all-gather move
+        what one all-reduce does). The plan lists each REDUCE_SCATTER and ALL_GATHER with its
+        tensors and bytes. Smaller parameters, and parameters held by several stages (tied),
+        stay replicated and all-reduced. Numbers equal the replicated run's.
+
+        Args:
+            enabled: True to shard.
+            stage: 1 or 2 (3, parameters held as shards, is not available yet).
+            shard_min_size: parameters with fewer elements (of their local component) stay
+                replicated.
+
+        Example:
+            self.config.enable_zero(True, stage=2)   # in the Graph's __init__
+        """
+        self._check_open("enable_zero")
+        if not isinstance(enabled, bool):
+            raise GraphcError(f"enable_zero expects True or False, found {enabled!r}")
+        if stage == 3:
+            raise GraphcError("enable_zero: stage 3 (parameters held as shards) is not available "
+                              "yet. Fix: use stage=2 (gradients and optimizer state sharded) or 1.")
+        if stage not in (1, 2) or isinstance(stage, bool):
+            raise GraphcError(f"enable_zero: stage must be 1 or 2, found {stage!r}. "
+                              "Fix: self.config.enable_zero(True, stage=2).")
+        if not isinstance(shard_min_size, int) or isinstance(shard_min_size, bool) or shard_min_size < 1:
+            raise GraphcError(f"enable_zero: shard_min_size must be an int >= 1 (elements), found "
+                              f"{shard_min_size!r}. Fix: e.g. shard_min_size=1024.")
+        self.zero_stage = stage if enabled else 0
+        self.zero_shard_min_size = shard_min_size
+
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -304,7 +347,8 @@ def compile_spec(graph):
         pipeline_schedule=cfg.pipeline_schedule, deferred_batch_norm=cfg.deferred_batch_norm,
         gradient_bucket_bytes=cfg.gradient_bucket_bytes, grad_clip_norm=cfg.grad_clip_norm,
         activation_checkpointing=cfg.activation_checkpointing, whole_inputs=cfg.whole_inputs,
-        amp_dtype=cfg.amp_dtype, grad_reduce_dtype=cfg.grad_reduce_dtype)
+        amp_dtype=cfg.amp_dtype, zero_stage=cfg.zero_stage,
+        zero_shard_min_size=cfg.zero_shard_min_size, grad_reduce_dtype=cfg.grad_reduce_dtype)
 
 
 def _source_file(cls: type):

@@ -6,11 +6,12 @@ from typing import Any, Dict, List
 import torch
 import torch.nn as nn
 
-from . import compiler, plan_mode, world
+from . import check_mode, compiler, plan_mode, world
 from .amp import checked_scaler
 from .block import ModuleBlock
 from .build_root import BuildRoot
-from .check_step import FirstStepCheck, optimizer_groups, warn_if_random
+from .check_mode import CheckDone
+from .check_step import FirstStepCheck, StepChecker, optimizer_groups, warn_if_random
 from .config import GraphConfig, compile_spec
 from .dcp import dcp_state_dict, unprefixed
 from .errors import GraphcError
@@ -68,6 +69,7 @@ class Graph:
         object.__setattr__(self, "_cache", ExecutableCache(type(self).__name__))
         object.__setattr__(self, "_base_seed", 0)  # rank 0's torch.initial_seed(), agreed at compile
         object.__setattr__(self, "_forward_calls", 0)
+        object.__setattr__(self, "_checker", None)  # check mode's eager comparison (NOTE: Checked steps)
         # this graph's name in rank agreement: class and creation order, the same on every rank
         # (per process: each rank of a local world counts its own, NOTE: Local world)
         counter = (type(self).__name__, getattr(world.current(), "process_key", None))
@@ -133,9 +135,12 @@ class Graph:
     def __call__(self, *inputs):
         specs, tree = flatten_call(inputs, type(self).build)  # NOTE: Input trees
         check = None
+        checking = check_mode.active()  # graphc check: every call against eager (NOTE: Checked steps)
         if self._compiled is None:
             if self.config.check_microbatching:  # NOTE: Checked first step
                 check = FirstStepCheck(self, optimizer_groups(self))
+            if checking is not None and self._checker is None:
+                object.__setattr__(self, "_checker", StepChecker(self, optimizer_groups(self), checking.bound))
             self._compile(specs, tree)
         elif self._runtime is not None:  # (plan mode has no runtime: it stops just below)
             self._compiled_for(specs, tree)
@@ -144,6 +149,11 @@ class Graph:
         check = check if check is not None and not warn_if_random(self._compiled) else None
         if check is not None:
             check.start(inputs)
+        checker = self._checker if checking is not None else None
+        if checker is not None:
+            checker.start(inputs)
+            if checker.report not in checking.reports and self._rank == 0:
+                checking.reports.append(checker.report)
         training = self._compiled.training
         step = self._state.steps if training else self._forward_calls
         # random ops draw by the agreed base seed and the step (a forward-only graph counts its
@@ -154,6 +164,10 @@ class Graph:
         object.__setattr__(self, "_forward_calls", self._forward_calls + (0 if training else 1))
         if check is not None:
             check.compare(outputs)
+        if checker is not None:
+            checker.compare(outputs)
+            if checking.steps is not None and len(checker.report.rows) >= checking.steps:
+                raise CheckDone(f"{type(self).__name__}: {len(checker.report.rows)} step(s) checked")
         return outputs
 
     @property

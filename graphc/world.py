@@ -73,8 +73,9 @@ class TorchWorld:
     def all_gather(self, parts: List[torch.Tensor], t: torch.Tensor, ranks: Optional[Ranks] = None):
         dist.all_gather(parts, t, group=self.group(ranks))
 
-    def reduce_scatter(self, out: torch.Tensor, parts: List[torch.Tensor], ranks: Optional[Ranks] = None):
-        dist.reduce_scatter(out, parts, group=self.group(ranks))
+    def reduce_scatter(self, out: torch.Tensor, parts: List[torch.Tensor], ranks: Optional[Ranks] = None,
+                       async_op: bool = False):
+        return dist.reduce_scatter(out, parts, group=self.group(ranks), async_op=async_op)
 
     def all_to_all(self, recv: List[torch.Tensor], send: List[torch.Tensor], ranks: Optional[Ranks] = None):
         dist.all_to_all(recv, send, group=self.group(ranks))

@@ -19,8 +19,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "graphc"
 LAYER_OF = {
     "graphc.errors": "value", "graphc.meta": "value", "graphc.placement": "value",
     "graphc.log": "value", "graphc.env": "value", "graphc.loss_ops": "value",
-    "graphc.plan_mode": "value", "graphc.guards": "value",
-    "graphc.world": "value",  # the world a rank communicates in (NOTE: Worlds)  # the plan-mode setting; tools write the files
+    "graphc.plan_mode": "value", "graphc.guards": "value",  # the plan-mode setting; tools write the files
+    "graphc.check_mode": "value",  # the check-mode setting (graphc check)
+    "graphc.world": "value",  # the world a rank communicates in (NOTE: Worlds)
     "graphc.sbp": "value", "graphc.rows": "value",
     "graphc.plan": "plan",
     "graphc.runtime": "runtime",
@@ -31,7 +32,7 @@ LAYER_OF = {
     # one compiled specialisation (compile, start, check, call): API, built from values; it
     # reaches down to the compiler, runtime and plan, never up to the user's Graph class
     "graphc.executable": "api",
-    "graphc.check_step": "api", "graphc.optim_check": "api",  # the Graph's checks of a step, optimizer
+    "graphc.check_step": "api", "graphc.optim_check": "api", "graphc.testing": "api",  # the Graph's checks of a step, optimizer
     "graphc.tools": "tools",
     "graphc.cli": "entry", "graphc.__main__": "entry",
 }

@@ -5,18 +5,19 @@ training plan issues one ClipGradNorm right before its optimizer step (after eve
 gradient all-reduce), over the same ranks (every rank that runs a stage). Its `params`
 name the gradients this rank adds to the squared norm, so that over all ranks every
 parameter's gradient is counted exactly once: a replicated parameter (broadcast on a mesh
-axis) by the rank at index 0 of that axis, each shard of a split parameter by a rank
+axis) by the rank at index 0 of that axis (a ZeRO one, reduce-scattered, by every rank: its
+rows), each shard of a split parameter by a rank
 holding it, a parameter used by several stages (tied) by its first stage.
 Requires: split_stages, infer_sbp (parameters' layouts), insert_grad_sync (the clip
 follows the gradient all-reduces that make replicas equal).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from ..meta import META_SBP
 from ..placement import Broadcast, Split
-from ..plan.instructions import ClipGradNorm, OptimizerStep, TensorSpec
+from ..plan.instructions import ClipGradNorm, OptimizerStep, ReduceScatter, TensorSpec
 from ..plan.plan import ExecutionPlan
 from ..plan.program import StageProgram
 from ..sbp.declared import DeclaredLayouts
@@ -35,7 +36,7 @@ def insert_grad_clip(plans: Sequence[ExecutionPlan], programs: Sequence[StagePro
         if not plan.training or plan.rank not in ranks:
             continue
         clip = ClipGradNorm(ranks, (TensorSpec("grad_norm_sq", (), dtype),), max_norm,
-                            tuple(counted.get(plan.rank, ())))
+                            _with_shards(counted.get(plan.rank, ()), plan))
         at = next(i for i, ins in enumerate(plan.instructions) if isinstance(ins, OptimizerStep))
         plan.instructions.insert(at, clip)
     return list(plans)
@@ -60,6 +61,13 @@ def _counted_params(programs: Sequence[StageProgram], meshes: Sequence[tuple],
                 if all(c == 0 for c, s in zip(coord(mesh, r), sbp) if not isinstance(s, Split)):
                     out.setdefault(r, []).append(name)
     return out
+
+
+def _with_shards(names: Sequence[str], plan: ExecutionPlan) -> Tuple[str, ...]:
+    """`names`, and every parameter the plan reduce-scatters: a ZeRO parameter's gradient is
+    split over its group, each rank counts its rows (See NOTE: ZeRO in runtime/zero.py)."""
+    sharded = [t.name for ins in plan.instructions if isinstance(ins, ReduceScatter) for t in ins.tensors]
+    return tuple(dict.fromkeys(list(names) + sharded))
 
 
 def _declared_sbp(layout, mesh: tuple) -> tuple:

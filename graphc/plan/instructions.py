@@ -390,6 +390,60 @@ class ClipGradNorm(AllReduce):
 
 
 @dataclass(frozen=True)
+class _ShardCollective(AllReduce):
+    """A ZeRO collective over `ranks` (See NOTE: ZeRO in graphc/runtime/zero.py) on a bucket of
+    parameters split(0) over them, torch.chunk's sizes: every rank's part of each tensor is
+    padded to its largest chunk, so the parts are equal (gloo and NCCL need that).
+
+    A subclass of AllReduce so that everything handling a gradient collective over a group
+    (its process group, the verifier's pairing, the summary's counts, the simulator) takes
+    it alike; its `op` and `word` tell it apart."""
+
+    TEXT: ClassVar[re.Pattern] = re.compile(r"(?:REDUCE_SCATTER|ALL_GATHER) ranks=\[\]")  # per class below
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.TEXT = re.compile(rf"{cls.word} ranks=\[([\d, ]*)\] \[(.*)\]")
+
+    @property
+    def padded_nbytes(self) -> int:
+        """The bytes of the whole (padded) bucket: what a rank's all-reduce of it would hold."""
+        d = len(self.ranks)
+        total = 0
+        for t in self.tensors:
+            rows = t.shape[0] if t.shape else 1
+            total += d * -(-rows // d) * (t.nbytes // max(rows, 1))
+        return total
+
+    def __str__(self) -> str:
+        return f"{self.word} ranks={list(self.ranks)} [{' '.join(map(str, self.tensors))}]"
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "ranks": list(self.ranks),
+                "tensors": [t.to_json() for t in self.tensors], "bytes": self.padded_nbytes}
+
+    @classmethod
+    def reads_json(cls, d: dict) -> bool:
+        return d["op"] == cls.op and "node" not in d
+
+
+@dataclass(frozen=True)
+class ReduceScatter(_ShardCollective):
+    """Sums the named gradients over `ranks`, each rank keeping the sum of its rows (split(0))."""
+
+    op: ClassVar[str] = "reduce_scatter"
+    word: ClassVar[str] = "REDUCE_SCATTER"
+
+
+@dataclass(frozen=True)
+class AllGather(_ShardCollective):
+    """Every rank's rows of the named parameters (split(0), just stepped) to every rank of `ranks`."""
+
+    op: ClassVar[str] = "all_gather"
+    word: ClassVar[str] = "ALL_GATHER"
+
+
+@dataclass(frozen=True)
 class OptimizerStep(Instruction):
     op: ClassVar[str] = "optimizer_step"
     span_kind: ClassVar[str] = "optimizer"
@@ -472,7 +526,7 @@ STAGE_COMPUTES = (Forward, Backward, BackwardInput, BackwardWeight)
 COMPUTE = STAGE_COMPUTES + (OverlapFB,)
 # every instruction class, the most frequent first (the order parse_instruction tries them)
 INSTRUCTIONS = COMPUTE + (Send, Recv, Collective, AllReduce, TieAllReduce, ClipGradNorm,
-                          OptimizerStep)
+                          OptimizerStep, ReduceScatter, AllGather)
 
 
 def _uncaptured(pattern: str) -> str:

@@ -121,6 +121,7 @@ class ExecutionPlan:
                              checkpointing=fields.get("checkpointing", NO_CHECKPOINTING))
 
 
+ZERO_NOTE = "zero"   # plan.notes key of a ZeRO plan: `stage N; ...` (insert_zero_sync, runtime/zero.py)
 STAGES_LINE = "pipeline stages"   # `# pipeline stages: 0=cpu[0..3] 1=cpu[4..7]`, never a note's key
 
 

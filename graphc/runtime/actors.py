@@ -26,14 +26,15 @@ from torch.profiler import record_function
 
 from .. import world
 from ..errors import RankFailedError
-from ..plan.instructions import (ACT, COMPUTE, AllReduce, BackwardInput, BackwardWeight, ClipGradNorm,
-                                 Collective, Forward, OptimizerStep, OverlapFB, Recv, Send)
+from ..plan.instructions import (ACT, COMPUTE, AllGather, AllReduce, BackwardInput, BackwardWeight,
+                                 ClipGradNorm, Collective, Forward, OptimizerStep, OverlapFB, Recv, Send)
 from ..plan.ops import all_reduce_sum
 from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
 from .collectives import GradSync
 from .executor import StageExecutor
 from .stopped_ranks import explain_stopped_peers
+from .zero import ZeroGradSync, ZeroShards
 
 
 @dataclass
@@ -180,7 +181,10 @@ class Runtime:
         ckpt = checkpointed_microbatches(plan.checkpointing, m)
         self.executors: Dict[int, StageExecutor] = {
             s: StageExecutor(prog, plan.training, 1.0 / m, ckpt) for s, prog in programs.items()}
-        self.grad_sync = GradSync.from_plan(plan, list(programs.values()))  # None without synced grads
+        # ZeRO's shards (See NOTE: ZeRO in zero.py): the optimizer holds them from here on
+        self.zero = ZeroShards.from_plan(plan, list(programs.values()), optimizer) if plan.training else None
+        self.grad_sync = (GradSync.from_plan(plan, list(programs.values())) if self.zero is None  # None without synced grads
+                          else ZeroGradSync.for_shards(plan, list(programs.values()), self.zero))
         # each peer's receives in plan order, and the peers sent to: fixed by the plan
         self.recv_queues: Dict[int, List[Recv]] = defaultdict(list)
         for ins in plan.instructions:
@@ -265,6 +269,8 @@ class Runtime:
                 ex.loss_scale = self.grad_scaler.get_scale() / self.plan.num_microbatches
         if self.grad_sync is not None and self.plan.training:
             self.grad_sync.start_step()
+        if self.zero is not None:
+            self.zero.refresh()
         profiling = torch.autograd.profiler._is_profiler_enabled  # checked once per step: cheap
         for ins, range_name in zip(self.plan.instructions, self.range_names):
             t0 = time.perf_counter() if self.trace else 0.0
@@ -290,6 +296,8 @@ class Runtime:
                 elif isinstance(ins, ClipGradNorm):
                     self._unscale()
                     self._clip_grad_norm(ins)
+                elif isinstance(ins, AllGather):
+                    self.zero.gather(ins)
                 elif isinstance(ins, AllReduce):
                     self.grad_sync.wait(ins)
             if self.trace:
@@ -327,7 +335,7 @@ class Runtime:
     def _clip_grad_norm(self, ins: ClipGradNorm) -> None:
         """clip_grad_norm_ over the whole model: this rank's share of the squared norm, summed
         over every training rank, then every local gradient scaled (see insert_grad_clip)."""
-        params = _local_parameters([ex.program for ex in self.executors.values()])
+        params = self._grad_holders()
         grads = [g for g in (params[n].grad for n in ins.params) if g is not None]
         dtype = getattr(torch, ins.tensors[0].dtype)
         sq = torch.zeros((), dtype=dtype, device=self.device)
@@ -338,6 +346,14 @@ class Runtime:
         for p in {id(p): p for p in params.values()}.values():  # a tie held twice: scaled once
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.dtype))
+
+    def _grad_holders(self) -> Dict[str, torch.nn.Parameter]:
+        """This rank's parameters by name, whose .grad the optimizer steps on: a ZeRO
+        parameter's shard in its place (See NOTE: ZeRO)."""
+        params = _local_parameters([ex.program for ex in self.executors.values()])
+        if self.zero is not None:
+            params.update({n: s.shard for n, s in self.zero.by_name.items()})
+        return params
 
     def _own_grads(self) -> None:
         """NOTE: The graph owns .grad. With an optimizer, a step starts from no gradients, as
@@ -356,7 +372,7 @@ class Runtime:
             return
         inv = self.grad_scaler.inverse()
         found = torch.zeros((), dtype=torch.float32)
-        params = _local_parameters([ex.program for ex in self.executors.values()])
+        params = self._grad_holders()
         for p in {id(p): p for p in params.values()}.values():
             if p.grad is not None:
                 p.grad.mul_(inv.to(p.grad.dtype))

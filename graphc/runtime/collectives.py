@@ -67,11 +67,13 @@ class GradSync:
         for key, p in by_id.items():
             self.handles.append(p.register_post_accumulate_grad_hook(self._hook(key)))
 
-    @staticmethod
-    def from_plan(plan, programs) -> "GradSync | None":
+    SYNCS = (AllReduce, TieAllReduce)   # the instructions whose buckets it launches
+
+    @classmethod
+    def from_plan(cls, plan, programs) -> "GradSync | None":
         # gradient all-reduces and ties (not ClipGradNorm); a tie names its parameters as
         # this rank's stage programs know them
-        syncs = [ins for ins in plan.instructions if type(ins) in (AllReduce, TieAllReduce)]
+        syncs = [ins for ins in plan.instructions if type(ins) in cls.SYNCS]
         if not syncs or not programs:
             return None
         params: Dict[str, torch.nn.Parameter] = {}
@@ -84,7 +86,7 @@ class GradSync:
         names = [ins.params if isinstance(ins, TieAllReduce) else [t.name for t in ins.tensors]
                  for ins in syncs]
         m = plan.num_microbatches
-        sync = GradSync([(ins.ranks, [params[n] for n in ns]) for ins, ns in zip(syncs, names)],
+        sync = cls([(ins.ranks, [params[n] for n in ns]) for ins, ns in zip(syncs, names)],
                         {k: m * n for k, n in uses.items()},
                         [getattr(torch, ins.tensors[0].dtype) if ins.tensors else None for ins in syncs])
         sync.index = {ins: i for i, ins in enumerate(syncs)}

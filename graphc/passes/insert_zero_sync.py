@@ -1,0 +1,89 @@
+"""insert_zero_sync: ZeRO's gradient reduce-scatters and parameter all-gathers.
+
+Invariant: with config.enable_zero (stage 1 or 2), in every training plan, each parameter
+that is sharded (See NOTE: ZeRO in graphc/runtime/zero.py: its gradient is partial_sum on
+exactly one mesh axis, one stage holds it, and its local component has a dim 0 and at least
+`min_size` elements) is named by no ALL_REDUCE. Its gradient is reduced by a REDUCE_SCATTER
+over that axis's group instead, in buckets of at most `bucket_bytes` in backward order (as
+insert_grad_sync's, and before them: the replicated ones are small), and the same bucket is
+all-gathered by an ALL_GATHER right after the optimizer step. Every other gradient is
+all-reduced as insert_grad_sync left it.
+Requires: insert_grad_sync.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Sequence, Set, Tuple
+
+import torch.fx as fx
+
+from ..meta import META_GRAD_PARTIAL, META_STAGE
+from ..plan.instructions import AllGather, AllReduce, OptimizerStep, ReduceScatter, TensorSpec
+from ..plan.plan import ZERO_NOTE, ExecutionPlan
+from .insert_grad_sync import _buckets
+
+
+def insert_zero_sync(plans: Sequence[ExecutionPlan], gm: fx.GraphModule, stage: int,
+                     min_size: int, bucket_bytes: int) -> List[ExecutionPlan]:
+    if not stage:
+        return list(plans)
+    shardable = _shardable(gm)
+    for plan in plans:
+        if plan.training:
+            _shard(plan, stage, shardable, min_size, bucket_bytes)
+    return list(plans)
+
+
+def _shardable(gm: fx.GraphModule) -> Set[str]:
+    """Names of the parameters whose gradient is partial on one mesh axis, held by one stage."""
+    stages: Dict[int, Set[int]] = defaultdict(set)
+    names: Dict[int, Set[str]] = defaultdict(set)
+    one_axis: Set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            p = gm.get_parameter(str(node.target))
+        except AttributeError:   # a buffer
+            continue
+        stages[id(p)].add(node.meta.get(META_STAGE))
+        names[id(p)].add(str(node.target))
+        if len(node.meta.get(META_GRAD_PARTIAL, ())) == 1:
+            one_axis.add(str(node.target))
+    # a tied parameter (held by several stages) is summed over them after its data-parallel
+    # all-reduce (insert_tie_sync): it stays whole
+    return {n for key, ns in names.items() if len(stages[key]) == 1 for n in ns if n in one_axis}
+
+
+def _shard(plan: ExecutionPlan, stage: int, shardable: Set[str], min_size: int,
+           bucket_bytes: int) -> None:
+    scatter: Dict[Tuple[int, ...], List[TensorSpec]] = defaultdict(list)
+    out, first = [], None
+    for ins in plan.instructions:
+        if type(ins) is not AllReduce:
+            out.append(ins)
+            continue
+        first = len(out) if first is None else first
+        keep = tuple(t for t in ins.tensors if not _sharded(t, shardable, min_size))
+        scatter[tuple(ins.ranks)].extend(t for t in ins.tensors if t not in keep)
+        if keep:
+            out.append(AllReduce(ins.ranks, keep))
+    if not any(scatter.values()):
+        return
+    buckets = [(group, tuple(b)) for group, specs in scatter.items() for b in _buckets(specs, bucket_bytes)]
+    out[first:first] = [ReduceScatter(group, b) for group, b in buckets]
+    step = next(i for i, ins in enumerate(out) if isinstance(ins, OptimizerStep))
+    out[step + 1:step + 1] = [AllGather(group, b) for group, b in buckets]
+    plan.instructions[:] = out
+    # the runtime reads the stage here (zero.py: stage 1 keeps its gradient buckets)
+    kept = sorted({t.name for ins in out if type(ins) is AllReduce for t in ins.tensors})
+    plan.notes[ZERO_NOTE] = (f"stage {stage}; {sum(len(b) for _, b in buckets)} parameter(s) "
+                             f"split(0) over {sorted({g for g, _ in buckets})}, {len(kept)} whole "
+                             f"(fewer than {min_size} elements, tied or partial on two axes)")
+
+
+def _sharded(t: TensorSpec, shardable: Set[str], min_size: int) -> bool:
+    numel = 1
+    for d in t.shape:
+        numel *= d
+    return t.name in shardable and len(t.shape) >= 1 and numel >= min_size

@@ -1,0 +1,436 @@
+"""A local world: every rank of a job is a thread of this one process.
+
+NOTE: Local world
+`graphc check` and `graphc.testing.local_world` run N ranks' unchanged programs (the user's
+script or a graph factory, graphc's compile, plans, stage programs and instruction loop) as
+N threads; only the transport differs (NOTE: Worlds, graphc/world.py): transfers and
+collectives move tensors between the threads in memory.
+
+One rank runs Python at a time. A thread holds the baton while it runs and hands it on
+only when it blocks (a receive, a collective, a store key not yet written), as a process
+gives up the CPU; whichever blocked rank can proceed takes it next. So a rank's own
+Python state can be swapped in with the baton, as if each rank were a process: torch's
+default generator, Python's and NumPy's random state, the default dtype, and RANK /
+LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE in os.environ. Every rank starts from the
+state of the thread that started the world (N processes launched alike).
+
+Collectives combine the ranks' tensors in the group's rank order (a sum is
+((x0 + x1) + x2) + ...), so a run is deterministic; with two ranks per group it is
+bitwise what gloo computes, with more the order of a sum may differ from gloo's ring by
+rounding. A world where every unfinished rank waits and none can proceed is a deadlock:
+a LocalDeadlock lists, rank by rank, what each waits for (or that it finished).
+"""
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import world as worlds
+from ..errors import GraphcError
+
+Ranks = Tuple[int, ...]
+_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+class LocalDeadlock(GraphcError):
+    """Every unfinished rank of a local world waits, and none can proceed."""
+
+
+class LocalWorldStopped(Exception):
+    """Raised in the other ranks' threads once one rank failed or the world deadlocked."""
+
+
+@dataclass
+class _ProcessState:
+    """What a process holds alone and a thread shares: swapped in with the baton."""
+
+    torch_rng: torch.Tensor
+    py_rng: object
+    np_rng: object
+    dtype: torch.dtype
+
+    @staticmethod
+    def capture() -> "_ProcessState":
+        np = sys.modules.get("numpy")
+        return _ProcessState(torch.get_rng_state(), random.getstate(),
+                             np.random.get_state() if np is not None else None, torch.get_default_dtype())
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch_rng)
+        random.setstate(self.py_rng)
+        np = sys.modules.get("numpy")
+        if np is not None and self.np_rng is not None:
+            np.random.set_state(self.np_rng)
+        torch.set_default_dtype(self.dtype)
+
+
+@dataclass
+class _Slot:
+    """One collective call on one group: every member's contribution, then the result."""
+
+    kind: str
+    ranks: Ranks
+    call: int
+    data: Dict[int, Any] = field(default_factory=dict)
+    result: Any = None
+    done: bool = False
+    taken: int = 0
+
+
+class _Done:
+    """A transfer that completed when it was posted (a send: the data is copied)."""
+
+    def wait(self, *args) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _Pending:
+    """A receive or an asynchronous collective: `wait` blocks until it can complete."""
+
+    def __init__(self, finish: Callable[[], None], ready: Callable[[], bool]):
+        self.finish, self.ready, self.completed = finish, ready, False
+
+    def wait(self, *args) -> bool:
+        if not self.completed:
+            self.finish()
+            self.completed = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+class LocalWorld:
+    """N ranks as threads of this process (See NOTE: Local world)."""
+
+    def __init__(self, size: int):
+        if size < 1:
+            raise GraphcError(f"a local world needs at least one rank, asked for {size}")
+        self.size = size
+        self.cond = threading.Condition()
+        self.owner: Optional[int] = None            # the rank running Python (holds the baton)
+        self.waiting: Dict[int, Tuple[Callable[[], str], Callable[[], bool]]] = {}
+        self.running: set = set()
+        self.finished: set = set()
+        self.failure: Optional[BaseException] = None
+        self.mail: Dict[Tuple[int, int, int], deque] = defaultdict(deque)
+        self.slots: Dict[Tuple[Ranks, int], _Slot] = {}
+        self.calls: Dict[Tuple[Ranks, int], int] = defaultdict(int)
+        self.kv: Dict[str, bytes] = {}
+        self.states: Dict[int, _ProcessState] = {}
+        self.ranks = [LocalRank(self, r) for r in range(size)]
+
+    # -- running ranks ----------------------------------------------------------------
+    def run(self, fn: Callable[[int], Any]) -> List[Any]:
+        """fn(rank) on every rank, each a thread in this world; their results in rank order.
+        The first rank's error (or a LocalDeadlock) is raised once every thread ended."""
+        start = _ProcessState.capture()
+        self.states = {r: start for r in range(self.size)}
+        self.running, self.finished, self.failure = set(range(self.size)), set(), None
+        results: List[Any] = [None] * self.size
+        errors: Dict[int, BaseException] = {}
+        env = {k: os.environ.get(k) for k in _ENV}
+
+        def body(r: int) -> None:
+            with worlds.entered(self.ranks[r]):
+                try:
+                    self._take(r)
+                    results[r] = fn(r)
+                except BaseException as exc:  # noqa: BLE001 - reported for the rank
+                    errors[r] = exc
+                    with self.cond:
+                        if self.failure is None and not isinstance(exc, LocalWorldStopped):
+                            self.failure = exc
+                        self.cond.notify_all()
+                finally:
+                    with self.cond:
+                        if self.owner == r:
+                            self._release(r)
+                        self.running.discard(r)
+                        self.finished.add(r)
+                        self._check_deadlock()
+                        self.cond.notify_all()
+
+        threads = [threading.Thread(target=body, args=(r,), name=f"graphc-local-rank{r}", daemon=True)
+                   for r in range(self.size)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            start.restore()
+            for k, v in env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        if self.failure is not None:
+            raise self.failure
+        return results
+
+    def _take(self, r: int) -> None:
+        """Rank r takes the baton (waits for it) and its process state comes back."""
+        with self.cond:
+            while self.owner is not None:
+                self.cond.wait()
+            self.owner = r
+            self.states[r].restore()
+            os.environ.update({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(self.size),
+                               "LOCAL_WORLD_SIZE": str(self.size)})
+
+    def _release(self, r: int) -> None:
+        self.states[r] = _ProcessState.capture()
+        self.owner = None
+        self.cond.notify_all()
+
+    def block(self, r: int, what: Callable[[], str], ready: Callable[[], bool]) -> None:
+        """Rank r waits until `ready()` (checked under the world's lock), the baton given up
+        meanwhile; `what` says what it waits for, in a deadlock report."""
+        with self.cond:
+            if self.failure is not None:
+                raise LocalWorldStopped(f"rank {r}: stopped, another rank failed")
+            if ready():
+                return
+            self._release(r)
+            self.waiting[r] = (what, ready)
+            self._check_deadlock()
+            try:
+                while not (self.failure is None and ready() and self.owner is None):
+                    if self.failure is not None:
+                        raise LocalWorldStopped(f"rank {r}: stopped, another rank failed")
+                    self.cond.wait(timeout=5.0)
+            finally:
+                self.waiting.pop(r, None)
+            self.owner = r
+            self.states[r].restore()
+            os.environ.update({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(self.size),
+                               "LOCAL_WORLD_SIZE": str(self.size)})
+
+    def _check_deadlock(self) -> None:
+        """Under the lock: every unfinished rank waits and none can go on -> LocalDeadlock."""
+        if self.failure is not None or self.owner is not None or not self.running:
+            return
+        if set(self.waiting) != self.running or any(ready() for _, ready in self.waiting.values()):
+            return
+        lines = []
+        for r in range(self.size):
+            if r in self.waiting:
+                lines.append(f"rank {r}: waits for {self.waiting[r][0]()}")
+            else:
+                lines.append(f"rank {r}: finished")
+        self.failure = LocalDeadlock(
+            "deadlock in the local world: every rank that has not finished waits, and none can "
+            "proceed:\n  " + "\n  ".join(lines) + "\n  A rank waits for a transfer or collective "
+            "that its peer never makes: the ranks ran different programs (a rank that skipped "
+            "a graph call, a collective only some ranks reach), or a plan does not pair.")
+        self.cond.notify_all()
+
+    # -- collectives (used through LocalRank) ------------------------------------------
+    def join(self, r: int, kind: str, ranks: Ranks, data: Any, combine: Callable[[Dict[int, Any]], Any]) -> _Slot:
+        with self.cond:
+            call = self.calls[(ranks, r)]
+            self.calls[(ranks, r)] = call + 1
+            slot = self.slots.get((ranks, call))
+            if slot is None:
+                slot = self.slots[(ranks, call)] = _Slot(kind, ranks, call)
+            elif slot.kind != kind:
+                self.failure = GraphcError(
+                    f"collective mismatch in the local world: on ranks {list(ranks)} (their call "
+                    f"{call} on that group) rank(s) {sorted(slot.data)} called {slot.kind} but rank {r} "
+                    f"called {kind}. The ranks' programs disagree; with processes this would hang.")
+                self.cond.notify_all()
+                raise self.failure
+            slot.data[r] = data
+            if len(slot.data) == len(ranks):
+                slot.result = combine(slot.data)
+                slot.done = True
+                self.cond.notify_all()
+            return slot
+
+    def collect(self, r: int, slot: _Slot) -> Any:
+        """Waits for a collective's result; the slot goes once every member has it."""
+        def what() -> str:
+            missing = [x for x in slot.ranks if x not in slot.data]
+            return (f"{slot.kind} over ranks {list(slot.ranks)} (call {slot.call} on that group), "
+                    f"which rank(s) {missing} have not joined")
+        self.block(r, what, lambda: slot.done)
+        with self.cond:
+            slot.taken += 1
+            if slot.taken == len(slot.ranks):
+                self.slots.pop((slot.ranks, slot.call), None)
+        return slot.result
+
+
+def _in_order(data: Dict[int, Any], ranks: Ranks) -> list:
+    return [data[r] for r in ranks]
+
+
+def _sum(values: list) -> torch.Tensor:
+    acc = values[0].clone()
+    for v in values[1:]:
+        acc = acc + v
+    return acc
+
+
+def _max(values: list) -> torch.Tensor:
+    acc = values[0].clone()
+    for v in values[1:]:
+        acc = torch.maximum(acc, v)
+    return acc
+
+
+_REDUCE = {"sum": _sum, "max": _max}
+
+
+class LocalRank:
+    """One rank of a LocalWorld: the calls of graphc.world's TorchWorld, in memory."""
+
+    kind = "local"
+
+    def __init__(self, owner: LocalWorld, rank: int):
+        self.world, self.rank, self.size = owner, rank, owner.size
+
+    def _group(self, ranks) -> Ranks:
+        return tuple(ranks) if ranks else tuple(range(self.size))
+
+    # -- collectives --------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, ranks=None, op: str = "sum", async_op: bool = False):
+        ranks = self._group(ranks)
+        slot = self.world.join(self.rank, f"all_reduce({op})", ranks, t.detach().clone(),
+                               lambda d: _REDUCE[op](_in_order(d, ranks)))
+        work = _Pending(lambda: t.copy_(self.world.collect(self.rank, slot)), lambda: slot.done)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def all_gather(self, parts: List[torch.Tensor], t: torch.Tensor, ranks=None) -> None:
+        ranks = self._group(ranks)
+        slot = self.world.join(self.rank, "all_gather", ranks, t.detach().clone(), lambda d: _in_order(d, ranks))
+        for p, v in zip(parts, self.world.collect(self.rank, slot)):
+            p.copy_(v)
+
+    def reduce_scatter(self, out: torch.Tensor, parts: List[torch.Tensor], ranks=None) -> None:
+        ranks = self._group(ranks)
+        slot = self.world.join(self.rank, "reduce_scatter", ranks, [p.detach().clone() for p in parts],
+                               lambda d: [_sum([d[r][i] for r in ranks]) for i in range(len(ranks))])
+        out.copy_(self.world.collect(self.rank, slot)[ranks.index(self.rank)])
+
+    def all_to_all(self, recv: List[torch.Tensor], send: List[torch.Tensor], ranks=None) -> None:
+        ranks = self._group(ranks)
+        slot = self.world.join(self.rank, "all_to_all", ranks, [s.detach().clone() for s in send],
+                               lambda d: dict(d))
+        got = self.world.collect(self.rank, slot)
+        me = ranks.index(self.rank)
+        for j, r in enumerate(ranks):
+            recv[j].copy_(got[r][me])
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        ranks = self._group(None)
+        slot = self.world.join(self.rank, f"broadcast(from {src})", ranks,
+                               t.detach().clone() if self.rank == src else None, lambda d: d[src])
+        value = self.world.collect(self.rank, slot)
+        if self.rank != src:
+            t.copy_(value)
+
+    def barrier(self) -> None:
+        ranks = self._group(None)
+        self.world.collect(self.rank, self.world.join(self.rank, "barrier", ranks, None, lambda d: None))
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        ranks = self._group(None)
+        slot = self.world.join(self.rank, "all_gather_object", ranks, obj, lambda d: _in_order(d, ranks))
+        return list(self.world.collect(self.rank, slot))
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        ranks = self._group(None)
+        slot = self.world.join(self.rank, f"broadcast_object(from {src})", ranks, obj, lambda d: d[src])
+        return self.world.collect(self.rank, slot)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> Optional[List[Any]]:
+        got = self.all_gather_object(obj)
+        return got if self.rank == dst else None
+
+    # -- point to point -----------------------------------------------------------------
+    def isend(self, t: torch.Tensor, peer: int, tag: int = 0, ranks=None):
+        with self.world.cond:
+            self.world.mail[(self.rank, peer, tag)].append(t.detach().clone())
+            self.world.cond.notify_all()
+        return _Done()
+
+    def irecv(self, t: torch.Tensor, peer: int, tag: int = 0, ranks=None):
+        box = self.world.mail[(peer, self.rank, tag)]
+
+        def finish() -> None:
+            self.world.block(self.rank, lambda: f"a transfer from rank {peer} (tag {tag})", lambda: bool(box))
+            with self.world.cond:
+                value = box.popleft()
+            t.copy_(value)
+        return _Pending(finish, lambda: bool(box))
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        self.isend(t, dst, 0)
+
+    def recv(self, t: torch.Tensor, src: int) -> None:
+        self.irecv(t, src, 0).wait()
+
+    # -- the store (rank agreement, the base seed) ---------------------------------------
+    def store(self) -> "LocalStore":
+        return LocalStore(self)
+
+    @property
+    def process_key(self) -> tuple:
+        """Names this rank's 'process': state kept per process (graph counters) is per rank."""
+        return (id(self.world), self.rank)
+
+
+class LocalStore:
+    """The c10d store's calls graphc makes, over the local world's dict."""
+
+    def __init__(self, rank: LocalRank):
+        self.rank, self.world = rank.rank, rank.world
+
+    def set(self, key: str, value) -> None:
+        with self.world.cond:
+            self.world.kv[key] = value.encode() if isinstance(value, str) else bytes(value)
+            self.world.cond.notify_all()
+
+    def _wait(self, keys: List[str]) -> None:
+        kv = self.world.kv
+        self.world.block(self.rank, lambda: f"store keys {[k for k in keys if k not in kv]}",
+                         lambda: all(k in kv for k in keys))
+
+    def get(self, key: str) -> bytes:
+        self._wait([key])
+        return self.world.kv[key]
+
+    def wait(self, keys: List[str], timeout=None) -> None:
+        self._wait(list(keys))
+
+    def check(self, keys: List[str]) -> bool:
+        """True once every key is written: a local rank polling would hold the baton, so it
+        waits here (a key never written is a deadlock, reported rank by rank)."""
+        self._wait(list(keys))
+        return True
+
+    def add(self, key: str, amount: int) -> int:
+        with self.world.cond:
+            value = int(self.world.kv.get(key, b"0")) + amount
+            self.world.kv[key] = str(value).encode()
+            self.world.cond.notify_all()
+            return value
+
+    def delete_key(self, key: str) -> bool:
+        with self.world.cond:
+            return self.world.kv.pop(key, None) is not None

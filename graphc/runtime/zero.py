@@ -1,0 +1,279 @@
+"""ZeRO at run time: the optimizer steps on this rank's rows of each sharded parameter.
+
+NOTE: ZeRO
+config.enable_zero(True, stage=1|2, shard_min_size) shards data parallelism's replicated
+model state over the data-parallel axis (ZeRO, DeepSpeed; OneFlow's enable_zero):
+- which parameters: those whose gradient is partial_sum on exactly one mesh axis (a
+  broadcast parameter read by ops split over the batch), held by one stage (a tied one is
+  summed over its stages afterwards, so it stays whole), whose local component has a dim 0
+  and at least shard_min_size elements (passes/insert_zero_sync.py). Each is split(0) over
+  that axis's group, torch.chunk's sizes (sbp/layout.py chunk_range): rank k of d holds
+  rows [k*c, min((k+1)*c, n)) with c = ceil(n/d), maybe none;
+- the optimizer holds, for each, a shard parameter: a view of this rank's rows of the
+  parameter (its state is created for those rows alone, 1/d of the replicated run's);
+- gradients are reduce-scattered (REDUCE_SCATTER), once per step, as soon as the last
+  micro-batch's backward made a bucket final (GradSync's hooks): a bucket is packed rank by
+  rank, each tensor's part padded to c rows so the parts are equal (gloo and NCCL need it),
+  and each rank receives the sum of its rows, which become its shard parameters' .grad.
+  The full gradient is dropped once packed. Stage 1 keeps the packed buckets between steps
+  (DDP keeps its buckets too); stage 2 frees them after the reduce-scatter;
+- the optimizer steps on the shards, which writes this rank's rows of the parameters;
+  ALL_GATHER after OPTIMIZER_STEP brings every rank's rows to every rank.
+A reduce-scatter and an all-gather send what one all-reduce sends ((d-1)/d of the bucket
+each, in a ring), so the bytes per step equal data parallel's. Gradient clipping counts each
+shard's gradient on its own rank (insert_grad_clip) and scales the shards'.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .. import world
+from ..errors import GraphcError
+from ..plan.instructions import AllGather, ReduceScatter
+from ..plan.plan import ZERO_NOTE
+from ..sbp.layout import chunk_range
+from .collectives import GradSync
+
+
+@dataclass
+class Shard:
+    """One sharded parameter on this rank: the whole (replicated) parameter, its group and this
+    rank's rows, and the shard parameter the optimizer holds (a view of those rows)."""
+
+    name: str
+    param: torch.nn.Parameter
+    ranks: Tuple[int, ...]
+    start: int                  # this rank's first row
+    rows: int                   # this rank's rows (0 on a rank past the last chunk)
+    chunk: int                  # the largest chunk's rows: every rank's part is padded to it
+    shard: torch.nn.Parameter
+
+    @property
+    def row_numel(self) -> int:
+        return self.param[0].numel() if self.param.dim() else 1
+
+    @property
+    def part_numel(self) -> int:
+        return self.chunk * self.row_numel
+
+    def view_rows(self) -> torch.Tensor:
+        return self.param.data[self.start:self.start + self.rows]
+
+    def refresh(self) -> None:
+        """The shard views the parameter's current storage (a load or a device move may have
+        replaced it); the optimizer's state stays keyed by the same shard parameter."""
+        rows = self.view_rows()
+        if self.shard.data.data_ptr() != rows.data_ptr() or self.shard.device != rows.device:
+            self.shard.data = rows
+
+    def pack(self, full: torch.Tensor, parts: torch.Tensor) -> None:
+        """`full` (the parameter's shape) into `parts` ([d, part_numel]): rank k's rows at row
+        k, padded with zeros."""
+        d, c = parts.shape[0], self.chunk
+        rows = full.reshape(full.shape[0], -1)
+        whole = rows.shape[0] // c if c else 0     # ranks holding c rows
+        if whole:
+            parts[:whole].copy_(rows[:whole * c].reshape(whole, -1))
+        if whole < d:
+            rest = rows[whole * c:].reshape(-1)
+            parts[whole, :rest.numel()].copy_(rest)
+            parts[whole, rest.numel():].zero_()
+            parts[whole + 1:].zero_()
+
+    def unpack(self, parts: torch.Tensor) -> None:
+        """Every rank's rows from `parts` ([d, part_numel]) into the parameter."""
+        rows = self.param.data.reshape(self.param.shape[0], -1)
+        c = self.chunk
+        whole = rows.shape[0] // c if c else 0
+        if whole:
+            rows[:whole * c].copy_(parts[:whole].reshape(whole * c, -1))
+        if whole * c < rows.shape[0]:
+            rest = rows[whole * c:]
+            rest.copy_(parts[whole, :rest.numel()].view_as(rest))
+
+
+class ZeroShards:
+    """This rank's shards of its ZeRO parameters, by name, and the collectives on them."""
+
+    def __init__(self, rank: int, stage: int, shards: Dict[str, Shard]):
+        self.rank, self.stage, self.by_name = rank, stage, shards
+
+    @staticmethod
+    def from_plan(plan, programs, optimizer) -> Optional["ZeroShards"]:
+        """The shards the plan's REDUCE_SCATTERs name (None: no ZeRO here); the optimizer is
+        made to hold them instead of the whole parameters."""
+        scatters = [ins for ins in plan.instructions if isinstance(ins, ReduceScatter)]
+        if not scatters:
+            return None
+        if optimizer is None:
+            raise GraphcError(
+                "config.enable_zero shards the optimizer's state, but this graph has no optimizer. "
+                "Fix: call self.add_optimizer(...) in the Graph's __init__, or drop enable_zero.")
+        params: Dict[str, torch.nn.Parameter] = {}
+        for prog in programs:
+            for name, p in prog.module.named_parameters(remove_duplicate=False):
+                params.setdefault(name, p)
+        made = _made_shards(optimizer)
+        shards: Dict[str, Shard] = {}
+        for ins in scatters:
+            ranks = tuple(sorted(ins.ranks))
+            k = ranks.index(plan.rank)
+            for spec in ins.tensors:
+                p = params[spec.name]
+                n = p.shape[0]
+                start, rows = chunk_range(n, len(ranks), k)
+                shard = made.get(id(p))
+                if shard is None:
+                    shard = made[id(p)] = torch.nn.Parameter(p.data[start:start + rows],
+                                                             requires_grad=p.requires_grad)
+                shards[spec.name] = Shard(spec.name, p, ranks, start, rows, -(-n // len(ranks)), shard)
+        zero = ZeroShards(plan.rank, int(plan.notes.get(ZERO_NOTE, "stage 2").split()[1].rstrip(";")),
+                          shards)
+        zero.hold_shards(optimizer)
+        return zero
+
+    def hold_shards(self, optimizer) -> None:
+        """The optimizer's groups hold each sharded parameter's shard instead of it; state it
+        already has for the whole parameter (a checkpoint loaded before the first call) is
+        cut to this rank's rows."""
+        by_param = {id(s.param): s for s in self.by_name.values()}
+        for group in optimizer.param_groups:
+            held = []
+            for p in group["params"]:
+                s = by_param.get(id(p))
+                if s is None:
+                    held.append(p)
+                    continue
+                s.refresh()
+                state = optimizer.state.pop(p, None)
+                if state:
+                    optimizer.state[s.shard] = {
+                        k: v[s.start:s.start + s.rows].clone()
+                        if torch.is_tensor(v) and v.dim() and v.shape == p.shape else v
+                        for k, v in state.items()}
+                held.append(s.shard)
+            group["params"] = held
+
+    def refresh(self) -> None:
+        for s in self.by_name.values():
+            s.refresh()
+
+    # -- the collectives -----------------------------------------------------------------
+    def scatter(self, ins: ReduceScatter, params: List[torch.nn.Parameter],
+                keep: Optional[torch.Tensor]) -> Tuple[object, torch.Tensor, torch.Tensor]:
+        """Launches the reduce-scatter of a bucket (async where the world can): returns (work,
+        this rank's summed part, the packed bucket, reusable by stage 1)."""
+        shards = [self.by_name[t.name] for t in ins.tensors]
+        d = len(shards[0].ranks)
+        width = sum(s.part_numel for s in shards)
+        first = next((p.grad for p in params if p.grad is not None), params[0])
+        packed = keep
+        if packed is None or packed.shape != (d, width) or packed.dtype != first.dtype \
+                or packed.device != first.device:
+            packed = torch.empty((d, width), dtype=first.dtype, device=first.device)
+        at = 0
+        for s, p in zip(shards, params):
+            part = packed[:, at:at + s.part_numel]
+            if p.grad is None:           # unused this step: a zero addend
+                part.zero_()
+            else:
+                s.pack(p.grad, part)
+                p.grad = None            # ZeRO keeps the gradient only as this rank's rows
+            at += s.part_numel
+        out = torch.empty(width, dtype=packed.dtype, device=packed.device)
+        work = _reduce_scatter(out, list(packed.unbind(0)), shards[0].ranks)
+        return work, out, packed
+
+    def take_grads(self, ins: ReduceScatter, out: torch.Tensor) -> None:
+        """This rank's summed rows (`out`) become the shard parameters' gradients (views)."""
+        at = 0
+        for t in ins.tensors:
+            s = self.by_name[t.name]
+            g = out[at:at + s.rows * s.row_numel].view((s.rows,) + tuple(s.param.shape[1:]))
+            s.shard.grad = g if s.shard.grad is None else s.shard.grad + g
+            at += s.part_numel
+
+    def gather(self, ins: AllGather) -> None:
+        """Every rank's rows of the bucket's parameters, after the optimizer stepped on them."""
+        shards = [self.by_name[t.name] for t in ins.tensors]
+        d = len(shards[0].ranks)
+        ref = shards[0].param
+        width = sum(s.part_numel for s in shards)
+        packed = torch.empty((d, width), dtype=ref.dtype, device=ref.device)
+        mine = torch.zeros(width, dtype=ref.dtype, device=ref.device)
+        at = 0
+        for s in shards:
+            mine[at:at + s.rows * s.row_numel].copy_(s.view_rows().reshape(-1))
+            at += s.part_numel
+        if d > 1:
+            world.current().all_gather(list(packed.unbind(0)), mine, shards[0].ranks)
+        else:
+            packed[0].copy_(mine)
+        at = 0
+        for s in shards:
+            s.unpack(packed[:, at:at + s.part_numel])
+            at += s.part_numel
+
+
+def _made_shards(optimizer) -> Dict[int, torch.nn.Parameter]:
+    """id(parameter) -> its shard parameter, kept on the optimizer: every executable of a graph
+    (one per input signature) steps the same shards, so their state is one."""
+    made = getattr(optimizer, "_graphc_zero_shards", None)
+    if made is None:
+        made = {}
+        optimizer._graphc_zero_shards = made
+    return made
+
+
+def _reduce_scatter(out: torch.Tensor, parts: List[torch.Tensor], ranks: Tuple[int, ...]):
+    """reduce_scatter over `ranks`, asynchronous in the torch world (so it overlaps the rest of
+    the backward); a local world's returns when done."""
+    w = world.current()
+    if len(ranks) == 1:
+        out.copy_(parts[0])
+        return None
+    if isinstance(w, world.TorchWorld):
+        return w.reduce_scatter(out, parts, ranks, async_op=True)
+    w.reduce_scatter(out, parts, ranks)
+    return None
+
+
+class ZeroGradSync(GradSync):
+    """GradSync whose REDUCE_SCATTER buckets go through ZeroShards (all-reduces and ties as
+    GradSync's); launched in plan order with them, from the same hooks."""
+
+    SYNCS = GradSync.SYNCS + (ReduceScatter,)
+
+    @classmethod
+    def for_shards(cls, plan, programs, shards: ZeroShards) -> "ZeroGradSync":
+        sync = cls.from_plan(plan, programs)
+        sync.shards = shards
+        sync.scatters = {i: ins for ins, i in sync.index.items() if isinstance(ins, ReduceScatter)}
+        sync.packed: Dict[int, torch.Tensor] = {}
+        return sync
+
+    def _launch(self, i: int) -> None:
+        ins = self.scatters.get(i)
+        if ins is None:
+            return super()._launch(i)
+        work, out, packed = self.shards.scatter(ins, self.buckets[i][1], self.packed.get(i))
+        if self.shards.stage == 1:   # kept between steps, as DDP's buckets
+            self.packed[i] = packed
+        self.works[i] = (work, out)
+        self.next = i + 1
+
+    def wait(self, ins) -> None:
+        if not isinstance(ins, ReduceScatter):
+            return super().wait(ins)
+        i = self.index[ins]
+        while self.next <= i:
+            self._launch(self.next)
+        work, out = self.works.pop(i)
+        if work is not None:
+            work.wait()
+        self.shards.take_grads(ins, out)
+        if not self.works:
+            self.armed = False

@@ -140,7 +140,7 @@ _POOLS = {nn.MaxPool1d: (F.max_pool1d, _MAX), nn.MaxPool2d: (F.max_pool2d, _MAX)
 
 def _batch_norm(gm, node: fx.Node, mod: nn.Module) -> fx.Node:
     """nn.BatchNorm as its training-mode forward does it (See NOTE: synchronised batch norm):
-    with batch statistics, sums -> normalise -> running statistics update; with running
+    with batch statistics, sum -> statistics -> normalise -> running statistics update; with running
     statistics (eval), F.batch_norm."""
     x = node.args[0]
     w = _attr(gm, node, "weight", mod.weight) if mod.weight is not None else None
@@ -151,9 +151,11 @@ def _batch_norm(gm, node: fx.Node, mod: nn.Module) -> fx.Node:
         return _call(gm, node, F.batch_norm, [x, buffers[0], buffers[1], w, b, False, 0.0, mod.eps])
     shape = x.meta[META_TENSOR].shape
     count = math.prod(shape) // shape[1]  # values per channel in the whole (micro-)batch
-    stats_meta = TensorMeta((3, shape[1]), x.meta[META_TENSOR].dtype, x.meta[META_TENSOR].requires_grad)
-    stats = _call(gm, node, local_ops.batch_norm_stats, [x, buffers[0]])
-    stats.meta[META_TENSOR] = stats_meta
+    dtype = x.meta[META_TENSOR].dtype
+    total = _call(gm, node, local_ops.batch_norm_sum, [x])
+    total.meta[META_TENSOR] = TensorMeta((shape[1],), dtype, False)
+    stats = _call(gm, node, local_ops.batch_norm_stats, [x, total, count])
+    stats.meta[META_TENSOR] = TensorMeta((2, shape[1]), dtype, x.meta[META_TENSOR].requires_grad)
     y = _call(gm, node, local_ops.batch_norm_apply, [x, stats, count, w, b, mod.eps])
     if mod.training and mod.track_running_stats:
         update = _call(gm, node, local_ops.batch_norm_update_, buffers + [stats, count, mod.momentum])

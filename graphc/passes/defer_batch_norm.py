@@ -1,9 +1,9 @@
 """defer_batch_norm: BatchNorm's running statistics updated once per step, from the whole mini-batch.
 
 Invariant: with config.set_deferred_batch_norm(True), every training BatchNorm is in its
-functional form (sums, normalise, update; decompose_modules leaves one-rank stages' modules
+functional form (sum, statistics, normalise, update; decompose_modules leaves one-rank stages' modules
 whole, so this pass rewrites those too) and its running-statistics update is
-`batch_norm_deferred_update_`, which accumulates the micro-batches' sums and updates once
+`batch_norm_deferred_update_`, which merges the micro-batches' statistics and updates once
 with all of them (See NOTE: deferred batch norm, sbp/local_ops.py). Without the option
 the graph is unchanged: each micro-batch updates the running statistics, as in eager
 gradient accumulation.

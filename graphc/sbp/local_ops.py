@@ -51,40 +51,61 @@ def reshape_keeping(x: torch.Tensor, shape: tuple, kept: tuple) -> torch.Tensor:
 
 # NOTE: synchronised batch norm
 # A BatchNorm in training normalises with the statistics of its whole (micro-)batch. When
-# graphc lays the batch out split, the module becomes three ops (decompose_modules):
-#   stats = batch_norm_stats(x, shift)            per-channel sums [3, C]: partial_sum
-#   y = batch_norm_apply(x, stats, count, w, b)   reads the sums whole (broadcast)
-#   batch_norm_update_(rm, rv, nbt, stats, ...)   the running statistics, from the same sums
-# so SBP inference makes the sums partial_sum on a split batch and boxing all-reduces them
-# once (forward); the broadcast sums read by a split op get grad_all_reduce (backward): one
-# all-reduce each way, and the same numbers as eager BatchNorm on the whole batch. The sums
-# are taken about `shift` (the running mean, the same on every rank), so the variance
-# E[(x-k)^2] - E[x-k]^2 loses no precision once the running mean is near the batch mean.
+# graphc lays the batch out split, the module becomes four ops (decompose_modules):
+#   total = batch_norm_sum(x)                     per-channel sum [C], detached: partial_sum
+#   stats = batch_norm_stats(x, total, count)     [sum, M2] per channel [2, C]: partial_sum
+#   y = batch_norm_apply(x, stats, count, w, b)   reads the statistics whole (broadcast)
+#   batch_norm_update_(rm, rv, nbt, stats, ...)   the running statistics, from the same ones
+# SBP inference makes total and stats partial_sum on a split batch, so boxing all-reduces
+# each once forward; the broadcast stats read by a split op get grad_all_reduce (total is
+# detached and needs none backward): two small all-reduces forward, one backward, and the
+# numbers of eager BatchNorm on the whole batch.
+# M2 (the sum of squares about the mean) is Chan's parallel combination of the shards'
+# count n, mean m and M2: M2 = sum over shards of M2_r + n_r (m_r - M)^2, M the batch mean
+# from `total`. Every term is non-negative and about its own mean, so a channel whose mean
+# is large against its spread (mean 1e4, std 1e-2) keeps its variance; sums of (x - k)^2
+# about a shift k lose it to cancellation (4e-8 in float64 gradients). Each term is
+# additive over shards, hence one all-reduce; torch's SyncBatchNorm all-gathers the
+# shards' (mean, invstd, count) and merges them instead, which needs a result whose size is
+# the number of ranks. M is read detached: M2's derivative in M is zero, so its gradient,
+# 2 (x - M), is exact without one.
 
 
 def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.view((1, -1) + (1,) * (ndim - 2))
 
 
-def batch_norm_stats(x: torch.Tensor, shift=None) -> torch.Tensor:
-    """[sum(x - k), sum((x - k)^2), count * k] per channel of x [N, C, *] (k = shift or 0):
-    every row is additive over shards of the batch or of the spatial dims."""
-    c = x.shape[1]
-    k = shift.detach().to(x.dtype).clone() if shift is not None else x.new_zeros(c)
-    xc = x - _channel_view(k, x.dim())
-    dims = [0] + list(range(2, x.dim()))
-    return torch.stack([xc.sum(dims), (xc * xc).sum(dims), k * (x.numel() // c)])
+def _channel_dims(x: torch.Tensor) -> list:
+    return [0] + list(range(2, x.dim()))
+
+
+def batch_norm_sum(x: torch.Tensor) -> torch.Tensor:
+    """Per-channel sum [C] of x [N, C, *], detached: additive over shards of the batch or of
+    the spatial dims; the total over shards / count is the batch mean."""
+    return x.detach().sum(_channel_dims(x))
+
+
+def batch_norm_stats(x: torch.Tensor, total: torch.Tensor, count: int) -> torch.Tensor:
+    """[sum(x), M2_r + n_r (m_r - M)^2] per channel of this shard of x [N, C, *] (M = total
+    / count, the whole batch's mean; m_r, M2_r the shard's own mean and sum of squares
+    about it): both rows are additive over shards (See NOTE: synchronised batch norm)."""
+    dims = _channel_dims(x)
+    n = x.numel() // x.shape[1]
+    s = x.sum(dims)
+    local_mean = s / n
+    m2 = (x - _channel_view(local_mean, x.dim())).square().sum(dims)
+    between = local_mean - total.to(x.dtype) / count
+    return torch.stack([s, m2 + n * between * between])
 
 
 def _mean_var(stats: torch.Tensor, count: int):
-    centred = stats[0] / count
-    return stats[2] / count + centred, stats[1] / count - centred * centred
+    return stats[0] / count, stats[1] / count
 
 
 def batch_norm_apply(x: torch.Tensor, stats: torch.Tensor, count: int, weight=None, bias=None,
                      eps: float = 1e-5) -> torch.Tensor:
-    """Batch norm of x with the batch's sums (batch_norm_stats over all `count` values per
-    channel): biased variance, as F.batch_norm in training."""
+    """Batch norm of x with the batch's statistics (batch_norm_stats totalled over all
+    `count` values per channel): biased variance, as F.batch_norm in training."""
     mean, var = _mean_var(stats, count)
     y = (x - _channel_view(mean, x.dim())) * _channel_view(torch.rsqrt(var + eps), x.dim())
     if weight is not None:
@@ -94,40 +115,59 @@ def batch_norm_apply(x: torch.Tensor, stats: torch.Tensor, count: int, weight=No
     return y
 
 
+def _update_running(running_mean, running_var, num_batches_tracked, mean, m2, count: int,
+                    momentum) -> None:
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+    f = 1.0 / float(num_batches_tracked) if momentum is None else momentum
+    if running_mean is not None:
+        running_mean.mul_(1 - f).add_(mean.to(running_mean.dtype), alpha=f)
+    if running_var is not None:
+        unbiased = m2 / max(count - 1, 1)
+        running_var.mul_(1 - f).add_(unbiased.to(running_var.dtype), alpha=f)
+
+
 def batch_norm_update_(running_mean, running_var, num_batches_tracked, stats: torch.Tensor,
                        count: int, momentum) -> None:
-    """The running statistics update of nn.BatchNorm in training, from the batch's sums:
-    momentum (or the cumulative 1/num_batches_tracked when None), unbiased variance."""
+    """The running statistics update of nn.BatchNorm in training, from the batch's
+    statistics: momentum (or the cumulative 1/num_batches_tracked when None), unbiased
+    variance."""
     with torch.no_grad():
-        mean, var = _mean_var(stats.detach(), count)
-        if num_batches_tracked is not None:
-            num_batches_tracked.add_(1)
-        f = 1.0 / float(num_batches_tracked) if momentum is None else momentum
-        if running_mean is not None:
-            running_mean.mul_(1 - f).add_(mean.to(running_mean.dtype), alpha=f)
-        if running_var is not None:
-            unbiased = var * (count / max(count - 1, 1))
-            running_var.mul_(1 - f).add_(unbiased.to(running_var.dtype), alpha=f)
+        stats = stats.detach()
+        _update_running(running_mean, running_var, num_batches_tracked, stats[0] / count, stats[1],
+                        count, momentum)
 
 
 # NOTE: deferred batch norm
-# With config.set_deferred_batch_norm(True) each micro-batch normalises with its own sums
-# (batch_norm_apply) but does not update the running statistics; its sums are added to
-# an accumulator instead, and the micro-batch that completes the step updates the running
-# statistics once with the whole mini-batch's sums. The sums are additive because every
-# micro-batch shifts by the same running mean (it does not move until the step's update).
+# With config.set_deferred_batch_norm(True) each micro-batch normalises with its own
+# statistics (batch_norm_apply) but does not update the running statistics; its count,
+# mean and M2 are merged into an accumulator instead (Chan's pairwise formula, stable for
+# micro-batches whose means differ), and the micro-batch that completes the step updates
+# the running statistics once with the whole mini-batch's.
+def _merge(acc, count: int, mean: torch.Tensor, m2: torch.Tensor):
+    """Chan's parallel combination of (n, mean, M2) with another group's."""
+    if acc is None:
+        return count, mean.clone(), m2.clone()
+    n, mean_a, m2_a = acc
+    total = n + count
+    delta = mean - mean_a
+    return total, mean_a + delta * (count / total), m2_a + m2 + delta * delta * (n * count / total)
+
+
 def batch_norm_deferred_update_(running_mean, running_var, num_batches_tracked, stats: torch.Tensor,
                                 count: int, momentum, microbatches: int) -> None:
-    """Accumulates a micro-batch's sums; the last of `microbatches` applies batch_norm_update_
-    with the whole mini-batch's sums (See NOTE: deferred batch norm). The running sums live
-    on the buffer object itself, so they go with it."""
+    """Merges a micro-batch's statistics; the last of `microbatches` updates the running
+    statistics once with the whole mini-batch's (See NOTE: deferred batch norm). The
+    accumulator lives on the buffer object itself, so it goes with it."""
     key = running_mean if running_mean is not None else running_var
     with torch.no_grad():
-        total, seen = getattr(key, "_graphc_deferred", (None, 0))
-        total = stats.detach().clone() if total is None else total + stats.detach()
+        stats = stats.detach()
+        acc, seen = getattr(key, "_graphc_deferred", (None, 0))
+        acc = _merge(acc, count, stats[0] / count, stats[1])
         seen += 1
         if seen < microbatches:
-            key._graphc_deferred = (total, seen)
+            key._graphc_deferred = (acc, seen)
             return
         key._graphc_deferred = (None, 0)
-    batch_norm_update_(running_mean, running_var, num_batches_tracked, total, count * seen, momentum)
+        n, mean, m2 = acc
+        _update_running(running_mean, running_var, num_batches_tracked, mean, m2, n, momentum)

@@ -566,19 +566,25 @@ def batch_norm_eval(ctx: RuleCtx) -> List[Candidate]:
     return _channel_split(ctx, x, per_channel, lambda d: True)
 
 
+def batch_norm_sum(ctx: RuleCtx) -> List[Candidate]:
+    """Per-channel sums [C] of x [N, C, *]: over a split batch or spatial dim partial sums
+    (P), on split channels split. See NOTE: synchronised batch norm."""
+    cands: List[Candidate] = []
+    for d, size in enumerate(ctx.meta(ctx.node.args[0]).shape):
+        if ctx.splits(size):
+            cands.append(({ctx.node.args[0]: S(d)}, S(0) if d == 1 else P))
+    return cands
+
+
 def batch_norm_stats(ctx: RuleCtx) -> List[Candidate]:
-    """Per-channel sums [3, C] of x [N, C, *]: over a split batch or spatial dim they are
-    partial sums (P), on split channels split. See NOTE: synchronised batch norm."""
-    x, shift = ctx.node.args[0], ctx.arg(1, "shift")
-    has_shift = ctx.meta(shift) is not None
+    """Per-channel statistics [2, C] of x [N, C, *] about the batch mean (from the sums,
+    whole): over a split batch or spatial dim partial sums (P), on split channels split.
+    See NOTE: synchronised batch norm."""
+    x, total = ctx.node.args[0], ctx.arg(1, "total")
     cands: List[Candidate] = []
     for d, size in enumerate(ctx.meta(x).shape):
-        if not ctx.splits(size):
-            continue
-        req = {x: S(d)}
-        if has_shift:
-            req[shift] = S(0) if d == 1 else B
-        cands.append((req, S(1) if d == 1 else P))
+        if ctx.splits(size):
+            cands.append(({x: S(d), total: S(0) if d == 1 else B}, S(1) if d == 1 else P))
     return cands
 
 
@@ -589,7 +595,7 @@ def batch_norm_apply(ctx: RuleCtx) -> List[Candidate]:
     per_channel = [t for t in ctx.tensors() if t is not x]
     stats = ctx.node.args[1]
     cands = _channel_split(ctx, x, per_channel, lambda d: True)
-    for req, _ in cands:  # the sums [3, C] split along their dim 1, not 0
+    for req, _ in cands:  # the statistics [2, C] split along their dim 1, not 0
         if isinstance(req.get(stats), S):
             req[stats] = S(1)
     return cands
@@ -642,9 +648,10 @@ _register(_pool(1, True), F.avg_pool1d, F.adaptive_avg_pool1d)
 _register(_pool(2, True), F.avg_pool2d, F.adaptive_avg_pool2d)
 _register(per_sample, F.group_norm)
 _register(batch_norm_eval, F.batch_norm)
+_register(batch_norm_sum, local_ops.batch_norm_sum)
 _register(batch_norm_stats, local_ops.batch_norm_stats)
 _register(batch_norm_apply, local_ops.batch_norm_apply)
-_register(replicated, local_ops.batch_norm_update_)
+_register(replicated, local_ops.batch_norm_update_, local_ops.batch_norm_deferred_update_)
 _METADATA_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad")
 
 

@@ -2,8 +2,9 @@
 
 Invariant: after each forward (backward) of a stage, the plan lists a Collective for
 every communicating conversion that compute issues: kind, conversion node, SBP before
-and after, this rank's group and the bytes it sends. Local conversions (slices, zero
-fills) move nothing and are not listed. The runtime runs them inside the compute.
+and after, this rank's group, the dtype that travels (the value's: autocast's where it ran
+under it, and its gradient's in the backward alike) and the bytes it sends. Local
+conversions (slices, zero fills) move nothing and are not listed. The runtime runs them inside the compute.
 Requires: split_stages, lower_plan (programs hold the box nodes insert_boxing made).
 """
 from __future__ import annotations
@@ -49,6 +50,7 @@ class _Conversion:
     sbp_out: str
     nbytes: int                 # bytes each rank sends, for a group of len(groups[0]) ranks
     note: str
+    dtype: str                  # the value's (its gradient's in the backward: the same dtype)
 
 
 def _conversions(prog: StageProgram, forward: bool) -> List[_Conversion]:
@@ -64,7 +66,7 @@ def _conversions(prog: StageProgram, forward: bool) -> List[_Conversion]:
             continue
         before, after = (fmt(info.src), fmt(info.dst)) if forward else _gradient_sbp(info)
         found.append(_Conversion(kind, groups, node.name, before, after,
-                                 tensor_bytes(meta), info.note))
+                                 tensor_bytes(meta), info.note, meta.dtype))
     return found
 
 
@@ -79,7 +81,7 @@ def _collectives(conversions: List[_Conversion], ins, rank: int, shared: dict) -
         if key not in shared:
             shared[key] = Collective(c.kind, ins.stage, ins.microbatch, ACT if forward else GRAD,
                                      group, c.node, c.sbp_in, c.sbp_out,
-                                     moved_bytes(c.kind, c.nbytes, len(group)), c.note)
+                                     moved_bytes(c.kind, c.nbytes, len(group)), c.note, c.dtype)
         found.append(shared[key])
     return found
 

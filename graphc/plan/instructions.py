@@ -483,8 +483,10 @@ class Collective(Instruction):
     sbp_out: str
     nbytes: int                        # bytes this rank sends
     note: str = ""                     # e.g. "fallback: ..." (an op without an SBP rule)
+    dtype: str = ""                    # torch name of what travels (the value's, or its gradient's)
     TEXT: ClassVar[re.Pattern] = re.compile(
-        r"(\d+)([FB])(\d+)\.(\w+) (\S+) (.+)->(.+) ranks=\[([\d, ]*)\] bytes=(\d+)(?: # (.*))?")
+        r"(\d+)([FB])(\d+)\.(\w+) ([^\s:]+)(?::(\w+))? (.+)->(.+) ranks=\[([\d, ]*)\] bytes=(\d+)"
+        r"(?: # (.*))?")
 
     @property
     def op(self) -> str:  # type: ignore[override]
@@ -495,14 +497,15 @@ class Collective(Instruction):
         return f"{self.stage}{self.direction}{self.microbatch}.{self.kind.upper()}"
 
     def __str__(self) -> str:
-        return (f"{self.label} {self.node} {self.sbp_in}->{self.sbp_out} ranks={list(self.ranks)} "
+        dtype = f":{_DTYPE_SHORT.get(self.dtype, self.dtype)}" if self.dtype else ""
+        return (f"{self.label} {self.node}{dtype} {self.sbp_in}->{self.sbp_out} ranks={list(self.ranks)} "
                 f"bytes={self.nbytes}" + (f" # {self.note}" if self.note else ""))
 
     def to_json(self) -> dict:
         return {"op": self.kind, "stage": self.stage, "microbatch": self.microbatch,
                 "direction": self.direction, "ranks": list(self.ranks), "node": self.node,
                 "sbp_in": self.sbp_in, "sbp_out": self.sbp_out, "bytes": self.nbytes,
-                "note": self.note}
+                "note": self.note, "dtype": self.dtype}
 
     @classmethod
     def reads_json(cls, d: dict) -> bool:
@@ -510,14 +513,16 @@ class Collective(Instruction):
 
     @classmethod
     def _from_text(cls, m: re.Match) -> "Collective":
+        dtype = _DTYPE_LONG.get(m.group(6), m.group(6)) if m.group(6) else ""
         return cls(m.group(4).lower(), int(m.group(1)), int(m.group(3)), m.group(2),
-                   _ints(m.group(8)), m.group(5), m.group(6), m.group(7), int(m.group(9)),
-                   m.group(10) or "")
+                   _ints(m.group(9)), m.group(5), m.group(7), m.group(8), int(m.group(10)),
+                   m.group(11) or "", dtype)
 
     @classmethod
     def _from_json(cls, d: dict) -> "Collective":
         return cls(d["op"], d["stage"], d["microbatch"], d["direction"], tuple(d["ranks"]),
-                   d["node"], d["sbp_in"], d["sbp_out"], d["bytes"], d.get("note", ""))
+                   d["node"], d["sbp_in"], d["sbp_out"], d["bytes"], d.get("note", ""),
+                   d.get("dtype", ""))
 
 
 _PURPOSES = (TieAllReduce.purpose, ClipGradNorm.purpose)   # AllReduce kinds told apart in JSON

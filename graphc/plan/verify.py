@@ -1,11 +1,13 @@
 """Verifies a set of per-rank plans before anything runs.
 
 Every rank can compute every rank's plan, so one process checks that:
-  1. each send meets a recv on its peer, in the same order, with equal payload specs;
+  1. each send meets a recv on its peer, in the same order, with equal payload specs
+     (shapes and dtypes: the receiver's buffer is made from its own spec);
   2. each collective the plans list (gradient bucket, tie or clip all-reduce, the boxing
      collectives list_collectives adds) is issued by exactly its ranks: each rank's k-th
      collective over a group has the same kind, ranks, tensors (shapes, dtypes) or
-     conversion as every other member's k-th. A prologue's sum (feed_whole_batch), which
+     conversion and dtype as every other member's k-th (a differing dtype is named as such:
+     the members would exchange buffers of other sizes and types). A prologue's sum (feed_whole_batch), which
      the runtime runs before a step's instructions, is not listed and not checked here;
   3. the union of all plans, with sends joined to their recvs and collectives joined
      across ranks, is acyclic (so no rank can wait forever on another); a cycle is
@@ -111,8 +113,9 @@ def _pair_p2p(by_rank) -> List[Tuple[Tuple[int, int], Tuple[int, int]]]:
             if k < len(sends) and k < len(recvs) and _same_transfer(sends[k][1], recvs[k][1]):
                 (i, s), (j, r) = sends[k], recvs[k]
                 if s.tensors != r.tensors:
-                    _fail(by_rank[dst], j, f"payload mismatch with rank {src} #{i}: sent "
-                          f"[{' '.join(map(str, s.tensors))}], expected [{' '.join(map(str, r.tensors))}]")
+                    _fail(by_rank[dst], j, f"{_dtype_clash(s.tensors, r.tensors) or 'payload'} "
+                          f"mismatch with rank {src} #{i}: sent [{' '.join(map(str, s.tensors))}], "
+                          f"expected [{' '.join(map(str, r.tensors))}]")
                 pairs.append(((src, i), (dst, j)))
                 continue
             counts = f"rank {src} sends {len(sends)} to rank {dst}, which posts {len(recvs)} recvs"
@@ -124,6 +127,12 @@ def _pair_p2p(by_rank) -> List[Tuple[Tuple[int, int], Tuple[int, int]]]:
             _fail(by_rank[dst], j, f"out of order: the {k}-th transfer from rank {src} is "
                   f"`{s}` (rank {src} #{i}) but rank {dst} expects `{r}`")
     return pairs
+
+
+def _dtype_clash(a, b) -> str:
+    """'dtype' when two payloads differ only in their tensors' dtypes, else ''."""
+    same_shapes = len(a) == len(b) and all((x.name, x.shape) == (y.name, y.shape) for x, y in zip(a, b))
+    return "dtype" if same_shapes and any(x.dtype != y.dtype for x, y in zip(a, b)) else ""
 
 
 def _same_transfer(s: Send, r: Recv) -> bool:
@@ -141,7 +150,7 @@ def _signature(ins: Instruction) -> tuple:
     """
     if isinstance(ins, Collective):
         return ("collective", ins.kind, ins.ranks, ins.stage, ins.microbatch, ins.direction,
-                ins.node, ins.sbp_in, ins.sbp_out)
+                ins.node, ins.sbp_in, ins.sbp_out, ins.dtype)
     return (type(ins).__name__, ins.ranks, ins.tensors, getattr(ins, "max_norm", None))
 
 
@@ -215,8 +224,14 @@ def _explain_mismatch(by_rank, group, seqs, sigs, k: int) -> None:
 
 
 def _difference(ins: Instruction, other: Instruction, rank: int, other_rank: int) -> str:
-    """The first differing tensor of two same-kind all-reduces (a gradient bucket's shapes)."""
-    if type(ins) is not type(other) or isinstance(ins, Collective):
+    """The first differing tensor of two same-kind all-reduces (a gradient bucket's shapes),
+    or a conversion's dtype."""
+    if type(ins) is not type(other):
+        return ""
+    if isinstance(ins, Collective):
+        if ins.dtype != other.dtype and _signature(ins)[:-1] == _signature(other)[:-1]:
+            return (f": dtype {ins.dtype or '?'} on rank {rank}, {other.dtype or '?'} on rank "
+                    f"{other_rank}; every member of a collective must send the same dtype")
         return ""
     if ins.ranks != other.ranks:
         return f": ranks {list(ins.ranks)} here, {list(other.ranks)} there"
@@ -224,7 +239,8 @@ def _difference(ins: Instruction, other: Instruction, rank: int, other_rank: int
         return f": {len(ins.tensors)} tensors here, {len(other.tensors)} on rank {other_rank}"
     for a, b in zip(ins.tensors, other.tensors):
         if a != b:
-            return f": rank {rank} reduces {a} where rank {other_rank} reduces {b}"
+            what = " (a dtype mismatch)" if _dtype_clash((a,), (b,)) else ""
+            return f": rank {rank} reduces {a} where rank {other_rank} reduces {b}{what}"
     return ""
 
 

@@ -1,5 +1,11 @@
 """Shared test helpers: real multi-process worlds on gloo, and the eager-PyTorch oracle.
 
+Both sides of the oracle are one helper each: `eager_train` (plain PyTorch on the whole
+batch) and `graphc_train` (a Graph called step by step, this rank's losses and the full
+state dict), compared by `assert_same_as_eager`. `global_input` makes the GlobalTensor a
+rank passes for a whole batch, and `compile_graph` compiles a Graph in one process for the
+inputs a call would pass (plain tensors and GlobalTensors), as Graph.__call__ would.
+
 The oracle (one statement, used by every numerics test): graphc must equal single-process
 eager PyTorch on the whole batch in float64, within ATOL = RTOL = 1e-10.
 
@@ -21,7 +27,7 @@ import os
 import socket
 import tempfile
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -113,6 +119,66 @@ def eager_train(model: torch.nn.Module, make_opt: Callable, make_sched, loss_fn:
             sched.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def graphc_train(graph, batches: Sequence[tuple], steps: Optional[int] = None,
+                 feed: Optional[Callable] = None) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+    """The graphc side of the oracle: `graph` trained for `steps` calls (default: one per
+    batch), the k-th on batches[k % len(batches)] as eager_train reads them.
+
+    Args:
+        feed: feed(*batch) -> the call's inputs on this rank (e.g. GlobalTensors made by
+            global_input); None passes the batch as it is.
+    Returns:
+        (losses, state): the losses this rank holds (a rank whose stages do not hold the
+        loss gets an empty tensor and records none) and graph.full_state_dict(), to compare
+        with eager_train's by assert_same_as_eager.
+    """
+    losses = []
+    for step in range(len(batches) if steps is None else steps):
+        batch = batches[step % len(batches)]
+        loss = graph(*(feed(*batch) if feed else batch)).to_local()
+        if loss.numel():
+            losses.append(loss.item())
+    return losses, graph.full_state_dict()
+
+
+def global_input(whole: torch.Tensor, placement, sbp, rank: Optional[int] = None):
+    """`whole` as the GlobalTensor `rank` passes to a graph: its component of `whole` laid out
+    as `sbp` on `placement` (rank None: the placement's first rank, as a one-process compile
+    reads only the global shape and layout).
+
+    Example:
+        x = global_input(torch.randn(8, 4), P01, sbp.split(0), rank)   # rows 4k..4k+3
+    """
+    import graphc
+    from graphc.sbp.layout import local_component
+    sbp = sbp if isinstance(sbp, tuple) else (sbp,)
+    rank = placement.flat_ranks[0] if rank is None else rank
+    return graphc.to_global(local_component(whole, sbp, placement.ranks, rank),
+                            placement=placement, sbp=sbp, shape=whole.shape)
+
+
+def feed_split(placement, rank: int, sbp=None) -> Callable:
+    """A graphc_train feed that lays every input of a batch out as `sbp` (default: rows
+    split over a 1-D placement) and passes this rank's component."""
+    import graphc
+    sbp = graphc.sbp.split(0) if sbp is None else sbp
+    return lambda *batch: tuple(global_input(t, placement, sbp, rank) for t in batch)
+
+
+def compile_graph(graph, inputs: Sequence, world: int):
+    """compiler.compile in one process for the inputs a call would pass: a plain tensor is a
+    whole (broadcast) input, a GlobalTensor gives its global shape and layout; no process
+    group, nothing started. Returns the CompiledGraph.
+
+    Example:
+        compile_graph(graph, [global_input(x, P01, sbp.split(0)), y], 2)
+    """
+    from graphc import compiler
+    from graphc.executable import input_specs
+    specs = input_specs(inputs)
+    return compiler.compile(graph, [s.example() for s in specs], world, [s.layout for s in specs])
 
 
 def accumulate_grads(model, loss_fn: Callable, x, y, m: int) -> float:

@@ -6,8 +6,9 @@ import torch
 import torch.nn as nn
 
 import graphc
-from graphc import compiler, sbp
+from graphc import sbp
 from graphc.passes.check_row_groups import row_shards
+from helpers import compile_graph, global_input
 
 P01, P2, P23 = (graphc.placement("cpu", r) for r in ([0, 1], [2], [2, 3]))
 MESH = graphc.placement("cpu", [[0, 1], [2, 3]])
@@ -39,7 +40,8 @@ class Train(graphc.Graph):
 
 def compile_with(accumulation, y_layout, second=P2):
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-    return compiler.compile(Train(accumulation, second), [x, y], 4, [(P01, sbp.split(0)), y_layout])
+    y = global_input(y, *y_layout) if y_layout else y
+    return compile_graph(Train(accumulation, second), [global_input(x, P01, sbp.split(0)), y], 4)
 
 
 def test_inputs_split_over_different_shard_counts_are_refused_under_accumulation():

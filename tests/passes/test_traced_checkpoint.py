@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import graphc
-from helpers import assert_same_as_eager, eager_train, run_world
+from helpers import assert_same_as_eager, eager_train, graphc_train, run_world
 
 D, C, B = 6, 3, 8
 
@@ -90,8 +90,7 @@ def _train_both(model):
     batches = _batches()
     graph = Train(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.warns(UserWarning, match="torch.utils.checkpoint at .*test_traced_checkpoint.py:\\d+"):
-        losses = [graph(x, y).to_local().item() for x, y in batches]
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        losses, state = graphc_train(graph, batches)
     with pytest.warns(UserWarning) if isinstance(model, RawInputNet) else _no_warning():
         ref_losses, ref_state = eager_train(ref, lambda p: torch.optim.SGD(p, lr=0.1), None,
                                             F.cross_entropy, batches, len(batches))
@@ -165,12 +164,7 @@ class PipelineTrain(graphc.Graph):
 def _pipeline_worker(rank, world, how):
     torch.manual_seed(0)
     model = Net(how)
-    graph = PipelineTrain(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    losses = []
-    for x, y in _batches():
-        loss = graph(x, y).to_local()
-        losses.append(loss.item() if loss.numel() else None)
-    return losses, graph.full_state_dict()
+    return graphc_train(PipelineTrain(model, torch.optim.SGD(model.parameters(), lr=0.1)), _batches())
 
 
 @pytest.mark.world

@@ -9,9 +9,10 @@ import torch
 import torch.nn as nn
 
 import graphc
-from graphc import GraphcError, compiler, sbp
+from graphc import GraphcError, sbp
 from graphc.plan.instructions import AllReduce, Collective, Send, TensorSpec
 from graphc.plan.verify import verify_plans
+from helpers import compile_graph, global_input
 
 
 class Net(nn.Module):
@@ -59,13 +60,13 @@ class DataParallel(graphc.Graph):
 
 @pytest.fixture(scope="module")
 def tp_plans():
-    return compiler.compile(TwoStageTP(4), [torch.randn(16, 8)], 4).plans
+    return compile_graph(TwoStageTP(4), [torch.randn(16, 8)], 4).plans
 
 
 @pytest.fixture(scope="module")
 def dp_plans():
     p01 = graphc.placement("cpu", ranks=[0, 1])
-    return compiler.compile(DataParallel(), [torch.randn(8, 8)], 2, [(p01, sbp.split(0))]).plans
+    return compile_graph(DataParallel(), [global_input(torch.randn(8, 8), p01, sbp.split(0))], 2).plans
 
 
 def _copy(plans):

@@ -9,7 +9,7 @@ MLP's hidden activation), in an order of use that differs from their order of pr
 import pytest
 import torch
 
-from helpers import assert_same_as_eager, eager_train, run_world
+from helpers import assert_same_as_eager, eager_train, graphc_train, run_world
 from models import OPTIMIZERS
 from transformer_models import BlockNet, CutGraph, block_batches, token_loss
 
@@ -33,11 +33,8 @@ def _sweep(rank, world):
         torch.manual_seed(0)
         model = BlockNet(sdpa=sdpa)
         graph = CutGraph(model, OPTIMIZERS[_optimizer(cut)](model.parameters()), (cut,), ACCUMULATION)
-        losses = []
-        for step in range(STEPS):
-            loss = graph(*batches[step]).to_local()
-            losses += [loss.item()] if loss.numel() else []
-        out[(cut, sdpa)] = {"losses": losses, "state": graph.full_state_dict(),
+        losses, state = graphc_train(graph, batches, STEPS)
+        out[(cut, sdpa)] = {"losses": losses, "state": state,
                             "sent": [str(s) for s in graph.compiled.programs[0].send_to[1]]}
     return out
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import graphc
 from graphc.plan.instructions import AllReduce
-from helpers import ATOL, RTOL, assert_same_as_eager, eager_train, run_world
+from helpers import ATOL, RTOL, assert_same_as_eager, eager_train, feed_split, graphc_train, run_world
 from models import OPTIMIZERS, make_batches, make_sched
 
 pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
@@ -78,14 +78,10 @@ def _train(rank, world):
         model = graphc.to_global(MODELS[kind](), placement=where, sbp=graphc.sbp.broadcast)
         opt = OPTIMIZERS[opt_name](model.parameters())
         graph = DataParallelGraph(model, opt, make_sched(opt), acc, bucket)
-        losses = []
-        for x, y in make_batches(STEPS):
-            xs = graphc.to_global(shard(x, rank, world), placement=where, sbp=graphc.sbp.split(0))
-            ys = graphc.to_global(shard(y, rank, world), placement=where, sbp=graphc.sbp.split(0))
-            losses.append(graph(xs, ys).to_local().item())
+        losses, state = graphc_train(graph, make_batches(STEPS), feed=feed_split(where, rank))
         syncs = [ins for ins in graph.plan.instructions if isinstance(ins, AllReduce)]
         out[(acc, opt_name, bucket, kind)] = {
-            "losses": losses, "state": graph.full_state_dict(),
+            "losses": losses, "state": state,
             "synced": sorted(t.name for ins in syncs for t in ins.tensors),
             "buckets": len(syncs), "groups": {ins.ranks for ins in syncs},
             "plan": str(graph.plan), "early": graph._runtime.grad_sync.early}

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphc
-from helpers import accumulate_grads, assert_same_as_eager, run_world
+from helpers import accumulate_grads, assert_same_as_eager, graphc_train, run_world
 
 STEPS, ACC = 3, 2
 
@@ -84,12 +84,8 @@ def eager_deferred(model):
 def _train(rank, world, pipeline):
     torch.manual_seed(0)
     model = Net()
-    graph = Deferred(model, pipeline)
-    losses = []
-    for x, y in batches():
-        loss = graph(x, y).to_local()
-        losses += [loss.item()] if loss.numel() else []
-    return {"losses": losses, "state": graph.full_state_dict()}
+    losses, state = graphc_train(Deferred(model, pipeline), batches())
+    return {"losses": losses, "state": state}
 
 
 def _reference():

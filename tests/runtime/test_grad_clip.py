@@ -15,7 +15,7 @@ import graphc
 from graphc import sbp
 from graphc.compiler import compile as compile_graph
 from graphc.plan.instructions import ClipGradNorm, instruction_from_json, parse_instruction
-from helpers import assert_same_as_eager, run_world
+from helpers import assert_same_as_eager, feed_split, graphc_train, run_world
 from models import PipelineGraph, SkipNet, make_batches
 from transformer_models import GPTGraph, TinyGPT, token_batches, token_loss
 
@@ -93,15 +93,14 @@ def _train_pipeline(rank, world):
     torch.manual_seed(0)
     model = SkipNet(2)
     graph = ClipPipeline(model, _sgd(model.parameters()), accumulation=2)
-    losses = [graph(x, y).to_local() for x, y in make_batches(STEPS)]
+    losses, state = graphc_train(graph, make_batches(STEPS))
     torch.manual_seed(0)
     gpt = TinyGPT()  # wte tied to lm_head: held by stage 0 and stage 1, counted once
     stages = [graphc.placement("cpu", [0]), graphc.placement("cpu", [1])]
     gpt_graph = ClipGPT(gpt, _sgd(gpt.parameters()), stages, accumulation=2)
-    gpt_losses = [gpt_graph(x, y).to_local() for x, y in token_batches(STEPS)]
-    return {"losses": [l.item() for l in losses if l.numel()], "state": graph.full_state_dict(),
-            "plan": graph.plan, "gpt_losses": [l.item() for l in gpt_losses if l.numel()],
-            "gpt_state": gpt_graph.full_state_dict()}
+    gpt_losses, gpt_state = graphc_train(gpt_graph, token_batches(STEPS))
+    return {"losses": losses, "state": state, "plan": graph.plan, "gpt_losses": gpt_losses,
+            "gpt_state": gpt_state}
 
 
 def _train_data_tensor(rank, world):
@@ -109,13 +108,10 @@ def _train_data_tensor(rank, world):
     model = MLP()
     mesh = _mesh_layout(model)
     graph = ClipGraph(model, _sgd(model.parameters()), accumulation=2)
-    i = rank // 2  # this rank's data row
-    losses = []
-    for x, y in make_batches(STEPS, batch=16, d=D, classes=CLASSES):
-        x = graphc.to_global(x.chunk(2)[i], placement=mesh, sbp=(sbp.split(0), sbp.broadcast))
-        y = graphc.to_global(y.chunk(2)[i], placement=mesh, sbp=(sbp.split(0), sbp.broadcast))
-        losses.append(graph(x, y).to_local().item())
-    return {"losses": losses, "state": graph.full_state_dict(), "plan": graph.plan}
+    # rows split on the mesh's data axis: rank r passes data row r // 2
+    losses, state = graphc_train(graph, make_batches(STEPS, batch=16, d=D, classes=CLASSES),
+                                 feed=feed_split(mesh, rank, (sbp.split(0), sbp.broadcast)))
+    return {"losses": losses, "state": state, "plan": graph.plan}
 
 
 @pytest.mark.world

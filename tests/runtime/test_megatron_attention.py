@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import graphc
-from graphc import compiler, sbp
+from graphc import sbp
 from graphc.meta import META_SBP
 from graphc.plan.instructions import AllReduce, Collective
 from gpt_block_models import ATTENTION, BlockStack, TokenLossGraph, megatron, token_loss
-from helpers import assert_same_as_eager, eager_train, run_world
+from helpers import assert_same_as_eager, compile_graph, eager_train, feed_split, graphc_train, run_world
 from models import OPTIMIZERS
 
 STEPS = 3
@@ -29,7 +29,7 @@ def _compile(layers, fused, kind):
     model = megatron(BlockStack(layers=layers, fused=fused, kind=kind), P01)
     graph = TokenLossGraph(model, torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = torch.randn(BATCH, T, D_IN), torch.randint(0, CLASSES, (BATCH, T))
-    return compiler.compile(graph, [x, y], 2)
+    return compile_graph(graph, [x, y], 2)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_c_attn", "q_k_v"])
@@ -55,9 +55,9 @@ def _train(rank, world):
         torch.manual_seed(0)
         model = megatron(BlockStack(fused=fused, kind=kind), P01)
         graph = TokenLossGraph(model, OPTIMIZERS["sgd_momentum"](model.parameters()))
-        losses = [graph(x, y).to_local().item() for x, y in _batches()]
+        losses, state = graphc_train(graph, _batches())
         syncs = [t.name for ins in graph.plan.instructions if type(ins) is AllReduce for t in ins.tensors]
-        out[(fused, kind)] = {"losses": losses, "state": graph.full_state_dict(), "synced": syncs,
+        out[(fused, kind)] = {"losses": losses, "state": state, "synced": syncs,
                               "local": {k: v.clone() for k, v in model.state_dict().items()}}
     return out
 
@@ -75,10 +75,9 @@ def _train_2d(rank, world):
         for lin in (block.attn.c_proj, block.mlp.c_proj):
             graphc.to_global(lin.weight, placement=mesh, sbp=(sbp.broadcast, sbp.split(1)))
     graph = TokenLossGraph(model, OPTIMIZERS["sgd_momentum"](model.parameters()))
-    i, rows = rank // 2, (mesh, (sbp.split(0), sbp.broadcast))
-    losses = [graph(*(graphc.to_global(t.chunk(2)[i], placement=rows[0], sbp=rows[1]) for t in (x, y)))
-              .to_local().item() for x, y in _batches(2 * BATCH)]
-    return {"losses": losses, "state": graph.full_state_dict()}
+    losses, state = graphc_train(graph, _batches(2 * BATCH),
+                                 feed=feed_split(mesh, rank, (sbp.split(0), sbp.broadcast)))
+    return {"losses": losses, "state": state}
 
 
 def _batches(batch=BATCH):

@@ -12,9 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphc
-from graphc import compiler, sbp
+from graphc import sbp
 from graphc.plan.instructions import Collective, Send
-from helpers import assert_same_as_eager, eager_train, run_world
+from helpers import assert_same_as_eager, compile_graph, eager_train, global_input, run_world
 from models import OPTIMIZERS
 
 STEPS, D, CLASSES, BATCH = 3, 8, 4, 8
@@ -132,8 +132,7 @@ def test_equal_sized_meshes_of_other_shapes_exchange_pieces():
     _megatron_on_axis_1(model.stage0, MESH_A)
     graph = TrainGraph(model, MESH_A, graphc.placement("cpu", [4, 5, 6, 7]), 1)
     x, y = batches()[0]
-    x = graphc.to_global(x.chunk(2)[0], placement=MESH_A, sbp=(sbp.split(0), B))
-    compiled = compiler.compile(graph, [torch.empty(BATCH, D), y], 8, [(x.placement, x.sbp), None])
+    compiled = compile_graph(graph, [global_input(x, MESH_A, (sbp.split(0), B)), y], 8)
     for rank, peer in ((0, 4), (1, 5), (2, 6), (3, 7)):
         plan = compiled.plan_for(rank)
         sends = [(ins.peer, tuple(t.shape)) for ins in plan.instructions

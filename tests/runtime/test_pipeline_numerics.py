@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import FP32_ATOL, assert_same_as_eager, eager_train, fp32_bound, run_world
+from helpers import FP32_ATOL, assert_same_as_eager, eager_train, fp32_bound, graphc_train, run_world
 from models import OPTIMIZERS, PipelineGraph, SkipNet, make_batches, make_sched
 
 pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
@@ -20,14 +20,9 @@ def _train_configs(rank, world, schedule):
             model = SkipNet(world)
             opt = make_opt(model.parameters())
             graph = PipelineGraph(model, opt, make_sched(opt), acc, schedule)
-            losses, live = [], []
-            for step in range(STEPS):
-                x, y = batches[step]
-                loss = graph(x, y).to_local()
-                if loss.numel():
-                    losses.append(loss.item())
-                live.append(graph.last_stats.max_live_activations)
-            out[(acc, opt_name)] = {"losses": losses, "state": graph.full_state_dict(), "live": live}
+            losses, state = graphc_train(graph, batches, STEPS)
+            out[(acc, opt_name)] = {"losses": losses, "state": state,
+                                    "live": graph.last_stats.max_live_activations}
     return out
 
 
@@ -49,7 +44,7 @@ def test_pipeline_matches_eager(world, schedule):
                 torch.testing.assert_close(v, got["state"][k], atol=0, rtol=0)
         # activation memory: stage s holds at most min(p - s, m) (1F1B) or m (GPipe) micro-batches
         for r in range(world):
-            live = results[r][(acc, opt_name)]["live"][-1][r]
+            live = results[r][(acc, opt_name)]["live"][r]   # the last step's
             bound = min(world - r, acc) if schedule == "1f1b" else acc
             assert live == bound, f"{what}: stage {r} held {live} micro-batches, expected {bound}"
 
@@ -58,12 +53,8 @@ def _train_fp32(rank, world):
     torch.manual_seed(0)
     model = SkipNet(world)
     opt = OPTIMIZERS["sgd_momentum"](model.parameters())
-    graph = PipelineGraph(model, opt, None, 2, "1f1b")
-    losses = []
-    for x, y in make_batches():
-        loss = graph(x, y).to_local()
-        losses += [loss.item()] if loss.numel() else []
-    return {"losses": losses, "state": graph.full_state_dict()}
+    losses, state = graphc_train(PipelineGraph(model, opt, None, 2, "1f1b"), make_batches())
+    return {"losses": losses, "state": state}
 
 
 @pytest.mark.fp32

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import graphc
 from graphc import sbp
-from helpers import assert_same_as_eager, eager_train, run_world
+from helpers import assert_same_as_eager, eager_train, graphc_train, run_world
 from models import OPTIMIZERS
 
 pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
@@ -62,12 +62,8 @@ def _train(rank, world, accumulation):
     torch.manual_seed(0)
     model = Placed()
     graph = Train(model, OPTIMIZERS["adam"](model.parameters()), accumulation)
-    losses = []
-    for x, y in batches():
-        loss = graph(x, y).to_local()
-        losses += [loss.item()] if loss.numel() else []
-    return {"losses": losses, "state": graph.full_state_dict(),
-            "stages": [s.ranks for s in graph.compiled.stages]}
+    losses, state = graphc_train(graph, batches())
+    return {"losses": losses, "state": state, "stages": [s.ranks for s in graph.compiled.stages]}
 
 
 def test_ops_follow_their_placements_and_train_like_eager(accumulation=2):

@@ -12,7 +12,7 @@ import torch.nn as nn
 import graphc
 from graphc.plan.instructions import COMPUTE, OverlapFB
 from graphc.plan.schedules import layout, peak_live
-from helpers import assert_same_as_eager, eager_train, run_world
+from helpers import assert_same_as_eager, eager_train, graphc_train, run_world
 from models import OPTIMIZERS, SkipNet, make_batches, make_sched
 
 pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
@@ -58,13 +58,8 @@ def _train(rank, world, configs):
         model = SkipNet(P * CHUNKS[schedule])
         opt = OPTIMIZERS[opt_name](model.parameters())
         graph = ChunkGraph(model, opt, make_sched(opt), acc, schedule, ckpt, blocks)
-        losses = []
-        for step in range(STEPS):
-            x, y = batches[step]
-            loss = graph(x, y).to_local()
-            if loss.numel():
-                losses.append(loss.item())
-        out[key] = {"losses": losses, "state": graph.full_state_dict(), "bound": _bounds(graph.plan),
+        losses, state = graphc_train(graph, batches, STEPS)
+        out[key] = {"losses": losses, "state": state, "bound": _bounds(graph.plan),
                     "live": graph.last_stats.max_live_activations,
                     "bytes": graph.last_stats.max_live_bytes, "plan": str(graph.plan)}
     return out
@@ -135,11 +130,8 @@ def _train_tied(rank, world, schedules):
         torch.manual_seed(0)
         model = TinyGPT(layers=4)
         graph = GPTGraph(model, OPTIMIZERS["adam"](model.parameters()), where, 2 * P, schedule)
-        losses = []
-        for x, y in token_batches(STEPS):
-            loss = graph(x, y).to_local()
-            losses += [loss.item()] if loss.numel() else []
-        out[schedule] = {"losses": losses, "state": graph.full_state_dict(),
+        losses, state = graphc_train(graph, token_batches(STEPS))
+        out[schedule] = {"losses": losses, "state": state,
                          "ties": [str(i) for i in graph.plan.instructions if "TIE_ALL_REDUCE" in str(i)]}
     return out
 

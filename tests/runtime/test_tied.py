@@ -16,7 +16,7 @@ import torch.nn as nn
 import graphc
 from graphc import sbp
 from graphc.plan.instructions import AllReduce, TieAllReduce
-from helpers import assert_same_as_eager, eager_train, run_world
+from helpers import assert_same_as_eager, eager_train, graphc_train, run_world
 from models import OPTIMIZERS
 from transformer_models import GPTGraph, SharedGraph, SharedNet, TinyGPT, token_batches, token_loss
 
@@ -111,11 +111,8 @@ def _train(rank, world):
         torch.manual_seed(0)
         model = TinyGPT(layers=_layers(name))
         graph, feed = make(model, OPTIMIZERS[opt_name](model.parameters()), rank)
-        losses = []
-        for x, y in token_batches(STEPS):
-            loss = graph(*feed(x, y)).to_local()
-            losses += [loss.item()] if loss.numel() else []
-        out[name] = {"losses": losses, "state": graph.full_state_dict(),
+        losses, state = graphc_train(graph, token_batches(STEPS), feed=feed)
+        out[name] = {"losses": losses, "state": state,
                      "local_tied": model.wte.weight.detach().clone(),
                      "ties": [str(i) for i in graph.plan.instructions if isinstance(i, TieAllReduce)],
                      "synced": [t.name for i in graph.plan.instructions if type(i) is AllReduce
@@ -124,11 +121,8 @@ def _train(rank, world):
         torch.manual_seed(0)
         model = SharedNet()
         graph = SharedGraph(model, OPTIMIZERS["adam"](model.parameters()))
-        losses = []
-        for x, y in _shared_batches():
-            loss = graph(x, y).to_local()
-            losses += [loss.item()] if loss.numel() else []
-        out["shared_module_pp2"] = {"losses": losses, "state": graph.full_state_dict(),
+        losses, state = graphc_train(graph, _shared_batches())
+        out["shared_module_pp2"] = {"losses": losses, "state": state,
                                     "local_tied": model.shared.weight.detach().clone(),
                                     "ties": [str(i) for i in graph.plan.instructions
                                              if isinstance(i, TieAllReduce)]}

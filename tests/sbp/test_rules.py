@@ -9,10 +9,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphc
-from graphc import compiler, sbp
+from graphc import sbp
 from graphc.meta import META_SBP, META_TENSOR, SbpSignature, TensorMeta
 from graphc.passes.localize_ops import localize_ops
 from graphc.placement import Broadcast, PartialSum, Split
+from helpers import compile_graph, global_input
 
 P01 = graphc.placement("cpu", [0, 1])
 MESH = (0, 1)
@@ -30,7 +31,7 @@ class FnGraph(graphc.Graph):
 
 
 def _sigs(fn, shape=(4, 6, 8), x_sbp=sbp.split(0)):
-    cg = compiler.compile(FnGraph(fn), [torch.randn(*shape)], 2, [(P01, x_sbp)])
+    cg = compile_graph(FnGraph(fn), [global_input(torch.randn(*shape), P01, x_sbp)], 2)
     return {n.name: n.meta[META_SBP] for n in cg.gm.graph.nodes if META_SBP in n.meta}
 
 
@@ -106,7 +107,7 @@ def test_partial_sum_survives_exact_casts_only():
     graph = FnGraph(model)
     graph.model = model
     graph.fn = lambda x: model(x)
-    cg = compiler.compile(graph, [torch.randn(4, 8)], 2)
+    cg = compile_graph(graph, [torch.randn(4, 8)], 2)
     sigs = {n.name: n.meta[META_SBP] for n in cg.gm.graph.nodes if META_SBP in n.meta}
     assert sigs["linear"].out == (PartialSum(),)
     assert sigs["double"].out == (PartialSum(),)  # float64 -> float64: exact
@@ -133,7 +134,7 @@ def test_expand_keeps_a_split_dim_it_does_not_expand():
     graph = FnGraph(model)
     graph.model = model
     graph.fn = lambda x: model(x)
-    cg = compiler.compile(graph, [torch.randn(2, 5, 8)], 2)
+    cg = compile_graph(graph, [torch.randn(2, 5, 8)], 2)
     nodes = {n.name: n for n in cg.gm.graph.nodes}
     exp = nodes["expand"]
     assert not exp.meta[META_SBP].fallback and exp.meta[META_SBP].out == (Split(1),)

@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import graphc
-from graphc import compiler, sbp
+from graphc import sbp
 from graphc.meta import META_SBP, META_TENSOR, TensorMeta
 from graphc.placement import Broadcast, PartialSum, Split
 from graphc.plan.instructions import AllReduce, Recv, Send
@@ -21,6 +21,7 @@ from graphc.sbp.layout import (chunk_sizes, is_even, local_component, local_shap
                                shard_slices, split_extent)
 from graphc.sbp.local_ops import reshape_keeping
 from graphc.sbp.rules import RuleCtx, rule_for
+from helpers import compile_graph, global_input
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
 from test_boxing import LAYOUTS, BoxingGraph, Model, _tensors  # noqa: E402
@@ -92,7 +93,7 @@ def test_reshape_keeps_an_uneven_dim_and_gathers_one_it_would_merge():
     where = graphc.placement("cpu", [0, 1])
 
     def sigs(fn):
-        cg = compiler.compile(FnGraph(fn), [torch.randn(5, 6)], 2, [(where, (sbp.split(0),))])
+        cg = compile_graph(FnGraph(fn), [global_input(torch.randn(5, 6), where, sbp.split(0))], 2)
         return {n.name: (n.target, n.meta[META_SBP]) for n in cg.gm.graph.nodes if META_SBP in n.meta}
     kept = sigs(lambda x: x.view(5, 2, 3))["view"]
     assert kept[0] is reshape_keeping and kept[1].out == (Split(0),)
@@ -136,7 +137,7 @@ def test_transfers_between_stages_carry_each_ranks_shard():
     w, c = _tensors((5, 3))
     p01, p23 = graphc.placement("cpu", [0, 1]), graphc.placement("cpu", [2, 3])
     graph = BoxingGraph(Model(w, c), LAYOUTS["S0"], LAYOUTS["S0"], p01, p23)
-    cg = compiler.compile(graph, [torch.ones(5, 3)], 4)
+    cg = compile_graph(graph, [torch.ones(5, 3)], 4)
     moved = {(p.rank, type(ins).__name__, ins.direction): ins.tensors[0].shape
              for p in cg.plans for ins in p.instructions if isinstance(ins, (Send, Recv))}
     assert moved[(0, "Send", "F")] == moved[(2, "Recv", "F")] == (3, 3)
@@ -161,7 +162,7 @@ def test_gradient_buckets_hold_their_groups_shard():
             return loss
     model = torch.nn.Linear(4, 3, bias=False)
     graphc.to_global(model.weight, placement=mesh, sbp=(sbp.broadcast, sbp.split(0)))
-    cg = compiler.compile(Data(model), [torch.randn(4, 4)], 4, [(mesh, (sbp.split(0), sbp.broadcast))])
+    cg = compile_graph(Data(model), [global_input(torch.randn(4, 4), mesh, (sbp.split(0), sbp.broadcast))], 4)
     shapes = {p.rank: [t.shape for ins in p.instructions if isinstance(ins, AllReduce)
                        for t in ins.tensors] for p in cg.plans}
     assert shapes == {0: [(2, 4)], 2: [(2, 4)], 1: [(1, 4)], 3: [(1, 4)]}

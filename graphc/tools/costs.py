@@ -278,8 +278,10 @@ def device_costs(compiled, device: str = "h100", **overrides) -> CostModel:
     """Costs on a named accelerator from counted FLOPs and bytes (no accelerator needed).
 
     forward = max(FLOPs / (peak * efficiency), bytes / HBM bandwidth), where bytes are the
-    stage's parameters plus its saved activations; backward is twice forward (input and
-    weight gradients). Transfers and collectives inside a node of `gpus_per_node` ranks use
+    stage's parameters plus its saved activations and the peak is the preset's bf16/fp16
+    rate for ops on bf16/fp16 operands (autocast's matmuls under enable_amp) and its
+    float32 rate for the others (graphc/tools/flops.py); backward is twice forward (input
+    and weight gradients). Transfers and collectives inside a node of `gpus_per_node` ranks use
     NVLink, between nodes the network (graphc/tools/network.py has the numbers and their
     sources). `overrides` replace preset fields, e.g. tflops=400, link_gbps=50, net_gbps=25.
     """
@@ -291,11 +293,13 @@ def device_costs(compiled, device: str = "h100", **overrides) -> CostModel:
     for prog in compiled.programs:
         flops, saved = _count_stage(prog, compiled)
         params = sum(p.numel() * p.element_size() for p in prog.module.parameters())
-        t = max(flops / (dev.tflops * 1e12 * dev.efficiency), (params + saved) / (dev.hbm_gbps * 1e9))
+        t = max(flops.seconds(dev.tflops * 1e12 * dev.efficiency, dev.fp32_tflops * 1e12 * dev.efficiency),
+                (params + saved) / (dev.hbm_gbps * 1e9))
         fwd[prog.stage], bwd[prog.stage], act[prog.stage] = t, 2 * t, saved
     costs = CostModel(fwd, bwd, {}, act, dev.latency_us * 1e-6, dev.link_gbps * 1e9,
                       network=Network.of(dev),
-                      source=f"modelled for {dev.name}: {dev.tflops} TFLOP/s x {dev.efficiency}, "
+                      source=f"modelled for {dev.name}: {dev.tflops} TFLOP/s bf16, "
+                             f"{dev.fp32_tflops} fp32, x {dev.efficiency}, "
                              f"HBM {dev.hbm_gbps} GB/s, NVLink {dev.link_gbps} GB/s in nodes of "
                              f"{dev.gpus_per_node}, network {dev.net_gbps} GB/s between them")
     return _for_ranks(costs, compiled)
@@ -343,11 +347,12 @@ def _localize(module) -> None:
 
 
 def _count_stage(prog, compiled):
-    """Forward FLOPs and saved-activation bytes of one micro-batch, on fake tensors."""
+    """Forward FLOPs (by rate: a Flops) and saved-activation bytes of one micro-batch, on
+    fake tensors."""
     from ..plan.ops import shapes_only
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
-    from torch.utils.flop_counter import FlopCounterMode
+    from .flops import CountFlops
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     params = {k: _local_fake(mode, prog.module, k, v) for k, v in
               list(prog.module.named_parameters()) + list(prog.module.named_buffers())}
@@ -355,10 +360,10 @@ def _count_stage(prog, compiled):
         inputs = stage_inputs(prog, compiled)
         args = [inputs[n].requires_grad_(inputs[n].is_floating_point() and compiled.training)
                 for n in prog.inputs]
-        counter = FlopCounterMode(display=False)
+        counter = CountFlops()
         with counter, _SavedBytes(prog.module, params.values()) as saved, \
                 torch.set_grad_enabled(compiled.training), \
                 shapes_only(compiled.stages[prog.stage].ranks[0]):
             functional_call(prog.module, params, tuple(args))
-    return counter.get_total_flops(), saved.nbytes
+    return counter.flops, saved.nbytes
 

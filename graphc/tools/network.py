@@ -3,11 +3,16 @@ node and between nodes, ring and tree collectives.
 
 Numbers per GPU and per direction, from the vendors' datasheets:
 
-| preset | dense bf16 | HBM | NVLink (in a node of 8) | network (between nodes) |
-|---|---|---|---|---|
-| h100 | 989 TFLOP/s | 3,350 GB/s | 450 GB/s (NVLink 4: 900 GB/s both ways) | 50 GB/s (DGX H100: a 400 Gb/s ConnectX-7 NDR port per GPU) |
-| h200 | 989 TFLOP/s | 4,800 GB/s | 450 GB/s (NVLink 4) | 50 GB/s (DGX H200: as DGX H100) |
-| a100 | 312 TFLOP/s | 2,039 GB/s | 300 GB/s (NVLink 3: 600 GB/s both ways) | 25 GB/s (DGX A100: a 200 Gb/s ConnectX-6 HDR port per GPU) |
+| preset | dense bf16/fp16 | fp32 | HBM | NVLink (in a node of 8) | network (between nodes) |
+|---|---|---|---|---|---|
+| h100 | 989 TFLOP/s | 67 TFLOP/s | 3,350 GB/s | 450 GB/s (NVLink 4: 900 GB/s both ways) | 50 GB/s (DGX H100: a 400 Gb/s ConnectX-7 NDR port per GPU) |
+| h200 | 989 TFLOP/s | 67 TFLOP/s | 4,800 GB/s | 450 GB/s (NVLink 4) | 50 GB/s (DGX H200: as DGX H100) |
+| a100 | 312 TFLOP/s | 19.5 TFLOP/s | 2,039 GB/s | 300 GB/s (NVLink 3: 600 GB/s both ways) | 25 GB/s (DGX A100: a 200 Gb/s ConnectX-6 HDR port per GPU) |
+
+The fp32 column is the SXM parts' plain fp32 rate: PyTorch's default for float32 matmuls
+(torch.backends.cuda.matmul.allow_tf32 is False), so a float32 program runs there and a
+program under autocast (enable_amp) runs its matmuls and convolutions at the bf16 rate
+(graphc/tools/costs.py counts each op's FLOPs at the rate of its operands' dtype).
 
 Latencies are assumptions, not measurements: 5 us per transfer or collective step over
 NVLink and 10 us across the network, the order of NCCL's own tuning model (a base
@@ -40,7 +45,7 @@ class DevicePreset:
     """Peak rates of one accelerator and its links (per direction)."""
 
     name: str
-    tflops: float               # dense bf16 tensor-core TFLOP/s
+    tflops: float               # dense bf16/fp16 tensor-core TFLOP/s (low precision: amp)
     hbm_gbps: float             # memory bandwidth, GB/s
     link_gbps: float            # NVLink bandwidth between two GPUs of a node, GB/s
     latency_us: float           # NVLink latency per transfer or collective step, microseconds
@@ -48,6 +53,7 @@ class DevicePreset:
     gpus_per_node: int = 8
     net_gbps: float = 50.0      # network bandwidth per GPU between nodes, GB/s
     net_latency_us: float = 10.0
+    fp32_tflops: float = 67.0   # float32 TFLOP/s (no TF32): every other dtype's ops
 
 
 DEVICES: Dict[str, DevicePreset] = {
@@ -56,7 +62,7 @@ DEVICES: Dict[str, DevicePreset] = {
     "h200": DevicePreset("h200", tflops=989, hbm_gbps=4800, link_gbps=450, latency_us=5,
                          net_gbps=50),
     "a100": DevicePreset("a100", tflops=312, hbm_gbps=2039, link_gbps=300, latency_us=5,
-                         net_gbps=25),
+                         net_gbps=25, fp32_tflops=19.5),
 }
 
 

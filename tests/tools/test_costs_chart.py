@@ -28,7 +28,8 @@ def test_measure_costs_leaves_gradients_alone(compiled_graph):
 
 def test_device_costs_from_flops(compiled_graph):
     _, compiled = compiled_graph
-    costs = device_costs(compiled, "h100", tflops=1e-6, efficiency=1.0)   # compute bound
+    # compute bound; the float64 model's FLOPs run at the preset's float32 rate
+    costs = device_costs(compiled, "h100", tflops=1e-6, fp32_tflops=1e-6, efficiency=1.0)
     # stage 0 forward is at least its linear: 2 * 16 rows * 64 * 64 FLOPs at 1e6 FLOP/s
     assert costs.forward[0] >= 2 * 16 * 64 * 64 / 1e6
     assert costs.backward[0] == pytest.approx(2 * costs.forward[0])

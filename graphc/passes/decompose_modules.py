@@ -7,8 +7,9 @@ so SBP rules see them as ordinary inputs. A Linear whose weight is declared spli
 (row-parallel) becomes `linear(x, w) + b`, so its partial product takes the bias once; a
 column-parallel Linear cut into equal pieces becomes one linear per piece (See NOTE:
 fused pieces); a BatchNorm with batch statistics becomes sums, normalise and running
-update (See NOTE: synchronised batch norm, sbp/local_ops.py). Other modules stay
-call_module leaves.
+update (See NOTE: synchronised batch norm, sbp/local_ops.py); a MultiheadAttention becomes
+q/k/v projections, heads, scaled_dot_product_attention and out_proj, so heads split as
+Megatron's (See NOTE: MultiheadAttention by heads). Other modules stay call_module leaves.
 Only stages of more than one rank are rewritten.
 Requires: annotate_stages, propagate_shapes (the new nodes copy stage and shapes).
 """
@@ -50,7 +51,8 @@ def decompose_modules(gm: fx.GraphModule, meshes) -> fx.GraphModule:
             continue  # a one-rank stage runs modules whole: nothing to lay out
         mod = gm.get_submodule(node.target)
         with gm.graph.inserting_before(node):
-            new = _fused_linear(gm, node, mod, meshes[node.meta[META_STAGE]]) or \
+            mesh = meshes[node.meta[META_STAGE]]
+            new = _fused_linear(gm, node, mod, mesh) or _multihead_attention(gm, node, mod, mesh) or \
                 _functional(gm, node, mod)
         if new is not None:
             node.replace_all_uses_with(new)
@@ -260,3 +262,110 @@ def _equal_cut(cut: fx.Node, src: fx.Node, size: int):
     if isinstance(arg, (list, tuple)) and len(set(arg)) == 1 and sum(arg) == size:
         return len(arg)
     return None
+
+
+# NOTE: MultiheadAttention by heads
+# nn.MultiheadAttention (torchvision's ViT) keeps q, k and v in one in_proj_weight [3E, E]
+# and calls F.multi_head_attention_forward, which no SBP rule sees into. Declared as Megatron
+# lays attention out (in_proj_weight and in_proj_bias split(0), out_proj.weight split(1)), it
+# becomes what that function computes for a module without bias_k/bias_v or zero attention:
+#   q, k, v = linear(query, w_q, b_q), ...      in_proj chunked into 3 pieces (NOTE: fused
+#                                              pieces): each rank holds its heads of each
+#   view [B, L, H, D], transpose(1, 2)          heads split
+#   o = scaled_dot_product_attention(q, k, v)   per head: no communication
+#   transpose(1, 2), view [B, L, E], linear(o, out_proj.weight) + out_proj.bias
+# so a layer costs Megatron's one all-reduce forward and one backward. A sequence-first
+# module (batch_first=False) is transposed to batch-first and back. Only calls whose
+# attention weights are unused and with no key_padding_mask, attn_mask or is_causal are
+# rewritten; others stay modules (a fallback on a stage of several ranks).
+_MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
+             "average_attn_weights", "is_causal")
+
+
+def _multihead_attention(gm, node: fx.Node, mod: nn.Module, mesh: tuple):
+    """nn.MultiheadAttention as its functional parts, heads split when in_proj is declared
+    split (See NOTE: MultiheadAttention by heads). None when the call does not qualify."""
+    if type(mod) is not nn.MultiheadAttention or not mod._qkv_same_embed_dim or \
+            mod.bias_k is not None or mod.add_zero_attn:
+        return None
+    call = dict(zip(_MHA_ARGS, node.args), **node.kwargs)
+    if len(node.args) < 3 or set(call) - set(_MHA_ARGS) or \
+            any(call.get(k) not in (None, False) for k in ("key_padding_mask", "attn_mask", "is_causal")):
+        return None
+    outs = list(node.users)
+    if any(u.target is not operator.getitem or u.args[1] not in (0, 1) or (u.args[1] == 1 and u.users)
+           for u in outs):
+        return None
+    layout = declared_in(gm).of(f"{node.target}.in_proj_weight")
+    split = [a for a, s in enumerate(layout[1]) if isinstance(s, Split)] if layout else []
+    if split and (len(split) > 1 or mod.num_heads % mesh_shape(mesh)[split[0]]):
+        return None
+    like = TensorMeta((), call["query"].meta[META_TENSOR].dtype,
+                      any(call[k].meta[META_TENSOR].requires_grad for k in ("query", "key", "value")) or
+                      any(p.requires_grad for p in mod.parameters()))
+    once = {}  # self-attention transposes its one input once: one conversion for q, k and v
+    for k in ("query", "key", "value"):
+        if call[k] not in once:
+            once[call[k]] = _heads_first(gm, node, mod, call[k], like)
+    first = [once[call[k]] for k in ("query", "key", "value")]
+    ws = _param_pieces(gm, node, "in_proj_weight", mod.in_proj_weight, 3)
+    bs = _param_pieces(gm, node, "in_proj_bias", mod.in_proj_bias, 3) if mod.in_proj_bias is not None \
+        else [None] * 3
+    heads = []
+    for (t, shape), w, b in zip(first, ws, bs):
+        y = _call(gm, node, F.linear, [t, w] + ([b] if b is not None else []))
+        y.meta[META_TENSOR] = _shaped(like, shape[:2] + (mod.embed_dim,))
+        heads.append(_split_heads(gm, node, mod, y, shape[:2]))
+    b_, l_ = first[0][1][:2]
+    p = mod.dropout if mod.training else 0.0
+    o = _call(gm, node, F.scaled_dot_product_attention, heads, {"dropout_p": p})
+    o.meta[META_TENSOR] = heads[0].meta[META_TENSOR]
+    o = _method(gm, node, "transpose", [o, 1, 2], (b_, l_, mod.num_heads, mod.head_dim), like)
+    o = _method(gm, node, "contiguous", [o], (b_, l_, mod.num_heads, mod.head_dim), like)
+    o = _method(gm, node, "view", [o, b_, l_, mod.embed_dim], (b_, l_, mod.embed_dim), like)
+    out = _functional_linear(gm, node, "out_proj", mod.out_proj, o, (b_, l_, mod.embed_dim), like)
+    if not mod.batch_first:
+        out = _method(gm, node, "transpose", [out, 0, 1], (l_, b_, mod.embed_dim), like)
+    for u in outs:
+        if u.args[1] == 0:
+            u.replace_all_uses_with(out)
+        gm.graph.erase_node(u)
+    return out  # the module's node is left without users and erased by the caller
+
+
+def _shaped(like: TensorMeta, shape) -> TensorMeta:
+    return TensorMeta(tuple(shape), like.dtype, like.requires_grad)
+
+
+def _method(gm, node, name: str, args, shape, like: TensorMeta) -> fx.Node:
+    return _copy_meta(node, gm.graph.call_method(name, tuple(args)), _shaped(like, shape))
+
+
+def _heads_first(gm, node, mod, t: fx.Node, like: TensorMeta):
+    """t as [B, L, E] (a sequence-first module's [L, B, E] transposed) and that shape."""
+    shape = tuple(t.meta[META_TENSOR].shape)
+    if mod.batch_first:
+        return t, shape
+    shape = (shape[1], shape[0]) + shape[2:]
+    return _method(gm, node, "transpose", [t, 0, 1], shape, like), shape
+
+
+def _split_heads(gm, node, mod, y: fx.Node, bl: tuple) -> fx.Node:
+    like = y.meta[META_TENSOR]
+    y = _method(gm, node, "view", [y, *bl, mod.num_heads, mod.head_dim], bl + (mod.num_heads, mod.head_dim),
+                like)
+    return _method(gm, node, "transpose", [y, 1, 2], (bl[0], mod.num_heads, bl[1], mod.head_dim), like)
+
+
+def _functional_linear(gm, node, name: str, lin: nn.Linear, x: fx.Node, shape, like: TensorMeta) -> fx.Node:
+    """F.linear with the child Linear `name`'s parameters; a row-parallel one (weight declared
+    split(1)) adds its bias after the partial product, once."""
+    w = _attr(gm, node, f"{name}.weight", lin.weight)
+    b = _attr(gm, node, f"{name}.bias", lin.bias) if lin.bias is not None else None
+    layout = declared_in(gm).of(f"{node.target}.{name}.weight")
+    row = layout and any(isinstance(s, Split) and s.dim == 1 for s in layout[1])
+    meta = _shaped(like, shape)
+    if b is not None and row:
+        y = _copy_meta(node, gm.graph.call_function(F.linear, (x, w)), meta)
+        return _copy_meta(node, gm.graph.call_function(operator.add, (y, b)), meta)
+    return _copy_meta(node, gm.graph.call_function(F.linear, (x, w) + ((b,) if b is not None else ())), meta)

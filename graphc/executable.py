@@ -29,7 +29,7 @@ from .log import get_logger, warn_user
 from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .passes.trace_build import forward_replaced
 from .placement import placement as Placement
-from .plan.ops import compiled_groups, create_groups
+from .ops.conversions import compiled_groups, create_groups
 from .runtime.actors import Runtime
 from .runtime.comm import P2P
 from .runtime.dist_env import device_for

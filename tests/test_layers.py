@@ -1,9 +1,10 @@
 """Imports point down the layers (docs/design.md: Layers), checked by reading every module.
 
-    API -> compiler -> passes -> plan <- runtime,   all of them -> value types
+    API -> compiler -> passes -> ops -> plan,   runtime -> ops,   all of them -> value types
 
 Value types (placement, errors, meta, sbp/, rows/, ...) import nothing above them, passes
-never import the runtime, and nothing the API needs imports graphc/tools. Each module's
+never import the runtime, the functions stage programs call (graphc/ops/) import neither,
+the plan IR imports none of them (it is data), and nothing the API needs imports graphc/tools. Each module's
 imports are read with `ast` (function-level imports included), so no module is executed.
 Plan mode finds the tools' writer by name, not by an import (See NOTE: Plan-mode writer,
 graphc/plan_mode.py): test_plan_mode_writer_is_the_tools_write_all keeps that name true.
@@ -18,12 +19,17 @@ PACKAGE = Path(__file__).resolve().parents[1] / "graphc"
 # The layer of each module, by dotted name (the longest matching prefix wins).
 LAYER_OF = {
     "graphc.errors": "value", "graphc.meta": "value", "graphc.placement": "value",
-    "graphc.log": "value", "graphc.env": "value", "graphc.loss_ops": "value",
+    "graphc.log": "value", "graphc.env": "value",
     "graphc.plan_mode": "value", "graphc.guards": "value",  # the plan-mode setting; tools write the files
     "graphc.check_mode": "value",  # the check-mode setting (graphc check)
     "graphc.world": "value",  # the world a rank communicates in (NOTE: Worlds)
     "graphc.sbp": "value", "graphc.rows": "value",
     "graphc.plan": "plan",
+    # the functions stage programs call (NOTE: Stage-program names, graphc/ops/__init__.py)
+    "graphc.ops": "ops",
+    # old import paths of graphc/ops modules, re-exporting them for the runtime and
+    # check_step.py until those import graphc.ops (issue 20): stage ops, not plan IR
+    "graphc.plan.ops": "ops", "graphc.plan.random_ops": "ops",
     "graphc.runtime": "runtime",
     "graphc.passes": "passes",
     "graphc.compiler": "compiler",
@@ -42,12 +48,13 @@ LAYER_OF = {
 MAY_IMPORT = {
     "value": {"value"},
     "plan": {"value", "plan"},
-    "runtime": {"value", "plan", "runtime"},
-    "passes": {"value", "plan", "passes"},
-    "compiler": {"value", "plan", "passes", "compiler"},
-    "api": {"value", "plan", "runtime", "passes", "compiler", "api"},
-    "tools": {"value", "plan", "runtime", "passes", "compiler", "tools"},
-    "entry": {"value", "plan", "runtime", "passes", "compiler", "api", "tools", "entry"},
+    "ops": {"value", "plan", "ops"},
+    "runtime": {"value", "plan", "ops", "runtime"},
+    "passes": {"value", "plan", "ops", "passes"},
+    "compiler": {"value", "plan", "ops", "passes", "compiler"},
+    "api": {"value", "plan", "ops", "runtime", "passes", "compiler", "api"},
+    "tools": {"value", "plan", "ops", "runtime", "passes", "compiler", "tools"},
+    "entry": {"value", "plan", "ops", "runtime", "passes", "compiler", "api", "tools", "entry"},
 }
 
 # Wrong-way imports that remain, each with what would remove it (issue 13). Keys are
@@ -141,6 +148,12 @@ def test_imports_point_down_the_layers():
     ("graphc.runtime.actors", "from ..passes.lower_plan import lower_plan\n",
      "graphc.passes.lower_plan"),
     ("graphc.tools.dump", "from ..graph import Graph\n", "graphc.graph"),
+    ("graphc.plan.verify", "from ..ops.conversions import box\n", "graphc.ops.conversions"),
+    ("graphc.plan.program", "from ..ops import random_ops\n", "graphc.ops.random_ops"),
+    ("graphc.ops.conversions", "from ..runtime.collectives import GradSync\n",
+     "graphc.runtime.collectives"),
+    ("graphc.ops.loss", "from ..passes.feed_whole_batch import feed_whole_batch\n",
+     "graphc.passes.feed_whole_batch"),
 ])
 def test_a_wrong_way_import_is_reported_with_file_and_line(module, source, culprit):
     found = wrong_way(module, source, "synthetic.py")
@@ -150,7 +163,9 @@ def test_a_wrong_way_import_is_reported_with_file_and_line(module, source, culpr
 
 
 def test_right_way_imports_pass():
-    assert not wrong_way("graphc.passes.insert_boxing", "from ..plan.ops import box\n", "x.py")
+    assert not wrong_way("graphc.passes.insert_boxing", "from ..ops.conversions import box\n", "x.py")
+    assert not wrong_way("graphc.runtime.executor", "from ..ops.random_ops import drawing\n", "x.py")
+    assert not wrong_way("graphc.ops.conversions", "from ..plan.instructions import AllReduce\n", "x.py")
     assert not wrong_way("graphc.runtime.actors", "from ..plan.plan import ExecutionPlan\n", "x.py")
     assert not wrong_way("graphc.graph", "from .compiler import compile\n", "x.py")
     assert not wrong_way("graphc.graph", "from . import plan_mode\nfrom .runtime.trace import Tracer\n",
@@ -192,7 +207,7 @@ def test_executable_sits_in_the_api_layer(module, source, culprit):
 
 
 def test_executable_reaches_down_to_compiler_runtime_and_plan_only():
-    ok = "from . import compiler\nfrom .runtime.actors import Runtime\nfrom .plan.ops import box\n" \
+    ok = "from . import compiler\nfrom .runtime.actors import Runtime\nfrom .ops.conversions import box\n" \
          "from .meta import META_SBP\nfrom .global_tensor import GlobalTensor\n"
     assert not wrong_way("graphc.executable", ok, "x.py")
     assert not graph_side_imports("graphc.executable", ok, "x.py")

@@ -4,7 +4,7 @@ Invariant: each stage program lists in `whole_inputs` the user inputs without a 
 dim (META_BATCHED false: every micro-batch receives them whole), and every mean class
 loss whose denominator depends on the data (cross_entropy / nll_loss with class-index
 targets: the count of targets not equal to ignore_index, weighted by class weights)
-computes its sum divided by the whole batch's count (graphc/loss_ops.py). The count is a
+computes its sum divided by the whole batch's count (graphc/ops/loss.py). The count is a
 program input that the stage's Prologue computes once per step, before any micro-batch,
 from the targets of every micro-batch (the target's computation copied from the
 program), summed over the ranks the targets are split across. This runs only when it
@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import GraphcError
-from ..loss_ops import cross_entropy_over_batch, nll_loss_over_batch, target_count
+from ..ops.loss import cross_entropy_over_batch, nll_loss_over_batch, target_count
 from ..meta import META_BATCHED, META_SBP, META_TENSOR, TensorMeta
 from ..placement import Split
 from ..plan.program import Prologue, StageProgram

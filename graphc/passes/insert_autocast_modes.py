@@ -14,7 +14,7 @@ from typing import List
 import torch.fx as fx
 
 from ..meta import META_AUTOCAST
-from ..plan.autocast_ops import set_autocast
+from ..ops.autocast import set_autocast
 from ..plan.program import StageProgram
 
 

@@ -1,7 +1,7 @@
 """insert_boxing: turns every SBP mismatch into explicit conversion nodes.
 
 Invariant: every tensor input of a node arrives in the SBP its signature needs: where
-the producer's layout differs, a chain of `plan.ops.box` nodes (one per mismatched
+the producer's layout differs, a chain of `ops.conversions.box` nodes (one per mismatched
 mesh axis, each carrying META_BOXING) converts it on the consumer's stage; a broadcast
 value read by an op with a sharded output gets a `grad_all_reduce` box (identity forward,
 all-reduce of its partial_sum gradient backward) unless it is a parameter whose gradient
@@ -20,7 +20,7 @@ import torch.fx as fx
 from ..meta import (META_ARRIVAL, META_BOXING, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
                     BoxingInfo, SbpSignature)
 from ..placement import PartialSum, Split
-from ..plan.ops import box
+from ..ops.conversions import box
 from ..sbp.boxing import BOXINGS, backward_collective, kind_of
 from ..sbp.cost import moved_bytes, tensor_bytes
 from ..sbp.layout import B, axis_groups, is_even, mesh_shape, same_shape, split_extent

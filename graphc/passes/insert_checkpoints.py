@@ -6,7 +6,7 @@ calls, as `nn_module_stack` records them) are moved, in order, into one sub-Grap
 per call, and a single `graphc_checkpoint_<k>` call_module node takes their place: a
 `CheckpointedRegion` that runs the sub-program under torch.utils.checkpoint (non-reentrant),
 so autograd saves only the region's inputs. The recompute happens inside the stage's
-backward, where the executor re-enters the micro-batch's random draw (plan/random_ops.py), and
+backward, where the executor re-enters the micro-batch's random draw (ops/random_ops.py), and
 sees the module's buffers as they were at the forward (NOTE: Activation checkpointing in
 runtime/executor.py), so the numbers are those of no checkpointing. A region that
 communicates (an SBP conversion inside it) is refused: its collectives would run again.

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..meta import META_SBP, META_TENSOR
 from ..placement import PartialSum, Split
-from ..plan.ops import vocab_parallel_embedding
+from ..ops.conversions import vocab_parallel_embedding
 from ..sbp.layout import axis_groups, flat, local_shape
 from ..sbp.local_ops import (cross_entropy_partial, global_numel, global_size, mean_as_partial,
                              mse_loss_partial, reshape_keeping)

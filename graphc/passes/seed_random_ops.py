@@ -2,11 +2,11 @@
 
 Invariant: each op that draws random numbers (F.dropout and its kin, nn.Dropout,
 scaled_dot_product_attention with dropout_p > 0, torch.rand/randn/randint/bernoulli/...,
-Tensor.bernoulli_/uniform_/normal_/...) is a call of `plan.random_ops.seeded`, which draws from
+Tensor.bernoulli_/uniform_/normal_/...) is a call of `ops.random_ops.seeded`, which draws from
 a generator seeded by (base seed, step, micro-batch, node name, this rank's coordinates
 along the mesh axes where the node's output is split). On broadcast (and partial_sum) axes
 every replica draws the same numbers, so replicas stay equal; each shard of a split value
-draws its own. See NOTE: Replica-equal randomness in plan/random_ops.py. An op placed on one
+draws its own. See NOTE: Replica-equal randomness in ops/random_ops.py. An op placed on one
 rank (no replicas, no shards) keeps drawing from that rank's own RNG, as eager does.
 Requires: infer_sbp and insert_boxing (node.meta[META_SBP] is each node's final layout).
 """
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..meta import META_SBP
 from ..placement import Split
-from ..plan.random_ops import RANDOM_FUNCTIONS, RANDOM_METHODS, seeded
+from ..ops.random_ops import RANDOM_FUNCTIONS, RANDOM_METHODS, seeded
 from ..sbp.layout import coord, flat
 
 _NAME_OF = {fn: name for name, fn in RANDOM_FUNCTIONS.items()}

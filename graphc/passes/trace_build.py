@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import GraphcError
 from ..meta import META_AUTOCAST, META_BATCHED, META_GRAD_ENABLED, META_OUTPUT_TREE
-from ..plan.autocast_ops import autocast_state
+from ..ops.autocast import autocast_state
 from .traced_checkpoint import traced_checkpoints
 from .unsupported_modules import check_runnable_module
 

@@ -31,7 +31,7 @@ from ..meta import (META_ARRIVAL, META_AUTOCAST, META_BATCHED, META_BOXING, META
                     META_STAGE_WHY, META_TENSOR, BoxingInfo, RowsMeta, SbpSignature, TensorMeta,
                     is_backward)
 from ..placement import Broadcast, PartialSum, Split, mesh_shape, placement
-from ..plan.ops import box
+from ..ops.conversions import box
 from ..plan.program import StageProgram
 
 Problem = Optional[str]   # what is wrong with a value, or None

@@ -2,8 +2,8 @@
 
 One home for these facts (STYLE 13): insert_boxing picks a conversion's kind here
 (`kind_of`) and costs it, infer_sbp minimises `sbp/cost.py`'s conversion_cost built from
-it, list_collectives lists the collectives it names, and `plan/ops.py: box` runs the
-kind forward and its dual backward. A kind added here without its `plan/ops` runner
+it, list_collectives lists the collectives it names, and `ops/conversions.py: box` runs the
+kind forward and its dual backward. A kind added here without its `ops/conversions` runner
 fails `tests/sbp/test_boxing_table.py`.
 
 The dual is the conversion the gradient goes through in backward, under graphc's gradient

@@ -11,7 +11,7 @@ import torch.nn as nn
 import graphc
 from graphc.meta import META_AUTOCAST
 from graphc.passes.insert_autocast_modes import insert_autocast_modes
-from graphc.plan.autocast_ops import set_autocast
+from graphc.ops.autocast import set_autocast
 from helpers import compile_graph
 
 BF16 = (("cpu", "bfloat16"),)

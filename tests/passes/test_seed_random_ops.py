@@ -14,7 +14,7 @@ import graphc
 from graphc import compiler
 from graphc.meta import META_SBP
 from graphc.placement import Broadcast
-from graphc.plan.random_ops import drawing, seeded
+from graphc.ops.random_ops import drawing, seeded
 from dropout_models import DropNet, tensor_parallel
 from gpt_block_models import TokenLossGraph
 

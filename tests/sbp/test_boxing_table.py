@@ -2,7 +2,7 @@
 import itertools
 
 from graphc.placement import Broadcast, PartialSum, Split
-from graphc.plan import ops
+from graphc.ops import conversions as ops
 from graphc.sbp.boxing import BOXINGS, backward_collective, kind_of
 from graphc.sbp.cost import moved_bytes
 

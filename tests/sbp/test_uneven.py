@@ -16,7 +16,7 @@ from graphc import sbp
 from graphc.meta import META_SBP, META_TENSOR, TensorMeta
 from graphc.placement import Broadcast, PartialSum, Split
 from graphc.plan.instructions import AllReduce, Recv, Send
-from graphc.plan.ops import box, shapes_only
+from graphc.ops.conversions import box, shapes_only
 from graphc.sbp.layout import (chunk_sizes, is_even, local_component, local_shape, place_shard,
                                shard_slices, split_extent)
 from graphc.sbp.local_ops import reshape_keeping

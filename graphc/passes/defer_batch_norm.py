@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch.fx as fx
 import torch.nn as nn
 
+from ..log import warn_user
 from ..sbp import local_ops
 from .decompose_modules import _batch_norm
 
@@ -21,6 +22,14 @@ _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm
 
 
 def defer_batch_norm(gm: fx.GraphModule, enabled: bool, microbatches: int) -> fx.GraphModule:
+    training = [name for name, m in gm.named_modules() if type(m) in _BATCH_NORMS and m.training]
+    if training and microbatches > 1:
+        warn_user(f"BatchNorm {training[0]!r}{f' (and {len(training) - 1} more)' if len(training) > 1 else ''} "
+                  f"trains under gradient accumulation ({microbatches} micro-batches): each micro-batch is "
+                  "normalised with its own statistics, as eager accumulation does, so the step differs "
+                  "from one eager step on the whole batch (README: BatchNorm). Fix: accumulation 1 "
+                  "(a larger data-parallel world instead) for whole-batch statistics; "
+                  "config.set_deferred_batch_norm(True) for running statistics of the whole batch.")
     if not enabled:
         return gm
     for node in list(gm.graph.nodes):

@@ -12,7 +12,9 @@ gives up the CPU; whichever blocked rank can proceed takes it next. So a rank's 
 Python state can be swapped in with the baton, as if each rank were a process: torch's
 default generator, Python's and NumPy's random state, the default dtype, and RANK /
 LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE in os.environ. Every rank starts from the
-state of the thread that started the world (N processes launched alike).
+state of the thread that started the world (N processes launched alike), and computes on
+one intra-op thread, as torchrun's ranks do (OMP_NUM_THREADS=1): a kernel's reduction order
+depends on its thread count.
 
 Collectives combine the ranks' tensors in the group's rank order (a sum is
 ((x0 + x1) + x2) + ...), so a run is deterministic; with two ranks per group it is
@@ -163,12 +165,15 @@ class LocalWorld:
 
         threads = [threading.Thread(target=body, args=(r,), name=f"graphc-local-rank{r}", daemon=True)
                    for r in range(self.size)]
+        intra_op = torch.get_num_threads()
+        torch.set_num_threads(1)  # a rank computes on one thread, as under torchrun (OMP_NUM_THREADS=1)
         try:
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
         finally:
+            torch.set_num_threads(intra_op)
             start.restore()
             for k, v in env.items():
                 if v is None:

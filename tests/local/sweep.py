@@ -1,0 +1,275 @@
+"""The equivalence sweep's configurations: layouts x schedules x accumulation x models, each
+run in a local world (every rank a thread, NOTE: Local world) and checked against eager on
+the whole batch at every step (float64, 1e-10; NOTE: Checked steps).
+
+Models: SkipNet (an MLP whose first block skips to the head), the GPT example (tied
+embedding, vocabulary-parallel head, Megatron tensor parallel), a conv net with BatchNorm
+(deferred statistics under accumulation, synced over data parallel), and Hugging Face
+Llama with a padded attention mask and ignore_index labels.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, List, Tuple
+
+import torch
+import torch.nn as nn
+
+import graphc
+import graphc.testing
+from graphc.plan.schedules import layout as schedule_layout
+from conv_models import ConvNet
+from models import SkipNet, make_batches
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "zero_bubble": 2,
+          "zbv": 2, "dualpipev": 2}
+SCHEDULES = tuple(CHUNKS)
+STEPS = 2
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    schedule: str = "1f1b"
+    acc: int = 1
+    checkpointing: str = "never"
+
+    @property
+    def nproc(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def id(self) -> str:
+        sched = f"-{self.schedule}" if self.pp > 1 else ""
+        ckpt = f"-ckpt_{self.checkpointing}" if self.checkpointing != "never" else ""
+        return f"{self.model}-pp{self.pp}-dp{self.dp}-tp{self.tp}{sched}-acc{self.acc}{ckpt}"
+
+
+def _valid(c: Config) -> bool:
+    if c.pp == 1:
+        return c.schedule == "1f1b"
+    if c.schedule == "dualpipev" and c.acc < 2 * c.pp:
+        return False
+    if c.schedule in ("interleaved_1f1b", "zero_bubble") and c.acc > 1 and c.acc % c.pp and c.acc >= 2 * c.pp:
+        return False
+    return True
+
+
+def configurations() -> List[Config]:
+    """Every configuration of the sweep, smallest worlds first."""
+    out = []
+    for pp in (1, 2, 4, 8):                                   # SkipNet: every schedule, data parallel
+        for dp in (1, 2, 4):
+            if pp * dp == 1 or pp * dp > 16:
+                continue
+            for schedule in SCHEDULES:
+                for acc in (1, 2, 4) if pp < 8 else (8, 16):
+                    c = Config("skip", pp, dp, 1, schedule, acc)
+                    if _valid(c):
+                        out.append(c)
+    for pp in (2, 4):                                          # SkipNet with activation checkpointing
+        for schedule in SCHEDULES:
+            for acc in (2, 4, 8):
+                for ckpt in (("always", "except_last") if pp == 2 else ("always",)):
+                    c = Config("skip", pp, 1, 1, schedule, acc, ckpt)
+                    if _valid(c):
+                        out.append(c)
+    for pp, tp, dp in ((1, 2, 1), (1, 4, 1), (1, 1, 2), (1, 1, 4), (2, 1, 1), (2, 2, 1), (2, 1, 2),
+                       (1, 2, 2), (2, 2, 2), (4, 1, 1), (4, 2, 1), (4, 1, 2), (1, 4, 2), (1, 2, 4),
+                       (8, 1, 1), (2, 4, 2), (4, 2, 2), (2, 2, 4), (4, 4, 4)):   # the GPT: ties, 2-D meshes
+        for schedule in (("1f1b", "gpipe") if pp > 1 else ("1f1b",)):
+            for acc in (1, 2, 4):
+                if pp > 1 and acc < 2 and schedule == "gpipe":
+                    continue
+                out.append(Config("gpt", pp, dp, tp, schedule, acc))
+    # BatchNorm conv net. Training BatchNorm under accumulation normalises each micro-batch
+    # by its own statistics, as eager accumulation does (README: BatchNorm; graphc warns), so
+    # the whole-batch oracle holds at accumulation 1; with BatchNorm in eval mode (frozen
+    # statistics, a fine-tuning habit) at every accumulation.
+    for pp in (1, 2):
+        for dp in (1, 2, 4):
+            if pp * dp > 1:
+                out.append(Config("convbn", pp, dp, 1, "1f1b", 1))
+                out += [Config("convbn-frozen", pp, dp, 1, "1f1b", acc) for acc in (1, 2, 4)]
+    for pp, dp in ((1, 2), (2, 1), (2, 2)):                     # Llama, attention mask
+        for acc in (1, 2):
+            out.append(Config("llama", pp, dp, 1, "1f1b", acc))
+    return sorted(out, key=lambda c: (c.nproc, c.model, c.id))
+
+
+# -- models ------------------------------------------------------------------------------
+def _ranks(stage_rank: int, dp: int) -> List[int]:
+    return list(range(stage_rank * dp, (stage_rank + 1) * dp))
+
+
+class SkipGraph(graphc.Graph):
+    def __init__(self, model, opt, c: Config):
+        super().__init__()
+        self.model = model
+        n = len(model.blocks)
+        if c.pp == 1:
+            self.model.config.set_stage(0, graphc.placement("cpu", _ranks(0, c.dp)))
+        else:
+            rank_of = {s: r for r, stages in enumerate(schedule_layout(c.schedule, c.pp, n)) for s in stages}
+            for s in range(n):
+                self.model.blocks[s].config.set_stage(s, graphc.placement("cpu", _ranks(rank_of[s], c.dp)))
+            self.model.head.config.set_stage(n - 1, graphc.placement("cpu", _ranks(rank_of[n - 1], c.dp)))
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.config.set_gradient_accumulation_steps(c.acc)
+        self.config.set_pipeline_schedule(c.schedule)
+        self.config.set_activation_checkpointing(c.checkpointing)
+        self.add_optimizer(opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+
+    def build(self, x, y):
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def _skip(c: Config):
+    stages = c.pp * CHUNKS[c.schedule] if c.pp > 1 else 2
+
+    def make():
+        torch.manual_seed(0)
+        model = SkipNet(stages, d=8)
+        return SkipGraph(model, torch.optim.Adam(model.parameters(), lr=0.01), c)
+    batch = max(8, 2 * c.acc * c.dp)
+    return make, make_batches(n=STEPS, batch=batch, d=8)
+
+
+class ConvGraph(graphc.Graph):
+    def __init__(self, model, opt, c: Config):
+        super().__init__()
+        self.model = model
+        if c.model == "convbn-frozen":  # fine-tuning with BatchNorm's statistics frozen
+            model.eval()
+        if c.pp == 1:
+            self.model.config.set_stage(0, graphc.placement("cpu", _ranks(0, c.dp)))
+        else:
+            for name in ("stem", "layer1"):
+                getattr(self.model, name).config.set_stage(0, graphc.placement("cpu", _ranks(0, c.dp)))
+            for name in ("layer2", "pool", "seq", "gap", "flatten", "fc"):
+                getattr(self.model, name).config.set_stage(1, graphc.placement("cpu", _ranks(1, c.dp)))
+        self.config.set_gradient_accumulation_steps(c.acc)
+        self.add_optimizer(opt)
+
+    def build(self, x, y):
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def _convbn(c: Config):
+    def make():
+        torch.manual_seed(0)
+        model = ConvNet()
+        return ConvGraph(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), c)
+    g = torch.Generator().manual_seed(1)
+    batch = 4 * c.acc * c.dp
+    return make, [(torch.randn(batch, 3, 8, 8, generator=g) + 3.0, torch.randint(0, 5, (batch,), generator=g))
+                  for _ in range(STEPS)]
+
+
+def _gpt_module():
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import gpt
+    return gpt
+
+
+def _gpt(c: Config):
+    gpt = _gpt_module()
+    lay = gpt.Layout(c.pp, c.tp, c.dp)
+    ids, vocab = gpt.load_corpus()
+    args = type("Args", (), dict(seed=0, block=8, layers=max(2, c.pp), heads=4, embd=16))
+    batches = list(gpt.batches(ids, 2 * c.acc * c.dp, 8, STEPS, 0))
+
+    def make():
+        model = gpt.make_model(vocab, args)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+        return gpt.GPTGraph(model, opt, lay, c.acc, c.schedule)
+
+    def inputs(rank, step):
+        return gpt.global_inputs(lay, rank, *batches[step])
+    return make, inputs
+
+
+class LlamaGraph(graphc.Graph):
+    def __init__(self, model, opt, c: Config):
+        super().__init__()
+        self.model = model
+        if c.pp > 1:
+            for path, sid in (("model.embed_tokens", 0), ("model.layers.0", 0), ("model.layers.1", 1),
+                              ("model.norm", 1), ("lm_head", 1)):
+                block = self.model
+                for part in path.split("."):
+                    block = block[int(part)] if part.isdigit() else getattr(block, part)
+                block.config.set_stage(sid, graphc.placement("cpu", _ranks(sid, c.dp)))
+        elif c.dp > 1:
+            self.model.config.set_stage(0, graphc.placement("cpu", _ranks(0, c.dp)))
+        self.config.set_gradient_accumulation_steps(c.acc)
+        self.add_optimizer(opt)
+
+    def build(self, ids, mask, labels):
+        out = self.model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        return out.loss
+
+
+def _llama(c: Config):
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+
+    def make():
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg)
+        return LlamaGraph(model, torch.optim.AdamW(model.parameters(), lr=1e-3), c)
+    g = torch.Generator().manual_seed(0)
+    B, T = 8, 12
+    batches = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 64, (B, T), generator=g)
+        lengths = torch.randint(2, T + 1, (B,), generator=g)
+        mask = (torch.arange(T)[None] < lengths[:, None]).long()
+        batches.append((ids, mask, ids.masked_fill(mask == 0, -100)))
+    return make, batches
+
+
+BUILD: dict = {"skip": _skip, "gpt": _gpt, "convbn": _convbn, "convbn-frozen": _convbn, "llama": _llama}
+
+
+def run(c: Config) -> graphc.testing.LocalRun:
+    """The configuration in a local world, every step checked against eager."""
+    make, inputs = BUILD[c.model](c)
+    return graphc.testing.local_world(make, inputs, c.nproc, steps=STEPS, check=True)
+
+
+def check(c: Config) -> Tuple[bool, str]:
+    result = run(c)
+    return result.ok, result.text()
+
+
+def time_all(configs: List[Config], out=sys.stdout) -> None:
+    """Times every configuration (python tests/local/sweep.py): the CI split reads these."""
+    import time
+    for c in configs:
+        t = time.perf_counter()
+        ok, text = check(c)
+        print(f"{c.id} {c.nproc} {time.perf_counter() - t:.2f} {'ok' if ok else 'DIFFERS'}", file=out, flush=True)
+        if not ok:
+            print(text, file=out, flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    torch.set_default_dtype(torch.float64)
+    cs = configurations()
+    print(len(cs), "configurations", flush=True)
+    time_all(cs)

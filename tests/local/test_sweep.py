@@ -1,0 +1,50 @@
+"""The equivalence sweep (issue 24): every configuration of tests/local/sweep.py in a local
+world, every step against eager on the whole batch in float64 at 1e-10 (graphc's check
+mode: losses and every parameter, per step).
+
+The default run takes the worlds of up to 4 ranks and a few larger ones (one per model
+at 8 and 16 ranks); `-m slow` runs the rest, up to the 64-rank GPT (pipeline 4 x tensor 4 x
+data 4). Sizes and times are in the README (Checking a job in one process).
+"""
+import pytest
+
+import sweep
+
+CONFIGS = sweep.configurations()
+LARGE_DEFAULT = {"skip-pp8-dp1-tp1-1f1b-acc8", "skip-pp4-dp2-tp1-interleaved_1f1b-acc4",
+                 "skip-pp8-dp2-tp1-zbv-acc16", "gpt-pp2-dp2-tp2-1f1b-acc2", "gpt-pp2-dp2-tp4-1f1b-acc2",
+                 "convbn-pp2-dp4-tp1-1f1b-acc1"}
+
+
+def _default(c: sweep.Config) -> bool:
+    return c.nproc <= 4 or c.id in LARGE_DEFAULT
+
+
+DEFAULT = [c for c in CONFIGS if _default(c)]
+REST = [c for c in CONFIGS if not _default(c)]
+
+
+def test_the_sweep_covers_what_it_claims():
+    """At least 300 configurations; every model, schedule and accumulation in the default run;
+    worlds of 16 and 64 ranks in the whole sweep."""
+    assert len(CONFIGS) >= 300 and len({c.id for c in CONFIGS}) == len(CONFIGS)
+    assert {c.model for c in DEFAULT} == {"skip", "gpt", "convbn", "convbn-frozen", "llama"}
+    assert {c.schedule for c in DEFAULT if c.pp > 1} == set(sweep.SCHEDULES)
+    assert {c.acc for c in DEFAULT} >= {1, 2, 4}
+    assert {c.nproc for c in CONFIGS} >= {2, 4, 8, 16, 64}
+    assert any(c.tp > 1 and c.dp > 1 for c in DEFAULT)            # a 2-D mesh
+    assert any(sweep.CHUNKS[c.schedule] > 1 for c in DEFAULT if c.pp > 1)   # n stages on m ranks
+    assert set(LARGE_DEFAULT) <= {c.id for c in CONFIGS}
+
+
+@pytest.mark.parametrize("config", DEFAULT, ids=lambda c: c.id)
+def test_sweep(config):
+    ok, text = sweep.check(config)
+    assert ok, text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", REST, ids=lambda c: c.id)
+def test_sweep_large(config):
+    ok, text = sweep.check(config)
+    assert ok, text

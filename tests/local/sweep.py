@@ -39,6 +39,7 @@ class Config:
     schedule: str = "1f1b"
     acc: int = 1
     checkpointing: str = "never"
+    zero: int = 0                     # config.enable_zero stage (0: off)
 
     @property
     def nproc(self) -> int:
@@ -48,7 +49,8 @@ class Config:
     def id(self) -> str:
         sched = f"-{self.schedule}" if self.pp > 1 else ""
         ckpt = f"-ckpt_{self.checkpointing}" if self.checkpointing != "never" else ""
-        return f"{self.model}-pp{self.pp}-dp{self.dp}-tp{self.tp}{sched}-acc{self.acc}{ckpt}"
+        zero = f"-zero{self.zero}" if self.zero else ""
+        return f"{self.model}-pp{self.pp}-dp{self.dp}-tp{self.tp}{sched}-acc{self.acc}{ckpt}{zero}"
 
 
 def _valid(c: Config) -> bool:
@@ -80,6 +82,10 @@ def configurations() -> List[Config]:
                     c = Config("skip", pp, 1, 1, schedule, acc, ckpt)
                     if _valid(c):
                         out.append(c)
+    for pp, dp in ((1, 2), (1, 4), (2, 2)):                   # SkipNet with ZeRO stages 1 and 2
+        for zero in (1, 2):
+            for acc in (1, 2, 4):
+                out.append(Config("skip", pp, dp, 1, "1f1b", acc, zero=zero))
     for pp, tp, dp in ((1, 2, 1), (1, 4, 1), (1, 1, 2), (1, 1, 4), (2, 1, 1), (2, 2, 1), (2, 1, 2),
                        (1, 2, 2), (2, 2, 2), (4, 1, 1), (4, 2, 1), (4, 1, 2), (1, 4, 2), (1, 2, 4),
                        (8, 1, 1), (2, 4, 2), (4, 2, 2), (2, 2, 4), (4, 4, 4)):   # the GPT: ties, 2-D meshes
@@ -124,6 +130,8 @@ class SkipGraph(graphc.Graph):
         self.config.set_gradient_accumulation_steps(c.acc)
         self.config.set_pipeline_schedule(c.schedule)
         self.config.set_activation_checkpointing(c.checkpointing)
+        if c.zero:
+            self.config.enable_zero(True, stage=c.zero, shard_min_size=1)
         self.add_optimizer(opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
 
     def build(self, x, y):

@@ -1,7 +1,7 @@
 """The local world runs what real ranks run (issue 24): for the same plans, the losses and
 every parameter after training are bit-identical between the local world (threads,
 in-memory transfers) and real gloo processes: pipeline, data, tensor and hybrid layouts
-at 2 and 4 ranks.
+at 2 and 4 ranks, and ZeRO stage 2 on data 2.
 
 Bit-identical holds where every reduction is over groups of 2 (a + b is b + a); the local
 world sums a group in rank order, gloo's ring in its own order, which for 3+ ranks can
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.world  # spawns gloo ranks (tests/test_world_marker.py)
 CONFIGS = [sweep.Config("skip", pp=2, schedule="1f1b", acc=2),
            sweep.Config("skip", pp=2, schedule="zbv", acc=2),
            sweep.Config("skip", dp=2, acc=2),
+           sweep.Config("skip", dp=2, acc=2, zero=2),
            sweep.Config("gpt", tp=2, acc=2),
            sweep.Config("skip", pp=2, dp=2, schedule="interleaved_1f1b", acc=4),
            sweep.Config("gpt", pp=2, tp=2, acc=2),

@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 2 examples/gpt.py --pp 2       # pipeline of 2
     torchrun --nproc_per_node 2 examples/gpt.py --tp 2       # Megatron tensor parallel
     torchrun --nproc_per_node 8 examples/gpt.py --pp 2 --tp 2 --dp 2
+    torchrun --nproc_per_node 2 examples/gpt.py --dp 2 --zero 2   # ZeRO: sharded optimizer state
 
 The model is written as a GPT's author writes it, and graphc compiles it unchanged:
 `b, t = idx.size()` and a shape assert, positions from `torch.arange(t)`, a causal
@@ -166,7 +167,7 @@ def tensor_parallel(model: GPT, layout: Layout, stage_of_block) -> None:
 
 class GPTGraph(graphc.Graph):
     def __init__(self, model: GPT, optimizer, layout: Layout, accumulation: int = 2,
-                 schedule: str = "1f1b"):
+                 schedule: str = "1f1b", zero: int = 0):
         super().__init__()
         self.model = model
         n = model.config.n_layer
@@ -184,6 +185,8 @@ class GPTGraph(graphc.Graph):
             tensor_parallel(model, layout, stage_of_block)
         self.config.set_gradient_accumulation_steps(accumulation)
         self.config.set_pipeline_schedule(schedule)
+        if zero:  # optimizer state (and at 2 gradient buckets) split over the --dp ranks
+            self.config.enable_zero(True, stage=zero)
         self.add_optimizer(optimizer)
 
     def build(self, idx, targets):
@@ -241,6 +244,8 @@ def main(argv=None):
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2),
+                        help="ZeRO stage over the --dp ranks (0: replicated)")
     args = parser.parse_args(argv)
 
     layout = Layout(args.pp, args.tp, args.dp)
@@ -252,7 +257,7 @@ def main(argv=None):
     ids, vocab = load_corpus()
     model = make_model(vocab, args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    graph = GPTGraph(model, opt, layout, args.accumulation, args.schedule)
+    graph = GPTGraph(model, opt, layout, args.accumulation, args.schedule, args.zero)
     losses = []
     for step, (x, y) in enumerate(batches(ids, args.batch, args.block, args.steps, args.seed)):
         start = time.perf_counter()

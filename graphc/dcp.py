@@ -202,6 +202,12 @@ def _pieces_wrapper(local: torch.Tensor, layout: Layout, rank: int):
 
 def _optimizer_state(state, layouts: Dict[str, Layout], prefix: str) -> Dict[str, Any]:
     opt = state.optimizer
+    if getattr(opt, "_graphc_zero_shards", None):   # See NOTE: ZeRO in runtime/zero.py
+        raise GraphcError(
+            "graph.state_dict() of a graph with config.enable_zero is not available yet: its "
+            "optimizer holds row shards of the parameters, which DCP entries do not describe. "
+            "Fix: save graph.full_state_dict() for the model, or train without enable_zero to "
+            "checkpoint the optimizer's state.")
     names = first_names(state.root)
     params = [p for group in opt.param_groups for p in group["params"]]
     by_index = copy.deepcopy(opt.state_dict()["state"]) or first_step_state(opt)

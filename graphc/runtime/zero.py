@@ -184,7 +184,7 @@ class ZeroShards:
                 p.grad = None            # ZeRO keeps the gradient only as this rank's rows
             at += s.part_numel
         out = torch.empty(width, dtype=packed.dtype, device=packed.device)
-        work = _reduce_scatter(out, list(packed.unbind(0)), shards[0].ranks)
+        work = _reduce_scatter(out, packed, shards[0].ranks)
         return work, out, packed
 
     def take_grads(self, ins: ReduceScatter, out: torch.Tensor) -> None:
@@ -208,10 +208,7 @@ class ZeroShards:
         for s in shards:
             mine[at:at + s.rows * s.row_numel].copy_(s.view_rows().reshape(-1))
             at += s.part_numel
-        if d > 1:
-            world.current().all_gather(list(packed.unbind(0)), mine, shards[0].ranks)
-        else:
-            packed[0].copy_(mine)
+        _all_gather(packed, mine, shards[0].ranks)
         at = 0
         for s in shards:
             s.unpack(packed[:, at:at + s.part_numel])
@@ -228,17 +225,29 @@ def _made_shards(optimizer) -> Dict[int, torch.nn.Parameter]:
     return made
 
 
-def _reduce_scatter(out: torch.Tensor, parts: List[torch.Tensor], ranks: Tuple[int, ...]):
-    """reduce_scatter over `ranks`, asynchronous in the torch world (so it overlaps the rest of
-    the backward); a local world's returns when done."""
+def _reduce_scatter(out: torch.Tensor, packed: torch.Tensor, ranks: Tuple[int, ...]):
+    """Rank k's `out` = the sum over `ranks` of their `packed[k]`. In the torch world the flat
+    form, asynchronous (it overlaps the rest of the backward); a local world's list form
+    returns when done."""
     w = world.current()
     if len(ranks) == 1:
-        out.copy_(parts[0])
+        out.copy_(packed[0])
         return None
     if isinstance(w, world.TorchWorld):
-        return w.reduce_scatter(out, parts, ranks, async_op=True)
-    w.reduce_scatter(out, parts, ranks)
+        return w.reduce_scatter_from(out, packed.view(-1), ranks, async_op=True)
+    w.reduce_scatter(out, list(packed.unbind(0)), ranks)
     return None
+
+
+def _all_gather(packed: torch.Tensor, mine: torch.Tensor, ranks: Tuple[int, ...]) -> None:
+    """`packed[k]` = rank k's `mine`, on every rank of `ranks`."""
+    w = world.current()
+    if len(ranks) == 1:
+        packed[0].copy_(mine)
+    elif isinstance(w, world.TorchWorld):
+        w.all_gather_into(packed.view(-1), mine, ranks)
+    else:
+        w.all_gather(list(packed.unbind(0)), mine, ranks)
 
 
 class ZeroGradSync(GradSync):

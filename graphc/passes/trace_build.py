@@ -35,6 +35,7 @@ from ..errors import GraphcError
 from ..meta import META_AUTOCAST, META_BATCHED, META_GRAD_ENABLED, META_OUTPUT_TREE
 from ..ops.autocast import autocast_state
 from .traced_checkpoint import traced_checkpoints
+from .traced_writes import check_item_writes, write_item
 from .unsupported_modules import check_runnable_module
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -95,7 +96,13 @@ class ShapeProxy(fx.Proxy):
     def __getattr__(self, k: str):
         if k in _SHAPE_ATTRS or k in _SHAPE_METHODS:
             return getattr(self.tracer.fake_of(self), k)
+        fields = _result_fields(self.node.meta.get(_FAKE))
+        if k in fields:  # torch.topk(x, k).values: the named result's field, as getitem
+            return self[fields.index(k)]
         return super().__getattr__(k)
+
+    def __setitem__(self, index, value) -> None:  # NOTE: Item writes (traced_writes.py)
+        write_item(self.tracer, self, index, value, _deepest_user_frame(None, traceback.extract_stack()))
 
     def __len__(self) -> int:
         return len(self.tracer.fake_of(self))
@@ -124,6 +131,7 @@ class BuildTracer(fx.Tracer):
         self.failed: Dict[str, str] = {}  # node name -> why its value is unknown
         self.running_fake = False  # a leaf module runs on fakes: fx's patches step aside
         self.source_file: Optional[str] = None  # the Graph's file, for error messages
+        self.item_writes: list = []  # (set_item node, nodes sharing its input's storage, line)
         self._modules_seen: Optional[list] = None
 
     def call_module(self, m, forward, args, kwargs):
@@ -160,6 +168,10 @@ class BuildTracer(fx.Tracer):
     def fake_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """The fake of a real tensor; the same real tensor (a tied weight) gives the same fake."""
         return self.fake_mode.from_tensor(t, static_shapes=True)
+
+    def node_fake(self, node: fx.Node):
+        """The value of `node` while tracing, None where unknown."""
+        return node.meta.get(_FAKE)
 
     def fake_of(self, proxy: fx.Proxy):
         node = proxy.node
@@ -308,6 +320,7 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
                           "Fix: call the graph with one tensor per build() argument.")
     for node, b in zip(placeholders, batched):
         node.meta[META_BATCHED] = b
+    check_item_writes(g, tracer.item_writes, _node_line)
     for node in g.nodes:
         node.meta.pop(_FAKE, None)
     gm = fx.GraphModule(root, g, class_name=type(root).__name__)
@@ -555,6 +568,19 @@ def _function_apply(cls):
         fn.graphc_autograd_function = cls
         _APPLY_CACHE[cls] = fn
     return fn
+
+
+def _result_fields(value) -> tuple:
+    """The field names of a named result of torch (torch.return_types.topk: values, indices)."""
+    if isinstance(value, tuple) and type(value).__module__ == "torch.return_types":
+        return type(value).__match_args__
+    return ()
+
+
+def _node_line(node: fx.Node) -> str:
+    """'File ..., line n, in f: code' of the user's line that recorded `node`."""
+    trace = node.meta.get("stack_trace", "").strip().splitlines()
+    return f"{trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else node.format_node()
 
 
 def _caller_line(source_file: Optional[str]) -> str:

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from ..meta import META_TENSOR
 from . import Rows
 from .context import Ctx, broadcast_rows, combine_reduced, in_order, norm_dim, op_name
+from .shapes import getitem
 
 
 def _tensor(ctx: Ctx, a):
@@ -202,3 +204,36 @@ def embedding_bag(ctx: Ctx):
                "an embedding bag cuts a flat list of the batch's rows by offsets (positions in "
                "the whole list)")
     return Rows.none(2)
+
+
+def set_item(ctx: Ctx):
+    """`x[index] = value` (graphc's set_item, See NOTE: Item writes): x keeps its rows. A
+    boolean mask of x's leading shape writes each row's own entries (`labels[labels == p] =
+    -100`); other indexes write the region x[index] reads, so a slice, an integer or an index
+    tensor along a row dim writes rows by their position (a coupling, as reading them is), and
+    the value's rows line up with the region's."""
+    x = ctx.rows(0)
+    if x is None:
+        return None
+    index, value = ctx.node.args[1], _tensor(ctx, ctx.arg(2, "value"))
+    if isinstance(index, fx.Node) and _is_mask(ctx, index):
+        lead = broadcast_rows(ctx, [Rows(x.dims[:len(ctx.shape(index))]), ctx.rows(index)])
+        ctx.couple(value.symbols if value is not None else [], "x[mask] = value takes the value's "
+                   "entries in flat order, counted across the batch's rows")
+        return Rows(lead + x.dims[len(lead):], combine_reduced(ctx, ctx.tensors()))
+    region = getitem(ctx)
+    if region is not None and value is not None:
+        offset = len(region.dims) - len(value.dims)
+        for k, s in enumerate(value.dims):
+            r = region.dims[k + offset] if k + offset >= 0 else None
+            if s is not None and r is None:
+                ctx.couple([s], "x[index] = value writes rows of the batch into other positions")
+            elif s is not None:
+                ctx.unify(r, s)
+    return Rows(x.dims, combine_reduced(ctx, ctx.tensors()))
+
+
+def _is_mask(ctx: Ctx, index: fx.Node) -> bool:
+    meta, x = index.meta.get(META_TENSOR), ctx.shape(0)
+    return meta is not None and meta.dtype == "bool" and x is not None and \
+        tuple(meta.shape) == tuple(x[:len(meta.shape)])

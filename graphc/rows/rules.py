@@ -17,7 +17,8 @@ import torch.nn as nn
 from .context import Ctx, op_name
 from .layers import (add_product, attention, class_loss, created, default, distance, einsum, embedding, like,
                      linear, matmul, multihead_attention, one_hot, outer_pairs, pointwise_loss, rnn)
-from .indexing import embedding_bag, gather, index_add, index_write, picks, put, repeat_interleave, scatter
+from .indexing import (embedding_bag, gather, index_add, index_write, picks, put, repeat_interleave, scatter,
+                       set_item)
 from .shapes import (along, attribute, concat, diagonal, divide, elementwise, expand, getitem, identity,
                      movedim, multiply, normalize_last, pad, per_sample, permute, pieces, reduction,
                      reshape, reverse_dims, squeeze, stack, tile, transpose, triangle, unsqueeze)
@@ -92,6 +93,7 @@ RULES.update({
     "gather": gather, "take_along_dim": gather, "pad": pad,
     "scatter": scatter, "scatter_add": scatter, "scatter_reduce": scatter, "index_add": index_add,
     "index_fill": index_write, "index_copy": index_write, "index_put": put, "masked_scatter": put,
+    "set_item": set_item,
     "repeat_interleave": repeat_interleave, "embedding_bag": embedding_bag,  # See NOTE: Indexing along a dim
     "tril": triangle, "triu": triangle, "diag": diagonal, "diagonal": diagonal,
     "diag_embed": diagonal, "trace": diagonal,

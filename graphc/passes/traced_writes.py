@@ -1,0 +1,78 @@
+"""Item writes while tracing: `x[index] = value` in build() as an out-of-place node.
+
+# NOTE: Item writes
+fx records calls, not assignments: `h[:, 0] = 0.0` on a traced tensor has no node to
+become ("'Proxy' object does not support item assignment"). graphc records it as
+`h = set_item(h, index, value)`, a copy of h with the entries written, and points the
+Python object `h` the user holds at the new node, so every later read of `h` sees the write
+and the graph stays a data flow the row, shape and SBP passes read like any op
+(graphc/rows/indexing.py: set_item). That equals eager's in-place write as long as nothing
+else reads the old storage afterwards: a view of h taken before the write (`a = h[0]`,
+`h.view(...)`), or the base h when the write goes through a view (`h[0][1] = v`), would
+see the write in eager and the old value here. So every node that shares storage with the
+written tensor at the write is noted, and a read of one of them after the write is refused
+naming both lines (check_item_writes). Writing into a parameter or buffer is refused too
+(assign the buffer whole, `self.buf = ...`, which graphc copies into it). A write into an
+input of build() does not reach the caller's tensor, which eager's would.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from ..errors import GraphcError
+
+
+def set_item(x: torch.Tensor, index, value) -> torch.Tensor:
+    """`x[index] = value` out of place (See NOTE: Item writes): a copy of x, written."""
+    out = x.clone()
+    out[index] = value
+    return out
+
+
+def write_item(tracer, proxy: fx.Proxy, index, value, where: str) -> None:
+    """Records `proxy[index] = value` as set_item and points `proxy` at its result."""
+    old = proxy.node
+    if old.op == "get_attr":
+        raise GraphcError(
+            f"build() writes into the parameter or buffer '{old.target}' with an item assignment "
+            f"at {where}; graphc records build() as a data flow and this write would not reach "
+            "the module's tensor. Fix: assign the buffer whole (self.buf = torch.where(...) or a "
+            "written copy), which graphc copies into it, or write under torch.no_grad() outside "
+            "build().")
+    aliases = _sharing_storage(tracer.graph, old, tracer.node_fake)
+    new = tracer.create_proxy("call_function", set_item, (proxy, index, value), {})
+    tracer.item_writes.append((new.node, aliases, where))
+    proxy.node = new.node
+
+
+def check_item_writes(graph: fx.Graph, writes: List[Tuple[fx.Node, List[fx.Node], str]],
+                      line_of: Callable[[fx.Node], str]) -> None:
+    """Refuses a read, after an item write, of a tensor that shared storage with the written
+    one (See NOTE: Item writes): eager would read the written entries."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for write, aliases, where in writes:
+        for alias in aliases:
+            late = [u for u in alias.users if order[u] > order[write]]
+            if late:
+                raise GraphcError(
+                    f"build() writes x[index] = value at {where}, and then reads '{alias.name}', "
+                    f"which shares memory with the written tensor (a view of it, or the tensor "
+                    f"it is a view of), at {line_of(late[0])}. In eager that read sees the "
+                    "write; graphc records the write as a new value. Fix: take the view after "
+                    "the write, or write into the tensor itself and not through a view.")
+
+
+def _sharing_storage(graph: fx.Graph, node: fx.Node, fake: Callable[[fx.Node], Optional[object]]) -> List[fx.Node]:
+    target = fake(node)
+    if not isinstance(target, torch.Tensor):
+        return [node]
+    storage = _storage(target)
+    return [n for n in graph.nodes if n is node or
+            (isinstance(fake(n), torch.Tensor) and _storage(fake(n)) == storage)]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata

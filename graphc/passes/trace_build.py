@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ..errors import GraphcError
@@ -209,6 +209,8 @@ class BuildTracer(fx.Tracer):
             node.meta[_FAKE] = self._run_fake(kind, target, args, kwargs)
         except GraphcError:
             raise
+        except DynamicOutputShapeException as e:
+            raise GraphcError(_data_dependent_shape(node, e)) from e
         except Exception as e:  # the value stays unknown; propagate_shapes reports the failure
             self.failed[node.name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return proxy
@@ -568,6 +570,21 @@ def _function_apply(cls):
         fn.graphc_autograd_function = cls
         _APPLY_CACHE[cls] = fn
     return fn
+
+
+def _data_dependent_shape(node: fx.Node, e: Exception) -> str:
+    """Why an op whose result's shape depends on the data (nonzero, torch.where(cond),
+    masked_select, unique, x[bool_mask]) cannot be in a plan, and the static forms."""
+    op = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    where = _deepest_user_frame(None, traceback.extract_stack())
+    return (f"build() calls '{op}' at {where}: the shape of its result depends on the values in "
+            f"the tensors ({str(e).strip()}), and graphc compiles one static plan for every step. "
+            "Fix: keep shapes static: torch.where(mask, x, 0) or masked_fill instead of x[mask], "
+            "fixed-size index tensors (topk, gather, index_add of every token with zero weights) "
+            "instead of the positions nonzero finds. A mixture-of-experts layer that loops over "
+            "the experts it hit (transformers' experts_implementation='eager') can dispatch every "
+            "token's top-k slots at once: experts_implementation='batched_mm' for transformers' "
+            "models, which graphc traces.")
 
 
 def _result_fields(value) -> tuple:

@@ -12,10 +12,11 @@ Mixtral's experts, as transformers 5 offers them (`experts_implementation`):
 - "eager" (the per-expert loop: `torch.where(expert_mask[i])` token lists, `index_add_`):
   blocked, it cannot be traced into a static plan. modeling_mixtral.py:78
   `expert_hit = torch.greater(...).nonzero()` has a data-dependent length, so its fake value
-  fails (DynamicOutputShapeException: aten.nonzero.default) and line 80 `for expert_idx in
-  expert_hit:` raises "Proxy object cannot be iterated" (test_mixtral_eager_experts_are_refused);
-  past it, the per-expert token lists (line 84) and `if expert_idx == self.num_experts` (line
-  82) depend on the data of each step, which one static plan cannot follow.
+  fails (DynamicOutputShapeException: aten.nonzero.default): graphc refuses it there, naming
+  the line and the static form, batched_mm (test_mixtral_eager_experts_are_refused); past it,
+  line 80 `for expert_idx in expert_hit:` iterates a value of unknown length, and the
+  per-expert token lists (line 84) and `if expert_idx == self.num_experts` (line 82) depend
+  on the data of each step, which one static plan cannot follow.
 - "grouped_mm" (the default on this torch): blocked in float64, and not traceable in float32:
   torch's CPU kernel refuses float64 ("Expected mat_a to be Float32, BFloat16 or Float16
   matrix, got Double", eager), and its fake (meta) kernel wants bfloat16 ("Expected inputs of
@@ -117,11 +118,14 @@ def test_mixtral_moe_on_pipeline_2_at_accumulation_2(masked):
 
 def test_mixtral_eager_experts_are_refused():
     """The per-expert loop cannot be traced (see the module docstring): a GraphcError, at
-    compile, in one process; no plan is made."""
+    compile, in one process, naming nonzero's line in modeling_mixtral.py and the static
+    form (experts_implementation='batched_mm'); no plan is made."""
     model = _mixtral("eager")
     graph = HFGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, STAGES["mixtral"])
-    with pytest.raises(graphc.GraphcError, match="Proxy object cannot be iterated"):
+    with pytest.raises(graphc.GraphcError, match="build\\(\\) calls 'nonzero' at .*modeling_mixtral.py:") as info:
         compile_graph(graph, list(_batch(False)), 2)
+    assert "depends on the values" in str(info.value)
+    assert "experts_implementation='batched_mm'" in str(info.value)
 
 
 def test_mixtral_load_balancing_loss_is_refused():

@@ -344,6 +344,33 @@ def test_control_flow_on_values_is_refused_at_the_users_line():
     assert "torch.where" in str(info.value)
 
 
+@pytest.mark.parametrize("op, line", [
+    ("nonzero", "keep = out.nonzero()"),
+    ("index", "keep = out[out > 0]"),
+    ("masked_select", "keep = torch.masked_select(out, out > 0)"),
+])
+def test_a_data_dependent_shape_is_refused_at_its_line(op, line):
+    class Picky(ClsGraph):
+        def build(self, x, y):
+            out = self.model(x)
+            if op == "nonzero":
+                keep = out.nonzero()
+            elif op == "index":
+                keep = out[out > 0]
+            else:
+                keep = torch.masked_select(out, out > 0)
+            loss = F.cross_entropy(out, y) + keep.sum()
+            loss.backward()
+            return loss
+
+    model = FnNet()
+    g = Picky(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(GraphcError, match="the shape of its result depends on the values") as info:
+        g(*cls_batches(1)[0])
+    assert "test_trace_build.py:" in str(info.value) and line in str(info.value)
+    assert "torch.where(mask, x, 0)" in str(info.value)
+
+
 def test_shapes_are_one_micro_batch():
     """With accumulation 2, build() sees half the batch: a view(b, ...) uses that b."""
     torch.manual_seed(0)

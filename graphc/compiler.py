@@ -36,6 +36,7 @@ from .passes.annotate_stages import annotate_stages
 from .passes.check_layout import check_layout
 from .passes.check_row_groups import check_row_groups
 from .passes.collect_placed_stages import collect_placed_stages
+from .passes.cast_to_traced_dtypes import cast_to_traced_dtypes
 from .passes.collect_stages import collect_stages, traced_autocast
 from .passes.decompose_modules import decompose_modules
 from .passes.defer_batch_norm import defer_batch_norm
@@ -248,6 +249,8 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     programs = _step(run, "insert_grad_modes", insert_grad_modes, programs, training)
     # build()'s torch.autocast regions kept inside each stage program (never dropped)
     programs = _step(run, "insert_autocast_modes", insert_autocast_modes, programs)
+    # ... and every op in the dtype the trace gave it (a decomposed layer's pieces included)
+    programs = _step(run, "cast_to_traced_dtypes", cast_to_traced_dtypes, programs)
     # inputs without a batch dim fed whole; token-mean losses divided by the whole batch's count
     programs = _step(run, "feed_whole_batch", feed_whole_batch, programs, gm, m)
     # modules marked for activation checkpointing run as recomputed regions (after grad modes)

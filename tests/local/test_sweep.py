@@ -2,8 +2,8 @@
 world, every step against eager on the whole batch in float64 at 1e-10 (graphc's check
 mode: losses and every parameter, per step).
 
-The default run takes the worlds of up to 4 ranks and a few larger ones (one per model
-at 8 and 16 ranks); `-m slow` runs the rest, up to the 64-rank GPT (pipeline 4 x tensor 4 x
+The default run takes every 2-rank world, the 4-rank worlds at one accumulation each, and
+a few larger ones (8 and 16 ranks); `-m slow` runs the rest, up to the 64-rank GPT (pipeline 4 x tensor 4 x
 data 4). Sizes and times are in the README (Checking a job in one process).
 """
 import pytest
@@ -17,7 +17,8 @@ LARGE_DEFAULT = {"skip-pp8-dp1-tp1-1f1b-acc8", "skip-pp4-dp2-tp1-interleaved_1f1
 
 
 def _default(c: sweep.Config) -> bool:
-    return c.nproc <= 4 or c.id in LARGE_DEFAULT
+    """Every 2-rank world, the 4-rank worlds at one accumulation each, and LARGE_DEFAULT."""
+    return c.nproc == 2 or (c.nproc == 4 and c.acc in (2, 8)) or c.id in LARGE_DEFAULT
 
 
 DEFAULT = [c for c in CONFIGS if _default(c)]

@@ -134,3 +134,49 @@ def test_bf16_reduce_on_two_ranks_equals_eager_cast_addends(amp):
             assert torch.equal(got, want), k
             exact = addends[0][k] + addends[1][k]
             assert not torch.equal(got, exact) or got.numel() < 8, k  # the cast did round
+
+
+class Zero(DataParallel):
+    def __init__(self, model, zero: bool):
+        super().__init__(model, torch.bfloat16, amp=True)
+        if zero:
+            self.config.enable_zero(True, stage=2, shard_min_size=1)
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_zero_reduce_scatters_in_the_reduce_dtype(monkeypatch):
+    """With ZeRO the sharded gradients are reduce-scattered in bf16 (and the parameters
+    all-gathered in their float32): two ranks' sum bf16(g0) + bf16(g1) is the all-reduce's
+    too, so the parameters equal the replicated run's bit for bit."""
+    import graphc.testing
+    from graphc.plan.instructions import AllGather, ReduceScatter
+    from graphc.runtime.local_world import LocalRank
+    moved = []
+    scatter = LocalRank.reduce_scatter
+
+    def spy(self, out, parts, *args, **kwargs):
+        moved.append(out.dtype)
+        return scatter(self, out, parts, *args, **kwargs)
+
+    monkeypatch.setattr(LocalRank, "reduce_scatter", spy)
+    x, y = _batch()
+
+    def run(zero):
+        def make():
+            model, _ = _model(2)
+            return Zero(model, zero)
+
+        def inputs(rank, step):
+            rows = B // 2
+            where = graphc.placement("cpu", [0, 1])
+            return tuple(graphc.to_global(t[rank * rows:(rank + 1) * rows], placement=where,
+                                          sbp=graphc.sbp.split(0)) for t in (x, y))
+        return graphc.testing.local_world(make, inputs, 2, steps=2)
+
+    zero, replicated = run(True), run(False)
+    plan = zero.graphs[0].plan.instructions
+    assert {t.dtype for i in plan if isinstance(i, ReduceScatter) for t in i.tensors} == {"bfloat16"}
+    assert {t.dtype for i in plan if isinstance(i, AllGather) for t in i.tensors} == {"float32"}
+    assert moved and set(moved) == {torch.bfloat16}
+    for k, v in replicated.state.items():
+        assert torch.equal(zero.state[k], v), k

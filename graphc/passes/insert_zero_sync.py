@@ -7,17 +7,20 @@ exactly one mesh axis, one stage holds it, and its local component has a dim 0 a
 over that axis's group instead, in buckets of at most `bucket_bytes` in backward order (as
 insert_grad_sync's, and before them: the replicated ones are small), and the same bucket is
 all-gathered by an ALL_GATHER right after the optimizer step. Every other gradient is
-all-reduced as insert_grad_sync left it.
+all-reduced as insert_grad_sync left it. A REDUCE_SCATTER's gradients are in the dtype
+insert_grad_sync gave them (config.set_grad_reduce_dtype), an ALL_GATHER's parameters in
+their own.
 Requires: insert_grad_sync.
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from typing import Dict, List, Sequence, Set, Tuple
 
 import torch.fx as fx
 
-from ..meta import META_GRAD_PARTIAL, META_STAGE
+from ..meta import META_GRAD_PARTIAL, META_STAGE, META_TENSOR
 from ..plan.instructions import AllGather, AllReduce, OptimizerStep, ReduceScatter, TensorSpec
 from ..plan.plan import ZERO_NOTE, ExecutionPlan
 from .insert_grad_sync import _buckets
@@ -28,9 +31,11 @@ def insert_zero_sync(plans: Sequence[ExecutionPlan], gm: fx.GraphModule, stage: 
     if not stage:
         return list(plans)
     shardable = _shardable(gm)
+    dtypes = {str(n.target): n.meta[META_TENSOR].dtype for n in gm.graph.nodes
+              if n.op == "get_attr" and str(n.target) in shardable and n.meta.get(META_TENSOR)}
     for plan in plans:
         if plan.training:
-            _shard(plan, stage, shardable, min_size, bucket_bytes)
+            _shard(plan, stage, shardable, min_size, bucket_bytes, dtypes)
     return list(plans)
 
 
@@ -56,7 +61,7 @@ def _shardable(gm: fx.GraphModule) -> Set[str]:
 
 
 def _shard(plan: ExecutionPlan, stage: int, shardable: Set[str], min_size: int,
-           bucket_bytes: int) -> None:
+           bucket_bytes: int, dtypes: Dict[str, str]) -> None:
     scatter: Dict[Tuple[int, ...], List[TensorSpec]] = defaultdict(list)
     out, first = [], None
     for ins in plan.instructions:
@@ -73,7 +78,8 @@ def _shard(plan: ExecutionPlan, stage: int, shardable: Set[str], min_size: int,
     buckets = [(group, tuple(b)) for group, specs in scatter.items() for b in _buckets(specs, bucket_bytes)]
     out[first:first] = [ReduceScatter(group, b) for group, b in buckets]
     step = next(i for i, ins in enumerate(out) if isinstance(ins, OptimizerStep))
-    out[step + 1:step + 1] = [AllGather(group, b) for group, b in buckets]
+    out[step + 1:step + 1] = [AllGather(group, tuple(replace(t, dtype=dtypes.get(t.name, t.dtype)) for t in b))
+                              for group, b in buckets]
     plan.instructions[:] = out
     # the runtime reads the stage here (zero.py: stage 1 keeps its gradient buckets)
     kept = sorted({t.name for ins in out if type(ins) is AllReduce for t in ins.tensors})

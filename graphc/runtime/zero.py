@@ -170,10 +170,11 @@ class ZeroShards:
         d = len(shards[0].ranks)
         width = sum(s.part_numel for s in shards)
         first = next((p.grad for p in params if p.grad is not None), params[0])
+        dtype = getattr(torch, ins.tensors[0].dtype)   # summed in (NOTE: Gradient reduce dtype)
         packed = keep
-        if packed is None or packed.shape != (d, width) or packed.dtype != first.dtype \
+        if packed is None or packed.shape != (d, width) or packed.dtype != dtype \
                 or packed.device != first.device:
-            packed = torch.empty((d, width), dtype=first.dtype, device=first.device)
+            packed = torch.empty((d, width), dtype=dtype, device=first.device)
         at = 0
         for s, p in zip(shards, params):
             part = packed[:, at:at + s.part_numel]
@@ -193,6 +194,7 @@ class ZeroShards:
         for t in ins.tensors:
             s = self.by_name[t.name]
             g = out[at:at + s.rows * s.row_numel].view((s.rows,) + tuple(s.param.shape[1:]))
+            g = g.to(s.shard.dtype)      # the sum back in the gradient's dtype, if reduced in another
             s.shard.grad = g if s.shard.grad is None else s.shard.grad + g
             at += s.part_numel
 

@@ -117,7 +117,7 @@ class FirstStepCheck:
 
 def warn_if_random(compiled) -> bool:
     """True when the plan draws random numbers (then eager cannot draw the same)."""
-    from .plan.random_ops import seeded
+    from .ops.random_ops import seeded
     random = any(n.target is seeded for p in compiled.programs for n in p.module.graph.nodes)
     if random:
         warn_user("config.set_check_microbatching: the plan has random ops (dropout), which draw "

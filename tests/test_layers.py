@@ -27,9 +27,6 @@ LAYER_OF = {
     "graphc.plan": "plan",
     # the functions stage programs call (NOTE: Stage-program names, graphc/ops/__init__.py)
     "graphc.ops": "ops",
-    # old import paths of graphc/ops modules, re-exporting them for the runtime and
-    # check_step.py until those import graphc.ops (issue 20): stage ops, not plan IR
-    "graphc.plan.ops": "ops", "graphc.plan.random_ops": "ops",
     "graphc.runtime": "runtime",
     "graphc.passes": "passes",
     "graphc.compiler": "compiler",

@@ -58,11 +58,3 @@ def test_stage_programs_call_graphc_ops_only():
     for name in ("graphc_ops_conversions_box(", "graphc_ops_random_ops_seeded(",
                  "graphc_ops_autocast_set_autocast(", "graphc_ops_loss_cross_entropy_over_batch("):
         assert name in code, name
-
-
-def test_the_old_import_paths_are_the_same_functions():
-    """plan/ops.py and plan/random_ops.py re-export (for modules not yet moved over)."""
-    from graphc.ops import conversions, random_ops
-    from graphc.plan import ops as old_ops, random_ops as old_random
-    assert old_ops.box is conversions.box and old_ops.shapes_only is conversions.shapes_only
-    assert old_random.seeded is random_ops.seeded and old_random.drawing is random_ops.drawing

@@ -28,7 +28,7 @@ from .. import world
 from ..errors import RankFailedError
 from ..plan.instructions import (ACT, COMPUTE, AllGather, AllReduce, BackwardInput, BackwardWeight,
                                  ClipGradNorm, Collective, Forward, OptimizerStep, OverlapFB, Recv, Send)
-from ..plan.ops import all_reduce_sum
+from ..ops.conversions import all_reduce_sum
 from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
 from .collectives import GradSync

@@ -1,7 +1,7 @@
 """Gradient synchronisation: bucketed all-reduces of partial_sum and tied gradients.
 
 The collectives a stage program itself calls (`box`, the group registry) are in
-graphc/plan/ops.py.
+graphc/ops/conversions.py.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from .. import world
 from ..plan.instructions import AllReduce, TieAllReduce
-from ..plan.ops import my_group
+from ..ops.conversions import my_group
 
 # -- gradient synchronisation ----------------------------------------------------------------
 class GradSync:

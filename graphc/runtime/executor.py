@@ -16,7 +16,7 @@ A checkpointed micro-batch runs its forward without recording autograd (torch.no
 and keeps only its inputs, plus a copy of the stage's buffers when it has any. Its
 backward first recomputes the forward, recording, with the buffers as they were at the
 forward (then puts back their current values: a recompute updates no running statistic
-twice) and inside the same random draw (plan/random_ops.py: masks are a pure function of
+twice) and inside the same random draw (ops/random_ops.py: masks are a pure function of
 step and micro-batch), so every value, and therefore every gradient, is the forward's.
 
 Live activation bytes: every tensor autograd saves during a forward is counted once (by
@@ -30,9 +30,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..plan.ops import all_reduce_sum
+from ..ops.conversions import all_reduce_sum
 from ..plan.program import StageProgram
-from ..plan.random_ops import drawing
+from ..ops.random_ops import drawing
 from .weight_grads import WeightGroups
 
 

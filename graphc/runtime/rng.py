@@ -1,6 +1,6 @@
 """The base seed of replica-equal randomness, agreed by every rank of a graph.
 
-See NOTE: Replica-equal randomness in graphc/plan/random_ops.py (the `seeded` op stage
+See NOTE: Replica-equal randomness in graphc/ops/random_ops.py (the `seeded` op stage
 programs call, and `drawing`, which the executor wraps each micro-batch in).
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ default group, after the step), which rewrites the merged file. Open it in
 https://ui.perfetto.dev or chrome://tracing: one process per rank, one slice per
 instruction.
 
-A timeline here is what the simulator predicts too (graphc/tools/simulate.py): Spans of
+A timeline here is what the simulator predicts too (graphc/tools/simulate/): Spans of
 instructions by kind, written in the same Chrome format (`graphc plan --simulate` writes
 simulated_trace.json), and read back by graphc/tools/trace.timeline_from_trace.
 """

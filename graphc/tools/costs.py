@@ -130,7 +130,7 @@ def _replay_stage(prog, compiled, optimizer, repeats: int) -> _StageTimes:
     The stage's collectives move nothing (NOTE: Shapes only): plan mode has no process group,
     and the plan's Collective instructions are what the simulator charges for communication.
     """
-    from ..plan.ops import shapes_only
+    from ..ops.conversions import shapes_only
     rank = compiled.stages[prog.stage].ranks[0]
     with shapes_only(rank):
         return _replay_stage_here(prog, compiled, optimizer, repeats, rank)
@@ -349,7 +349,7 @@ def _localize(module) -> None:
 def _count_stage(prog, compiled):
     """Forward FLOPs (by rate: a Flops) and saved-activation bytes of one micro-batch, on
     fake tensors."""
-    from ..plan.ops import shapes_only
+    from ..ops.conversions import shapes_only
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
     from .flops import CountFlops

@@ -1,4 +1,4 @@
-"""Random ops keep replicas equal (NOTE: Replica-equal randomness, graphc/plan/random_ops.py).
+"""Random ops keep replicas equal (NOTE: Replica-equal randomness, graphc/ops/random_ops.py).
 
 Tensor parallel 2 (real gloo processes, each rank's global RNG seeded differently after
 the model is built, as a per-rank data order would): dropout on the broadcast residual and

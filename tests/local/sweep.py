@@ -40,6 +40,7 @@ class Config:
     acc: int = 1
     checkpointing: str = "never"
     zero: int = 0                     # config.enable_zero stage (0: off)
+    amp: bool = False                 # config.enable_amp(True, torch.bfloat16) (float32 runs)
 
     @property
     def nproc(self) -> int:
@@ -50,7 +51,8 @@ class Config:
         sched = f"-{self.schedule}" if self.pp > 1 else ""
         ckpt = f"-ckpt_{self.checkpointing}" if self.checkpointing != "never" else ""
         zero = f"-zero{self.zero}" if self.zero else ""
-        return f"{self.model}-pp{self.pp}-dp{self.dp}-tp{self.tp}{sched}-acc{self.acc}{ckpt}{zero}"
+        amp = "-amp" if self.amp else ""
+        return f"{self.model}-pp{self.pp}-dp{self.dp}-tp{self.tp}{sched}-acc{self.acc}{ckpt}{zero}{amp}"
 
 
 def _valid(c: Config) -> bool:
@@ -132,6 +134,8 @@ class SkipGraph(graphc.Graph):
         self.config.set_activation_checkpointing(c.checkpointing)
         if c.zero:
             self.config.enable_zero(True, stage=c.zero, shard_min_size=1)
+        if c.amp:
+            self.config.enable_amp(True, torch.bfloat16)
         self.add_optimizer(opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
 
     def build(self, x, y):

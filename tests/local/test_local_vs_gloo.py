@@ -1,7 +1,8 @@
 """The local world runs what real ranks run (issue 24): for the same plans, the losses and
 every parameter after training are bit-identical between the local world (threads,
 in-memory transfers) and real gloo processes: pipeline, data, tensor and hybrid layouts
-at 2 and 4 ranks, and ZeRO stage 2 on data 2.
+at 2 and 4 ranks, ZeRO stage 2 on data 2, and bf16 autocast (enable_amp, in float32) on
+pipeline 2, data 2 and pipeline 2 x data 2.
 
 Bit-identical holds where every reduction is over groups of 2 (a + b is b + a); the local
 world sums a group in rank order, gloo's ring in its own order, which for 3+ ranks can
@@ -48,12 +49,31 @@ def _local(c):
     return losses, run.graphs, run.state
 
 
+AMP = [sweep.Config("skip", pp=2, schedule="1f1b", acc=2, amp=True),
+       sweep.Config("skip", dp=2, acc=2, amp=True),
+       sweep.Config("skip", pp=2, dp=2, schedule="1f1b", acc=2, amp=True)]
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_local_world_is_bitwise_gloo(nproc):
-    configs = [c for c in CONFIGS if c.nproc == nproc]
+    _compare([c for c in CONFIGS if c.nproc == nproc], nproc)
+
+
+@pytest.mark.fp32
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_local_world_is_bitwise_gloo_under_amp(nproc):
+    """bf16 autocast needs float32 values (autocast leaves float64 alone)."""
+    graphs = _compare([c for c in AMP if c.nproc == nproc], nproc)
+    assert torch.get_default_dtype() == torch.float32
+    assert all("bf16" in str(g[0].plan) for g in graphs)  # the activations travel in bf16
+
+
+def _compare(configs, nproc):
     real = run_world(_real_rank, nproc, configs, timeout=400)
+    graphs = []
     for i, c in enumerate(configs):
-        losses, _, state = _local(c)
+        losses, local_graphs, state = _local(c)
+        graphs.append(local_graphs)
         for rank in range(nproc):
             for step in range(sweep.STEPS):
                 want, got = real[rank][i][0][step], losses[rank][step]
@@ -62,3 +82,4 @@ def test_local_world_is_bitwise_gloo(nproc):
         assert want_state.keys() == state.keys(), c.id
         for k in state:
             assert torch.equal(want_state[k], state[k]), (c.id, k, (want_state[k] - state[k]).abs().max())
+    return graphs

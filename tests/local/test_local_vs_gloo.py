@@ -65,7 +65,7 @@ def test_local_world_is_bitwise_gloo_under_amp(nproc):
     """bf16 autocast needs float32 values (autocast leaves float64 alone)."""
     graphs = _compare([c for c in AMP if c.nproc == nproc], nproc)
     assert torch.get_default_dtype() == torch.float32
-    assert all("bf16" in str(g[0].plan) for g in graphs)  # the activations travel in bf16
+    assert all("bfloat16" in str(g[0]) for g in graphs)  # the stage programs run bf16 autocast regions
 
 
 def _compare(configs, nproc):

@@ -65,6 +65,7 @@ from .passes.split_stages import split_stages
 from .passes.trace_build import trace_build
 from .passes.verify_graph import verify_annotated, verify_traced, warn_unused_parameters
 from .passes.verify_meta import MetaVerifier, graphs_in
+from .placement import Layout
 from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
 from .plan.verify import verify_plans
@@ -170,10 +171,12 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     """Compiles the spec's build() for every rank of a world of `world_size`.
 
     spec: a CompileSpec, or a Graph (its _compile_spec(), config.compile_spec, is taken here).
-    input_layouts: per input, None (broadcast) or (placement, sbp) of a GlobalTensor input.
+    input_layouts: per input, None (broadcast) or the Layout of a GlobalTensor input (a
+    (placement, sbp) pair is read as one).
     """
     if not isinstance(spec, CompileSpec):
         spec = spec._compile_spec()
+    input_layouts = [Layout.of(layout) for layout in input_layouts]
     run = _Compilation()
     m = spec.gradient_accumulation_steps
 
@@ -235,7 +238,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     # with deferred batch norm, running statistics take one whole-mini-batch update per step
     gm = _step(run, "defer_batch_norm", defer_batch_norm, gm, spec.deferred_batch_norm, m)
     # an SBP signature per node, cheapest by bytes moved, honouring the user's layouts
-    gm = _step(run, "infer_sbp", infer_sbp, gm, meshes, [l[1] if l else None for l in input_layouts], m)
+    gm = _step(run, "infer_sbp", infer_sbp, gm, meshes, [l.sbp if l else None for l in input_layouts], m)
     # every SBP mismatch becomes a collective (with its dual in backward)
     gm = _step(run, "insert_boxing", insert_boxing, gm)
     # ops reading global sizes (mean over a split dim, reshape) get their local form

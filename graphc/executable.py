@@ -28,6 +28,7 @@ from .guards import MISSING, Guard, GuardSet, difference, fingerprint, global_gu
 from .log import get_logger, warn_user
 from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .passes.trace_build import forward_replaced
+from .placement import Layout
 from .placement import placement as Placement
 from .ops.conversions import compiled_groups, create_groups
 from .runtime.actors import Runtime
@@ -66,9 +67,9 @@ class InputSpec:
                           "attributes or Graph attributes instead.")
 
     @property
-    def layout(self) -> Optional[tuple]:
-        """(placement, sbp) of a GlobalTensor input, None for a plain tensor."""
-        return (self.placement, self.sbp) if self.sbp is not None else None
+    def layout(self) -> Optional[Layout]:
+        """The Layout of a GlobalTensor input, None for a plain tensor."""
+        return Layout(self.placement, self.sbp) if self.sbp is not None else None
 
     @property
     def key(self) -> tuple:
@@ -334,7 +335,7 @@ def named_placements(spec: compiler.CompileSpec, specs: Sequence[InputSpec]) -> 
              if c.placement is not None]
     for key, t in spec.root.state_dict(keep_vars=True).items():
         layout = declared_layout(t)
-        named += [(f"parameter or buffer '{key}'", layout[0])] if layout else []
+        named += [(f"parameter or buffer '{key}'", layout.placement)] if layout else []
     named += [(f"input {i}", s.placement) for i, s in enumerate(specs) if s.placement is not None]
     return named
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -12,7 +12,7 @@ import torch.nn as nn
 from . import world
 from .block import ModuleBlock
 from .errors import GraphcError
-from .placement import Broadcast, PartialSum, Split, normalize_sbp
+from .placement import Broadcast, Layout, PartialSum, Split, normalize_sbp
 from .placement import placement as Placement
 from .sbp.declared import conversion_target, encode_sbp, to_global_op
 from .sbp.layout import local_shape
@@ -32,6 +32,11 @@ class GlobalTensor:
         self.placement = placement
         self.sbp = sbp if isinstance(sbp, tuple) else (sbp,)
         self.shape = torch.Size(shape)
+
+    @property
+    def layout(self) -> Layout:
+        """Its placement and sbp together."""
+        return Layout(self.placement, self.sbp)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -100,7 +105,7 @@ def to_global(obj, placement: Placement, sbp, shape=None):
     raise GraphcError(f"to_global expects an nn.Module, a parameter or a tensor, found {type(obj).__name__}")
 
 
-# id(tensor) -> (placement, sbp tuple, weak reference to the tensor, override): what
+# id(tensor) -> (Layout, weak reference to the tensor, override): what
 # to_global declared, until the tensor dies. The compiler never reads it: a Graph snapshots
 # its parameters' entries when it compiles (Graph.declared_layouts, sbp/declared.py).
 _DECLARED: dict = {}
@@ -119,17 +124,17 @@ def _declare(t: torch.Tensor, placement: Placement, sbp: tuple, override: bool) 
             "sbp per mesh axis, e.g. sbp=(sbp.broadcast, sbp.split(0)).")
     if id(t) not in _DECLARED:
         weakref.finalize(t, _DECLARED.pop, id(t), None)
-    elif not override and _DECLARED[id(t)][3]:
+    elif not override and _DECLARED[id(t)][2]:
         return   # a module's to_global keeps what to_global on the parameter itself said
-    _DECLARED[id(t)] = (placement, sbp, weakref.ref(t), override)
+    _DECLARED[id(t)] = (Layout(placement, sbp), weakref.ref(t), override)
 
 
-def declared_layout(t: torch.Tensor):
-    """(placement, sbp) given by to_global for a parameter or buffer, or None."""
+def declared_layout(t: torch.Tensor) -> Optional[Layout]:
+    """The Layout given by to_global for a parameter or buffer, or None."""
     entry = _DECLARED.get(id(t))
-    if entry is None or entry[2]() is not t:
+    if entry is None or entry[1]() is not t:
         return None
-    return entry[0], entry[1]
+    return entry[0]
 
 
 def global_from_local(local: torch.Tensor, placement: Placement, sbp: tuple, shape=None) -> GlobalTensor:

@@ -1,9 +1,10 @@
-"""Placements (which ranks hold a tensor) and SBP values (how it is laid out on them)."""
+"""Placements (which ranks hold a tensor), SBP values (how it is laid out on them), and a
+Layout: the two together."""
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 from .errors import GraphcError
 
@@ -186,3 +187,32 @@ def normalize_sbp(value, ndim: int | None = None, where: str = "tensor") -> tupl
             v = Split(v.dim % ndim)
         out.append(v)
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a global value lies and how: its placement and one SBP per mesh axis (what
+    `to_global` declares for a parameter, a GlobalTensor input carries, a traced to_global
+    converts to).
+
+    Example:
+        >>> Layout(graphc.placement("cpu", [0, 1]), (sbp.split(0),)).sbp
+        (split(0),)
+    """
+
+    placement: "placement"
+    sbp: tuple
+
+    @staticmethod
+    def of(value: Any) -> Optional["Layout"]:
+        """A Layout as itself, a (placement, sbp) pair as a Layout (compile()'s callers may pass
+        either), None as None."""
+        if value is None or isinstance(value, Layout):
+            return value
+        where, sbp_ = value
+        return Layout(where, sbp_)
+
+    # Positional reads (layout[0], layout[1]) are kept only for passes/decompose_modules.py,
+    # edited elsewhere now (issue 20): remove once it reads .placement and .sbp.
+    def __getitem__(self, index: int):
+        return (self.placement, self.sbp)[index]

@@ -161,7 +161,7 @@ class GraphState:
         for k in self.owner:
             t = tensors[k]
             layout = declared_layout(t)
-            if layout is None or not any(isinstance(s, Split) for s in layout[1]):
+            if layout is None or not any(isinstance(s, Split) for s in layout.sbp):
                 continue
             mesh = self.compiled.meshes[self.owner[k]]
             if id(t) not in whole:
@@ -169,8 +169,8 @@ class GraphState:
                 if k in self.local_keys:  # a tied copy is sharded over the mesh of the stage here
                     local = set(self.compiled.plan_for(self.rank).local_stages)
                     here = self.compiled.meshes[next(s for s in self.holders[k] if s in local)]
-                    t.data = local_component(t.data, layout[1], here, self.rank, self.pieces.get(k)).clone()
-            shards[k] = (whole[id(t)], layout[1], mesh)
+                    t.data = local_component(t.data, layout.sbp, here, self.rank, self.pieces.get(k)).clone()
+            shards[k] = (whole[id(t)], layout.sbp, mesh)
         return shards
 
     @contextmanager

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 from ..errors import GraphcError
-from ..placement import Split, mesh_shape
+from ..placement import Layout, Split, mesh_shape
 
 
 def check_row_groups(names: Sequence[str], batched: Sequence[bool], input_layouts: Sequence,
@@ -31,8 +31,8 @@ def check_row_groups(names: Sequence[str], batched: Sequence[bool], input_layout
     Args:
         names: build()'s argument names, in order.
         batched: per argument, whether it is split into micro-batches.
-        input_layouts: per argument, None (every rank passes the whole tensor) or
-            (placement, sbp) of a GlobalTensor input.
+        input_layouts: per argument, None (every rank passes the whole tensor) or the
+            Layout of a GlobalTensor input.
         num_microbatches: the accumulation steps.
     """
     if num_microbatches <= 1:
@@ -58,10 +58,9 @@ def row_shards(layout) -> int:
     """How many shards dim 0 is cut into by `layout` (None: 1, every rank has it whole)."""
     if layout is None:
         return 1
-    where, sbp = layout
-    sbp = tuple(sbp) if isinstance(sbp, (tuple, list)) else (sbp,)
+    sbp = layout.sbp if isinstance(layout.sbp, (tuple, list)) else (layout.sbp,)
     out = 1
-    for size, s in zip(mesh_shape(where.ranks), sbp):
+    for size, s in zip(mesh_shape(layout.placement.ranks), sbp):
         if isinstance(s, Split) and s.dim == 0:
             out *= size
     return out
@@ -73,8 +72,7 @@ def _two_that_differ(shards) -> List[tuple]:
     return [first, next(item for item in items if item[1] != first[1])]
 
 
-def _describe(layout: Optional[tuple]) -> str:
+def _describe(layout: Optional[Layout]) -> str:
     if layout is None:
         return "passed whole on every rank"
-    where, sbp = layout
-    return f"{sbp} on {where}"
+    return f"{layout.sbp} on {layout.placement}"

@@ -20,7 +20,7 @@ from ..sbp.layout import stage_meshes
 def find_meshes(stages: List[StageInfo], spec, gm: fx.GraphModule, input_layouts,
                 declared: DeclaredLayouts) -> List[tuple]:
     """spec: the compiler.CompileSpec (its modules' set_stage placements); input_layouts: per
-    input, None or the (placement, sbp) of a GlobalTensor input."""
+    input, None or the Layout of a GlobalTensor input."""
     return stage_meshes(stages, _declared_placements(spec, gm, input_layouts, declared))
 
 
@@ -28,6 +28,6 @@ def _declared_placements(spec, gm: fx.GraphModule, input_layouts, declared: Decl
     """Every placement the user named: set_stage, to_global on parameters, inputs, build()."""
     found = [c.placement for c in spec.modules.values() if c.placement]
     found += declared.placements()
-    found += [l[0] for l in input_layouts if l]
-    found += [conversion_target(n)[0] for n in gm.graph.nodes if n.target is to_global_op]
+    found += [layout.placement for layout in input_layouts if layout]
+    found += [conversion_target(n).placement for n in gm.graph.nodes if n.target is to_global_op]
     return found

@@ -73,8 +73,8 @@ def _with_shards(names: Sequence[str], plan: ExecutionPlan) -> Tuple[str, ...]:
 def _declared_sbp(layout, mesh: tuple) -> tuple:
     """A parameter read inside a module kept whole: its to_global layout, else broadcast."""
     axes = len(mesh_shape(mesh))
-    if layout is not None and len(layout[1]) == axes:
-        return layout[1]
+    if layout is not None and len(layout.sbp) == axes:
+        return layout.sbp
     return (Broadcast(),) * axes
 
 

@@ -39,7 +39,7 @@ Claim = Tuple[object, str]
 
 def place_by_layout(gm: fx.GraphModule, input_layouts: Sequence = ()) -> fx.GraphModule:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    given = {n: l[0] for n, l in zip(placeholders, input_layouts) if l}
+    given = {n: layout.placement for n, layout in zip(placeholders, input_layouts) if layout}
     placed: Dict[fx.Node, Claim] = {}
     for node in gm.graph.nodes:
         if node.op == "output" or is_backward(node):
@@ -77,11 +77,11 @@ def _own_claim(gm: fx.GraphModule, node: fx.Node, given: Dict[fx.Node, object]) 
     if node.op == "placeholder":
         return (given[node], f"input {node.name}") if node in given else None
     if node.op == "call_function" and node.target is to_global_op:
-        return conversion_target(node)[0], f"to_global at {node.name}"
+        return conversion_target(node).placement, f"to_global at {node.name}"
     if node.op == "get_attr":
         t = _fetch(gm, str(node.target))
         layout = declared_in(gm).of(str(node.target)) if isinstance(t, torch.Tensor) else None
-        return (layout[0], f"parameter {node.target}") if layout else None
+        return (layout.placement, f"parameter {node.target}") if layout else None
     if node.op == "call_module":
         return _module_claim(gm, node)
     return None
@@ -91,7 +91,7 @@ def _module_claim(gm: fx.GraphModule, node: fx.Node) -> Optional[Claim]:
     """A module's call runs where its declared parameters and buffers are: all in one place."""
     mod = gm.get_submodule(str(node.target))
     declared = declared_in(gm)
-    claims = [(layout[0], f"parameter {node.target}.{name}") for name, _ in
+    claims = [(layout.placement, f"parameter {node.target}.{name}") for name, _ in
               list(mod.named_parameters()) + list(mod.named_buffers())
               for layout in [declared.of(f"{node.target}.{name}")] if layout]
     for where, source in claims[1:]:

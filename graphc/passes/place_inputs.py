@@ -27,7 +27,7 @@ def place_inputs(gm: fx.GraphModule, input_layouts: Sequence, stages) -> fx.Grap
     for node, layout in zip(placeholders, input_layouts):
         if not layout:
             continue
-        ranks = tuple(sorted(layout[0].flat_ranks))
+        ranks = tuple(sorted(layout.placement.flat_ranks))
         if ranks not in by_ranks:
             where = ", ".join(f"stage {st.stage_id} on {list(st.ranks)}" for st in stages)
             raise GraphcError(

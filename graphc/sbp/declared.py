@@ -1,6 +1,6 @@
 """What the user declared with to_global, as the compiler reads it.
 
-- `DeclaredLayouts`: the (placement, sbp) of each of a Graph's parameters and buffers that
+- `DeclaredLayouts`: the Layout (placement, sbp) of each of a Graph's parameters and buffers that
   `to_global` declared, by every qualified name it has (a tied weight under each of its
   names). The Graph takes this snapshot when it compiles (`Graph.declared_layouts()`, the
   `declared_layouts` step of compile()); it lives on the traced graph
@@ -11,34 +11,36 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional
 
-from ..placement import Broadcast, PartialSum, Split
+from ..placement import Broadcast, Layout, PartialSum, Split
 from ..placement import placement as Placement
 from .layout import fmt
 
 META_DECLARED = "graphc_declared"   # gm.meta: DeclaredLayouts of the Graph's parameters and buffers
 
-Layout = Tuple[Placement, tuple]    # (placement, one SBP per mesh axis)
-
-
 @dataclass(frozen=True)
 class DeclaredLayouts:
-    """Qualified parameter or buffer name -> its declared (placement, sbp); names absent
-    were never declared (the passes treat them as broadcast where they run)."""
+    """Qualified parameter or buffer name -> its declared Layout; names absent were never
+    declared (the passes treat them as broadcast where they run)."""
 
     by_name: Dict[str, Layout] = field(default_factory=dict)
+
+    def __post_init__(self):
+        # a (placement, sbp) pair given by hand (tests) is read as the Layout it names
+        object.__setattr__(self, "by_name", {k: Layout.of(v) for k, v in self.by_name.items()})
 
     def of(self, name: str) -> Optional[Layout]:
         return self.by_name.get(name)
 
     def placements(self) -> List[Placement]:
-        return [where for where, _ in self.by_name.values()]
+        return [layout.placement for layout in self.by_name.values()]
 
     def __str__(self) -> str:
         if not self.by_name:
             return "no parameter or buffer declared with to_global"
-        return "\n".join(f"{name}: {fmt(sbp)} on {where}" for name, (where, sbp) in self.by_name.items())
+        return "\n".join(f"{name}: {fmt(layout.sbp)} on {layout.placement}"
+                         for name, layout in self.by_name.items())
 
 
 def declared_in(gm) -> DeclaredLayouts:
@@ -61,7 +63,7 @@ def encode_sbp(sbp: Iterable) -> tuple:
 
 
 def conversion_target(node) -> Layout:
-    """(placement, sbp tuple) of a traced to_global_op node."""
+    """The Layout a traced to_global_op node converts to."""
     kind, ranks = node.kwargs["placement"]
     decode = {-1: Broadcast(), -2: PartialSum()}
-    return Placement(kind, ranks), tuple(decode.get(c) or Split(c) for c in node.kwargs["sbp"])
+    return Layout(Placement(kind, ranks), tuple(decode.get(c) or Split(c) for c in node.kwargs["sbp"]))

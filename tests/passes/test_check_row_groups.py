@@ -8,6 +8,7 @@ import torch.nn as nn
 import graphc
 from graphc import sbp
 from graphc.passes.check_row_groups import row_shards
+from graphc.placement import Layout
 from helpers import compile_graph, global_input
 
 P01, P2, P23 = (graphc.placement("cpu", r) for r in ([0, 1], [2], [2, 3]))
@@ -59,6 +60,6 @@ def test_equal_shard_counts_and_accumulation_1_compile():
 
 def test_shards_count_every_mesh_axis_that_splits_rows():
     assert row_shards(None) == 1
-    assert row_shards((P01, sbp.split(0))) == 2 and row_shards((P01, sbp.split(1))) == 1
-    assert row_shards((MESH, (sbp.split(0), sbp.broadcast))) == 2
-    assert row_shards((MESH, (sbp.split(0), sbp.split(0)))) == 4
+    assert row_shards(Layout(P01, sbp.split(0))) == 2 and row_shards(Layout(P01, sbp.split(1))) == 1
+    assert row_shards(Layout(MESH, (sbp.split(0), sbp.broadcast))) == 2
+    assert row_shards(Layout(MESH, (sbp.split(0), sbp.split(0)))) == 4

@@ -10,6 +10,7 @@ import graphc
 from graphc import sbp
 from graphc.compiler import CompileSpec, ModuleSpec
 from graphc.errors import GraphcError
+from graphc.placement import Layout
 from graphc.passes.find_meshes import find_meshes
 from graphc.plan.plan import StageInfo
 from graphc.sbp.declared import DeclaredLayouts, encode_sbp, to_global_op
@@ -42,13 +43,13 @@ def gm_moving_to(*placements):
 
 def test_flat_ranks_where_nothing_is_2d():
     declared = DeclaredLayouts({"w": (FLAT, (B,))})
-    assert find_meshes(ONE_STAGE, spec(), gm_moving_to(FLAT), [(FLAT, (B,))], declared) == [(0, 1, 2, 3)]
+    assert find_meshes(ONE_STAGE, spec(), gm_moving_to(FLAT), [Layout(FLAT, (B,))], declared) == [(0, 1, 2, 3)]
 
 
 @pytest.mark.parametrize("where", ["parameter", "input", "build", "set_stage"])
 def test_any_declared_2d_placement_makes_the_stage_2d(where):
     declared = DeclaredLayouts({"w": (MESH, (B, B))} if where == "parameter" else {})
-    layouts = [None, (MESH, (sbp.split(0), B))] if where == "input" else [None]
+    layouts = [None, Layout(MESH, (sbp.split(0), B))] if where == "input" else [None]
     gm = gm_moving_to(MESH) if where == "build" else gm_moving_to()
     s = spec({"model": (0, MESH)} if where == "set_stage" else {})
     assert find_meshes(ONE_STAGE, s, gm, layouts, declared) == [((0, 1), (2, 3))]

@@ -10,13 +10,14 @@ import torch.nn.functional as F
 import graphc
 from graphc import GraphcError, compiler, sbp
 from graphc.meta import META_PLACEMENT, META_STAGE, META_STAGE_WHY
+from graphc.placement import Layout
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import global_tensors as seed  # noqa: E402
 
 P = graphc.placement
 P01, P23 = seed.P01, seed.P23
-SEED_LAYOUTS = [(P01, (sbp.split(0),)), (P23, (sbp.split(0),))]
+SEED_LAYOUTS = [Layout(P01, (sbp.split(0),)), Layout(P23, (sbp.split(0),))]
 
 
 def compile_seed(program, accumulation=1):

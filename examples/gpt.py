@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 2 examples/gpt.py --tp 2       # Megatron tensor parallel
     torchrun --nproc_per_node 8 examples/gpt.py --pp 2 --tp 2 --dp 2
     torchrun --nproc_per_node 2 examples/gpt.py --dp 2 --zero 2   # ZeRO: sharded optimizer state
+    torchrun --nproc_per_node 8 examples/gpt.py --pp 2 --tp 2 --dp 2 --amp bf16   # mixed precision
 
 The model is written as a GPT's author writes it, and graphc compiles it unchanged:
 `b, t = idx.size()` and a shape assert, positions from `torch.arange(t)`, a causal
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 import graphc
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -167,7 +169,7 @@ def tensor_parallel(model: GPT, layout: Layout, stage_of_block) -> None:
 
 class GPTGraph(graphc.Graph):
     def __init__(self, model: GPT, optimizer, layout: Layout, accumulation: int = 2,
-                 schedule: str = "1f1b", zero: int = 0):
+                 schedule: str = "1f1b", zero: int = 0, amp: str = "", reduce_dtype: str = "fp32"):
         super().__init__()
         self.model = model
         n = model.config.n_layer
@@ -187,6 +189,11 @@ class GPTGraph(graphc.Graph):
         self.config.set_pipeline_schedule(schedule)
         if zero:  # optimizer state (and at 2 gradient buckets) split over the --dp ranks
             self.config.enable_zero(True, stage=zero)
+        if amp:   # build() under autocast; float32 master weights, gradients and reductions
+            self.config.enable_amp(True, dtype=DTYPES[amp])
+            if amp == "fp16":
+                self.set_grad_scaler(graphc.amp.GradScaler(init_scale=2.0 ** 16))
+        self.config.set_grad_reduce_dtype(DTYPES[reduce_dtype])
         self.add_optimizer(optimizer)
 
     def build(self, idx, targets):
@@ -246,6 +253,10 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2),
                         help="ZeRO stage over the --dp ranks (0: replicated)")
+    parser.add_argument("--amp", default="", choices=("", "bf16", "fp16"),
+                        help="mixed precision: build() under autocast to this dtype")
+    parser.add_argument("--reduce-dtype", default="fp32", choices=tuple(DTYPES),
+                        help="the dtype data-parallel gradients are all-reduced in")
     args = parser.parse_args(argv)
 
     layout = Layout(args.pp, args.tp, args.dp)
@@ -257,7 +268,8 @@ def main(argv=None):
     ids, vocab = load_corpus()
     model = make_model(vocab, args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    graph = GPTGraph(model, opt, layout, args.accumulation, args.schedule, args.zero)
+    graph = GPTGraph(model, opt, layout, args.accumulation, args.schedule, args.zero, args.amp,
+                     args.reduce_dtype)
     losses = []
     for step, (x, y) in enumerate(batches(ids, args.batch, args.block, args.steps, args.seed)):
         start = time.perf_counter()

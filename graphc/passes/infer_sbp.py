@@ -22,7 +22,7 @@ from ..log import get_logger
 from ..meta import (META_BATCHED, META_GRAD_PARTIAL, META_PIECES, META_SBP, META_STAGE, META_TENSOR,
                     SbpSignature, is_backward)
 from ..placement import Broadcast, PartialSum, Split, normalize_sbp
-from ..sbp.cost import conversion_cost, tensor_bytes
+from ..sbp.cost import COLLECTIVE, boxing_cost, conversion_cost, tensor_bytes
 from ..sbp.declared import conversion_target, declared_in, to_global_op
 from ..sbp.layout import B, flat, fmt, is_even, local_shape, mesh_shape, same_shape
 from ..sbp.rules import RuleCtx, draws_random, rule_for
@@ -134,7 +134,7 @@ def _param_sbp(gm: fx.GraphModule, node: fx.Node, mesh: tuple) -> tuple:
     layout = declared_in(gm).of(str(node.target)) if isinstance(t, torch.Tensor) else None
     if layout is None:
         return _all_b(mesh)
-    where, sbp = layout.placement, layout.sbp
+    where, sbp = layout
     if sorted(where.flat_ranks) != sorted(flat(mesh)) and same_shape(where.ranks, mesh) \
             and len(sbp) == len(mesh_shape(mesh)) and _shared_across_stages(gm, t):
         return sbp  # a tied weight: its layout holds on each stage that holds a copy (the
@@ -162,7 +162,7 @@ def _fetch(gm: fx.GraphModule, target: str):
 
 def _move_to_target_stage(node: fx.Node, meshes: Sequence[tuple]) -> None:
     """to_global onto another stage's placement converts there, after the transfer."""
-    where = conversion_target(node).placement
+    where = conversion_target(node)[0]
     here = node.meta[META_STAGE]
     if sorted(where.flat_ranks) == sorted(flat(meshes[here])):
         return
@@ -182,8 +182,7 @@ def _move_to_target_stage(node: fx.Node, meshes: Sequence[tuple]) -> None:
 
 def _conversion(node: fx.Node, mesh: tuple) -> SbpSignature:
     """to_global inside build(): the value arrives in the declared sbp (boxed on this stage)."""
-    target = conversion_target(node)
-    where, sbp = target.placement, target.sbp
+    where, sbp = conversion_target(node)
     sbp = _checked_sbp(sbp, node.args[0], mesh, f"to_global at '{node.name}' (to {where})")
     return SbpSignature(mesh, sbp, ((node.args[0].name, sbp),))
 
@@ -209,7 +208,8 @@ def _choose(node: fx.Node, mesh: tuple, paid: Dict[tuple, set]) -> SbpSignature:
         # on a tie, a whole or split result over a partial one: a partial value is reduced
         # later by every reader that needs it whole (RMSNorm's x * rsqrt(var) after var's
         # reduce: Megatron's one all-reduce per residual, not two)
-        best = min(cands, key=lambda c: (_cost(c, prod, n, done), isinstance(c[1], PartialSum)))
+        best = min(cands, key=lambda c: (_cost(c, prod, n, done) + _widening(node, c, prod, n),
+                                         isinstance(c[1], PartialSum)))
         done.update((a, r) for a, r in best[0].items() if r != prod[a])
         outs.append(best[1])
         for a in tensors:
@@ -230,10 +230,10 @@ def _check_module_params(node: fx.Node, mesh: tuple) -> None:
     mod = gm.get_submodule(node.target)
     for name, p in list(mod.named_parameters()) + list(mod.named_buffers()):
         layout = declared_in(gm).of(f"{node.target}.{name}")
-        if layout and not all(isinstance(s, Broadcast) for s in layout.sbp):
+        if layout and not all(isinstance(s, Broadcast) for s in layout[1]):
             raise GraphcError(
                 f"module '{node.target}' ({type(mod).__name__}) has parameter '{name}' declared "
-                f"{fmt(layout.sbp)}, but graphc has no SBP rule for {type(mod).__name__}, so it runs "
+                f"{fmt(layout[1])}, but graphc has no SBP rule for {type(mod).__name__}, so it runs "
                 "on whole tensors. Fix: declare its parameters sbp.broadcast, or write it with "
                 "functional ops that have rules (see docs/sbp.md).")
 
@@ -276,6 +276,27 @@ def _cost(cand, prod: Dict[fx.Node, object], n: int, paid=frozenset()) -> float:
             cost *= 1 + DECLARED_PENALTY
         total += cost
     return total
+
+
+def _widening(node: fx.Node, cand, prod: Dict[fx.Node, object], n: int) -> float:
+    """A partial result carried through an op that widens its dtype (under autocast, a bf16
+    row-parallel product plus the float32 residual) is reduced later at the wider size:
+    the candidate pays now for the extra bytes of that reduction and its launch, so the
+    all-reduce goes before the op, in the narrow dtype, where that is no dearer (Megatron's
+    one bf16 all-reduce after its row-parallel layer)."""
+    req, out = cand
+    meta = node.meta.get(META_TENSOR)
+    if not isinstance(out, PartialSum) or meta is None:
+        return 0.0
+    carried = [a.meta[META_TENSOR] for a, r in req.items() if isinstance(r, PartialSum)
+               and isinstance(prod[a], PartialSum) and a.meta.get(META_TENSOR) is not None]
+    if not carried:
+        return 0.0
+    narrow = min(getattr(torch, m.dtype).itemsize for m in carried)
+    wide = getattr(torch, meta.dtype).itemsize
+    if wide <= narrow:
+        return 0.0
+    return boxing_cost(PartialSum(), B, tensor_bytes(meta), n) * (1 - narrow / wide) + COLLECTIVE
 
 
 def _mark_grad_partial(gm: fx.GraphModule) -> None:

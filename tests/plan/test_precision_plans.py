@@ -110,6 +110,51 @@ def test_the_plan_prints_a_collectives_dtype_and_reads_it_back(plans):
     assert parse_instruction(old).dtype == "" and str(parse_instruction(old)) == old
 
 
+class Residual(nn.Module):
+    """Megatron's MLP block on a float32 residual stream: under autocast the row-parallel
+    product is bf16 and the residual sum float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.col, self.row, self.out = (nn.LayerNorm(16), nn.Linear(16, 32),
+                                                   nn.Linear(32, 16), nn.LayerNorm(16))
+
+    def forward(self, x):
+        return self.out(x + self.row(F.gelu(self.col(self.norm(x)))))
+
+
+class ResidualStep(graphc.Graph):
+    def __init__(self, amp: bool):
+        super().__init__()
+        p01 = graphc.placement("cpu", [0, 1])
+        self.model = graphc.to_global(Residual(), placement=p01, sbp=sbp.broadcast)
+        graphc.to_global(self.model.col, placement=p01, sbp=sbp.split(0))
+        graphc.to_global(self.model.row.weight, placement=p01, sbp=sbp.split(1))
+        if amp:
+            self.config.enable_amp(True, dtype=torch.bfloat16)
+
+    def build(self, x):
+        loss = self.model(x).square().mean()
+        loss.backward()
+        return loss
+
+
+def test_the_partial_product_is_reduced_before_the_float32_residual_add():
+    """The all-reduce goes where the partial sum is still bf16 (Megatron's), not after the
+    residual add widened it to float32: half the bytes, one collective alike."""
+    def forward_reduces(amp):
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
+            plan = compiler.compile(ResidualStep(amp), [torch.randn(8, 16)], 2).plans[0]
+        finally:
+            torch.set_default_dtype(old)
+        return [c for c in plan.instructions if isinstance(c, Collective) and c.direction == "F"]
+    wide, narrow = forward_reduces(False), forward_reduces(True)
+    assert len(wide) == len(narrow) == 1 and narrow[0].dtype == "bfloat16"
+    assert narrow[0].nbytes * 2 == wide[0].nbytes
+
+
 def _copy(plans):
     return [dataclasses.replace(p, instructions=list(p.instructions)) for p in plans]
 

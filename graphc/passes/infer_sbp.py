@@ -134,7 +134,7 @@ def _param_sbp(gm: fx.GraphModule, node: fx.Node, mesh: tuple) -> tuple:
     layout = declared_in(gm).of(str(node.target)) if isinstance(t, torch.Tensor) else None
     if layout is None:
         return _all_b(mesh)
-    where, sbp = layout
+    where, sbp = layout.placement, layout.sbp
     if sorted(where.flat_ranks) != sorted(flat(mesh)) and same_shape(where.ranks, mesh) \
             and len(sbp) == len(mesh_shape(mesh)) and _shared_across_stages(gm, t):
         return sbp  # a tied weight: its layout holds on each stage that holds a copy (the
@@ -162,7 +162,7 @@ def _fetch(gm: fx.GraphModule, target: str):
 
 def _move_to_target_stage(node: fx.Node, meshes: Sequence[tuple]) -> None:
     """to_global onto another stage's placement converts there, after the transfer."""
-    where = conversion_target(node)[0]
+    where = conversion_target(node).placement
     here = node.meta[META_STAGE]
     if sorted(where.flat_ranks) == sorted(flat(meshes[here])):
         return
@@ -182,7 +182,8 @@ def _move_to_target_stage(node: fx.Node, meshes: Sequence[tuple]) -> None:
 
 def _conversion(node: fx.Node, mesh: tuple) -> SbpSignature:
     """to_global inside build(): the value arrives in the declared sbp (boxed on this stage)."""
-    where, sbp = conversion_target(node)
+    target = conversion_target(node)
+    where, sbp = target.placement, target.sbp
     sbp = _checked_sbp(sbp, node.args[0], mesh, f"to_global at '{node.name}' (to {where})")
     return SbpSignature(mesh, sbp, ((node.args[0].name, sbp),))
 
@@ -230,10 +231,10 @@ def _check_module_params(node: fx.Node, mesh: tuple) -> None:
     mod = gm.get_submodule(node.target)
     for name, p in list(mod.named_parameters()) + list(mod.named_buffers()):
         layout = declared_in(gm).of(f"{node.target}.{name}")
-        if layout and not all(isinstance(s, Broadcast) for s in layout[1]):
+        if layout and not all(isinstance(s, Broadcast) for s in layout.sbp):
             raise GraphcError(
                 f"module '{node.target}' ({type(mod).__name__}) has parameter '{name}' declared "
-                f"{fmt(layout[1])}, but graphc has no SBP rule for {type(mod).__name__}, so it runs "
+                f"{fmt(layout.sbp)}, but graphc has no SBP rule for {type(mod).__name__}, so it runs "
                 "on whole tensors. Fix: declare its parameters sbp.broadcast, or write it with "
                 "functional ops that have rules (see docs/sbp.md).")
 

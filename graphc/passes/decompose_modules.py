@@ -274,7 +274,9 @@ def _equal_cut(cut: fx.Node, src: fx.Node, size: int):
 #   view [B, L, H, D], transpose(1, 2)          heads split
 #   o = scaled_dot_product_attention(q, k, v)   per head: no communication
 #   transpose(1, 2), view [B, L, E], linear(o, out_proj.weight) + out_proj.bias
-# so a layer costs Megatron's one all-reduce forward and one backward. A sequence-first
+# so a layer costs Megatron's one all-reduce forward and one backward. With in_proj whole
+# (data parallel) self-attention projects q, k and v with one linear cut in three, as torch
+# does, so in_proj's gradient joins the bucketed gradient all-reduce. A sequence-first
 # module (batch_first=False) is transposed to batch-first and back. Only calls whose
 # attention weights are unused and with no key_padding_mask, attn_mask or is_causal are
 # rewritten; others stay modules (a fallback on a stage of several ranks).
@@ -308,15 +310,9 @@ def _multihead_attention(gm, node: fx.Node, mod: nn.Module, mesh: tuple):
         if call[k] not in once:
             once[call[k]] = _heads_first(gm, node, mod, call[k], like)
     first = [once[call[k]] for k in ("query", "key", "value")]
-    ws = _param_pieces(gm, node, "in_proj_weight", mod.in_proj_weight, 3)
-    bs = _param_pieces(gm, node, "in_proj_bias", mod.in_proj_bias, 3) if mod.in_proj_bias is not None \
-        else [None] * 3
-    heads = []
-    for (t, shape), w, b in zip(first, ws, bs):
-        y = _call(gm, node, F.linear, [t, w] + ([b] if b is not None else []))
-        y.meta[META_TENSOR] = _shaped(like, shape[:2] + (mod.embed_dim,))
-        heads.append(_split_heads(gm, node, mod, y, shape[:2]))
     b_, l_ = first[0][1][:2]
+    projected = _in_projections(gm, node, mod, first, like, packed=not split and len(once) == 1)
+    heads = [_split_heads(gm, node, mod, y, (b_, l_)) for y in projected]
     p = mod.dropout if mod.training else 0.0
     o = _call(gm, node, F.scaled_dot_product_attention, heads, {"dropout_p": p})
     o.meta[META_TENSOR] = heads[0].meta[META_TENSOR]
@@ -335,6 +331,30 @@ def _multihead_attention(gm, node: fx.Node, mod: nn.Module, mesh: tuple):
 
 def _shaped(like: TensorMeta, shape) -> TensorMeta:
     return TensorMeta(tuple(shape), like.dtype, like.requires_grad)
+
+
+def _in_projections(gm, node, mod, first: list, like: TensorMeta, packed: bool) -> list:
+    """q, k, v [B, L, E]. Packed (self-attention, in_proj whole): one linear cut in three, as
+    torch does, so in_proj's gradient is one parameter's (reduced with the others); else one
+    linear per piece of in_proj (stored in pieces when split, See NOTE: fused pieces)."""
+    bias = mod.in_proj_bias is not None
+    if packed:
+        t, shape = first[0]
+        w = _attr(gm, node, "in_proj_weight", mod.in_proj_weight)
+        args = [t, w] + ([_attr(gm, node, "in_proj_bias", mod.in_proj_bias)] if bias else [])
+        qkv = _call(gm, node, F.linear, args)
+        qkv.meta[META_TENSOR] = _shaped(like, shape[:2] + (3 * mod.embed_dim,))
+        cut = _call(gm, node, torch.chunk, [qkv, 3, -1])
+        cut.meta[META_TENSOR] = None
+        return [_copy_meta(node, gm.graph.call_function(operator.getitem, (cut, i)),
+                           _shaped(like, shape[:2] + (mod.embed_dim,))) for i in range(3)]
+    ws = _param_pieces(gm, node, "in_proj_weight", mod.in_proj_weight, 3)
+    bs = _param_pieces(gm, node, "in_proj_bias", mod.in_proj_bias, 3) if bias else [None] * 3
+    out = []
+    for (t, shape), w, b in zip(first, ws, bs):
+        out.append(_call(gm, node, F.linear, [t, w] + ([b] if b is not None else [])))
+        out[-1].meta[META_TENSOR] = _shaped(like, shape[:2] + (mod.embed_dim,))
+    return out
 
 
 def _method(gm, node, name: str, args, shape, like: TensorMeta) -> fx.Node:

@@ -57,16 +57,17 @@ def localize_ops(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _localize_expand(node: fx.Node, sig) -> None:
-    """expand to global sizes: a split dim is never expanded (sbp/rules.expand), so its size
-    becomes -1 (keep the input's, the local shard's)."""
+    """expand to global sizes: a split input dim is never expanded (sbp/rules.expand), so its
+    size becomes -1 (keep the input's, the local shard's); a dim expanded into a split output
+    takes the shard's size."""
     x = node.args[0]
     split = _split_dims(sig, x.name)
-    if not split:
-        return
     sizes = list(node.args[1:]) if len(node.args) > 2 or isinstance(node.args[1], int) else list(node.args[1])
     off = len(sizes) - len(x.meta[META_TENSOR].shape)
-    local = [-1 if d - off in split else n for d, n in enumerate(sizes)]
-    node.args = (x, tuple(local)) if node.target == "expand" else (x, tuple(local))
+    shard = local_shape(node.meta[META_TENSOR].shape, sig.out, sig.mesh)
+    local = [-1 if d - off in split else shard[d] if shard[d] != full and n != -1 else n
+             for d, (n, full) in enumerate(zip(sizes, node.meta[META_TENSOR].shape))]
+    node.args = (x, tuple(local))
 
 
 def _split_dims(sig, name: str) -> set:

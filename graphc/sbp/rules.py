@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..meta import META_PIECES, META_TENSOR, TensorMeta
+from ..meta import META_PIECES, META_SBP, META_TENSOR, TensorMeta
 from . import local_ops
 from .layout import B, P, S
 
@@ -304,7 +304,9 @@ def permute(ctx: RuleCtx) -> List[Candidate]:
 def expand(ctx: RuleCtx) -> List[Candidate]:
     """expand/expand_as/broadcast_to (GQA's repeat_kv): a split input dim that is not
     expanded stays split at its place in the output (leading dims added on the left);
-    linear, so P -> P. The sizes it names are made local by localize_ops."""
+    linear, so P -> P. A whole input expanded along a dim (ViT's class token expanded to the
+    batch) may come out split along it, each rank expanding to its equal shard, where a
+    reader of it reads a value split so. The sizes it names are made local by localize_ops."""
     x, mx, out = ctx.node.args[0], ctx.meta(ctx.node.args[0]), ctx.out
     if mx is None or out is None:
         return []
@@ -313,7 +315,26 @@ def expand(ctx: RuleCtx) -> List[Candidate]:
     for i, size in enumerate(mx.shape):
         if size == out.shape[i + off] and ctx.splits(size):
             cands.append(({x: S(i)}, S(i + off)))
+    for j, size in enumerate(out.shape):
+        if (j < off or mx.shape[j - off] != size) and ctx.divisible(size) and _read_beside_split(ctx.node, j):
+            cands.append(({x: B}, S(j)))
     return cands
+
+
+def _read_beside_split(node: fx.Node, dim: int) -> bool:
+    """Does a reader of `node` also read a value of its rank already split along `dim`? Then
+    expanding a whole input straight into that split is free, where choosing each op by its
+    own conversions alone (infer_sbp) would keep it whole and make the reader's partial
+    sum, reduced later (ViT's class token concatenated with the split patches: the batch
+    all-reduced). Elsewhere (tensor parallel) the expand stays whole."""
+    nd = len(node.meta[META_TENSOR].shape)
+    for user in node.users:
+        for a in user.all_input_nodes:
+            sig, meta = a.meta.get(META_SBP), a.meta.get(META_TENSOR)
+            if a is not node and sig is not None and meta is not None and len(meta.shape) == nd \
+                    and S(dim) in sig.out:
+                return True
+    return False
 
 
 def permutation(node: fx.Node, nd: int) -> List[int]:

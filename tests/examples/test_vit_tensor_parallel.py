@@ -12,6 +12,9 @@ decompose_modules rewrites each MultiheadAttention into projections, heads, SDPA
 (NOTE: MultiheadAttention by heads). Plan: no fallback, Megatron's 2 all-reduces forward and
 2 backward per layer. Numerics: tensor 2 on gloo, and a sequence-first module (batch_first
 False) on tensor 2, train like eager on the whole batch, float64 within 1e-10.
+Data 2 (the batch split, every parameter whole): no fallback and no collective but the
+loss's (the class token expands into each rank's rows; before, the batch was all-reduced at
+the class token's cat), and eager's numbers on gloo.
 """
 from collections import OrderedDict
 
@@ -24,7 +27,8 @@ import graphc
 from graphc import sbp
 from graphc.meta import META_SBP
 from graphc.plan.instructions import Collective
-from helpers import assert_same_as_eager, compile_graph, eager_train, graphc_train, run_world
+from helpers import (assert_same_as_eager, compile_graph, eager_train, feed_split, global_input, graphc_train,
+                     run_world)
 from models import OPTIMIZERS
 
 STEPS, BATCH, CLASSES = 3, 4, 5
@@ -134,19 +138,36 @@ def test_vit_tensor_parallel_issues_megatrons_collectives(batch_first):
         assert len([i for i in comms if i.direction == "B"]) == 2 * LAYERS, "\n".join(map(str, comms))
 
 
-def _train(rank, world, batch_first):
+def test_vit_data_parallel_keeps_the_batch_split():
     torch.manual_seed(0)
-    model = megatron(VisionTransformer(batch_first))
-    losses, state = graphc_train(ViTGraph(model, OPTIMIZERS["sgd_momentum"](model.parameters())), _batches())
+    model = graphc.to_global(VisionTransformer(), placement=P01, sbp=sbp.broadcast)
+    graph = ViTGraph(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    cg = compile_graph(graph, [global_input(t, P01, sbp.split(0)) for t in _batches()[0]], 2)
+    fallbacks = [n.name for n in cg.gm.graph.nodes if META_SBP in n.meta and n.meta[META_SBP].fallback]
+    assert not fallbacks, fallbacks
+    comms = [i for i in cg.plans[0].instructions if isinstance(i, Collective)]
+    assert len(comms) == 1 and comms[0].direction == "F", "\n".join(map(str, comms))  # the loss's mean
+
+
+def _train(rank, world, batch_first, layout):
+    torch.manual_seed(0)
+    model = VisionTransformer(batch_first)
+    if layout == "tensor":
+        megatron(model)
+    else:
+        graphc.to_global(model, placement=P01, sbp=sbp.broadcast)
+    losses, state = graphc_train(ViTGraph(model, OPTIMIZERS["sgd_momentum"](model.parameters())), _batches(),
+                                 feed=feed_split(P01, rank) if layout == "data" else None)
     return {"losses": losses, "state": state}
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "sequence_first"])
-def test_vit_tensor_parallel_matches_eager(batch_first):
+@pytest.mark.parametrize("batch_first, layout", [(True, "tensor"), (False, "tensor"), (True, "data")],
+                         ids=["tensor2", "tensor2_sequence_first", "data2"])
+def test_vit_matches_eager(batch_first, layout):
     torch.manual_seed(0)
     want_losses, want_state = eager_train(VisionTransformer(batch_first), OPTIMIZERS["sgd_momentum"], None,
                                           F.cross_entropy, _batches(), STEPS)
-    for rank, got in enumerate(run_world(_train, 2, batch_first)):
+    for rank, got in enumerate(run_world(_train, 2, batch_first, layout)):
         assert_same_as_eager(got["losses"], got["state"], want_losses, want_state,
-                             f"ViT (MultiheadAttention, batch_first={batch_first}) tensor 2, rank {rank}")
+                             f"ViT (MultiheadAttention, batch_first={batch_first}) {layout} 2, rank {rank}")

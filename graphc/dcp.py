@@ -37,14 +37,26 @@ A fresh optimizer has no state yet, so nothing would tell dcp.load what to read:
 entries are then those its first step creates (taken from a step of a scratch copy on zero
 gradients; the optimizer itself is untouched). A checkpoint saved at step 0 thus holds that
 scratch state, and loading a step-0 checkpoint leaves the optimizer fresh, as it was.
+
+NOTE: ZeRO state in checkpoints
+Under config.enable_zero (See NOTE: ZeRO in runtime/zero.py) the optimizer holds, for each
+sharded parameter, a shard parameter of this rank's rows [start, start + rows) of the
+parameter's local component, and its state has those rows only. Its entries are still keyed
+by the parameter's name and have the parameter's global shape: a DTensor whose local part is
+a LocalShardsWrapper with one block, this rank's rows at their global offset (the parameter's
+own shard offset plus `start` along dim 0; torch.chunk's rows, as DTensor's Shard(0) cuts).
+So a checkpoint of a ZeRO run loads into any layout (DCP reads the rows each rank needs), and
+a ZeRO run loads any checkpoint: to_local takes the rows of this rank's component of a whole
+tensor or of a loaded DTensor. The parameters themselves are whole on every rank of the group
+after the step's all-gather, and saved as the replicated values they are.
 """
 from __future__ import annotations
 
 import copy
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -52,7 +64,8 @@ import torch.nn as nn
 from . import world
 from .errors import GraphcError
 from .placement import Broadcast, Split
-from .sbp.layout import local_component, shard_slices
+from .plan.instructions import ReduceScatter
+from .sbp.layout import chunk_range, local_component, mesh_shape, shard_slices
 
 DCP_FORMAT = "graphc.state/2"
 ENTRIES = ("format", "model", "optim", "optimizer_class", "lr_scheduler", "steps", "rng",
@@ -62,12 +75,15 @@ ENTRIES = ("format", "model", "optim", "optimizer_class", "lr_scheduler", "steps
 @dataclass(frozen=True)
 class Layout:
     """How a split tensor lies on this rank: its global shape, sbp and the mesh of the stage
-    here; pieces=(k, dim) for a tensor stored in pieces (See NOTE: fused pieces)."""
+    here; pieces=(k, dim) for a tensor stored in pieces (See NOTE: fused pieces); zero_rows=
+    (start, rows) for ZeRO's optimizer state, those rows of the local component (See NOTE:
+    ZeRO state in checkpoints)."""
     shape: tuple
     sbp: tuple
     mesh: tuple
     device_type: str
     pieces: Optional[tuple] = None
+    zero_rows: Optional[Tuple[int, int]] = None
 
 
 def user_prefix(root: nn.Module) -> str:
@@ -158,10 +174,52 @@ def split_layouts(state) -> Dict[str, Layout]:
     return out
 
 
+def zero_layouts(state, layouts: Dict[str, Layout]) -> Dict[int, Tuple[str, Layout]]:
+    """id(shard parameter) -> (its parameter's key, the layout of its optimizer state), for
+    every parameter ZeRO shards on this rank (See NOTE: ZeRO state in checkpoints)."""
+    made = getattr(state.optimizer, "_graphc_zero_shards", None)   # runtime/zero.py
+    if not made:
+        return {}
+    names = first_names(state.root)
+    local = set(state.compiled.plan_for(state.rank).local_stages)
+    params: Dict[str, nn.Parameter] = {}
+    for prog in state.compiled.programs:
+        if prog.stage in local:
+            for name, p in prog.module.named_parameters(remove_duplicate=False):
+                params.setdefault(name, p)
+    out = {}
+    for ins in state.compiled.plan_for(state.rank).instructions:
+        if not isinstance(ins, ReduceScatter):
+            continue
+        ranks = sorted(ins.ranks)
+        for spec in ins.tensors:
+            p = params[spec.name]
+            key = names[id(p)]
+            start, rows = chunk_range(p.shape[0], len(ranks), ranks.index(state.rank))
+            layout = layouts.get(key) or _whole_layout(state, key, p)
+            if layout.pieces:
+                raise GraphcError(
+                    f"graph.state_dict(): '{key}' is stored in pieces (a fused projection split "
+                    "by heads) and sharded by config.enable_zero; the optimizer state of such a "
+                    "parameter cannot be checkpointed yet. Fix: raise enable_zero's "
+                    "shard_min_size above its size, or save with graphc.save.")
+            out[id(made[id(p)])] = (key, replace(layout, zero_rows=(start, rows)))
+    return out
+
+
+def _whole_layout(state, key: str, p: torch.Tensor) -> Layout:
+    """The layout of a parameter whole on every rank of the stage that holds it here."""
+    local = set(state.compiled.plan_for(state.rank).local_stages)
+    stage = next(s for s in state.holders[key] if s in local)
+    mesh = state.compiled.meshes[stage]
+    return Layout(tuple(p.shape), (Broadcast(),) * len(mesh_shape(mesh)), mesh,
+                  state.compiled.stages[stage].device_type)
+
+
 def to_global(local: torch.Tensor, layout: Optional[Layout], rank: int):
     """A DTensor of `layout`'s global shape whose local part is `local`; `local` itself when
     it is whole (not split, or split over one rank)."""
-    if layout is None or tuple(local.shape) == layout.shape:
+    if layout is None or (tuple(local.shape) == layout.shape and not layout.zero_rows):
         return local
     # imported here: DTensor and DCP load slowly and only checkpoints need them
     from torch.distributed.device_mesh import DeviceMesh
@@ -178,6 +236,8 @@ def to_global(local: torch.Tensor, layout: Optional[Layout], rank: int):
     mesh = DeviceMesh(layout.device_type, torch.tensor(layout.mesh), _init_backend=False)
     if layout.pieces:
         local = _pieces_wrapper(local, layout, rank)
+    elif layout.zero_rows:
+        local = _zero_rows_wrapper(local, layout, rank)
     stride = torch.empty(layout.shape, device="meta").stride()
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(layout.shape),
                               stride=stride)
@@ -200,21 +260,24 @@ def _pieces_wrapper(local: torch.Tensor, layout: Layout, rank: int):
     return LocalShardsWrapper(blocks, offsets)
 
 
+def _zero_rows_wrapper(local: torch.Tensor, layout: Layout, rank: int):
+    """ZeRO's rows of this rank's component are one block of the global tensor, at the
+    component's offset moved down by their start (See NOTE: ZeRO state in checkpoints)."""
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+    start = [s.start for s in shard_slices(layout.shape, layout.sbp, layout.mesh, rank)]
+    start[0] += layout.zero_rows[0]
+    return LocalShardsWrapper([local], [tuple(start)])
+
+
 def _optimizer_state(state, layouts: Dict[str, Layout], prefix: str) -> Dict[str, Any]:
     opt = state.optimizer
-    if getattr(opt, "_graphc_zero_shards", None):   # See NOTE: ZeRO in runtime/zero.py
-        raise GraphcError(
-            "graph.state_dict() of a graph with config.enable_zero is not available yet: its "
-            "optimizer holds row shards of the parameters, which DCP entries do not describe. "
-            "Fix: save graph.full_state_dict() for the model, or train without enable_zero to "
-            "checkpoint the optimizer's state.")
     names = first_names(state.root)
+    zero = zero_layouts(state, layouts)
     params = [p for group in opt.param_groups for p in group["params"]]
     by_index = copy.deepcopy(opt.state_dict()["state"]) or first_step_state(opt)
     entries = {}
     for i, values in by_index.items():
-        key = names[id(params[i])]
-        layout = layouts.get(key)
+        key, layout = _key_and_layout(params[i], names, layouts, zero)
         entries[key[len(prefix):]] = {
             name: _state_value(v, layout, params[i], key, name, state.rank) for name, v in values.items()}
     groups = []
@@ -222,6 +285,15 @@ def _optimizer_state(state, layouts: Dict[str, Layout], prefix: str) -> Dict[str
         hyper = copy.deepcopy({k: v for k, v in group.items() if k != "params"})
         groups.append({**hyper, "params": [names[id(p)][len(prefix):] for p in members]})
     return {"state": entries, "param_groups": groups}
+
+
+def _key_and_layout(p, names: Dict[int, str], layouts: Dict[str, Layout],
+                    zero: Dict[int, Tuple[str, Layout]]) -> Tuple[str, Optional[Layout]]:
+    """The name an optimizer parameter's state is saved under, and that state's layout: a ZeRO
+    shard's are its parameter's name and its rows (See NOTE: ZeRO state in checkpoints)."""
+    if id(p) in zero:
+        return zero[id(p)]
+    return names[id(p)], layouts.get(names[id(p)])
 
 
 def _state_value(v, layout: Optional[Layout], param: torch.Tensor, key: str, name: str, rank: int):
@@ -366,18 +438,20 @@ def _optimizer_to_load(state, sd: Mapping, layouts: Dict[str, Layout], prefix: s
             f"{saved_class}, or delete the checkpoint's 'optim' and 'optimizer_class' entries and "
             "load with strict=False to start the optimizer afresh.")
     names = first_names(state.root)
+    zero = zero_layouts(state, layouts)
+    names.update({i: key for i, (key, _) in zero.items()})   # a ZeRO shard by its parameter's name
     saved_state = sd["optim"].get("state", {})
     groups = _param_groups(opt, sd["optim"].get("param_groups", []), names, prefix, rank)
     params = [p for group in opt.param_groups for p in group["params"]]
     out: Dict[int, dict] = {}
     lacking = []
     for i, p in enumerate(params):
-        key = names[id(p)]
+        key, layout = _key_and_layout(p, names, layouts, zero)
         entry = saved_state.get(key[len(prefix):])
         if entry is None:
             lacking += [key[len(prefix):]] if saved_state and p.requires_grad else []
             continue
-        out[i] = {n: _local_state_value(v, layouts.get(key), p, f"optim.state.{key[len(prefix):]}.{n}", rank)
+        out[i] = {n: _local_state_value(v, layout, p, f"optim.state.{key[len(prefix):]}.{n}", rank)
                   for n, v in entry.items()}
     if strict and lacking:
         raise GraphcError(
@@ -448,6 +522,10 @@ def to_local(value, layout: Optional[Layout], mine: torch.Tensor, key: str, rank
                           "expected a tensor. Fix: load what graph.state_dict() saved.")
     if layout is not None and tuple(value.shape) == layout.shape != tuple(mine.shape):
         value = local_component(value, layout.sbp, layout.mesh, rank, layout.pieces)
+    if layout is not None and layout.zero_rows and value.dim() and value.shape != mine.shape \
+            and value.shape[1:] == mine.shape[1:]:   # the whole component: ZeRO's rows of it
+        start, rows = layout.zero_rows
+        value = value[start:start + rows]
     if value.shape != mine.shape:  # copy_ would broadcast a smaller tensor silently
         _wrong_shape(key, value, tuple(mine.shape), "", rank)
     return value

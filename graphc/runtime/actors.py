@@ -177,6 +177,9 @@ class Runtime:
         self.found_inf: Optional[bool] = None  # this step's overflow, once gradients are unscaled
         self.window, self.trace = window, trace
         self.calls = 0   # steps begun: a failure names the call a stopped peer did not make
+        # check mode (NOTE: Checked steps): each Forward's outputs this step, as
+        # (instruction, stage, micro-batch, {name: value}); None: not kept
+        self.captured: Optional[list] = None
         m = plan.num_microbatches
         ckpt = checkpointed_microbatches(plan.checkpointing, m)
         self.executors: Dict[int, StageExecutor] = {
@@ -253,6 +256,8 @@ class Runtime:
     def _run(self, user_inputs):
         start = time.perf_counter()
         stats = StepStats()
+        if self.captured is not None:
+            self.captured.clear()
         recv_actors, send_actors = self._actors()
         for actor in recv_actors.values():
             actor.pump()
@@ -317,6 +322,8 @@ class Runtime:
         if isinstance(ins, Forward):
             outs = ex.forward(mb, values.pop((s, mb)))
             produced[(s, mb, ACT)] = outs
+            if self.captured is not None:
+                self.captured.append((str(ins), s, mb, {n: v.detach().clone() for n, v in outs.items()}))
             for name in ex.program.results:
                 results[name].append(outs[name].detach())
             for b, names in self.local_acts[s]:
@@ -388,13 +395,23 @@ class Runtime:
         if self.grad_scaler is not None:
             self._unscale()
             if not self.found_inf:
-                self.optimizer.step()
+                self._step()
             self.grad_scaler.update(self.found_inf)
         else:
-            self.optimizer.step()
+            self._step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+
+
+    def _step(self) -> None:
+        """optimizer.step(); under ZeRO bucket by bucket, each ALL_GATHER launched as soon as
+        its rows are stepped (See NOTE: ZeRO step overlap in zero.py)."""
+        if self.zero is None:
+            self.optimizer.step()
+        else:
+            self.zero.step(self.optimizer, [ins for ins in self.plan.instructions
+                                            if isinstance(ins, AllGather)])
 
 
 def _local_parameters(programs) -> Dict[str, torch.nn.Parameter]:

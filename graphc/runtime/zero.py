@@ -22,6 +22,18 @@ model state over the data-parallel axis (ZeRO, DeepSpeed; OneFlow's enable_zero)
 A reduce-scatter and an all-gather send what one all-reduce sends ((d-1)/d of the bucket
 each, in a ring), so the bytes per step equal data parallel's. Gradient clipping counts each
 shard's gradient on its own rank (insert_grad_clip) and scales the shards'.
+
+NOTE: ZeRO step overlap
+An all-gather after one optimizer.step() would have nothing to run beside it. So under ZeRO
+OPTIMIZER_STEP steps the optimizer once per ALL_GATHER bucket (ZeroShards.step): the bucket's
+shard parameters show their gradients, every other parameter none (torch's optimizers skip a
+parameter without a gradient, as one unused in a step), and the bucket's gather is launched
+(asynchronous on gloo and NCCL) before the next bucket steps; the replicated parameters step
+last. Each ALL_GATHER instruction waits for its bucket and unpacks it, so the parameters are
+whole when the call returns, as before. Every parameter steps once on its own gradient, so an
+optimizer whose update is per parameter (SGD, Adam, AdamW, ...: what ZeRO's row shards already
+need) gives the numbers of one step; step hooks run once per bucket, and an LR scheduler
+still steps once per call.
 """
 from __future__ import annotations
 
@@ -100,6 +112,7 @@ class ZeroShards:
 
     def __init__(self, rank: int, stage: int, shards: Dict[str, Shard]):
         self.rank, self.stage, self.by_name = rank, stage, shards
+        self.gathering: Dict[AllGather, tuple] = {}   # launched: (work, packed, this rank's rows)
 
     @staticmethod
     def from_plan(plan, programs, optimizer) -> Optional["ZeroShards"]:
@@ -198,8 +211,29 @@ class ZeroShards:
             s.shard.grad = g if s.shard.grad is None else s.shard.grad + g
             at += s.part_numel
 
-    def gather(self, ins: AllGather) -> None:
-        """Every rank's rows of the bucket's parameters, after the optimizer stepped on them."""
+    def step(self, optimizer, gathers: List[AllGather]) -> None:
+        """optimizer.step(), bucket by bucket: each ALL_GATHER's shards step, then its gather is
+        launched (asynchronous where the world can), so it runs while the next bucket's shards
+        step; the parameters no gather names (replicated ones) step last. Every parameter steps
+        once, on its own gradient, as in one step (See NOTE: ZeRO step overlap)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params]
+        rest = set(range(len(params)))
+        try:
+            for ins in gathers:
+                mine = {id(self.by_name[t.name].shard) for t in ins.tensors}
+                now = {i for i, p in enumerate(params) if id(p) in mine}
+                _step_on(optimizer, params, grads, now)
+                rest -= now
+                self.launch_gather(ins)
+            _step_on(optimizer, params, grads, rest)
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+
+    def launch_gather(self, ins: AllGather) -> None:
+        """Starts gathering every rank's rows of the bucket's parameters (after the optimizer
+        stepped on them); gather() waits for it."""
         shards = [self.by_name[t.name] for t in ins.tensors]
         d = len(shards[0].ranks)
         ref = shards[0].param
@@ -210,11 +244,30 @@ class ZeroShards:
         for s in shards:
             mine[at:at + s.rows * s.row_numel].copy_(s.view_rows().reshape(-1))
             at += s.part_numel
-        _all_gather(packed, mine, shards[0].ranks)
+        self.gathering[ins] = (_all_gather(packed, mine, shards[0].ranks), packed, mine)
+
+    def gather(self, ins: AllGather) -> None:
+        """Waits for the bucket's all-gather (launching it first if step() did not: a skipped
+        step under loss scaling) and writes every rank's rows into the parameters."""
+        if ins not in self.gathering:
+            self.launch_gather(ins)
+        work, packed, _ = self.gathering.pop(ins)
+        if work is not None:
+            work.wait()
         at = 0
-        for s in shards:
+        for s in (self.by_name[t.name] for t in ins.tensors):
             s.unpack(packed[:, at:at + s.part_numel])
             at += s.part_numel
+
+
+def _step_on(optimizer, params: List[torch.nn.Parameter], grads: list, which) -> None:
+    """optimizer.step() on params[i] for i in `which`: every other one shows no gradient, which
+    torch's optimizers skip (as a parameter unused in a step)."""
+    if not any(grads[i] is not None for i in which):
+        return
+    for i, p in enumerate(params):
+        p.grad = grads[i] if i in which else None
+    optimizer.step()
 
 
 def _made_shards(optimizer) -> Dict[int, torch.nn.Parameter]:
@@ -241,15 +294,17 @@ def _reduce_scatter(out: torch.Tensor, packed: torch.Tensor, ranks: Tuple[int, .
     return None
 
 
-def _all_gather(packed: torch.Tensor, mine: torch.Tensor, ranks: Tuple[int, ...]) -> None:
-    """`packed[k]` = rank k's `mine`, on every rank of `ranks`."""
+def _all_gather(packed: torch.Tensor, mine: torch.Tensor, ranks: Tuple[int, ...]):
+    """`packed[k]` = rank k's `mine`, on every rank of `ranks`. In the torch world the flat
+    form, asynchronous (returns its work); a local world's list form returns when done."""
     w = world.current()
     if len(ranks) == 1:
         packed[0].copy_(mine)
     elif isinstance(w, world.TorchWorld):
-        w.all_gather_into(packed.view(-1), mine, ranks)
+        return w.all_gather_into(packed.view(-1), mine, ranks, async_op=True)
     else:
         w.all_gather(list(packed.unbind(0)), mine, ranks)
+    return None
 
 
 class ZeroGradSync(GradSync):

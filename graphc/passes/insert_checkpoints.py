@@ -9,7 +9,8 @@ so autograd saves only the region's inputs. The recompute happens inside the sta
 backward, where the executor re-enters the micro-batch's random draw (ops/random_ops.py), and
 sees the module's buffers as they were at the forward (NOTE: Activation checkpointing in
 runtime/executor.py), so the numbers are those of no checkpointing. A region that
-communicates (an SBP conversion inside it) is refused: its collectives would run again.
+communicates (an SBP conversion inside it whose forward is a collective) is refused: its
+collectives would run again.
 Requires: split_stages (programs), insert_grad_modes.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import GraphcError
 from ..meta import META_BOXING
 from ..plan.program import StageProgram
+from ..sbp.boxing import BOXINGS
 
 
 class CheckpointedRegion(nn.Module):
@@ -97,20 +99,33 @@ def _owner(node: fx.Node, checkpointed: Set[str]):
 
 
 def _regions(graph: fx.Graph, checkpointed: Set[str]):
-    """Runs of consecutive nodes of one call of a checkpointed module, in graph order."""
-    regions, current, key, name = [], [], None, None
+    """Runs of consecutive nodes of one call of a checkpointed module, in graph order.
+
+    A node a later pass inserted between two nodes of one call (an SBP conversion before
+    its consumer: no `nn_module_stack`) belongs to that call: its region does not end there
+    (two regions would keep the conversion's output and hide the communication from the
+    check below). One inserted at the call's edge stays outside."""
+    regions, current, key, name, between = [], [], None, None, []
     for node in graph.nodes:
         owner = _owner(node, checkpointed) if node.op not in ("placeholder", "output") else None
         if owner is not None and current and owner[1] == key:
-            current.append(node)
+            current += between + [node]
+            between = []
+            continue
+        if owner is None and current and node.op != "output" and not node.meta.get("nn_module_stack"):
+            between.append(node)
             continue
         if current:
             regions.append((name, current))
+        between = []
         current, key, name = ([node], owner[1], owner[0]) if owner is not None else ([], None, None)
     if current:
         regions.append((name, current))
     for name, nodes in regions:
-        boxed = [n.name for n in nodes if META_BOXING in n.meta]
+        # a conversion whose forward launches a collective (a local one, a slice or
+        # to_partial, recomputes like any op; backward collectives run once either way)
+        boxed = [n.name for n in nodes if META_BOXING in n.meta
+                 and BOXINGS[n.meta[META_BOXING].kind].collective is not None]
         if boxed:
             raise GraphcError(
                 f"module '{name}' is marked set_activation_checkpointing(True), but its forward "

@@ -230,11 +230,32 @@ class EagerTwin:
             if graph._lr_scheduler is not None:  # its counters and lambdas, stepping the twin's optimizer
                 self.sch = copy.deepcopy(graph._lr_scheduler, {id(graph._optimizer): self.opt})
 
-    def step(self, inputs: List[torch.Tensor], tree) -> Tuple[Any, Dict[str, torch.Tensor]]:
-        """build() eagerly on the whole batch, then the optimizer and scheduler steps."""
+    def _keeper(self, qualname: str):
+        """A forward hook keeping a copy of the module's (first) output; it returns None: a
+        hook's return value would replace the output (and a detached copy cut the backward)."""
+        def keep(module, args, out) -> None:
+            if qualname not in self.seen:
+                self.seen[qualname] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), out)
+        return keep
+
+    def step(self, inputs: List[torch.Tensor], tree, watch=()) -> Tuple[Any, Dict[str, torch.Tensor]]:
+        """build() eagerly on the whole batch, then the optimizer and scheduler steps. The
+        outputs of the modules named in `watch` (qualified names) are kept in `self.seen`."""
         if self.opt is not None:
             self.opt.zero_grad(set_to_none=True)
-        out = type(self.graph).build(self.root, *pytree.tree_unflatten(inputs, tree))
+        self.seen: Dict[str, Any] = {}
+        hooks = []
+        for qualname in watch:
+            try:
+                module = self.root.get_submodule(qualname)
+            except AttributeError:
+                continue
+            hooks.append(module.register_forward_hook(self._keeper(qualname)))
+        try:
+            out = type(self.graph).build(self.root, *pytree.tree_unflatten(inputs, tree))
+        finally:
+            for h in hooks:
+                h.remove()
         if self.opt is not None:
             self.opt.step()
             if self.sch is not None:
@@ -258,6 +279,7 @@ class StepRow:
     dparam: float
     worst: str             # the parameter with the largest difference ("" without parameters)
     bad: List[str]         # every value beyond the tolerance this step ("<loss>" for the loss)
+    origin: str = ""       # where the step's values first depart (see StepChecker._locate)
 
 
 @dataclass
@@ -295,7 +317,11 @@ class StepReport:
         else:
             step, name = first
             holder = f" ({self.where[name]})" if name in self.where else ""
-            lines.append(f"  DIFFERS: first at step {step}, {name}{holder}; largest per parameter:")
+            lines.append(f"  DIFFERS: first at step {step}, {name}{holder}")
+            origin = self.rows[step].origin if step < len(self.rows) else ""
+            if origin:
+                lines.append(f"  first departing value: {origin}")
+            lines.append("  largest difference per parameter:")
             worst = sorted(self.per_param.items(), key=lambda kv: -kv[1])[:8]
             lines += [f"    {name}: {d:.3g}" + (f"  ({self.where[name]})" if name in self.where else "")
                       for name, d in worst]
@@ -323,6 +349,9 @@ class StepChecker:
         is_leaf = lambda x: isinstance(x, GlobalTensor)  # noqa: E731 - one input each
         leaves, self.tree = pytree.tree_flatten(tuple(inputs), is_leaf=is_leaf)
         self.inputs = _gather_inputs(leaves, self.rank, self.world)
+        runtime = self.graph._runtime
+        if runtime is not None and runtime.captured is None:
+            runtime.captured = []   # each Forward's outputs (NOTE: Checked steps)
         if self.report is None:
             before = self.graph.full_state_dict(rank0_only=True)
             if self.rank == 0:
@@ -338,10 +367,17 @@ class StepChecker:
         if self.world > 1:
             losses = ranks.current().all_gather_object(losses[0])
         got = next((x for x in losses if x is not None), None)
+        runtime = self.graph._runtime
+        mine = list(runtime.captured) if runtime is not None and runtime.captured is not None else []
+        captured = [mine] if self.world == 1 else ranks.current().all_gather_object(
+            [(label, s, mb, {n: v.cpu() for n, v in vals.items()}) for label, s, mb, vals in mine])
         row = None
         if self.rank == 0:
-            out, want = self.twin.step(self.inputs, self.tree)
+            boundary = _boundary_modules(self.graph._compiled)
+            out, want = self.twin.step(self.inputs, self.tree, {q for q, _ in boundary.values()})
             row = self._row(len(self.report.rows), got, _first_scalar(out), after, want)
+            if row.bad and not any(r.bad for r in self.report.rows):   # the first departing step
+                row.origin = _locate(self.graph._compiled, captured, boundary, self.twin.seen, self.bound)
         if self.world > 1:
             row = ranks.current().broadcast_object(row, src=0)
         self.report.rows.append(row)
@@ -378,3 +414,86 @@ def _holders(graph) -> Dict[str, str]:
         out[k] = f"stage {graph._compiled.stages[stage].stage_id} on ranks {list(ranks_of)}"
     prefix = user_prefix(graph._root)
     return {k[len(prefix):] if prefix and k.startswith(prefix) else k: v for k, v in out.items()}
+
+
+def _boundary_modules(compiled) -> Dict[str, Tuple[str, Optional[int]]]:
+    """Each value a stage program sends to another stage that is a module's output: name ->
+    (the module's qualified name, None). The module is the outermost one the value leaves:
+    in its nn_module_stack, and not in that of a user (Llama's residual add at the end of
+    model.model.layers.0, read by layers.1)."""
+    nodes = {n.name: n for n in compiled.gm.graph.nodes}
+    names = {t.name for prog in compiled.programs for specs in prog.send_to.values() for t in specs}
+    out: Dict[str, Tuple[str, Optional[int]]] = {}
+    for name in sorted(names):
+        node = nodes.get(name)
+        stack = list((node.meta.get("nn_module_stack") or {}).keys()) if node is not None else []
+        users = [set((u.meta.get("nn_module_stack") or {}).keys()) for u in (node.users if node else ())
+                 if u.meta.get("nn_module_stack")]
+        left = [q for q in stack if any(q not in u for u in users)]
+        if left:
+            out[name] = (left[0], None)
+    return out
+
+
+def _locate(compiled, captured, boundary, seen, bound) -> str:
+    """The first stage output (in stage order, then micro-batch, then rank) whose value
+    departs from the eager twin's module output on the same rows; or where to look when every
+    one agrees. Split and broadcast values are compared (a partial sum is skipped)."""
+    from .meta import META_ROWS, META_SBP
+    from .sbp.layout import local_component
+    nodes = {n.name: n for n in compiled.gm.graph.nodes}
+    m = compiled.num_microbatches
+    compared = 0
+    by_rank: Dict[str, Dict[tuple, torch.Tensor]] = {}
+    for r, caps in enumerate(captured):
+        for _, s, mb, vals in caps:
+            for name, value in vals.items():
+                by_rank.setdefault(name, {})[(s, mb, r)] = value
+    entries = sorted(((s, mb, r, label, vals) for r, caps in enumerate(captured) for label, s, mb, vals in caps),
+                     key=lambda e: (e[0], e[1], e[2]))
+    for s, mb, r, label, vals in entries:
+        for name, value in sorted(vals.items()):
+            if name not in boundary:
+                continue
+            qualname, item = boundary[name]
+            whole = seen.get(qualname)
+            # a module returning several tensors ((cos, sin), (hidden, attn)): the closest item
+            candidates = [t for t in pytree.tree_leaves(whole) if isinstance(t, torch.Tensor)]
+            node = nodes[name]
+            sig, rows = node.meta.get(META_SBP), node.meta.get(META_ROWS)
+            if sig is not None and any(not isinstance(p, (Split, Broadcast)) for p in sig.out):
+                # a partial sum on a 1-D mesh: its ranks' values add up to the whole (once, on the first)
+                members = list(flat(sig.mesh))
+                if len(sig.out) != 1 or r != members[0] or any((s, mb, q) not in by_rank.get(name, {})
+                                                                for q in members):
+                    continue
+                value = _sum_in_order([by_rank[name][(s, mb, q)] for q in members])
+                sig = None
+            wants = []
+            for want in candidates:
+                if sig is not None:   # this rank's rows (and shard) of the whole batch's value
+                    want = local_component(want, tuple(sig.out), sig.mesh, r)
+                if m > 1 and rows is not None and rows.dim is not None:
+                    want = want.tensor_split(m, rows.dim)[mb]
+                if want.shape == value.shape:
+                    wants.append(want)
+            if not wants:
+                continue
+            compared += 1
+            d, want = min(((value.to(w.dtype) - w).abs().max().item() if w.numel() else 0.0, w) for w in wants)
+            if d > bound(want.dtype) * (1.0 + want.abs().max().item()):
+                stage = compiled.stages[s].stage_id
+                what = f"output of {qualname}" + (f"[{item}]" if item is not None else "")
+                return (f"{what} ('{name}'), stage {stage} micro-batch {mb} on rank {r} (instruction "
+                        f"{label}): max |difference| {d:.3g} from eager")
+    if not compared:
+        return ""
+    return (f"the {compared} stage output(s) compared agree with eager, so the step departs "
+            "inside a stage's backward, the gradient reduction or the optimizer step")
+
+
+def _sum_in_order(values: List[torch.Tensor]) -> torch.Tensor:
+    total = values[0].clone()
+    for v in values[1:]:
+        total = total + v
+    return total

@@ -31,6 +31,9 @@ def test_skipping_the_tie_sync_is_caught(monkeypatch):
     monkeypatch.setattr(graphc.compiler, "insert_tie_sync", lambda plans, programs, stages: list(plans))
     text = _departs(sweep.Config("gpt", pp=2, tp=2, schedule="1f1b", acc=2))
     assert "lm_head.weight" in text or "transformer.wte.weight" in text
+    # the forward of step 0 is right (a partial sum between the stages, summed to compare):
+    # the check says the step departs after it
+    assert "stage output(s) compared agree with eager, so the step departs inside" in text
 
 
 def test_a_per_microbatch_token_mean_is_caught(monkeypatch):
@@ -49,7 +52,10 @@ def test_a_mask_fed_from_the_wrong_rows_is_caught(monkeypatch):
                 values["mask"] = per_mb[(stage, 0)]["mask"]
         return per_mb
     monkeypatch.setattr(actors.Runtime, "_microbatches", first_rows_mask)
-    _departs(sweep.Config("llama", pp=2, acc=2))
+    text = _departs(sweep.Config("llama", pp=2, acc=2))
+    # the first wrong value: the first decoder layer's output on the second micro-batch
+    assert ("first departing value: output of model.model.layers.0 ('add_5'), stage 0 micro-batch 1 "
+            "on rank 0 (instruction 0F1)") in text, text
 
 
 @pytest.mark.parametrize("config", [sweep.Config("gpt", pp=2, tp=2, schedule="1f1b", acc=2),

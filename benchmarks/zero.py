@@ -1,6 +1,6 @@
 """graphc ZeRO (config.enable_zero) against torch DDP and FSDP2, side by side in one run.
 
-    python benchmarks/zero.py [--iters 30] [--batch 64] [--width 1024]   # spawns 2 gloo ranks
+    python benchmarks/zero.py [--iters 30] [--batch 64] [--width 1024] [--bucket-mib 4]   # 2 gloo ranks
 
 The same MLP (a ZeRO-sized stack of square Linear layers), the same per-rank batch and Adam
 on 2 ranks over gloo. Each iteration runs one step of every contender, in an order that
@@ -42,9 +42,11 @@ def make_model(width: int, layers: int) -> nn.Module:
 
 
 class Graph(graphc.Graph):
-    def __init__(self, model, opt, zero):
+    def __init__(self, model, opt, zero, bucket_bytes=None):
         super().__init__()
         self.model = model
+        if bucket_bytes:
+            self.config.set_gradient_bucket_size(bucket_bytes)
         if zero:
             self.config.enable_zero(True, stage=zero)
         self.loss_fn = nn.CrossEntropyLoss()
@@ -74,7 +76,7 @@ def _reset_hwm() -> None:
         f.write("5")
 
 
-def _contenders(base, width, batch, rank, world):
+def _contenders(base, width, batch, rank, world, bucket_bytes=None):
     where = graphc.placement("cpu", list(range(world)))
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
@@ -85,7 +87,7 @@ def _contenders(base, width, batch, rank, world):
 
     def graphc_run(zero):
         model = graphc.to_global(copy.deepcopy(base), placement=where, sbp=graphc.sbp.broadcast)
-        graph = Graph(model, adam(model.parameters()), zero)
+        graph = Graph(model, adam(model.parameters()), zero, bucket_bytes)
         return lambda: graph(gx, gy), graph.full_state_dict
 
     def torch_run(wrap):
@@ -114,11 +116,11 @@ def _contenders(base, width, batch, rank, world):
             "fsdp2": lambda: torch_run(fsdp)}
 
 
-def bench(iters: int, batch: int, width: int, layers: int) -> None:
+def bench(iters: int, batch: int, width: int, layers: int, bucket_mib: float = 0) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     base = make_model(width, layers)
-    makers = _contenders(base, width, batch, rank, world)
+    makers = _contenders(base, width, batch, rank, world, int(bucket_mib * 2**20) or None)
     steps, held, others = {}, {}, {}
     for name, make in makers.items():      # one after another: each one's resident growth
         dist.barrier()
@@ -152,7 +154,8 @@ def bench(iters: int, batch: int, width: int, layers: int) -> None:
         params = sum(p.numel() for p in base.parameters())
         print(f"ZeRO, {rows} ranks (gloo, {torch.get_num_threads()} thread/rank), MLP {layers} x "
               f"{width}^2 + head ({params / 1e6:.1f} M fp32 parameters, {params * 4 / 2**20:.0f} MiB), "
-              f"Adam, batch {batch}/rank, {iters} rotating steps (first 3 dropped)")
+              f"Adam, batch {batch}/rank, {iters} rotating steps (first 3 dropped), graphc buckets "
+              f"{bucket_mib or 25:g} MiB")
         print(f"  {'contender':14s} {'ms/step':>8s} {'held MiB':>9s} {'peak MiB':>9s}")
         for n in names:
             print(f"  {n:14s} {med[n]:8.2f} {held[n] / 2**20:9.1f} {peaks[n] / 2**20:9.1f}")
@@ -167,7 +170,7 @@ def _spawned(rank: int, world: int, port: int, args) -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
-    bench(args.iters, args.batch, args.width, args.layers)
+    bench(args.iters, args.batch, args.width, args.layers, args.bucket_mib)
     dist.destroy_process_group()
 
 
@@ -178,11 +181,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--bucket-mib", type=float, default=0,
+                        help="graphc's gradient bucket size (0: its default, 25 MiB)")
     args = parser.parse_args()
     if "RANK" in os.environ:
         torch.set_num_threads(args.threads)
         dist.init_process_group("gloo")
-        bench(args.iters, args.batch, args.width, args.layers)
+        bench(args.iters, args.batch, args.width, args.layers, args.bucket_mib)
         dist.destroy_process_group()
         return
     import socket

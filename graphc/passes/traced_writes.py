@@ -23,13 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import GraphcError
-
-
-def set_item(x: torch.Tensor, index, value) -> torch.Tensor:
-    """`x[index] = value` out of place (See NOTE: Item writes): a copy of x, written."""
-    out = x.clone()
-    out[index] = value
-    return out
+from ..sbp.local_ops import set_item
 
 
 def write_item(tracer, proxy: fx.Proxy, index, value, where: str) -> None:

@@ -49,6 +49,14 @@ def reshape_keeping(x: torch.Tensor, shape: tuple, kept: tuple) -> torch.Tensor:
     return x.reshape(shape)
 
 
+def set_item(x: torch.Tensor, index, value) -> torch.Tensor:
+    """`x[index] = value` out of place (See NOTE: Item writes, passes/traced_writes.py): a
+    copy of x, written; trace_build records an item write in build() as this call."""
+    out = x.clone()
+    out[index] = value
+    return out
+
+
 # NOTE: synchronised batch norm
 # A BatchNorm in training normalises with the statistics of its whole (micro-)batch. When
 # graphc lays the batch out split, the module becomes four ops (decompose_modules):

@@ -9,6 +9,7 @@ as a fallback.
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -187,6 +188,22 @@ def softmax(ctx: RuleCtx) -> List[Candidate]:
     nd = len(ctx.meta(x).shape)
     dim = _dim(ctx, 1, "dim", nd)
     return [c for c in _split_candidates(ctx) if c[1].dim != dim]
+
+
+def flip(ctx: RuleCtx) -> List[Candidate]:
+    """flip(x, dims): a split dim that is not flipped stays split (each shard reverses its
+    own entries along the others); linear, so P -> P."""
+    x = ctx.node.args[0]
+    nd = len(ctx.meta(x).shape)
+    dims = ctx.arg(1, "dims")
+    flipped = {d % nd for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    return [({x: P}, P)] + [c for c in _split_candidates(ctx) if c[1].dim not in flipped]
+
+
+def filled_like(ctx: RuleCtx) -> List[Candidate]:
+    """zeros_like/ones_like/full_like/empty_like(x): x's layout with its values replaced, so a
+    split x gives the local shard's shape, split alike (never partial: ones would add up)."""
+    return _split_candidates(ctx)
 
 
 def layer_norm(ctx: RuleCtx) -> List[Candidate]:
@@ -515,6 +532,39 @@ def index(ctx: RuleCtx) -> List[Candidate]:
     return cands
 
 
+def set_item(ctx: RuleCtx) -> List[Candidate]:
+    """`x[index] = value` (set_item, See NOTE: Item writes): with a basic index a dim of x
+    taken whole keeps its split, the value split alike where it spans that dim (whole where
+    it is 1 or absent); a boolean mask of x's leading shape splits with x. An overwrite, so
+    never partial. Index tensors and new axes have no rule."""
+    x, index, value = ctx.node.args[0], ctx.node.args[1], ctx.arg(2, "value")
+    mx, mv = ctx.meta(x), ctx.meta(value)
+    if mx is None:
+        return []
+    if isinstance(index, fx.Node):
+        mi = ctx.meta(index)
+        if mi is None or mi.dtype != "bool" or tuple(mi.shape) != tuple(mx.shape[:len(mi.shape)]) or \
+                (mv is not None and math.prod(mv.shape) != 1):
+            return None
+        vals = {value: B} if mv is not None else {}
+        return [({x: S(d), index: S(d), **vals}, S(d)) for d in range(len(mi.shape)) if ctx.splits(mx.shape[d])]
+    items = index if isinstance(index, tuple) else (index,)
+    dims = _index_map(index, len(mx.shape)) if not any(i is None for i in items) else None
+    if dims is None:
+        return None
+    region = sum(1 for j, _ in dims if j is not None)
+    cands: List[Candidate] = []
+    for d, (j, whole) in enumerate(dims):
+        if not whole or not ctx.splits(mx.shape[d]):
+            continue
+        req = {x: S(d)}
+        if mv is not None:
+            k = j - (region - len(mv.shape))
+            req[value] = S(k) if k >= 0 and mv.shape[k] != 1 else B
+        cands.append((req, S(d)))
+    return cands
+
+
 # -- convolution, pooling, normalisation ------------------------------------------------
 def conv(ctx: RuleCtx) -> List[Candidate]:
     """conv1d/2d(x, w, b, stride, padding, dilation, groups), x [N, Cin, *]: split the batch;
@@ -660,6 +710,9 @@ _register(elementwise, "masked_fill", "masked_fill_", torch.masked_fill, torch.w
           F.selu, F.celu, F.hardsigmoid, F.logsigmoid, F.softsign, F.tanhshrink, F.threshold)
 _register(triangular, torch.tril, torch.triu, "tril", "triu")
 _register(expand, "expand", torch.broadcast_to, "broadcast_to")
+_register(set_item, local_ops.set_item)
+_register(flip, torch.flip, "flip")
+_register(filled_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like)
 _register(cast, "float", "double", "half", "bfloat16", "to", "type", "type_as")
 _register(metadata, "size", "dim", "numel", "nelement", "ndimension", "get_device")
 _register(conv, F.conv1d, F.conv2d, F.conv3d)

@@ -4,7 +4,9 @@ NOTE: Item writes (graphc/passes/traced_writes.py): a write is recorded as an ou
 set_item and the user's tensor points at its result. One process, float64, against eager
 within 1e-10: each habit trains like eager at accumulation 1 and 2 (the inputs split into
 micro-batches); a write eager would see through another view, a write into a parameter, and
-a write of one row of the batch under accumulation are refused naming the line.
+a write of one row of the batch under accumulation are refused naming the line. On data 2
+(the batch split over 2 ranks) the writes keep the split (set_item's SBP rule: no fallback
+in the plan) and train like eager on 2 gloo ranks.
 """
 import pytest
 import torch
@@ -12,10 +14,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphc
+from graphc import sbp
 from graphc.errors import GraphcError
-from helpers import accumulate_grads, assert_same_as_eager, graphc_train
+from graphc.meta import META_SBP
+from helpers import (accumulate_grads, assert_same_as_eager, compile_graph, feed_split, global_input,
+                     graphc_train, run_world)
 
 STEPS, BATCH = 3, 8
+P01 = graphc.placement("cpu", [0, 1])
 
 
 def _columns(h):
@@ -166,3 +172,35 @@ def test_a_write_of_one_row_under_accumulation_is_refused():
     assert losses == pytest.approx(_eager(one_row, 1)[0][:1], rel=1e-12)
     with pytest.raises(GraphcError, match="couples rows of the batch"):
         Train(Net(one_row), 2)(*_batches()[0])
+
+
+SPLIT = ["columns", "mask", "fresh", "view_after"]
+
+
+@pytest.mark.parametrize("name", SPLIT)
+def test_item_writes_keep_a_split_batch(name):
+    model = graphc.to_global(Net(HABITS[name]), placement=P01, sbp=sbp.broadcast)
+    cg = compile_graph(Train(model, 1), [global_input(t, P01, sbp.split(0)) for t in _batches()[0]], 2)
+    writes = [n for n in cg.gm.graph.nodes if getattr(n.target, "__name__", "") == "set_item"]
+    assert writes and all(n.meta[META_SBP].out == (sbp.split(0),) for n in writes)
+    assert not [n.name for n in cg.gm.graph.nodes if META_SBP in n.meta and n.meta[META_SBP].fallback]
+
+
+def _data_parallel(rank, world):
+    out = {}
+    for name in SPLIT:
+        torch.manual_seed(0)
+        model = graphc.to_global(Net(HABITS[name]), placement=P01, sbp=sbp.broadcast)
+        losses, state = graphc_train(Train(model, 1), _batches(), feed=feed_split(P01, rank))
+        out[name] = (losses, state)
+    return out
+
+
+@pytest.mark.world
+def test_item_writes_on_data_parallel_match_eager():
+    for rank, got in enumerate(run_world(_data_parallel, 2)):
+        for name in SPLIT:
+            losses, state = got[name]
+            want_losses, want_state = _eager(HABITS[name], 1)
+            assert_same_as_eager(losses, {k.removeprefix("model."): v for k, v in state.items()},
+                                 want_losses, want_state, f"{name}, data 2, rank {rank}")

@@ -11,7 +11,8 @@ data only).
     seed_random_ops);
   * loss.py: token-mean losses normalised by the whole batch (feed_whole_batch);
   * autocast.py: autocast regions entered and left (NOTE: Autocast regions;
-    insert_autocast_modes).
+    insert_autocast_modes);
+  * buffers.py: `module.buf = value` in a forward, a copy into the buffer (trace_build).
 The local forms of ops under a split (graphc/sbp/local_ops.py, localize_ops) belong here too
 and move when that module is free to move.
 

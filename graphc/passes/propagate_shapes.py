@@ -21,8 +21,9 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..errors import GraphcError
-from .trace_build import microbatch_shape, run_module_on_fakes
 from ..meta import META_AUTOCAST, META_BATCHED, META_GRAD_ENABLED, META_TENSOR, TensorMeta, is_backward
+from .build_tracer import run_module_on_fakes
+from .trace_build import microbatch_shape
 
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],

@@ -27,6 +27,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from ..errors import GraphcError
 from ..log import warn_user
+from .user_lines import caller_line
 
 
 @contextmanager
@@ -41,7 +42,7 @@ def traced_checkpoints(tracer) -> Iterator[None]:
     def reentrant(cls_, function, preserve_rng_state, *args):
         if not _traced(args):
             return torch.autograd.Function.apply.__func__(cls_, function, preserve_rng_state, *args)
-        lines.append(_user_line())
+        lines.append(caller_line(None))
         out = function(*args)
         if any(_requires_grad(tracer, a) for a in args):
             return out
@@ -53,7 +54,7 @@ def traced_checkpoints(tracer) -> Iterator[None]:
             yield from saved_generator(function, preserve_rng_state, context_fn, determinism_check,
                                        debug, early_stop, *args, **kwargs)
             return
-        lines.append(_user_line())
+        lines.append(caller_line(None))
         yield  # checkpoint() runs function(*args, **kwargs) here, traced as any other code
 
     cls.apply = classmethod(reentrant)
@@ -91,8 +92,3 @@ def _requires_grad(tracer, value) -> bool:
         return isinstance(fake, torch.Tensor) and fake.requires_grad
     return isinstance(value, torch.Tensor) and value.requires_grad
 
-
-def _user_line() -> str:
-    """'file:line: code' of the innermost frame outside torch and graphc."""
-    from .trace_build import _caller_line  # at call time: trace_build imports this module
-    return _caller_line(None)

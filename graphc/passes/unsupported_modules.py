@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import GraphcError
+from .user_lines import caller_line
 
 
 def check_runnable_module(module: nn.Module, args) -> None:
@@ -27,10 +28,9 @@ def _check_sync_batch_norm(module: nn.SyncBatchNorm, args) -> None:
     if not (module.training and dist.is_available() and dist.is_initialized()
             and isinstance(x, torch.Tensor) and x.device.type == "cpu"):
         return
-    from .trace_build import _caller_line  # at call time: trace_build imports this module
     raise GraphcError(
         f"a torch.nn.SyncBatchNorm({module.num_features}) runs on a cpu placement at "
-        f"{_caller_line(None)}: torch's SyncBatchNorm needs CUDA (or XPU) tensors once a process "
+        f"{caller_line(None)}: torch's SyncBatchNorm needs CUDA (or XPU) tensors once a process "
         "group exists ('SyncBatchNorm expected input tensor to be on GPU'). graphc needs no "
         "SyncBatchNorm: under data parallel it normalises a split batch with the statistics of "
         "the whole batch itself (one all-reduce of per-channel sums), so a plain BatchNorm is "

@@ -1,0 +1,255 @@
+"""BuildTracer: the fx tracer of trace_build, which runs every op on fake tensors as it
+records it, and ShapeProxy, the proxy that answers shape questions (x.shape, x.size(),
+len(x), x.dtype) from those values, so they are constants of the compiled graph (see
+trace_build's docstring). The fakes live in node.meta[FAKE] until tracing ends."""
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+
+from ..errors import GraphcError
+from ..meta import META_AUTOCAST, META_GRAD_ENABLED
+from ..ops.autocast import autocast_state
+from .traced_writes import write_item
+from .unsupported_modules import check_runnable_module
+from .user_lines import GRAPHC_DIR, TORCH_DIR, caller_line, deepest_user_frame
+
+FAKE = "graphc_fake"  # node.meta key for the value while tracing; removed when tracing ends
+
+# attributes and methods of a tensor that tell its shape, dtype or device: answered from
+# the example, so they are Python values (constants of the compiled graph), not nodes
+_SHAPE_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "layout", "is_sparse",
+                          "is_quantized", "is_meta", "T_shape"})
+_SHAPE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "element_size",
+                            "is_floating_point", "is_complex", "get_device", "is_contiguous"})
+
+
+class ShapeProxy(fx.Proxy):
+    """An fx Proxy that answers shape questions from the example it was traced with."""
+
+    # nn.Parameter's isinstance check reads this of anything that is a Tensor (NOTE:
+    # isinstance while tracing): a traced value is never a parameter
+    _is_param = False
+
+    def __getattr__(self, k: str):
+        if k in _SHAPE_ATTRS or k in _SHAPE_METHODS:
+            return getattr(self.tracer.fake_of(self), k)
+        fields = _result_fields(self.node.meta.get(FAKE))
+        if k in fields:  # torch.topk(x, k).values: the named result's field, as getitem
+            return self[fields.index(k)]
+        return super().__getattr__(k)
+
+    def __setitem__(self, index, value) -> None:  # NOTE: Item writes (traced_writes.py)
+        write_item(self.tracer, self, index, value, deepest_user_frame(None, traceback.extract_stack()))
+
+    def __len__(self) -> int:
+        return len(self.tracer.fake_of(self))
+
+
+    def __iter__(self):
+        value = self.node.meta.get(FAKE)
+        if isinstance(value, (tuple, list)):
+            return iter([self[i] for i in range(len(value))])
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            return iter([self[i] for i in range(value.shape[0])])
+        return super().__iter__()
+
+
+class BuildTracer(fx.Tracer):
+    """fx.Tracer that runs every op on fake tensors as it records it (see module docstring)."""
+
+    def __init__(self, root: torch.nn.Module):
+        super().__init__()
+        self.record_stack_traces = True
+        self.proxy_buffer_attributes = True  # buffers updated in forward are recorded, not run once
+        self.trace_root = root
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.examples: List[Any] = []
+        self.examples_used: List[fx.Node] = []
+        self.failed: Dict[str, str] = {}  # node name -> why its value is unknown
+        self.running_fake = False  # a leaf module runs on fakes: fx's patches step aside
+        self.source_file: Optional[str] = None  # the Graph's file, for error messages
+        self.item_writes: list = []  # (set_item node, nodes sharing its input's storage, line)
+        self._modules_seen: Optional[list] = None
+
+    def call_module(self, m, forward, args, kwargs):
+        if self.running_fake:
+            return forward(*args, **kwargs)
+        if not any(m is sub for sub in self._known_modules()):
+            return self._call_unowned(m, forward, args, kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def _known_modules(self):
+        if self._modules_seen is None:
+            self._modules_seen = [sub for _, sub in self.trace_root.named_modules(remove_duplicate=False)]
+        return self._modules_seen
+
+    def _call_unowned(self, m, forward, args, kwargs):
+        """A module built inside a forward (BERT's `CrossEntropyLoss()` in its forward): traced
+        through, like the functional it calls, when it holds no state to train or keep."""
+        state = [n for n, _ in list(m.named_parameters()) + list(m.named_buffers())]
+        if state:
+            raise GraphcError(
+                f"build() calls a {type(m).__name__} at {caller_line(self.source_file)} that was "
+                f"created during the step (not assigned in __init__), and it holds {state[:3]}: "
+                "graphc (like eager PyTorch's optimizer) could not train or save them, and a new "
+                "one would be made on every call. Fix: create it once in __init__ (as an "
+                "attribute of the model or the Graph).")
+        return forward(*args, **kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self.running_fake:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    # -- fake values ------------------------------------------------------------------
+    def fake_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """The fake of a real tensor; the same real tensor (a tied weight) gives the same fake."""
+        return self.fake_mode.from_tensor(t, static_shapes=True)
+
+    def node_fake(self, node: fx.Node):
+        """The value of `node` while tracing, None where unknown."""
+        return node.meta.get(FAKE)
+
+    def fake_of(self, proxy: fx.Proxy):
+        node = proxy.node
+        if FAKE not in node.meta:
+            why = self.failed.get(node.name, "it is not a tensor graphc can follow")
+            raise GraphcError(
+                f"build() asks for the shape of '{node.name}' ({node.format_node()}), but graphc "
+                f"could not compute its value while tracing: {why}. Fix: check the op's inputs "
+                "(shapes, dtypes) at that line.")
+        return node.meta[FAKE]
+
+    def create_arg(self, a):
+        if type(a) is ShapeProxy:  # before fx's Tensor and Parameter cases (NOTE: isinstance while tracing)
+            return a.node
+        return super().create_arg(a)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return ShapeProxy(node, self)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None,
+                     proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        node = proxy.node
+        node.meta[META_GRAD_ENABLED] = torch.is_grad_enabled()
+        node.meta[META_AUTOCAST] = autocast_state()  # NOTE: Autocast regions
+        if kind == "placeholder":
+            index = len(self.examples_used)
+            self.examples_used.append(node)
+            if index < len(self.examples):
+                node.meta[FAKE] = self.examples[index]
+            return proxy
+        if kind == "call_method" and target == "backward":
+            return proxy
+        try:
+            node.meta[FAKE] = self._run_fake(kind, target, args, kwargs)
+        except GraphcError:
+            raise
+        except DynamicOutputShapeException as e:
+            raise GraphcError(_data_dependent_shape(node, e)) from e
+        except Exception as e:  # the value stays unknown; propagate_shapes reports the failure
+            self.failed[node.name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return proxy
+
+    def _run_fake(self, kind, target, args, kwargs):
+        fargs = fx.node.map_aggregate(args, self._fake_arg)
+        fkwargs = fx.node.map_aggregate(kwargs, self._fake_arg)
+        with self.fake_mode:
+            if kind == "call_function":
+                return target(*fargs, **fkwargs)
+            if kind == "call_method":
+                return getattr(fargs[0], target)(*fargs[1:], **fkwargs)
+            if kind == "call_module":
+                return self._run_module_fake(target, fargs, fkwargs)
+            if kind == "get_attr":
+                return self._fake_attr(target)
+        raise NotImplementedError(kind)
+
+    def _fake_arg(self, a):
+        if isinstance(a, fx.Proxy):
+            a = a.node
+        if isinstance(a, fx.Node):
+            if FAKE not in a.meta:
+                raise RuntimeError(f"the value of '{a.name}' is unknown")
+            return a.meta[FAKE]
+        if isinstance(a, torch.Tensor) and not isinstance(a, torch._subclasses.FakeTensor):
+            return self.fake_tensor(a)
+        return a
+
+    def _fake_attr(self, target: str):
+        self.running_fake = True  # reading the attribute must not record another get_attr
+        try:
+            value = self.trace_root
+            for part in target.split("."):
+                value = getattr(value, part)
+        finally:
+            self.running_fake = False
+        return self.fake_tensor(value) if isinstance(value, torch.Tensor) else value
+
+    def _run_module_fake(self, target: str, fargs, fkwargs):
+        """A leaf module on fakes of its own parameters and buffers: its real state is untouched."""
+        self.running_fake = True
+        try:
+            return run_module_on_fakes(self.trace_root.get_submodule(target), fargs, fkwargs,
+                                       self.fake_tensor)
+        finally:
+            self.running_fake = False
+
+    # -- where errors point -----------------------------------------------------------
+    def _filter_traceback_frames(self, summary: traceback.StackSummary) -> traceback.StackSummary:
+        """The user's frames from build() down, so errors can point at the user's line.
+
+        fx's own filter keeps frames from the first `forward` on, which drops build() itself.
+        """
+        starts = [i for i, f in enumerate(summary) if f.filename.startswith(TORCH_DIR + "fx" + os.sep)
+                  and f.name == "trace"]
+        frames = summary[starts[-1] + 1:] if starts else summary
+        return traceback.StackSummary.from_list(
+            [f for f in frames if not f.filename.startswith((TORCH_DIR, GRAPHC_DIR))])
+
+
+def run_module_on_fakes(module: torch.nn.Module, args, kwargs, fake):
+    """A leaf module's output on fakes of its own parameters and buffers: its state is untouched.
+
+    BatchNorm with momentum=None reads its counter as a Python number, which a fake cannot
+    give; the counter only steers the running statistics, not the output, so the shape run
+    uses a shallow copy with a fixed momentum.
+    """
+    check_runnable_module(module, args)  # torch's refusals, as GraphcErrors with the fix
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.momentum is None:
+        module = copy.copy(module)
+        module.momentum = 0.1
+    state = {k: fake(v) for k, v in list(module.named_parameters(remove_duplicate=False)) +
+             list(module.named_buffers(remove_duplicate=False))}
+    return torch.func.functional_call(module, state, tuple(args), dict(kwargs),
+                                      tie_weights=False, strict=False)
+
+
+def _data_dependent_shape(node: fx.Node, e: Exception) -> str:
+    """Why an op whose result's shape depends on the data (nonzero, torch.where(cond),
+    masked_select, unique, x[bool_mask]) cannot be in a plan, and the static forms."""
+    op = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    where = deepest_user_frame(None, traceback.extract_stack())
+    return (f"build() calls '{op}' at {where}: the shape of its result depends on the values in "
+            f"the tensors ({str(e).strip()}), and graphc compiles one static plan for every step. "
+            "Fix: keep shapes static: torch.where(mask, x, 0) or masked_fill instead of x[mask], "
+            "fixed-size index tensors (topk, gather, index_add of every token with zero weights) "
+            "instead of the positions nonzero finds. A mixture-of-experts layer that loops over "
+            "the experts it hit (transformers' experts_implementation='eager') can dispatch every "
+            "token's top-k slots at once: experts_implementation='batched_mm' for transformers' "
+            "models, which graphc traces.")
+
+
+def _result_fields(value) -> tuple:
+    """The field names of a named result of torch (torch.return_types.topk: values, indices)."""
+    if isinstance(value, tuple) and type(value).__module__ == "torch.return_types":
+        return type(value).__match_args__
+    return ()

@@ -31,7 +31,7 @@ from ..errors import GraphcError
 from ..meta import (META_FOUND_STAGES, META_PLACEMENT, META_STAGE, META_STAGE_WHY, FoundStage,
                     is_backward)
 from ..sbp.declared import conversion_target, declared_in, to_global_op
-from .verify_graph import user_line
+from .user_lines import node_line
 
 # where a node is placed, and what placed it there (for messages): (placement, source)
 Claim = Tuple[object, str]
@@ -127,7 +127,7 @@ def _disagree(node: fx.Node, a: Tuple[str, Claim], b: Tuple[str, Claim]) -> Grap
     ranks = [list(r) if isinstance(r, tuple) else r for r in b_where.ranks]
     op = f"module '{node.target}'" if node.op == "call_module" else f"'{node.name}'"
     return GraphcError(
-        f"{op} at {user_line(node)} reads {a_what} on {a_where} and {b_what} on {b_where}. "
+        f"{op} at {node_line(node)} reads {a_what} on {a_where} and {b_what} on {b_where}. "
         "Without set_stage an op runs where its inputs and parameters are placed, and a value "
         "moves to another placement only where build() calls graphc.to_global. Fix: move "
         f"{a_what.split(' (')[0]} to ranks {ranks} before this op, with graphc.to_global(value, "

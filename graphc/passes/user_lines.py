@@ -1,6 +1,7 @@
 """Where tracing's errors point: the user's line that recorded a node, or that is calling
 now, skipping the frames of torch and graphc (the Graph's own file first, when known).
-Used by trace_build, its tracer and the checks that run while it traces."""
+Used by trace_build, its tracer and the checks that run while it traces, and by the passes
+whose errors name the line that made a node (verify_graph, place_by_layout)."""
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ GRAPHC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.se
 
 def node_line(node: fx.Node) -> str:
     """'File ..., line n, in f: code' of the user's line that recorded `node`."""
-    trace = node.meta.get("stack_trace", "").strip().splitlines()
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
     return f"{trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else node.format_node()
 
 

@@ -11,14 +11,9 @@ import torch.fx as fx
 from ..errors import GraphcError
 from ..log import warn_user
 from ..meta import META_STAGE, META_TENSOR, is_backward
+from .user_lines import node_line
 
 _HOST_SYNC = {"item", "tolist", "numpy", "cpu_numpy"}
-
-
-def user_line(node: fx.Node) -> str:
-    """The user's file, line and code that made `node` (its fx node text if unknown)."""
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    return f"{trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else node.format_node()
 
 
 def verify_traced(gm: fx.GraphModule) -> None:
@@ -27,16 +22,16 @@ def verify_traced(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_method" and node.target in _HOST_SYNC:
             raise GraphcError(
-                f"build() calls .{node.target}() at {user_line(node)}; inside build() tensors are "
+                f"build() calls .{node.target}() at {node_line(node)}; inside build() tensors are "
                 f"symbolic, so their values are not known while the graph is compiled. Fix: return "
                 f"the tensor from build() and call .to_local().{node.target}() on the result.")
     if len(backwards) > 1:
         raise GraphcError(
-            f"build() calls backward() {len(backwards)} times (at {user_line(backwards[1])}); "
+            f"build() calls backward() {len(backwards)} times (at {node_line(backwards[1])}); "
             "graphc runs one backward per step. Fix: sum the losses and call backward() once.")
     for node in backwards:
         if len(node.args) > 1 or node.kwargs:
-            raise GraphcError(f"backward() at {user_line(node)} takes no arguments in build(); "
+            raise GraphcError(f"backward() at {node_line(node)} takes no arguments in build(); "
                               "graphc scales the loss for gradient accumulation itself")
 
 
@@ -72,7 +67,7 @@ def verify_annotated(gm: fx.GraphModule, stage_modules: Dict[str, int], num_stag
             if arg.meta[META_STAGE] > stage:
                 raise GraphcError(
                     f"node '{node.name}' runs on stage {stage} but uses '{arg.name}' computed on "
-                    f"the later stage {arg.meta[META_STAGE]} (at {user_line(node)}); values may only "
+                    f"the later stage {arg.meta[META_STAGE]} (at {node_line(node)}); values may only "
                     "flow from a stage to a later one. Fix: give the stages ids in the order "
                     "build() calls them.")
         if is_backward(node):
@@ -90,9 +85,9 @@ def _check_loss(node: fx.Node) -> None:
     if meta is None or meta.shape != ():
         raise GraphcError(
             f"backward() is called on '{loss.name}' with shape {list(meta.shape) if meta else None} "
-            f"at {user_line(node)}; it must be a scalar loss. Fix: reduce it first, e.g. "
+            f"at {node_line(node)}; it must be a scalar loss. Fix: reduce it first, e.g. "
             "loss.mean() or loss.sum().")
     if not meta.requires_grad:
         raise GraphcError(
-            f"backward() is called on '{loss.name}' at {user_line(node)}, which does not depend on any "
+            f"backward() is called on '{loss.name}' at {node_line(node)}, which does not depend on any "
             "parameter that requires grad. Fix: check that the loss is computed from the model's output.")

@@ -17,7 +17,8 @@ import torch.nn as nn
 import graphc
 from graphc.errors import GraphcError
 from graphc.meta import META_STAGE
-from graphc.passes.verify_graph import user_line, verify_annotated, verify_traced, warn_unused_parameters
+from graphc.passes.user_lines import node_line
+from graphc.passes.verify_graph import verify_annotated, verify_traced, warn_unused_parameters
 from helpers import compile_graph
 
 X = torch.randn(4, 8)
@@ -77,7 +78,7 @@ def test_a_well_formed_step_passes_both_checks_unchanged():
     verify_annotated(cg.gm, {"model.a": 0, "model.b": 1}, 2)
     assert str(cg.gm.graph) == before
     summed = next(n for n in cg.gm.graph.nodes if n.target == "sum")
-    assert line("good") in user_line(summed) and "self.model.b(self.model.a(x)).sum()" in user_line(summed)
+    assert line("good") in node_line(summed) and "self.model.b(self.model.a(x)).sum()" in node_line(summed)
 
 
 def item(self, x):

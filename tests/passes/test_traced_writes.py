@@ -51,6 +51,13 @@ def _view_after(h):
     return h + head.sum(-1, keepdim=True)
 
 
+def _augmented(h):
+    h = h.clone()
+    h[:, 0] += 1.0  # getitem, in-place add on the view, then the write back
+    h[:, 1:3] *= 2.0
+    return h
+
+
 def _topk(h):
     top = torch.topk(h, 2, dim=-1)
     return h * top.values.sum(-1, keepdim=True) + top.indices.to(h.dtype).sum(-1, keepdim=True)
@@ -63,7 +70,7 @@ def _max_sort(h):
 
 
 HABITS = {"columns": _columns, "mask": _mask, "fresh": _fresh, "view_after": _view_after,
-          "topk": _topk, "max_sort": _max_sort}
+          "augmented": _augmented, "topk": _topk, "max_sort": _max_sort}
 
 
 class Net(nn.Module):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import graphc
 from helpers import assert_same_as_eager, run_world
-from zero.test_zero_numerics import MAX_NORM, Net, batches, rows
+from test_zero_numerics import MAX_NORM, Net, batches, rows
 
 N, K, ACCUMULATION = 4, 2, 2
 

@@ -9,7 +9,7 @@ import graphc.testing
 from graphc.plan.instructions import ReduceScatter
 from helpers import assert_same_as_eager
 from models import OPTIMIZERS
-from zero.test_zero_numerics import Net, ZeroGraph, batches, eager, rows
+from test_zero_numerics import Net, ZeroGraph, batches, eager, rows
 
 
 @pytest.mark.parametrize("world,stage", [(2, 1), (4, 2)])

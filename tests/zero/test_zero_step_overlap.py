@@ -10,7 +10,7 @@ from graphc.plan.instructions import AllGather
 from graphc.runtime.local_world import LocalRank
 from helpers import assert_same_as_eager
 from models import OPTIMIZERS
-from zero.test_zero_numerics import Net, ZeroGraph, batches, eager, rows
+from test_zero_numerics import Net, ZeroGraph, batches, eager, rows
 
 
 def test_each_bucket_is_gathered_while_the_next_steps(monkeypatch):

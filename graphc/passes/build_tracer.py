@@ -25,9 +25,12 @@ FAKE = "graphc_fake"  # node.meta key for the value while tracing; removed when 
 # attributes and methods of a tensor that tell its shape, dtype or device: answered from
 # the example, so they are Python values (constants of the compiled graph), not nodes
 _SHAPE_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "layout", "is_sparse",
-                          "is_quantized", "is_meta", "T_shape"})
+                          "is_quantized", "is_meta", "is_nested", "T_shape"})
 _SHAPE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "element_size",
                             "is_floating_point", "is_complex", "get_device", "is_contiguous"})
+# the same questions asked as torch functions (torch.is_floating_point(mask) in torch's own
+# mask handling, F._canonical_mask)
+_SHAPE_FUNCTIONS = frozenset({torch.is_floating_point, torch.is_complex, torch.numel})
 
 
 class ShapeProxy(fx.Proxy):
@@ -45,6 +48,12 @@ class ShapeProxy(fx.Proxy):
             return self[fields.index(k)]
         return super().__getattr__(k)
 
+    @classmethod
+    def __torch_function__(cls, orig_method, types, args=None, kwargs=None):
+        if orig_method in _SHAPE_FUNCTIONS and args and type(args[0]) is ShapeProxy:
+            return orig_method(args[0].tracer.fake_of(args[0]), *args[1:], **(kwargs or {}))
+        return super().__torch_function__(orig_method, types, args, kwargs)
+
     def __setitem__(self, index, value) -> None:  # NOTE: Item writes (traced_writes.py)
         write_item(self.tracer, self, index, value, deepest_user_frame(None, traceback.extract_stack()))
 
@@ -59,6 +68,18 @@ class ShapeProxy(fx.Proxy):
         if isinstance(value, torch.Tensor) and value.dim() >= 1:
             return iter([self[i] for i in range(value.shape[0])])
         return super().__iter__()
+
+
+# NOTE: Composite torch layers
+# fx keeps every torch.nn module a leaf: one call_module node, run whole. For torch's
+# Transformer layers that makes the layer one op without an SBP rule (a fallback gathering a
+# split batch) and hides their MultiheadAttention and Linears from declared layouts. They are
+# traced through instead, as a user's own module is; while tracing, their inference fast
+# path is off (it branches on tensor values; traced_calls.patched_calls) and a mask passed
+# without is_causal is not compared with the causal mask (is_causal False: the mask is
+# applied as given, which equals eager's causal kernel).
+_TRACED_THROUGH = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoder,
+                   torch.nn.TransformerDecoderLayer, torch.nn.Transformer)
 
 
 class BuildTracer(fx.Tracer):
@@ -77,6 +98,11 @@ class BuildTracer(fx.Tracer):
         self.source_file: Optional[str] = None  # the Graph's file, for error messages
         self.item_writes: list = []  # (set_item node, nodes sharing its input's storage, line)
         self._modules_seen: Optional[list] = None
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, _TRACED_THROUGH):  # NOTE: Composite torch layers
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m, forward, args, kwargs):
         if self.running_fake:

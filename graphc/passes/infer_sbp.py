@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from ..errors import GraphcError
 from ..log import get_logger
-from ..meta import (META_BATCHED, META_GRAD_PARTIAL, META_PIECES, META_SBP, META_STAGE, META_TENSOR,
+from ..meta import (META_BATCHED, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
                     SbpSignature, is_backward)
 from ..placement import Broadcast, PartialSum, Split, normalize_sbp
 from ..sbp.cost import COLLECTIVE, boxing_cost, conversion_cost, tensor_bytes
@@ -324,12 +324,14 @@ def _mark_grad_partial(gm: fx.GraphModule) -> None:
 
 
 def _piece_views(param: fx.Node) -> List[fx.Node]:
-    """The nodes through which ops read a parameter: itself, or for one stored in pieces the
-    pieces of its chunk (See NOTE: fused pieces), whose gradients make up its gradient."""
-    if META_PIECES not in param.meta:
+    """The nodes through which ops read a parameter: itself, or for one read only through
+    torch.chunk the pieces (one stored in pieces, See NOTE: fused pieces; a whole one cut
+    alike, as MultiheadAttention's in_proj into q, k and v), whose gradients make up its
+    gradient: a piece read by sharded ops is synchronised with the parameter after backward,
+    not reduced on its own."""
+    if not param.users or any(c.target is not torch.chunk for c in param.users):
         return [param]
-    views = [g for c in param.users if c.target is torch.chunk for g in c.users]
-    return views if len(views) == sum(len(c.users) for c in param.users) else [param]
+    return [g for c in param.users for g in c.users]
 
 
 def sharded_use(user: fx.Node, a: fx.Node, axis: int) -> bool:

@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional
 
 import torch
 import torch.fx as fx
+import torch.nn.modules.transformer as transformer_layers
 
 from ..errors import GraphcError
 from ..ops.buffers import assign_buffer
@@ -131,9 +132,15 @@ def patched_calls(tracer: BuildTracer, source_file: Optional[str]):
         setattr(obj, name, refusal(f"GradScaler.{name}()", _SCALER_WHY))
     for obj, name, _ in saved:
         setattr(obj, name, refusal(f"torch.nn.utils.{name}", _REFUSED_CALLS[name]))
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)  # NOTE: Composite torch layers (build_tracer.py)
+    detect_causal = transformer_layers._detect_is_causal_mask
+    transformer_layers._detect_is_causal_mask = _given_is_causal
     try:
         yield
     finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+        transformer_layers._detect_is_causal_mask = detect_causal
         builtins.isinstance = _ISINSTANCE
         torch.autograd.Function.apply = original_apply
         torch.nn.Module.__setattr__ = original_setattr
@@ -141,6 +148,12 @@ def patched_calls(tracer: BuildTracer, source_file: Optional[str]):
             setattr(obj, name, fn)
         for obj, name, fn in saved:
             setattr(obj, name, fn)
+
+
+def _given_is_causal(mask, is_causal=None, size=None) -> bool:
+    """torch's _detect_is_causal_mask while tracing: is_causal as given (comparing the mask
+    with the causal one reads its values)."""
+    return bool(is_causal)
 
 
 def _assign_buffer(tracer: BuildTracer, source_file: Optional[str], module, name: str, value: fx.Proxy) -> None:

@@ -9,6 +9,7 @@ Llama with a padded attention mask and ignore_index labels.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -189,10 +190,14 @@ def _convbn(c: Config):
 
 
 def _gpt_module():
-    if EXAMPLES not in sys.path:
-        sys.path.insert(0, EXAMPLES)
-    import gpt
-    return gpt
+    """examples/gpt.py, loaded by its path (benchmarks/gpt.py is another `gpt` on sys.path)."""
+    name = "graphc_examples_gpt"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, "gpt.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def _gpt(c: Config):

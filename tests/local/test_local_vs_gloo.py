@@ -60,7 +60,7 @@ def test_local_world_is_bitwise_gloo(nproc):
 
 
 @pytest.mark.fp32
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_local_world_is_bitwise_gloo_under_amp(nproc):
     """bf16 autocast needs float32 values (autocast leaves float64 alone)."""
     graphs = _compare([c for c in AMP if c.nproc == nproc], nproc)

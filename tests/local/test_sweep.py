@@ -2,8 +2,8 @@
 world, every step against eager on the whole batch in float64 at 1e-10 (graphc's check
 mode: losses and every parameter, per step).
 
-The default run takes every 2-rank world, the 4-rank worlds at one accumulation each, and
-a few larger ones (8 and 16 ranks); `-m slow` runs the rest, up to the 64-rank GPT (pipeline 4 x tensor 4 x
+The default run takes a share of the 2- and 4-rank worlds covering every model, schedule
+and layout kind, and a few larger ones (8 and 16 ranks); `-m slow` runs the rest, up to the 64-rank GPT (pipeline 4 x tensor 4 x
 data 4). Sizes and times are in the README (Checking a job in one process).
 """
 import pytest
@@ -17,8 +17,15 @@ LARGE_DEFAULT = {"skip-pp8-dp1-tp1-1f1b-acc8", "skip-pp4-dp2-tp1-interleaved_1f1
 
 
 def _default(c: sweep.Config) -> bool:
-    """Every 2-rank world, the 4-rank worlds at one accumulation each, and LARGE_DEFAULT."""
-    return c.nproc == 2 or (c.nproc == 4 and c.acc in (2, 8)) or c.id in LARGE_DEFAULT
+    """The 2-rank worlds at accumulation 2 (4 for dualpipev, which needs m >= 2p), every
+    2-rank Llama and ZeRO world, the 4-rank worlds of GPT, conv net and Llama at one
+    accumulation, and LARGE_DEFAULT: every model, schedule and layout kind, within the CI
+    budget (the whole default suite under 15 minutes on 2 cores)."""
+    if c.id in LARGE_DEFAULT:
+        return True
+    if c.nproc == 2:
+        return c.acc == (4 if c.schedule == "dualpipev" else 2) or c.model == "llama" or c.zero > 0
+    return c.nproc == 4 and c.acc == 2 and c.model != "skip"
 
 
 DEFAULT = [c for c in CONFIGS if _default(c)]
@@ -31,7 +38,7 @@ def test_the_sweep_covers_what_it_claims():
     assert len(CONFIGS) >= 300 and len({c.id for c in CONFIGS}) == len(CONFIGS)
     assert {c.model for c in DEFAULT} == {"skip", "gpt", "convbn", "convbn-frozen", "llama"}
     assert {c.schedule for c in DEFAULT if c.pp > 1} == set(sweep.SCHEDULES)
-    assert {c.acc for c in DEFAULT} >= {1, 2, 4}
+    assert {c.acc for c in DEFAULT} >= {1, 2, 4} and {c.acc for c in CONFIGS} >= {1, 2, 4, 8, 16}
     assert {c.nproc for c in CONFIGS} >= {2, 4, 8, 16, 64}
     assert any(c.tp > 1 and c.dp > 1 for c in DEFAULT)            # a 2-D mesh
     assert any(sweep.CHUNKS[c.schedule] > 1 for c in DEFAULT if c.pp > 1)   # n stages on m ranks

@@ -57,25 +57,8 @@ CHECK_USAGE = ("graphc check SCRIPT [SCRIPT_ARGS...] --nproc N [--steps K] "
 
 def parse_check(argv: List[str]) -> argparse.Namespace:
     """`graphc check`'s options, which may stand before or after the script's."""
-    mine, script, theirs = [], None, []
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        if tok == "--" and script is not None:
-            theirs += argv[i + 1:]
-            break
-        if tok.split("=", 1)[0] in CHECK_OPTIONS:
-            mine.append(tok)
-            if "=" not in tok and i + 1 < len(argv):
-                mine.append(argv[i + 1])
-                i += 1
-        elif script is None and not tok.startswith("-"):
-            script = tok
-        elif script is None:
-            mine.append(tok)
-        else:
-            theirs.append(tok)
-        i += 1
+    from .tools.plan_cli import split_argv
+    mine, script, theirs = split_argv(argv, CHECK_OPTIONS)
     p = argparse.ArgumentParser(prog="graphc check", usage=CHECK_USAGE,
                                 description="Runs SCRIPT's ranks as threads of this process (every "
                                 "rank's plan, in-memory transfers), every graph call also run eagerly "

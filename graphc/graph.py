@@ -11,7 +11,8 @@ from .amp import checked_scaler
 from .block import ModuleBlock
 from .build_root import BuildRoot
 from .check_mode import CheckDone
-from .check_step import FirstStepCheck, StepChecker, optimizer_groups, warn_if_random
+from .check_step import FirstStepCheck, optimizer_groups, warn_if_random
+from .checked_steps import StepChecker
 from .config import GraphConfig, compile_spec
 from .dcp import dcp_state_dict, unprefixed
 from .errors import GraphcError

@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
-from torch.utils import _pytree as pytree
 
 from .check_mode import CheckDone, CheckMode, check_mode
+from .check_step import _first_scalar
 from .errors import GraphcError
-from .global_tensor import GlobalTensor
 from .runtime.local_world import LocalWorld
 
 Inputs = Union[Sequence[Sequence[Any]], Callable[[int, int], Sequence[Any]]]
@@ -102,11 +101,8 @@ def _takes_rank(fn: Callable) -> bool:
 
 
 def _loss(out) -> Optional[float]:
-    for leaf in pytree.tree_leaves(out, is_leaf=lambda x: isinstance(x, GlobalTensor)):
-        t = leaf.to_local() if isinstance(leaf, GlobalTensor) else leaf
-        if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point():
-            return float(t)
-    return None
+    loss = _first_scalar(out)
+    return None if loss is None else float(loss)
 
 
 def check_script(script: str, script_args: Sequence[str], nproc: int, steps: int = 3,

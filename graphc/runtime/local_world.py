@@ -185,14 +185,18 @@ class LocalWorld:
         return results
 
     def _take(self, r: int) -> None:
-        """Rank r takes the baton (waits for it) and its process state comes back."""
+        """Rank r takes the baton (waits for it)."""
         with self.cond:
             while self.owner is not None:
                 self.cond.wait()
-            self.owner = r
-            self.states[r].restore()
-            os.environ.update({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(self.size),
-                               "LOCAL_WORLD_SIZE": str(self.size)})
+            self._own(r)
+
+    def _own(self, r: int) -> None:
+        """Under the lock, the baton free: rank r holds it, and its process state comes back."""
+        self.owner = r
+        self.states[r].restore()
+        os.environ.update({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(self.size),
+                           "LOCAL_WORLD_SIZE": str(self.size)})
 
     def _release(self, r: int) -> None:
         self.states[r] = _ProcessState.capture()
@@ -217,10 +221,7 @@ class LocalWorld:
                     self.cond.wait(timeout=5.0)
             finally:
                 self.waiting.pop(r, None)
-            self.owner = r
-            self.states[r].restore()
-            os.environ.update({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(self.size),
-                               "LOCAL_WORLD_SIZE": str(self.size)})
+            self._own(r)
 
     def _check_deadlock(self) -> None:
         """Under the lock: every unfinished rank waits and none can go on -> LocalDeadlock."""
@@ -281,7 +282,8 @@ def _in_order(data: Dict[int, Any], ranks: Ranks) -> list:
     return [data[r] for r in ranks]
 
 
-def _sum(values: list) -> torch.Tensor:
+def sum_in_order(values: list) -> torch.Tensor:
+    """((v0 + v1) + v2) + ...: a group's sum in its rank order."""
     acc = values[0].clone()
     for v in values[1:]:
         acc = acc + v
@@ -295,7 +297,7 @@ def _max(values: list) -> torch.Tensor:
     return acc
 
 
-_REDUCE = {"sum": _sum, "max": _max}
+_REDUCE = {"sum": sum_in_order, "max": _max}
 
 
 class LocalRank:
@@ -329,7 +331,7 @@ class LocalRank:
     def reduce_scatter(self, out: torch.Tensor, parts: List[torch.Tensor], ranks=None) -> None:
         ranks = self._group(ranks)
         slot = self.world.join(self.rank, "reduce_scatter", ranks, [p.detach().clone() for p in parts],
-                               lambda d: [_sum([d[r][i] for r in ranks]) for i in range(len(ranks))])
+                               lambda d: [sum_in_order([d[r][i] for r in ranks]) for i in range(len(ranks))])
         out.copy_(self.world.collect(self.rank, slot)[ranks.index(self.rank)])
 
     def all_to_all(self, recv: List[torch.Tensor], send: List[torch.Tensor], ranks=None) -> None:

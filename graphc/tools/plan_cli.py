@@ -31,8 +31,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run_plan_command)
 
 
-def split_argv(argv: List[str]) -> Tuple[List[str], str, List[str]]:
-    """(graphc options, script, script args) from what follows `graphc plan`."""
+def split_argv(argv: List[str], options=None) -> Tuple[List[str], str, List[str]]:
+    """(graphc options, script, script args) from what follows `graphc plan` (or another
+    command running a script: `options` maps its options to whether each takes a value,
+    None for an optional value; default OPTIONS)."""
+    options = OPTIONS if options is None else options
     mine, script, theirs = [], None, []
     i = 0
     while i < len(argv):
@@ -41,9 +44,9 @@ def split_argv(argv: List[str]) -> Tuple[List[str], str, List[str]]:
             theirs += argv[i + 1:]
             break
         name = tok.split("=", 1)[0]
-        if name in OPTIONS:
+        if name in options:
             mine.append(tok)
-            takes = OPTIONS[name]
+            takes = options[name]
             nxt = argv[i + 1] if i + 1 < len(argv) else None
             if "=" not in tok and nxt is not None and (takes or (takes is None and not nxt.startswith("-")
                                                                   and not nxt.endswith(".py"))):

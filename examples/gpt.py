@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 2 examples/gpt.py --tp 2       # Megatron tensor parallel
     torchrun --nproc_per_node 8 examples/gpt.py --pp 2 --tp 2 --dp 2
     torchrun --nproc_per_node 2 examples/gpt.py --dp 2 --zero 2   # ZeRO: sharded optimizer state
+    torchrun --nproc_per_node 4 examples/gpt.py --pp 2 --dp 2 --zero 3   # + parameters sharded between uses
     torchrun --nproc_per_node 8 examples/gpt.py --pp 2 --tp 2 --dp 2 --amp bf16   # mixed precision
 
 The model is written as a GPT's author writes it, and graphc compiles it unchanged:
@@ -187,7 +188,7 @@ class GPTGraph(graphc.Graph):
             tensor_parallel(model, layout, stage_of_block)
         self.config.set_gradient_accumulation_steps(accumulation)
         self.config.set_pipeline_schedule(schedule)
-        if zero:  # optimizer state (and at 2 gradient buckets) split over the --dp ranks
+        if zero:  # optimizer state (2: + gradient buckets, 3: + parameters) split over the --dp ranks
             self.config.enable_zero(True, stage=zero)
         if amp:   # build() under autocast; float32 master weights, gradients and reductions
             self.config.enable_amp(True, dtype=DTYPES[amp])
@@ -251,7 +252,7 @@ def main(argv=None):
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2),
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                         help="ZeRO stage over the --dp ranks (0: replicated)")
     parser.add_argument("--amp", default="", choices=("", "bf16", "fp16"),
                         help="mixed precision: build() under autocast to this dtype")

@@ -104,7 +104,7 @@ class CompileSpec:
     activation_checkpointing: str = "never"
     whole_inputs: Tuple[str, ...] = ()  # build() arguments never split into micro-batches
     amp_dtype: Optional[torch.dtype] = None  # enable_amp: build() under autocast to this dtype
-    zero_stage: int = 0                # enable_zero: 0 off, 1 or 2 (NOTE: ZeRO, runtime/zero.py)
+    zero_stage: int = 0                # enable_zero: 0 off, 1, 2 or 3 (NOTE: ZeRO, runtime/zero.py)
     zero_shard_min_size: int = 1024    # parameters with fewer elements stay replicated
     grad_reduce_dtype: Optional[torch.dtype] = None  # gradient buckets' dtype (None: the grads')
 

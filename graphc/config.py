@@ -77,7 +77,7 @@ class GraphConfig:
         self.whole_inputs: tuple = ()
         self.check_microbatching = False
         self.amp_dtype: Optional[torch.dtype] = None
-        self.zero_stage = 0                 # enable_zero: 0 (off), 1, 2 (See NOTE: ZeRO)
+        self.zero_stage = 0                 # enable_zero: 0 (off), 1, 2, 3 (See NOTE: ZeRO)
         self.zero_shard_min_size = 1024
         self.grad_reduce_dtype: Optional[torch.dtype] = None   # None: each gradient's own dtype
 
@@ -289,15 +289,23 @@ class GraphConfig:
                    last micro-batch's backward) into this rank's rows, the optimizer steps on
                    them, and the parameter is all-gathered after the step;
           stage 2: as 1, and the full-size gradient buckets are freed once reduce-scattered
-                   (stage 1 keeps them between steps, as DDP does).
-        Bytes moved per step equal data parallel's (a reduce-scatter and an all-gather move
-        what one all-reduce does). The plan lists each REDUCE_SCATTER and ALL_GATHER with its
-        tensors and bytes. Smaller parameters, and parameters held by several stages (tied),
-        stay replicated and all-reduced. Numbers equal the replicated run's.
+                   (stage 1 keeps them between steps, as DDP does);
+          stage 3: as 2, and the parameters are held as this rank's rows between uses: each
+                   stage's are all-gathered before the computes that read them (prefetched
+                   while the compute before runs) and freed after (See NOTE: ZeRO stage 3).
+                   A rank holding one stage gathers once per step; one holding several chunks
+                   per compute. graph.state_dict(), load_state_dict() and full_state_dict()
+                   gather them for the call.
+        Bytes moved per step at stages 1 and 2 equal data parallel's (a reduce-scatter and an
+        all-gather move what one all-reduce does); at stage 3 (c+1)/2 of it for c gathers of a
+        stage's parameters per step (1 once per step; 2m+1 per compute of m micro-batches'
+        forwards and backwards). The plan lists each REDUCE_SCATTER, ALL_GATHER and RELEASE
+        with its tensors and bytes. Smaller parameters, and parameters held by several stages
+        (tied), stay replicated and all-reduced. Numbers equal the replicated run's.
 
         Args:
             enabled: True to shard.
-            stage: 1 or 2 (3, parameters held as shards, is not available yet).
+            stage: 1, 2 or 3.
             shard_min_size: parameters with fewer elements (of their local component) stay
                 replicated.
 
@@ -307,11 +315,8 @@ class GraphConfig:
         self._check_open("enable_zero")
         if not isinstance(enabled, bool):
             raise GraphcError(f"enable_zero expects True or False, found {enabled!r}")
-        if stage == 3:
-            raise GraphcError("enable_zero: stage 3 (parameters held as shards) is not available "
-                              "yet. Fix: use stage=2 (gradients and optimizer state sharded) or 1.")
-        if stage not in (1, 2) or isinstance(stage, bool):
-            raise GraphcError(f"enable_zero: stage must be 1 or 2, found {stage!r}. "
+        if stage not in (1, 2, 3) or isinstance(stage, bool):
+            raise GraphcError(f"enable_zero: stage must be 1, 2 or 3, found {stage!r}. "
                               "Fix: self.config.enable_zero(True, stage=2).")
         if not isinstance(shard_min_size, int) or isinstance(shard_min_size, bool) or shard_min_size < 1:
             raise GraphcError(f"enable_zero: shard_min_size must be an int >= 1 (elements), found "

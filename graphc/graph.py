@@ -22,6 +22,7 @@ from .optim_check import check_optimizer
 from .plan.plan import ExecutionPlan
 from .runtime.dist_env import ensure_process_group, timeout_seconds
 from .runtime.rng import agree_base_seed
+from .runtime.zero import whole_parameters
 from .state import GraphState, check_state_dict
 
 _CREATED: Dict[tuple, int] = {}  # (Graph subclass name, process) -> instances created
@@ -225,7 +226,8 @@ class Graph:
         key = (signature(specs), tree)
         exe, failures = self._cache.lookup(key)
         if exe is None:
-            with self._state.global_shapes():  # split parameters hold shards by now
+            # split parameters hold shards by now; ZeRO stage 3's are gathered for the trace
+            with self._state.global_shapes(), whole_parameters(self._root.parameters()):
                 exe = Executable.compile(self._compile_spec(), specs, len(self._compiled.plans), tree)
             check_same_stages(self._compiled, exe.compiled)
             self._state.compiled = exe.compiled
@@ -269,7 +271,8 @@ class Graph:
         if self._state is None:
             raise GraphcError("state_dict() needs a compiled graph: run one step or call "
                               "graph.compile(*inputs) first")
-        sd = dcp_state_dict(self._state, self._base_seed)
+        with whole_parameters(self._root.parameters()):   # ZeRO stage 3's shards, gathered for the call (NOTE: ZeRO stage 3)
+            sd = dcp_state_dict(self._state, self._base_seed)
         if self.grad_scaler is not None:  # the loss scale resumes where it was (graphc/amp.py)
             sd["grad_scaler"] = self.grad_scaler.state_dict()
         return sd
@@ -295,7 +298,8 @@ class Graph:
         if self._state is None:
             object.__setattr__(self, "_pending_state", (state, strict))
             return
-        self._state.load(state, strict)
+        with whole_parameters(self._root.parameters()):   # written whole, kept as ZeRO stage 3's rows (NOTE: ZeRO stage 3)
+            self._state.load(state, strict)
         if self._state.base_seed is not None:  # the saved run's random ops (runtime/rng.py)
             object.__setattr__(self, "_base_seed", self._state.base_seed)
 
@@ -313,7 +317,8 @@ class Graph:
         """
         if self._state is None:
             return unprefixed(self._root, {k: v.detach().clone() for k, v in self._root.state_dict().items()})
-        return unprefixed(self._root, self._state.full_state_dict(rank0_only, cpu_offload))
+        with whole_parameters(self._root.parameters()):   # ZeRO stage 3's shards (NOTE: ZeRO stage 3)
+            return unprefixed(self._root, self._state.full_state_dict(rank0_only, cpu_offload))
 
     def __repr__(self) -> str:
         name = type(self).__name__

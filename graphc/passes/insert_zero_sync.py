@@ -10,6 +10,10 @@ all-gathered by an ALL_GATHER right after the optimizer step. Every other gradie
 all-reduced as insert_grad_sync left it. A REDUCE_SCATTER's gradients are in the dtype
 insert_grad_sync gave them (config.set_grad_reduce_dtype), an ALL_GATHER's parameters in
 their own.
+At stage 3 no ALL_GATHER follows the step: each stage's sharded parameters are gathered by an
+ALL_GATHER before the compute that reads them and freed by a RELEASE after it, once per step
+(before the stage's first compute, freed after its last) on a rank that holds one stage, per
+compute on a rank that holds several (See NOTE: ZeRO stage 3 in graphc/runtime/zero.py).
 Requires: insert_grad_sync.
 """
 from __future__ import annotations
@@ -21,7 +25,8 @@ from typing import Dict, List, Sequence, Set, Tuple
 import torch.fx as fx
 
 from ..meta import META_GRAD_PARTIAL, META_STAGE, META_TENSOR
-from ..plan.instructions import AllGather, AllReduce, OptimizerStep, ReduceScatter, TensorSpec
+from ..plan.instructions import (COMPUTE, AllGather, AllReduce, OptimizerStep, OverlapFB, ReduceScatter,
+                                 ReleaseParams, TensorSpec)
 from ..plan.plan import ZERO_NOTE, ExecutionPlan
 from .insert_grad_sync import _buckets
 
@@ -39,8 +44,9 @@ def insert_zero_sync(plans: Sequence[ExecutionPlan], gm: fx.GraphModule, stage: 
     return list(plans)
 
 
-def _shardable(gm: fx.GraphModule) -> Set[str]:
-    """Names of the parameters whose gradient is partial on one mesh axis, held by one stage."""
+def _shardable(gm: fx.GraphModule) -> Dict[str, int]:
+    """The parameters whose gradient is partial on one mesh axis, held by one stage: name ->
+    that stage."""
     stages: Dict[int, Set[int]] = defaultdict(set)
     names: Dict[int, Set[str]] = defaultdict(set)
     one_axis: Set[str] = set()
@@ -57,10 +63,11 @@ def _shardable(gm: fx.GraphModule) -> Set[str]:
             one_axis.add(str(node.target))
     # a tied parameter (held by several stages) is summed over them after its data-parallel
     # all-reduce (insert_tie_sync): it stays whole
-    return {n for key, ns in names.items() if len(stages[key]) == 1 for n in ns if n in one_axis}
+    return {n: next(iter(stages[key])) for key, ns in names.items() if len(stages[key]) == 1
+            for n in ns if n in one_axis}
 
 
-def _shard(plan: ExecutionPlan, stage: int, shardable: Set[str], min_size: int,
+def _shard(plan: ExecutionPlan, stage: int, shardable: Dict[str, int], min_size: int,
            bucket_bytes: int, dtypes: Dict[str, str]) -> None:
     scatter: Dict[Tuple[int, ...], List[TensorSpec]] = defaultdict(list)
     out, first = [], None
@@ -77,18 +84,64 @@ def _shard(plan: ExecutionPlan, stage: int, shardable: Set[str], min_size: int,
         return
     buckets = [(group, tuple(b)) for group, specs in scatter.items() for b in _buckets(specs, bucket_bytes)]
     out[first:first] = [ReduceScatter(group, b) for group, b in buckets]
-    step = next(i for i, ins in enumerate(out) if isinstance(ins, OptimizerStep))
-    out[step + 1:step + 1] = [AllGather(group, tuple(replace(t, dtype=dtypes.get(t.name, t.dtype)) for t in b))
-                              for group, b in buckets]
+    when = ""
+    if stage == 3:
+        out, when = _gather_for_use(out, plan, scatter, shardable, dtypes)
+    else:
+        step = next(i for i, ins in enumerate(out) if isinstance(ins, OptimizerStep))
+        out[step + 1:step + 1] = [AllGather(group, tuple(replace(t, dtype=dtypes.get(t.name, t.dtype)) for t in b))
+                                  for group, b in buckets]
     plan.instructions[:] = out
     # the runtime reads the stage here (zero.py: stage 1 keeps its gradient buckets)
     kept = sorted({t.name for ins in out if type(ins) is AllReduce for t in ins.tensors})
     plan.notes[ZERO_NOTE] = (f"stage {stage}; {sum(len(b) for _, b in buckets)} parameter(s) "
                              f"split(0) over {sorted({g for g, _ in buckets})}, {len(kept)} whole "
-                             f"(fewer than {min_size} elements, tied or partial on two axes)")
+                             f"(fewer than {min_size} elements, tied or partial on two axes){when}")
 
 
-def _sharded(t: TensorSpec, shardable: Set[str], min_size: int) -> bool:
+def _gather_for_use(out: list, plan: ExecutionPlan, scatter: Dict[Tuple[int, ...], List[TensorSpec]],
+                    shardable: Dict[str, int], dtypes: Dict[str, str]) -> Tuple[list, str]:
+    """Stage 3: each stage's sharded parameters gathered before the computes that read them
+    and released after. A rank holding one stage gathers once per step (whole from the
+    stage's first compute to its last: memory for bytes); a rank holding several gathers per
+    compute, so one chunk at a time is whole (bytes for memory)."""
+    by_stage: Dict[int, List[Tuple[Tuple[int, ...], TensorSpec]]] = defaultdict(list)
+    for group, specs in scatter.items():
+        for t in specs:
+            by_stage[shardable[t.name]].append((group, replace(t, dtype=dtypes.get(t.name, t.dtype))))
+    per_compute = len(plan.local_stages) > 1
+    uses: Dict[int, List[int]] = defaultdict(list)    # stage -> positions of its computes
+    for i, ins in enumerate(out):
+        if isinstance(ins, COMPUTE):
+            for s in _stages_of(ins):
+                if s in by_stage:
+                    uses[s].append(i)
+    before: Dict[int, list] = defaultdict(list)
+    after: Dict[int, list] = defaultdict(list)
+    for s, at in uses.items():
+        gathers = [AllGather(g, tuple(t for gg, t in by_stage[s] if gg == g))
+                   for g in dict.fromkeys(g for g, _ in by_stage[s])]
+        release = ReleaseParams(tuple(t for _, t in by_stage[s]))
+        for i in (at if per_compute else at[:1]):
+            before[i].extend(gathers)
+        for i in (at if per_compute else at[-1:]):
+            after[i].append(release)
+    done = []
+    for i, ins in enumerate(out):
+        done.extend(before.get(i, ()))
+        done.append(ins)
+        done.extend(after.get(i, ()))
+    how = "per compute (several chunks here)" if per_compute else "once per step"
+    return done, f"; parameters gathered before use and released after, {how}"
+
+
+def _stages_of(ins) -> Tuple[int, ...]:
+    if isinstance(ins, OverlapFB):
+        return (ins.forward.stage, ins.backward.stage)
+    return (ins.stage,)
+
+
+def _sharded(t: TensorSpec, shardable: Dict[str, int], min_size: int) -> bool:
     numel = 1
     for d in t.shape:
         numel *= d

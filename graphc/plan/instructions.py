@@ -444,6 +444,37 @@ class AllGather(_ShardCollective):
 
 
 @dataclass(frozen=True)
+class ReleaseParams(Instruction):
+    """ZeRO stage 3: frees the whole copies of the named parameters, gathered by an ALL_GATHER
+    for this rank's compute; each rank keeps only its rows (See NOTE: ZeRO stage 3 in
+    graphc/runtime/zero.py). Sends nothing."""
+
+    op: ClassVar[str] = "release"
+    span_kind: ClassVar[str] = "release"
+    word: ClassVar[str] = "RELEASE"
+    TEXT: ClassVar[re.Pattern] = re.compile(r"RELEASE \[(.*)\]")
+    tensors: Tuple[TensorSpec, ...] = field(default=())
+
+    @property
+    def label(self) -> str:
+        return self.word
+
+    def __str__(self) -> str:
+        return f"RELEASE [{' '.join(map(str, self.tensors))}]"
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "tensors": [t.to_json() for t in self.tensors]}
+
+    @classmethod
+    def _from_text(cls, m: re.Match) -> "ReleaseParams":
+        return cls(_specs(m.group(1)))
+
+    @classmethod
+    def _from_json(cls, d: dict) -> "ReleaseParams":
+        return cls(_specs_from_json(d))
+
+
+@dataclass(frozen=True)
 class OptimizerStep(Instruction):
     op: ClassVar[str] = "optimizer_step"
     span_kind: ClassVar[str] = "optimizer"
@@ -531,7 +562,7 @@ STAGE_COMPUTES = (Forward, Backward, BackwardInput, BackwardWeight)
 COMPUTE = STAGE_COMPUTES + (OverlapFB,)
 # every instruction class, the most frequent first (the order parse_instruction tries them)
 INSTRUCTIONS = COMPUTE + (Send, Recv, Collective, AllReduce, TieAllReduce, ClipGradNorm,
-                          OptimizerStep, ReduceScatter, AllGather)
+                          OptimizerStep, ReduceScatter, AllGather, ReleaseParams)
 
 
 def _uncaptured(pattern: str) -> str:

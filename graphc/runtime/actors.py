@@ -26,15 +26,17 @@ from torch.profiler import record_function
 
 from .. import world
 from ..errors import RankFailedError
+from ..log import warn_user
 from ..plan.instructions import (ACT, COMPUTE, AllGather, AllReduce, BackwardInput, BackwardWeight,
-                                 ClipGradNorm, Collective, Forward, OptimizerStep, OverlapFB, Recv, Send)
+                                 ClipGradNorm, Collective, Forward, OptimizerStep, OverlapFB, Recv,
+                                 ReleaseParams, Send)
 from ..ops.conversions import all_reduce_sum
 from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
 from .collectives import GradSync
 from .executor import StageExecutor
 from .stopped_ranks import explain_stopped_peers
-from .zero import ZeroGradSync, ZeroShards
+from .zero import ZeroGradSync, ZeroShards, released_in, whole_parameters
 
 
 @dataclass
@@ -188,6 +190,10 @@ class Runtime:
         self.zero = ZeroShards.from_plan(plan, list(programs.values()), optimizer) if plan.training else None
         self.grad_sync = (GradSync.from_plan(plan, list(programs.values())) if self.zero is None  # None without synced grads
                           else ZeroGradSync.for_shards(plan, list(programs.values()), self.zero))
+        # ZeRO stage 3's gathers, each launched before the compute ahead of it (NOTE: ZeRO stage 3)
+        self.warned_whole = False
+        self.not_gathered = self._gathered_elsewhere()
+        self.prefetch = _prefetches(plan.instructions) if self.zero is not None and self.zero.stage == 3 else {}
         # each peer's receives in plan order, and the peers sent to: fixed by the plan
         self.recv_queues: Dict[int, List[Recv]] = defaultdict(list)
         for ins in plan.instructions:
@@ -216,17 +222,39 @@ class Runtime:
         """Runs the plan once. Returns each build() result computed here, per micro-batch."""
         self.calls += 1
         try:
-            if self.stream is not None:
-                with torch.cuda.stream(self.stream):
-                    out = self._run(user_inputs)
-                torch.cuda.current_stream().wait_stream(self.stream)
-                return out
-            return self._run(user_inputs)
+            held = released_in(self.not_gathered)
+            if held:   # stage-3 parameters this plan does not gather (NOTE: ZeRO stage 3)
+                self._warn_whole(len(held))
+                with whole_parameters(held):
+                    return self._on_stream(user_inputs)
+            return self._on_stream(user_inputs)
         except (RuntimeError, RankFailedError) as exc:   # a peer that ran out of data, named
             stopped = explain_stopped_peers(exc, self.plan.rank, self.plan.world_size, self.calls)
             if stopped is None:
                 raise
             raise stopped from exc
+
+    def _on_stream(self, user_inputs):
+        if self.stream is None:
+            return self._run(user_inputs)
+        with torch.cuda.stream(self.stream):
+            out = self._run(user_inputs)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return out
+
+    def _warn_whole(self, n: int) -> None:
+        if not self.warned_whole:
+            self.warned_whole = True
+            warn_user(f"{n} parameter(s) sharded by ZeRO stage 3 in another graph are read by this "
+                      "plan, which does not gather them: each call gathers them whole first and "
+                      "frees them after (slow path). Fix: enable_zero(True, stage=3) in this graph "
+                      "as well.")
+
+    def _gathered_elsewhere(self) -> List[torch.nn.Parameter]:
+        """This rank's parameters that its plan's own ZeRO gathers do not cover."""
+        params = _local_parameters([ex.program for ex in self.executors.values()])
+        mine = set(self.zero.by_name) if self.zero is not None and self.zero.stage == 3 else set()
+        return [p for n, p in params.items() if n not in mine]
 
     def _actors(self):
         """Fresh actors for one step (their tags and buffers are per step)."""
@@ -277,8 +305,10 @@ class Runtime:
         if self.zero is not None:
             self.zero.refresh()
         profiling = torch.autograd.profiler._is_profiler_enabled  # checked once per step: cheap
-        for ins, range_name in zip(self.plan.instructions, self.range_names):
+        for i, (ins, range_name) in enumerate(zip(self.plan.instructions, self.range_names)):
             t0 = time.perf_counter() if self.trace else 0.0
+            for gather in self.prefetch.get(i, ()):
+                self.zero.launch_gather(gather)
             with record_function(range_name) if profiling and range_name else _NO_RANGE:
                 if isinstance(ins, Recv):
                     got = _assemble(ins, recv_actors[ins.peer].take(ins), assembling)
@@ -303,6 +333,8 @@ class Runtime:
                     self._clip_grad_norm(ins)
                 elif isinstance(ins, AllGather):
                     self.zero.gather(ins)
+                elif isinstance(ins, ReleaseParams):
+                    self.zero.release(ins)
                 elif isinstance(ins, AllReduce):
                     self.grad_sync.wait(ins)
             if self.trace:
@@ -410,8 +442,26 @@ class Runtime:
         if self.zero is None:
             self.optimizer.step()
         else:
-            self.zero.step(self.optimizer, [ins for ins in self.plan.instructions
-                                            if isinstance(ins, AllGather)])
+            self.zero.step(self.optimizer, self.zero.after_step)
+
+
+def _prefetches(instructions) -> Dict[int, List[AllGather]]:
+    """Position -> the ZeRO stage-3 ALL_GATHERs to launch just before the instruction there:
+    each before the compute that precedes it (the step's first: at the step's start, beside
+    the receives it waits for), unless a RELEASE of its parameters lies between (then where it
+    stands). See NOTE: ZeRO stage 3 in zero.py."""
+    out: Dict[int, List[AllGather]] = defaultdict(list)
+    last_compute, released_since = 0, set()
+    for i, ins in enumerate(instructions):
+        if isinstance(ins, COMPUTE):
+            last_compute, released_since = i, set()
+        elif isinstance(ins, ReleaseParams):
+            released_since |= {t.name for t in ins.tensors}
+        elif isinstance(ins, AllGather) and not released_since & {t.name for t in ins.tensors}:
+            out[last_compute].append(ins)
+        elif isinstance(ins, OptimizerStep):
+            break
+    return dict(out)
 
 
 def _local_parameters(programs) -> Dict[str, torch.nn.Parameter]:

@@ -34,17 +34,37 @@ whole when the call returns, as before. Every parameter steps once on its own gr
 optimizer whose update is per parameter (SGD, Adam, AdamW, ...: what ZeRO's row shards already
 need) gives the numbers of one step; step hooks run once per bucket, and an LR scheduler
 still steps once per call.
+
+NOTE: ZeRO stage 3
+At stage 3 the parameters are sharded between uses too. Each shard parameter owns its rows
+(a copy, not a view), and the whole parameter's storage is freed (resized to 0 bytes: the
+tensor, its shape, and every reference to it, in the stage program and in autograd's saved
+tensors, stay valid) by a RELEASE after the computes that read it. An ALL_GATHER before those
+computes gives the storage back and fills it with every rank's rows; it is launched
+asynchronously before the compute that precedes it on this rank (prefetch), so the gather
+runs while that compute does. The optimizer steps on the shards, and no ALL_GATHER follows
+the step: the next step's first use gathers. When (insert_zero_sync): a rank holding one
+stage gathers it once per step, before its first compute, and releases it after its last;
+a rank holding several chunks gathers and releases around each compute, so one chunk at a
+time is whole. Between steps a rank holds 1/d of the parameters (torch.chunk's rows).
+Anything else that reads the parameters collectively (graph.state_dict(),
+load_state_dict(), full_state_dict(), a plan with no gathers of them, e.g. a forward-only
+graph sharing the model) reads them inside whole_parameters(): gathered, then released
+again, any rows written kept in the shards. A parameter whose storage holds anything else
+(a view into another tensor) cannot be freed alone and is refused.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+import math
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from .. import world
 from ..errors import GraphcError
-from ..plan.instructions import AllGather, ReduceScatter
+from ..plan.instructions import AllGather, OptimizerStep, ReduceScatter, ReleaseParams
 from ..plan.plan import ZERO_NOTE
 from ..sbp.layout import chunk_range
 from .collectives import GradSync
@@ -62,21 +82,44 @@ class Shard:
     rows: int                   # this rank's rows (0 on a rank past the last chunk)
     chunk: int                  # the largest chunk's rows: every rank's part is padded to it
     shard: torch.nn.Parameter
+    owns: bool = False          # stage 3: the shard owns its rows; the whole storage is freed between uses
 
     @property
     def row_numel(self) -> int:
-        return self.param[0].numel() if self.param.dim() else 1
+        return math.prod(self.param.shape[1:])   # from the shape: at stage 3 the storage may be freed
 
     @property
     def part_numel(self) -> int:
         return self.chunk * self.row_numel
 
     def view_rows(self) -> torch.Tensor:
+        """This rank's rows: the shard's own at stage 3, else a view of the parameter's."""
+        if self.owns:
+            return self.shard.data
         return self.param.data[self.start:self.start + self.rows]
+
+    @property
+    def released(self) -> bool:
+        return self.owns and self.param.data.untyped_storage().nbytes() == 0
+
+    def release(self) -> None:
+        """Stage 3: frees the whole parameter's storage (See NOTE: ZeRO stage 3)."""
+        self.param.data.untyped_storage().resize_(0)
+
+    def materialize(self) -> None:
+        """Stage 3: the whole parameter's storage back (values undefined until unpacked)."""
+        if self.released:
+            self.param.data.untyped_storage().resize_(self.param.numel() * self.param.element_size())
+
+    def keep_rows(self) -> None:
+        """Stage 3: this rank's rows of the (whole) parameter into its shard."""
+        self.shard.data.copy_(self.param.data[self.start:self.start + self.rows])
 
     def refresh(self) -> None:
         """The shard views the parameter's current storage (a load or a device move may have
         replaced it); the optimizer's state stays keyed by the same shard parameter."""
+        if self.owns:
+            return
         rows = self.view_rows()
         if self.shard.data.data_ptr() != rows.data_ptr() or self.shard.device != rows.device:
             self.shard.data = rows
@@ -110,8 +153,9 @@ class Shard:
 class ZeroShards:
     """This rank's shards of its ZeRO parameters, by name, and the collectives on them."""
 
-    def __init__(self, rank: int, stage: int, shards: Dict[str, Shard]):
+    def __init__(self, rank: int, stage: int, shards: Dict[str, Shard], after_step: List[AllGather]):
         self.rank, self.stage, self.by_name = rank, stage, shards
+        self.after_step = after_step                  # the ALL_GATHERs after the step (stages 1, 2)
         self.gathering: Dict[AllGather, tuple] = {}   # launched: (work, packed, this rank's rows)
 
     @staticmethod
@@ -130,6 +174,7 @@ class ZeroShards:
             for name, p in prog.module.named_parameters(remove_duplicate=False):
                 params.setdefault(name, p)
         made = _made_shards(optimizer)
+        stage = int(plan.notes.get(ZERO_NOTE, "stage 2").split()[1].rstrip(";"))
         shards: Dict[str, Shard] = {}
         for ins in scatters:
             ranks = tuple(sorted(ins.ranks))
@@ -140,11 +185,18 @@ class ZeroShards:
                 start, rows = chunk_range(n, len(ranks), k)
                 shard = made.get(id(p))
                 if shard is None:
-                    shard = made[id(p)] = torch.nn.Parameter(p.data[start:start + rows],
+                    if stage == 3:
+                        _own_storage(spec.name, p)
+                    rows_now = p.data[start:start + rows]
+                    shard = made[id(p)] = torch.nn.Parameter(rows_now.clone() if stage == 3 else rows_now,
                                                              requires_grad=p.requires_grad)
-                shards[spec.name] = Shard(spec.name, p, ranks, start, rows, -(-n // len(ranks)), shard)
-        zero = ZeroShards(plan.rank, int(plan.notes.get(ZERO_NOTE, "stage 2").split()[1].rstrip(";")),
-                          shards)
+                s = Shard(spec.name, p, ranks, start, rows, -(-n // len(ranks)), shard, owns=stage == 3)
+                shards[spec.name] = s
+                if stage == 3 and _held(p) is None:
+                    p._graphc_zero3 = s
+        step = next(i for i, ins in enumerate(plan.instructions) if isinstance(ins, OptimizerStep))
+        zero = ZeroShards(plan.rank, stage, shards,
+                          [ins for ins in plan.instructions[step:] if isinstance(ins, AllGather)])
         zero.hold_shards(optimizer)
         return zero
 
@@ -247,8 +299,9 @@ class ZeroShards:
         self.gathering[ins] = (_all_gather(packed, mine, shards[0].ranks), packed, mine)
 
     def gather(self, ins: AllGather) -> None:
-        """Waits for the bucket's all-gather (launching it first if step() did not: a skipped
-        step under loss scaling) and writes every rank's rows into the parameters."""
+        """Waits for the bucket's all-gather (launching it first if step() or a prefetch did
+        not: a skipped step under loss scaling) and writes every rank's rows into the
+        parameters (at stage 3 into their storage, given back first)."""
         if ins not in self.gathering:
             self.launch_gather(ins)
         work, packed, _ = self.gathering.pop(ins)
@@ -256,8 +309,70 @@ class ZeroShards:
             work.wait()
         at = 0
         for s in (self.by_name[t.name] for t in ins.tensors):
+            s.materialize()
             s.unpack(packed[:, at:at + s.part_numel])
             at += s.part_numel
+
+    def release(self, ins: ReleaseParams) -> None:
+        """Stage 3: the whole copies of the named parameters freed (See NOTE: ZeRO stage 3)."""
+        for t in ins.tensors:
+            self.by_name[t.name].release()
+
+
+def _held(p: torch.nn.Parameter) -> Optional[Shard]:
+    """The Shard of a parameter ZeRO stage 3 holds (the first executable's: every executable
+    of a graph shards a parameter alike); None for any other."""
+    return getattr(p, "_graphc_zero3", None)
+
+
+def released_in(params) -> List[torch.nn.Parameter]:
+    """Those of `params` that ZeRO stage 3 holds as shards now (their whole storage freed)."""
+    return [p for p in params if _held(p) is not None and _held(p).released]
+
+
+@contextmanager
+def whole_parameters(params) -> Iterator[None]:
+    """Collective over each parameter's data-parallel group: within the block the stage-3
+    parameters among `params` are whole; after it, the rows written
+    are kept in the shards and those that were freed are freed again (See NOTE: ZeRO stage 3).
+    Every rank of a group gathers the same parameters in the same order (by name)."""
+    chosen = list({id(p): _held(p) for p in params if _held(p) is not None}.values())
+    chosen.sort(key=lambda s: (s.ranks, s.name))
+    freed = [s for s in chosen if s.released]
+    for s in freed:
+        d = len(s.ranks)
+        packed = torch.empty((d, s.part_numel), dtype=s.param.dtype, device=s.param.device)
+        mine = torch.zeros(s.part_numel, dtype=s.param.dtype, device=s.param.device)
+        mine[:s.rows * s.row_numel].copy_(s.shard.data.reshape(-1))
+        work = _all_gather(packed, mine, s.ranks)
+        if work is not None:
+            work.wait()
+        s.materialize()
+        s.unpack(packed)
+    try:
+        yield
+    finally:
+        for s in chosen:
+            s.keep_rows()
+        for s in freed:
+            s.release()
+
+
+def _own_storage(name: str, p: torch.nn.Parameter) -> None:
+    """Stage 3 frees a parameter's storage: it must hold that parameter alone, and be one
+    that can be resized (a storage torch did not allocate, e.g. one a collective or another
+    process wrote, cannot: the parameter gets a copy, before any compute refers to it)."""
+    storage = p.data.untyped_storage()
+    if not storage.resizable() and storage.nbytes() == p.numel() * p.element_size():
+        p.data = p.data.clone()
+        storage = p.data.untyped_storage()
+    if p.data.storage_offset() != 0 or not p.data.is_contiguous() \
+            or storage.nbytes() != p.numel() * p.element_size():
+        raise GraphcError(
+            f"config.enable_zero(stage=3): the parameter '{name}' is a view into a larger tensor "
+            f"({storage.nbytes()} bytes of storage for its {p.numel() * p.element_size()}), so "
+            "its whole copy cannot be freed between uses. Fix: make it a parameter of its own "
+            "(e.g. nn.Parameter(t.clone())), or use stage=2.")
 
 
 def _step_on(optimizer, params: List[torch.nn.Parameter], grads: list, which) -> None:

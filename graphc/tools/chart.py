@@ -39,6 +39,7 @@ COLOURS = {
     "recv": "#C44E52",
     "collective": "#8172B3",
     "optimizer": "#55A868",
+    "release": "#B0B0B0",
 }
 LEGEND = {
     "forward": "F: forward (micro-batch on the box)",
@@ -50,6 +51,7 @@ LEGEND = {
     "send": "send: posting the transfer",
     "collective": "collective (all-reduce, boxing)",
     "optimizer": "optimizer step",
+    "release": "ZeRO-3: whole parameters freed",
 }
 TALL = ("forward", "backward", "backward_input", "backward_weight", "overlap", "optimizer",
         "collective")

@@ -7,7 +7,8 @@
   stage<s>.py                  each stage's fx program as Python, with its interface
   passes.txt                   the compilation history: every pass's output and time
   schedule.png / .svg          the schedule with unit costs (forward 1, backward 2)
-  simulation.txt, simulated.png / .svg, simulated_trace.json   with --simulate
+  simulation.txt, simulated.png / .svg, simulated_trace.json   with --simulate (the table
+                               adds each rank's model-state bytes: NOTE: Model-state bytes)
 
 Charts and the simulated trace fold ranks with identical timelines into one row.
 Without matplotlib (the `plan` extra) the charts are skipped, said once per run.
@@ -24,7 +25,7 @@ from .chart import INSTALL_HINT, charts_available, draw_timeline
 from .cost_model import CostModel
 from .costs import device_costs, measure_costs
 from .rows import fold_ranks, ranges, row_label
-from .simulate import simulate
+from .simulate import model_inputs, simulate
 from .summary import stage_summary
 
 ALL_RANKS_BELOW = 64    # worlds this small get every rank's plan file by default
@@ -159,9 +160,11 @@ def costs_for(graph, compiled, how: str) -> CostModel:
 
 def write_simulation(graph, compiled, folder: str, how: str, chart: bool = True) -> List[str]:
     costs = costs_for(graph, compiled, how)
+    # every rank's parameters from the stage programs: the table adds model-state bytes
+    model = model_inputs(compiled, getattr(graph, "_optimizer", None))
     # several steps: the table reports the steady state (a rank starts its next step early)
     result = simulate(compiled.plans, costs, steps=STEADY_STEPS,
-                      cores=os.cpu_count() if how == "measure" else None)
+                      cores=os.cpu_count() if how == "measure" else None, model=model)
     name = type(graph).__name__
     table = f"# {name}: simulated step, costs {costs.source}\n{result.table()}"
     print(table, flush=True)

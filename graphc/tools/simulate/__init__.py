@@ -29,6 +29,7 @@ Link contention between different rank pairs is not modelled.
 The package, by concern:
   * engine.py: the event engine (links, collectives, the worklist of ranks, the times);
   * memory.py: memory accounting (live micro-batches, peak activation bytes);
+  * model_state.py: model-state bytes per rank (parameters, gradients, optimizer state);
   * folding.py: rank folding (classes of ranks that share one timeline);
   * result.py: what a simulation returns (SimResult, RankSummary, SimTimeline);
   * codes.py: the op tuples the engine runs, one per instruction, and their codes.
@@ -48,14 +49,16 @@ from ...runtime.trace import Span, Timeline
 from ..cost_model import CostModel
 from .engine import _Simulation
 from .memory import activation_peak, stage_input_bytes
+from .model_state import ModelInputs, ModelState, ParamSpec, model_inputs, model_state
 from .result import RankSummary, SimResult, SimTimeline
 
 __all__ = ["simulate", "SimResult", "RankSummary", "SimTimeline", "Span", "Timeline",
-           "activation_peak", "stage_input_bytes"]
+           "activation_peak", "stage_input_bytes", "ModelInputs", "ModelState", "ParamSpec",
+           "model_inputs", "model_state"]
 
 
 def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
-             cores: Optional[int] = None) -> SimResult:
+             cores: Optional[int] = None, model: Optional[ModelInputs] = None) -> SimResult:
     """Runs every rank's plan against `costs`; returns the timeline and per-rank summary.
 
     Args:
@@ -63,6 +66,8 @@ def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
         costs: per-stage compute costs, transport and link costs, activation sizes.
         steps: consecutive steps to run; > 1 reports the steady-state period as step_time.
         cores: CPU cores the ranks share (None: each rank has its own device or core).
+        model: each rank's parameters (model_inputs(compiled, optimizer)): the summary then
+            reports model-state bytes per rank (NOTE: Model-state bytes); None: it does not.
     Returns:
         SimResult with `step_time`, `bubble_fraction`, `ranks` and `timeline`.
     Raises:
@@ -72,4 +77,10 @@ def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
         raise ValueError(f"steps must be >= 1, found {steps}")
     sim = _Simulation(plans, costs, steps, cores)
     sim.run()
-    return sim.result()
+    result = sim.result()
+    if model is not None:
+        by_rank = {p.rank: p for p in plans}
+        for r in result.ranks:
+            r.model_state = model_state(by_rank[r.rank], model.params.get(r.rank, ()))
+        result.model_note = model.optimizer
+    return result

@@ -4,10 +4,11 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 from ...plan.plan import ExecutionPlan
 from ...runtime.trace import Span, Timeline
+from .model_state import ModelState
 
 
 @dataclass
@@ -19,6 +20,7 @@ class RankSummary:
     bubble: float              # 1 - busy / step_time (ranks that compute)
     peak_live_microbatches: int
     peak_activation_bytes: int
+    model_state: Optional[ModelState] = None   # with simulate(..., model=...)
 
 
 @dataclass
@@ -28,6 +30,7 @@ class SimResult:
     ranks: List[RankSummary] = field(default_factory=list)
     step_ends: List[float] = field(default_factory=list)   # when the last rank ended each step
     steps: int = 1
+    model_note: str = ""       # where the optimizer's state count came from (with model state)
 
     @property
     def first_step_time(self) -> float:
@@ -40,18 +43,29 @@ class SimResult:
         return sum(working) / len(working) if working else 0.0
 
     def table(self, unit: str = "ms", scale: float = 1e3) -> str:
-        """A per-rank table: compute, finish, bubble, peak live micro-batches and memory."""
+        """A per-rank table: compute, finish, bubble, peak live micro-batches and memory (and
+        model state: parameters, gradients, optimizer state, where simulated)."""
+        model = any(r.model_state is not None for r in self.ranks)
         head = (f"{'rank':>4}  {'stages':>6}  {'compute ' + unit:>12}  {'finish ' + unit:>12}  "
                 f"{'bubble':>7}  {'live mb':>7}  {'peak act MiB':>12}")
+        if model:
+            head += f"  {'params MiB':>10}  {'grads MiB':>10}  {'optim MiB':>10}  {'model MiB':>10}"
         rows = [head]
         for r in self.ranks:
-            rows.append(f"{r.rank:>4}  {','.join(map(str, r.stages)) or '-':>6}  "
-                        f"{r.busy * scale:>12.3f}  {r.finish * scale:>12.3f}  {r.bubble:>7.1%}  "
-                        f"{r.peak_live_microbatches:>7}  {r.peak_activation_bytes / 2**20:>12.3f}")
+            row = (f"{r.rank:>4}  {','.join(map(str, r.stages)) or '-':>6}  "
+                   f"{r.busy * scale:>12.3f}  {r.finish * scale:>12.3f}  {r.bubble:>7.1%}  "
+                   f"{r.peak_live_microbatches:>7}  {r.peak_activation_bytes / 2**20:>12.3f}")
+            m = r.model_state
+            if m is not None:
+                row += "".join(f"  {b / 2**20:>10.3f}" for b in (m.params, m.grads, m.optimizer, m.total))
+            rows.append(row)
         what = (f"steady-state step time (period over {self.steps} steps; first step "
                 f"{self.first_step_time * scale:.3f} {unit})" if self.steps > 1 else "step time")
         rows.append(f"{what} {self.step_time * scale:.3f} {unit}, mean bubble "
                     f"{self.bubble_fraction:.1%}")
+        if model:
+            rows.append("model state per rank: parameters held between steps, gradient buffers "
+                        f"at the optimizer step, optimizer state ({self.model_note})")
         return "\n".join(rows)
 
 

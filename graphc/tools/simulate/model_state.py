@@ -1,0 +1,208 @@
+"""Model-state bytes per rank: parameters, gradients and optimizer state, from the plan.
+
+NOTE: Model-state bytes
+A rank's model state (`RankSummary.model_state`) counts what the runtime allocates for its
+stages' parameters (See NOTE: ZeRO in graphc/runtime/zero.py for the layouts):
+  * params: held between steps. Whole (this rank's component under tensor parallel), except
+    a ZeRO stage-3 parameter (one a REDUCE_SCATTER names, plan note `zero: stage 3`): only
+    this rank's rows, torch.chunk's (its whole storage is freed between uses);
+  * grads: the gradient storage a rank holds at its optimizer step: each ALL_REDUCE and
+    TIE_ALL_REDUCE bucket whole (a flat buffer in the reduce dtype, kept between steps, plus
+    its copy in the gradients' dtype where that differs), each REDUCE_SCATTER bucket's
+    summed part (every tensor padded to its largest chunk, in the reduce dtype), at ZeRO
+    stage 1 also its packed bucket (d parts, kept between steps), and a trained parameter
+    no collective names (no data parallelism) whole in its own dtype;
+  * optimizer: the state tensors of a parameter's shape that the optimizer keeps for each
+    trained parameter (Adam 2, SGD with momentum 1), on this rank's rows for one a
+    REDUCE_SCATTER names (ZeRO 1, 2, 3), else whole. Scalars (Adam's step) are not counted.
+Buffers and gathered stage-3 parameters (whole only during the step) are not model state.
+tests/zero/test_zero_model_state.py checks these against the tensors on real ranks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ...plan.instructions import AllReduce, ReduceScatter, TieAllReduce
+from ...plan.plan import ZERO_NOTE, ExecutionPlan
+from ...sbp.layout import chunk_range, local_shape
+
+ASSUMED_STATES = 2      # without the optimizer: Adam's exp_avg and exp_avg_sq
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as a rank holds it: every name it goes by (a tied one has several),
+    this rank's component's shape, its dtype, whether it is trained (has a gradient) and how
+    many optimizer state tensors of its shape it gets."""
+
+    names: Tuple[str, ...]
+    shape: Tuple[int, ...]
+    dtype: str
+    trained: bool
+    states: int
+
+    @property
+    def itemsize(self) -> int:
+        return _itemsize(self.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """What model-state bytes need beyond the plans: each rank's parameters, and a line
+    saying where the optimizer's state count came from."""
+
+    params: Mapping[int, Sequence[ParamSpec]]
+    optimizer: str
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """A rank's model-state bytes (See NOTE: Model-state bytes)."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state(plan: ExecutionPlan, params: Sequence[ParamSpec]) -> ModelState:
+    """The model-state bytes of `plan`'s rank holding `params` (NOTE: Model-state bytes)."""
+    by_name = {n: p for p in params for n in p.names}
+    stage = zero_stage(plan) if plan.training else 0
+    rows: Dict[str, int] = {}       # sharded parameter -> this rank's rows
+    reduced: set = set()
+    grads = 0
+    for ins in plan.instructions if plan.training else ():
+        if isinstance(ins, ReduceScatter):
+            d, k = len(ins.ranks), sorted(ins.ranks).index(plan.rank)
+            part = 0
+            for t in ins.tensors:
+                p = by_name[t.name]
+                rows[t.name] = chunk_range(p.shape[0], d, k)[1]
+                part += -(-p.shape[0] // d) * math.prod(t.shape[1:]) * _itemsize(t.dtype)
+                if t.dtype != p.dtype:      # the sum cast back to the gradient's dtype
+                    part += rows[t.name] * p.row_bytes
+                reduced.add(id(p))
+            grads += part * (len(ins.ranks) + 1 if stage == 1 else 1)
+        elif type(ins) in (AllReduce, TieAllReduce):
+            names = ins.params if isinstance(ins, TieAllReduce) else [t.name for t in ins.tensors]
+            grads += sum(t.nbytes for t in ins.tensors)
+            wide = by_name[names[0]].dtype if names else None
+            if wide is not None and ins.tensors and ins.tensors[0].dtype != wide:
+                grads += sum(math.prod(t.shape) for t in ins.tensors) * _itemsize(wide)
+            reduced |= {id(by_name[n]) for n in names}
+    held = {id(p): p for p in params}.values()       # a tied parameter once
+    sharded = {id(by_name[n]): r for n, r in rows.items()}
+    out_params = out_optim = 0
+    for p in held:
+        r = sharded.get(id(p))
+        out_params += r * p.row_bytes if r is not None and stage == 3 else p.nbytes
+        if p.trained and plan.training:
+            out_optim += p.states * (r * p.row_bytes if r is not None else p.nbytes)
+            if id(p) not in reduced:
+                grads += p.nbytes
+    return ModelState(out_params, grads, out_optim)
+
+
+def zero_stage(plan: ExecutionPlan) -> int:
+    """The ZeRO stage of a plan (its `zero: stage N; ...` note), 0 without ZeRO."""
+    note = plan.notes.get(ZERO_NOTE)
+    return int(note.split(";")[0].split()[1]) if note else 0
+
+
+def model_inputs(compiled, optimizer=None) -> ModelInputs:
+    """Every rank's ParamSpecs from the compiled stage programs (plan mode's whole parameters
+    or a running rank's own, alike: shapes come from the traced graph), with the optimizer's
+    state tensors per parameter counted on a small copy of it (None: Adam's 2 assumed)."""
+    states, note = _state_counts(optimizer)
+    per_stage: Dict[int, list] = {}
+    for prog in compiled.programs:
+        per_stage[prog.stage] = _stage_params(prog.module, states)
+    out: Dict[int, List[ParamSpec]] = {}
+    for plan in compiled.plans:
+        seen: Dict[int, ParamSpec] = {}
+        for s in plan.local_stages:
+            for key, make in per_stage.get(s, ()):
+                if key not in seen:
+                    seen[key] = make(plan.rank)
+        out[plan.rank] = list(seen.values())
+    return ModelInputs(out, note)
+
+
+def _stage_params(module, states) -> list:
+    """(id(parameter), rank -> its ParamSpec on that rank) for each parameter of a stage."""
+    from ...meta import META_SBP, META_TENSOR
+    nodes = {str(n.target): n for n in module.graph.nodes if n.op == "get_attr"}
+    names: Dict[int, List[str]] = {}
+    objs: Dict[int, torch.nn.Parameter] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        objs[id(p)] = p
+    out = []
+    for key, ns in names.items():
+        p = objs[key]
+        node = next((nodes[n] for n in ns if n in nodes), None)
+        meta = node.meta.get(META_TENSOR) if node is not None else None
+        sig = node.meta.get(META_SBP) if node is not None else None
+        shape = tuple(meta.shape) if meta is not None else tuple(p.shape)
+        dtype = str(p.dtype).replace("torch.", "")
+        count = states.get(key, states.get(None, 0)) if p.requires_grad else 0
+
+        def make(rank, ns=tuple(ns), shape=shape, sig=sig, dtype=dtype, trained=p.requires_grad, count=count):
+            local = shape if sig is None else tuple(local_shape(shape, sig.out, sig.mesh, rank))
+            return ParamSpec(ns, local, dtype, trained, count)
+        out.append((key, make))
+    return out
+
+
+def _state_counts(optimizer) -> Tuple[Dict[Optional[int], int], str]:
+    """id(parameter) -> optimizer state tensors of its shape (key None: any parameter), and
+    where the count came from."""
+    if optimizer is None:
+        return {None: ASSUMED_STATES}, (f"optimizer unknown: Adam's {ASSUMED_STATES} state "
+                                        "tensors per parameter assumed")
+    counts: Dict[Optional[int], int] = {}
+    # a running ZeRO graph's groups hold shard parameters in place of its own (See NOTE: ZeRO
+    # in graphc/runtime/zero.py): each counts for the parameter it shards
+    whole = {id(shard): key for key, shard in getattr(optimizer, "_graphc_zero_shards", {}).items()}
+    try:
+        for group in optimizer.param_groups:
+            n = _probe(optimizer, group)
+            counts.update({whole.get(id(p), id(p)): n for p in group["params"]})
+    except Exception as exc:   # an optimizer a copy cannot step alone (LBFGS needs a closure)
+        return {None: ASSUMED_STATES}, (f"{type(optimizer).__name__} could not be probed "
+                                        f"({type(exc).__name__}): Adam's {ASSUMED_STATES} state "
+                                        "tensors per parameter assumed")
+    shown = sorted(set(counts.values()))
+    return counts, (f"{type(optimizer).__name__}: {'/'.join(map(str, shown)) or 0} state "
+                    "tensor(s) per parameter, counted on a copy of the graph's optimizer")
+
+
+def _probe(optimizer, group) -> int:
+    """The state tensors of a parameter's shape one step of `optimizer`'s type, with the
+    group's settings, leaves for a small parameter."""
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    p.grad = torch.ones_like(p)
+    settings = {k: v for k, v in group.items() if k != "params"}
+    copy = type(optimizer)([dict(settings, params=[p])])
+    copy.step()
+    return sum(1 for v in copy.state[p].values() if torch.is_tensor(v) and v.shape == p.shape)
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize

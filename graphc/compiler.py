@@ -52,6 +52,7 @@ from .passes.insert_grad_modes import insert_grad_modes
 from .passes.insert_grad_sync import DEFAULT_BUCKET_BYTES, insert_grad_sync
 from .passes.insert_tie_sync import insert_tie_sync
 from .passes.insert_zero_sync import insert_zero_sync
+from .passes.warn_replicated_stages import warn_replicated_stages
 from .passes.list_collectives import list_collectives
 from .passes.localize_ops import localize_ops
 from .passes.lower_plan import lower_plan
@@ -239,6 +240,8 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     gm = _step(run, "defer_batch_norm", defer_batch_norm, gm, spec.deferred_batch_norm, m)
     # an SBP signature per node, cheapest by bytes moved, honouring the user's layouts
     gm = _step(run, "infer_sbp", infer_sbp, gm, meshes, [l.sbp if l else None for l in input_layouts], m)
+    # a stage on several ranks with nothing split computes the same thing on each: said
+    gm = _step(run, "warn_replicated_stages", warn_replicated_stages, gm, meshes)
     # every SBP mismatch becomes a collective (with its dual in backward)
     gm = _step(run, "insert_boxing", insert_boxing, gm)
     # ops reading global sizes (mean over a split dim, reshape) get their local form

@@ -206,9 +206,11 @@ class Graph:
         check_cuda_available(spec, specs)  # before torch's own AssertionError, on every rank
         device_types = {where.type for _, where in named_placements(spec, specs)}  # set_stage or not
         rank, world = ensure_process_group(device_types or {"cpu"})
-        exe = Executable.compile(spec, specs, world, tree)
-        object.__setattr__(self, "_rank", rank)
-        self._start(exe, new_state=True)
+        # a model another graph holds as ZeRO stage 3 shards is traced and agreed on whole
+        with whole_parameters(self._root.parameters()):
+            exe = Executable.compile(spec, specs, world, tree)
+            object.__setattr__(self, "_rank", rank)
+            self._start(exe, new_state=True)
         self._cache.add((signature(specs), tree), exe)
         # after a pending checkpoint is loaded: it names the run's base seed (or its RNG state,
         # from older graphc, carries the run's initial seed)

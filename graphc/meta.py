@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 
 META_STAGE = "graphc_stage"          # int: pipeline stage the node runs on (annotate_stages)
 META_STAGE_WHY = "graphc_stage_why"  # str: which rule gave the stage, for printing
+META_INPUT_STAGES = "graphc_input_stages"  # tuple: the stages an input's placement holds, when several (place_inputs)
 META_TENSOR = "graphc_tensor"        # TensorMeta | None: per-micro-batch value (propagate_shapes)
 META_BATCHED = "graphc_batched"      # bool: placeholder split into micro-batches along dim 0
 META_ROWS = "graphc_rows"            # RowsMeta: where the value holds the batch's rows (find_batch_dims)

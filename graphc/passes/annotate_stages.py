@@ -10,7 +10,8 @@ set it. The rules, in order:
   2. forward - any other node with staged inputs takes the latest of its inputs' stages
                (data flows forward, so e.g. the loss runs on the last stage);
   3. users   - a node with no staged input (a placeholder, a constant, a factory call)
-               runs on the earliest stage among its users;
+               runs on the earliest stage among its users (an input placed on the ranks
+               of several stages, place_inputs: the latest of those at or before it);
   4. default - whatever is left (no set_stage at all) runs on stage 0.
 A module called on two stages (shared) takes its caller's stage at each call, and a
 parameter or buffer read on several stages is one get_attr node per stage: every stage
@@ -24,7 +25,7 @@ from typing import Dict, List, Optional
 
 import torch.fx as fx
 
-from ..meta import META_STAGE, META_STAGE_WHY, is_backward
+from ..meta import META_INPUT_STAGES, META_STAGE, META_STAGE_WHY, is_backward
 
 
 def annotate_stages(gm: fx.GraphModule, stage_of_module: Dict[str, int]) -> fx.GraphModule:
@@ -42,7 +43,10 @@ def annotate_stages(gm: fx.GraphModule, stage_of_module: Dict[str, int]) -> fx.G
     for node in reversed(nodes):
         if META_STAGE not in node.meta and node.op != "output" and not is_backward(node):
             users = [u.meta[META_STAGE] for u in node.users if META_STAGE in u.meta]
-            if users:
+            if users and META_INPUT_STAGES in node.meta:   # an input on a placement of several stages
+                held = [s for s in node.meta[META_INPUT_STAGES] if s <= min(users)]
+                _set(node, max(held) if held else min(node.meta[META_INPUT_STAGES]), "input")
+            elif users:
                 _set(node, min(users), "users")
     # a node with no staged inputs may have got a stage from its users only now
     for node in nodes:

@@ -1,7 +1,9 @@
 """place_inputs: with set_stage, a GlobalTensor input lives on the stage of its placement.
 
 Invariant: every input given as a GlobalTensor whose placement holds exactly one stage's
-ranks has that stage (META_STAGE, why "input"), so its value moves from there to the stages
+ranks has that stage (META_STAGE, why "input"); where the placement holds several (an
+interleaved or V layout), META_INPUT_STAGES lists them and annotate_stages places the input
+on the latest of them at or before its earliest user, so its value moves from there to the stages
 that read it, like any value (in pieces between meshes of other shapes: NOTE: Reshard
 pieces). API.md: ranks outside an input's placement pass a tensor whose values are not read,
 so an input declared on placement [0, 1] and read by a stage on [2, 3, 4] must come from
@@ -18,12 +20,14 @@ from typing import Sequence
 import torch.fx as fx
 
 from ..errors import GraphcError
-from ..meta import META_STAGE, META_STAGE_WHY
+from ..meta import META_INPUT_STAGES, META_STAGE, META_STAGE_WHY
 
 
 def place_inputs(gm: fx.GraphModule, input_layouts: Sequence, stages) -> fx.GraphModule:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    by_ranks = {tuple(sorted(st.ranks)): st.stage_id for st in stages}
+    by_ranks = {}   # V and interleaved layouts put several stages on one placement
+    for st in sorted(stages, key=lambda st: st.stage_id):
+        by_ranks.setdefault(tuple(sorted(st.ranks)), []).append(st.stage_id)
     for node, layout in zip(placeholders, input_layouts):
         if not layout:
             continue
@@ -35,6 +39,9 @@ def place_inputs(gm: fx.GraphModule, input_layouts: Sequence, stages) -> fx.Grap
                 f"pipeline stage ({where}); ranks outside an input's placement pass values "
                 "that are not read, so no stage could read it. Fix: to_global the input on "
                 "the placement of the stage that reads it first (or pass the whole tensor).")
-        node.meta[META_STAGE] = by_ranks[ranks]
-        node.meta[META_STAGE_WHY] = "input"
+        if len(by_ranks[ranks]) == 1:
+            node.meta[META_STAGE] = by_ranks[ranks][0]
+            node.meta[META_STAGE_WHY] = "input"
+        else:   # annotate_stages picks among them by the input's users
+            node.meta[META_INPUT_STAGES] = tuple(by_ranks[ranks])
     return gm

@@ -29,8 +29,10 @@ from ..errors import GraphcError
 
 def fingerprint_tensor(t: torch.Tensor) -> str:
     """A checksum of a tensor's values (equal tensors give equal strings on any rank)."""
-    data = t.detach().cpu().contiguous()
-    return hashlib.sha1(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()[:16]
+    # a copy: .numpy() marks the storage it reads as not resizable, and ZeRO stage 3 resizes
+    # parameters' storage (See NOTE: ZeRO stage 3, runtime/zero.py)
+    data = t.detach().cpu().contiguous().view(torch.uint8).clone()
+    return hashlib.sha1(data.numpy().tobytes() if data.numel() else b"").hexdigest()[:16]
 
 
 def check_agreement(facts: Dict[str, Any], holders: Dict[str, List[int]], what: str,

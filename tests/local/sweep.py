@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Callable, List, Tuple
 
@@ -85,10 +86,13 @@ def configurations() -> List[Config]:
                     c = Config("skip", pp, 1, 1, schedule, acc, ckpt)
                     if _valid(c):
                         out.append(c)
-    for pp, dp in ((1, 2), (1, 4), (2, 2)):                   # SkipNet with ZeRO stages 1 and 2
-        for zero in (1, 2):
+    for pp, dp in ((1, 2), (1, 4), (2, 2)):                   # SkipNet with ZeRO stages 1, 2 and 3
+        for zero in (1, 2, 3):
             for acc in (1, 2, 4):
                 out.append(Config("skip", pp, dp, 1, "1f1b", acc, zero=zero))
+    for schedule in ("zbv", "interleaved_1f1b"):              # two chunks a rank: gathered per compute
+        for zero in (2, 3):
+            out.append(Config("skip", 2, 2, 1, schedule, 4, zero=zero))
     for pp, tp, dp in ((1, 2, 1), (1, 4, 1), (1, 1, 2), (1, 1, 4), (2, 1, 1), (2, 2, 1), (2, 1, 2),
                        (1, 2, 2), (2, 2, 2), (4, 1, 1), (4, 2, 1), (4, 1, 2), (1, 4, 2), (1, 2, 4),
                        (8, 1, 1), (2, 4, 2), (4, 2, 2), (2, 2, 4), (4, 4, 4)):   # the GPT: ties, 2-D meshes
@@ -145,6 +149,25 @@ class SkipGraph(graphc.Graph):
         return loss
 
 
+def _split_over_data(c: Config, batches: list, readers: List[int]):
+    """The batches as each rank passes them under data parallelism: every input split(0) over
+    the data-parallel ranks of the stage that reads it (`readers`: that stage's pipeline rank
+    per input), rank k of them holding the k-th chunk of rows; a rank outside passes rows that
+    are not read. With one data-parallel rank, the plain batches (whole on every rank)."""
+    if c.dp == 1:
+        return batches
+
+    def inputs(rank, step):
+        out = []
+        for t, reader in zip(batches[step], readers):
+            ranks = _ranks(reader, c.dp)
+            k = ranks.index(rank) if rank in ranks else 0
+            out.append(graphc.to_global(t.chunk(c.dp)[k], placement=graphc.placement("cpu", ranks),
+                                        sbp=graphc.sbp.split(0)))
+        return tuple(out)
+    return inputs
+
+
 def _skip(c: Config):
     stages = c.pp * CHUNKS[c.schedule] if c.pp > 1 else 2
 
@@ -153,7 +176,10 @@ def _skip(c: Config):
         model = SkipNet(stages, d=8)
         return SkipGraph(model, torch.optim.Adam(model.parameters(), lr=0.01), c)
     batch = max(8, 2 * c.acc * c.dp)
-    return make, make_batches(n=STEPS, batch=batch, d=8)
+    last = 0
+    if c.pp > 1:   # the pipeline rank of the last stage (the loss reads the labels there)
+        last = next(r for r, held in enumerate(schedule_layout(c.schedule, c.pp, stages)) if stages - 1 in held)
+    return make, _split_over_data(c, make_batches(n=STEPS, batch=batch, d=8), [0, last])
 
 
 class ConvGraph(graphc.Graph):
@@ -185,8 +211,9 @@ def _convbn(c: Config):
         return ConvGraph(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), c)
     g = torch.Generator().manual_seed(1)
     batch = 4 * c.acc * c.dp
-    return make, [(torch.randn(batch, 3, 8, 8, generator=g) + 3.0, torch.randint(0, 5, (batch,), generator=g))
-                  for _ in range(STEPS)]
+    return make, _split_over_data(c, [(torch.randn(batch, 3, 8, 8, generator=g) + 3.0,
+                                       torch.randint(0, 5, (batch,), generator=g)) for _ in range(STEPS)],
+                                  [0, c.pp - 1])
 
 
 def _gpt_module():
@@ -256,7 +283,7 @@ def _llama(c: Config):
         lengths = torch.randint(2, T + 1, (B,), generator=g)
         mask = (torch.arange(T)[None] < lengths[:, None]).long()
         batches.append((ids, mask, ids.masked_fill(mask == 0, -100)))
-    return make, batches
+    return make, _split_over_data(c, batches, [0, 0, c.pp - 1])
 
 
 BUILD: dict = {"skip": _skip, "gpt": _gpt, "convbn": _convbn, "convbn-frozen": _convbn, "llama": _llama}
@@ -269,7 +296,15 @@ def run(c: Config) -> graphc.testing.LocalRun:
 
 
 def check(c: Config) -> Tuple[bool, str]:
-    result = run(c)
+    """Whether the configuration's every step agrees with eager, and the report. A stage whose
+    ranks all compute the same thing (warn_replicated_stages) fails it: the configuration
+    would not be the data parallelism it names."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run(c)
+    replicated = [str(w.message) for w in caught if "computes the same thing" in str(w.message)]
+    if replicated:
+        return False, f"{c.id}: {replicated[0]}"
     return result.ok, result.text()
 
 

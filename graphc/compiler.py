@@ -108,6 +108,7 @@ class CompileSpec:
     zero_stage: int = 0                # enable_zero: 0 off, 1, 2 or 3 (NOTE: ZeRO, runtime/zero.py)
     zero_shard_min_size: int = 1024    # parameters with fewer elements stay replicated
     grad_reduce_dtype: Optional[torch.dtype] = None  # gradient buckets' dtype (None: the grads')
+    param_dtype: Optional[torch.dtype] = None  # set_param_dtype: parameters stored in it, float32 masters
 
 
 @dataclass
@@ -269,16 +270,18 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     plans = _step(run, "lower_plan", lower_plan, programs, stages, spec.pipeline_schedule, m,
                   training, world_size, spec.activation_checkpointing)
     # all-reduce of partial_sum gradients (data parallel), bucketed, before the step
+    # (under set_param_dtype gradients are held by the float32 masters: NOTE: Master parameters)
+    grad_dtype = torch.float32 if spec.param_dtype is not None else None
     plans = _step(run, "insert_grad_sync", insert_grad_sync, plans, gm,
-                  spec.gradient_bucket_bytes, spec.grad_reduce_dtype)
+                  spec.gradient_bucket_bytes, spec.grad_reduce_dtype, grad_dtype)
     # under ZeRO, sharded parameters' gradients reduce-scattered instead, gathered after the step
     plans = _step(run, "insert_zero_sync", insert_zero_sync, plans, gm, spec.zero_stage,
                   spec.zero_shard_min_size, spec.gradient_bucket_bytes)
     # a parameter held by several stages (tied): its gradients summed over them, after grad sync
-    plans = _step(run, "insert_tie_sync", insert_tie_sync, plans, programs, stages)
+    plans = _step(run, "insert_tie_sync", insert_tie_sync, plans, programs, stages, grad_dtype)
     # clipping by the global grad norm (one scalar all-reduce), once gradients are final
     plans = _step(run, "insert_grad_clip", insert_grad_clip, plans, programs, meshes,
-                  spec.grad_clip_norm, declared)
+                  spec.grad_clip_norm, declared, grad_dtype)
     # each conversion's collectives listed where its compute issues them (SBP, ranks, bytes)
     plans = _step(run, "list_collectives", list_collectives, plans, programs)
     # all plans together pair up and are free of deadlock, with every instruction in place

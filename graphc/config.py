@@ -80,6 +80,7 @@ class GraphConfig:
         self.zero_stage = 0                 # enable_zero: 0 (off), 1, 2, 3 (See NOTE: ZeRO)
         self.zero_shard_min_size = 1024
         self.grad_reduce_dtype: Optional[torch.dtype] = None   # None: each gradient's own dtype
+        self.param_dtype: Optional[torch.dtype] = None  # set_param_dtype (None: the model's own)
 
     def _check_open(self, what: str) -> None:
         if self._graph._compiled is not None:
@@ -278,6 +279,34 @@ class GraphConfig:
                               "self.config.set_grad_reduce_dtype(torch.bfloat16).")
         self.grad_reduce_dtype = None if dtype == torch.float32 else dtype
 
+    def set_param_dtype(self, dtype: torch.dtype) -> None:
+        """Stores the model's parameters in `dtype` with a float32 master copy of each, held
+        by the optimizer (Megatron's layout; See NOTE: Master parameters in
+        graphc/runtime/master_params.py).
+
+        The stage programs read bfloat16 (or float16) parameters: with enable_amp autocast's
+        lists decide each op's dtype, without it every op computes in `dtype`, as eager on
+        `model.to(dtype)`. Each micro-batch's gradient is added into its master's float32
+        .grad, so gradients accumulate, are all-reduced (unless set_grad_reduce_dtype says
+        otherwise), unscaled and clipped in float32; the optimizer steps on the masters and
+        each parameter becomes its master rounded to `dtype`. state_dict() and
+        full_state_dict() hold the float32 masters. Needs float32 parameters and an optimizer;
+        enable_zero is not available with it yet. torch.float32 turns it off.
+
+        Args:
+            dtype: torch.bfloat16, torch.float16, or torch.float32 (off).
+
+        Example:
+            self.config.enable_amp(True, dtype=torch.bfloat16)
+            self.config.set_param_dtype(torch.bfloat16)   # 18 bytes per parameter with Adam
+        """
+        self._check_open("set_param_dtype")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise GraphcError(f"set_param_dtype: dtype must be torch.bfloat16, torch.float16 or "
+                              f"torch.float32 (off), found {dtype!r}. Fix: "
+                              "self.config.set_param_dtype(torch.bfloat16).")
+        self.param_dtype = None if dtype == torch.float32 else dtype
+
     def enable_zero(self, enabled: bool = True, stage: int = 2, shard_min_size: int = 1024) -> None:
         """Sharded data parallelism (ZeRO; OneFlow's name and arguments).
 
@@ -353,7 +382,35 @@ def compile_spec(graph):
         gradient_bucket_bytes=cfg.gradient_bucket_bytes, grad_clip_norm=cfg.grad_clip_norm,
         activation_checkpointing=cfg.activation_checkpointing, whole_inputs=cfg.whole_inputs,
         amp_dtype=cfg.amp_dtype, zero_stage=cfg.zero_stage,
-        zero_shard_min_size=cfg.zero_shard_min_size, grad_reduce_dtype=cfg.grad_reduce_dtype)
+        zero_shard_min_size=cfg.zero_shard_min_size, grad_reduce_dtype=cfg.grad_reduce_dtype,
+        param_dtype=checked_param_dtype(graph))
+
+
+def checked_param_dtype(graph) -> Optional[torch.dtype]:
+    """config.set_param_dtype's dtype, once what it needs is known (the first compile)."""
+    cfg = graph.config
+    if cfg.param_dtype is None:
+        return None
+    if cfg.zero_stage:
+        raise GraphcError(
+            f"{type(graph).__name__}: config.set_param_dtype({cfg.param_dtype}) and "
+            f"config.enable_zero(stage={cfg.zero_stage}) together are not available yet (the "
+            "float32 masters are not sharded). Fix: drop one of them; enable_amp with float32 "
+            "parameters composes with enable_zero.")
+    if graph._optimizer is None:
+        raise GraphcError(
+            f"{type(graph).__name__}: config.set_param_dtype keeps the float32 master copy in "
+            "the optimizer, but the graph has none. Fix: call self.add_optimizer(...) in "
+            "__init__, or cast the model yourself (model.to(torch.bfloat16)) for inference.")
+    if graph._compiled is None:
+        odd = sorted({str(p.dtype) for p in graph._root.parameters()
+                      if p.is_floating_point() and p.dtype != torch.float32})
+        if odd:
+            raise GraphcError(
+                f"{type(graph).__name__}: config.set_param_dtype needs float32 parameters (they "
+                f"become the masters), found {odd}. Fix: build the model in float32 "
+                "(model.float()) and let set_param_dtype store it in the low dtype.")
+    return cfg.param_dtype
 
 
 def _source_file(cls: type):

@@ -98,7 +98,7 @@ def dcp_state_dict(state, base_seed: int) -> Dict[str, Any]:
     """This rank's part of the checkpoint (See NOTE: DCP state dict). `state` is a GraphState."""
     prefix = user_prefix(state.root)
     layouts = split_layouts(state)
-    tensors = state.root.state_dict(keep_vars=True)
+    tensors = state.tensors()   # a parameter stored in bf16 saves its float32 master
     sd: Dict[str, Any] = {"format": DCP_FORMAT, "model": {
         k[len(prefix):]: to_global(tensors[k].detach().clone(), layouts.get(k), state.rank)
         for k in saved_keys(state)}}
@@ -271,7 +271,7 @@ def _zero_rows_wrapper(local: torch.Tensor, layout: Layout, rank: int):
 
 def _optimizer_state(state, layouts: Dict[str, Layout], prefix: str) -> Dict[str, Any]:
     opt = state.optimizer
-    names = first_names(state.root)
+    names = param_names(state)
     zero = zero_layouts(state, layouts)
     params = [p for group in opt.param_groups for p in group["params"]]
     by_index = copy.deepcopy(opt.state_dict()["state"]) or first_step_state(opt)
@@ -331,6 +331,15 @@ def first_names(root: nn.Module) -> Dict[int, str]:
     return out
 
 
+def param_names(state) -> Dict[int, str]:
+    """first_names of the graph's tensors, and of the float32 masters the optimizer holds in
+    their place (NOTE: Master parameters in runtime/master_params.py)."""
+    names = first_names(state.root)
+    for k, t in state.tensors().items():
+        names.setdefault(id(t), k)
+    return names
+
+
 def class_name(obj) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
@@ -343,7 +352,7 @@ def load_dcp_state_dict(state, sd: Mapping, strict: bool) -> Optional[int]:
     rank, prefix = state.rank, user_prefix(state.root)
     _check_entries(state, sd, strict)
     rng = _rank_rng(sd.get("rng", {}), rank)  # before the keys: another rank's part lacks ours
-    tensors = state.root.state_dict(keep_vars=True)
+    tensors = state.tensors()   # into the float32 masters (NOTE: Master parameters)
     layouts = split_layouts(state)
     model = _check_model_keys(state, sd["model"], prefix, strict)
     values = {k: to_local(model[k[len(prefix):]], layouts.get(k), tensors[k], k[len(prefix):], rank)
@@ -437,7 +446,7 @@ def _optimizer_to_load(state, sd: Mapping, layouts: Dict[str, Layout], prefix: s
             f"graph's optimizer is {mine}; its state would not fit. Fix: build the graph with a "
             f"{saved_class}, or delete the checkpoint's 'optim' and 'optimizer_class' entries and "
             "load with strict=False to start the optimizer afresh.")
-    names = first_names(state.root)
+    names = param_names(state)
     zero = zero_layouts(state, layouts)
     names.update({i: key for i, (key, _) in zero.items()})   # a ZeRO shard by its parameter's name
     saved_state = sd["optim"].get("state", {})

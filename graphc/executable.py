@@ -34,6 +34,7 @@ from .ops.conversions import compiled_groups, create_groups
 from .runtime.actors import Runtime
 from .runtime.comm import P2P
 from .runtime.dist_env import device_for
+from .runtime.master_params import stored_in
 from .runtime.trace import Tracer
 from .runtime.watchdog import run_step
 from .sbp.layout import is_even
@@ -165,7 +166,9 @@ class Executable:
         """compiler.compile for these inputs' global shapes and layouts, with the guards of
         every Python value the compile read (NOTE: Guards)."""
         before = global_guards()  # the modes the caller set, before tracing changes any
-        with record_reads(spec.root) as reads, traced_tree(spec.root, tree):
+        # traced with the parameters in the dtype they will be stored in (NOTE: Master parameters)
+        with record_reads(spec.root) as reads, traced_tree(spec.root, tree), \
+                stored_in(spec.root, spec.param_dtype):
             compiled = compiler.compile(spec, [s.example() for s in specs], world, [s.layout for s in specs])
         compiled.guards = GuardSet(tuple(before + structure_of(spec.root) + reads.guards()))
         check_input_placements(compiled, specs)
@@ -176,16 +179,16 @@ class Executable:
         local = self.compiled.plan_for(rank).local_stages
         return device_for(self.compiled.stages[local[0]].device_type) if local else torch.device("cpu")
 
-    def start(self, rank: int, optimizer, lr_scheduler, config, grad_scaler=None) -> None:
+    def start(self, rank: int, optimizer, lr_scheduler, config, grad_scaler=None, masters=None) -> None:
         """This rank's transport, process groups (collective: every rank, same order) and
-        runtime."""
+        runtime. `masters`: the float32 masters of set_param_dtype (NOTE: Master parameters)."""
         plan = self.compiled.plan_for(rank)
         programs = {s: self.compiled.programs[s] for s in plan.local_stages}
         p2p = P2P(rank, self.compiled.plans)
         create_groups(compiled_groups(self.compiled))
         self.tracer = Tracer.from_config(config, rank)
         self.runtime = Runtime(plan, programs, p2p, self.device(rank), optimizer, lr_scheduler,
-                               config.recv_window, self.tracer.record, grad_scaler)
+                               config.recv_window, self.tracer.record, grad_scaler, masters)
 
     def check(self) -> Optional[Guard]:
         """The first guard that no longer holds (None: this executable may run)."""

@@ -241,7 +241,8 @@ class Graph:
     def _start(self, exe: Executable, new_state: bool) -> None:
         """The graph's state (the first time), rank agreement, then the executable's runtime."""
         if new_state:
-            state = GraphState(self._root, exe.compiled, self._rank, self._optimizer, self._lr_scheduler)
+            state = GraphState(self._root, exe.compiled, self._rank, self._optimizer, self._lr_scheduler,
+                               self.config.param_dtype)
             state.take_ownership(exe.device(self._rank))
             object.__setattr__(self, "_state", state)
             if self._pending_state is not None:
@@ -250,7 +251,8 @@ class Graph:
         # every rank runs the same plans from equal replicas (See NOTE: Rank agreement)
         self._state.agree(exe.compiled, self.config, f"the compiled {type(self).__name__}",
                           f"{self._instance}/{len(self._cache)}", with_parameters=new_state)
-        exe.start(self._rank, self._optimizer, self._lr_scheduler, self.config, self.grad_scaler)
+        exe.start(self._rank, self._optimizer, self._lr_scheduler, self.config, self.grad_scaler,
+                  self._state.masters)
 
     # -- state -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

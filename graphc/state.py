@@ -4,7 +4,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 import os
 from collections import defaultdict
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -16,6 +16,7 @@ from .global_tensor import declared_layout
 from .placement import Split
 from .runtime.agreement import check_agreement, fingerprint_tensor, step_facts
 from .runtime.dist_env import timeout_seconds
+from .runtime.master_params import MasterParams
 from .meta import META_PIECES
 from .sbp.layout import coord, flat, local_component, place_shard
 
@@ -25,9 +26,11 @@ _KEYS = ("format", "rank", "steps", "model", "optimizer", "optimizer_class", "lr
 
 
 class GraphState:
-    def __init__(self, root: nn.Module, compiled, rank: int, optimizer, lr_scheduler):
+    def __init__(self, root: nn.Module, compiled, rank: int, optimizer, lr_scheduler, param_dtype=None):
         self.root, self.compiled, self.rank = root, compiled, rank
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.param_dtype = param_dtype            # set_param_dtype's (NOTE: Master parameters)
+        self.masters: Optional[MasterParams] = None
         self.steps = 0
         self.base_seed = None                     # a loaded checkpoint's (See NOTE: DCP state dict)
         self.holders = self._holders()            # state-dict key -> stages holding it
@@ -70,6 +73,18 @@ class GraphState:
                         "of the graph owns. Fix: build the optimizer from the parameters of the "
                         "modules assigned to the Graph (e.g. model.parameters()).")
             group["params"] = [p for p in group["params"] if id(p) in owned]
+        if self.param_dtype is not None:  # after sharding and the device move: masters of the local values
+            self.masters = MasterParams.take([tensors[k] for k in self.local_keys
+                                              if isinstance(tensors[k], nn.Parameter)],
+                                             self.optimizer, self.param_dtype)
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """root.state_dict(keep_vars=True) with each parameter stored in a low dtype replaced by
+        its float32 master: what checkpoints save and load (NOTE: Master parameters)."""
+        tensors = self.root.state_dict(keep_vars=True)
+        if self.masters is None:
+            return tensors
+        return {k: self.masters.master_of(t) for k, t in tensors.items()}
 
     # -- checkpoints -------------------------------------------------------------------
     def agree(self, compiled, config, what: str, tag: str, with_parameters: bool) -> None:
@@ -92,13 +107,14 @@ class GraphState:
         check_state_dict(sd)
         if sd["format"] == DCP_FORMAT:
             self.base_seed = load_dcp_state_dict(self, sd, strict)
+            self._masters_to_params()
             return
         # an older graphc's per-rank checkpoint (STATE_FORMAT)
         if sd.get("rank") != self.rank:
             raise GraphcError(f"this checkpoint was saved by rank {sd.get('rank')}, but is loaded "
                               f"on rank {self.rank}. Fix: load the file each rank saved itself.")
         keys = self._check_keys(sd, strict)
-        tensors = self.root.state_dict(keep_vars=True)
+        tensors = self.tensors()
         for k in keys:
             _check_shape(k, sd["model"][k], tensors[k], self.rank)
         self._load_optimizer(sd)
@@ -108,6 +124,12 @@ class GraphState:
         if "rng" in sd:
             torch.set_rng_state(sd["rng"])
         self.steps = sd.get("steps", 0)
+        self._masters_to_params()
+
+    def _masters_to_params(self) -> None:
+        """After a load into the masters: the parameters are their values in the low dtype."""
+        if self.masters is not None:
+            self.masters.copy_back()
 
     def _check_keys(self, sd: Dict[str, Any], strict: bool) -> list:
         """The model keys to load; with strict, unknown or missing entries are errors."""
@@ -199,7 +221,7 @@ class GraphState:
         done: Dict[int, torch.Tensor] = {}
         live = world.multi() is not None
         device = getattr(self, "device", torch.device("cpu"))
-        for k, t in self.root.state_dict(keep_vars=True).items():
+        for k, t in self.tensors().items():
             if id(t) in done:  # another name of a tied tensor (the same on every rank)
                 out[k] = done[id(t)]
                 continue

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
+import torch
+
 from ..meta import META_SBP
 from ..placement import Broadcast, Split
 from ..plan.instructions import ClipGradNorm, OptimizerStep, ReduceScatter, TensorSpec
@@ -22,16 +24,18 @@ from ..plan.plan import ExecutionPlan
 from ..plan.program import StageProgram
 from ..sbp.declared import DeclaredLayouts
 from ..sbp.layout import coord, flat, mesh_shape
+from .insert_grad_sync import held_in
 
 
 def insert_grad_clip(plans: Sequence[ExecutionPlan], programs: Sequence[StageProgram],
                      meshes: Sequence[tuple], max_norm: Optional[float],
-                     declared: DeclaredLayouts = DeclaredLayouts()) -> List[ExecutionPlan]:
+                     declared: DeclaredLayouts = DeclaredLayouts(),
+                     grad_dtype: Optional[torch.dtype] = None) -> List[ExecutionPlan]:
     if max_norm is None or not any(p.training for p in plans):
         return list(plans)
     counted = _counted_params(programs, meshes, declared)
     ranks = tuple(sorted({r for mesh in meshes[:len(programs)] for r in flat(mesh)}))
-    dtype = _grad_dtype(programs)
+    dtype = held_in(_grad_dtype(programs), grad_dtype)   # a master's gradient: float32
     for plan in plans:
         if not plan.training or plan.rank not in ranks:
             continue

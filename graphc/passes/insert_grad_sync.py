@@ -31,8 +31,9 @@ FIRST_BUCKET_BYTES = 2 ** 20  # small, so the first all-reduce starts early in t
 
 def insert_grad_sync(plans: Sequence[ExecutionPlan], gm: fx.GraphModule,
                      bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                     reduce_dtype: Optional[torch.dtype] = None) -> List[ExecutionPlan]:
-    per_rank = _partial_grads(gm, reduce_dtype)
+                     reduce_dtype: Optional[torch.dtype] = None,
+                     grad_dtype: Optional[torch.dtype] = None) -> List[ExecutionPlan]:
+    per_rank = _partial_grads(gm, reduce_dtype, grad_dtype)
     for plan in plans:
         wanted = per_rank.get(plan.rank)
         if not wanted or not plan.training:
@@ -44,10 +45,12 @@ def insert_grad_sync(plans: Sequence[ExecutionPlan], gm: fx.GraphModule,
     return list(plans)
 
 
-def _partial_grads(gm: fx.GraphModule, reduce_dtype: Optional[torch.dtype]
+def _partial_grads(gm: fx.GraphModule, reduce_dtype: Optional[torch.dtype],
+                   grad_dtype: Optional[torch.dtype] = None
                    ) -> Dict[int, Dict[Tuple[int, ...], List[TensorSpec]]]:
     """rank -> group -> gradient specs (local shapes, the dtype they are summed in), in
-    backward order."""
+    backward order. `grad_dtype`: the dtype floating gradients are held in when it is not
+    their parameter's (set_param_dtype: the float32 masters')."""
     out: Dict[int, Dict[Tuple[int, ...], List[TensorSpec]]] = defaultdict(lambda: defaultdict(list))
     # (parameter, ranks): a tied parameter's names share one .grad, reduced once; so do two
     # chunks on the same ranks that use it
@@ -65,11 +68,19 @@ def _partial_grads(gm: fx.GraphModule, reduce_dtype: Optional[torch.dtype]
             for group in axis_groups(sig.mesh, axis):
                 # the group's ranks hold shards of one shape (uneven splits differ by group)
                 spec = TensorSpec(str(node.target), local_shape(meta.shape, sig.out, sig.mesh, group[0]),
-                                  _reduced_in(meta.dtype, reduce_dtype))
+                                  _reduced_in(held_in(meta.dtype, grad_dtype), reduce_dtype))
                 if len(group) > 1:
                     for r in group:
                         out[r][group].append(spec)
     return out
+
+
+def held_in(param_dtype: str, grad_dtype: Optional[torch.dtype]) -> str:
+    """The dtype (torch name) a parameter of `param_dtype` has its gradient in: `grad_dtype`
+    for a floating one when given (NOTE: Master parameters in runtime/master_params.py)."""
+    if grad_dtype is None or not getattr(torch, param_dtype).is_floating_point:
+        return param_dtype
+    return str(grad_dtype).removeprefix("torch.")
 
 
 def _reduced_in(grad_dtype: str, reduce_dtype: Optional[torch.dtype]) -> str:

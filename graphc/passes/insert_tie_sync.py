@@ -13,7 +13,7 @@ its replicas first; the tie then sums whole stage gradients).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,6 +23,7 @@ from ..plan.instructions import OptimizerStep, TensorSpec, TieAllReduce
 from ..plan.plan import ExecutionPlan, StageInfo
 from ..plan.program import StageProgram
 from ..sbp.layout import local_shape
+from .insert_grad_sync import held_in
 
 # NOTE: Tied parameters
 # graphc keeps one copy of a parameter per stage that uses it: annotate_stages gives each
@@ -36,9 +37,10 @@ from ..sbp.layout import local_shape
 
 
 def insert_tie_sync(plans: Sequence[ExecutionPlan], programs: Sequence[StageProgram],
-                    stages: Sequence[StageInfo]) -> List[ExecutionPlan]:
+                    stages: Sequence[StageInfo], grad_dtype: Optional[torch.dtype] = None
+                    ) -> List[ExecutionPlan]:
     per_rank: Dict[int, List[TieAllReduce]] = defaultdict(list)
-    for holders, tied in _ties(programs, stages).items():
+    for holders, tied in _ties(programs, stages, grad_dtype).items():
         _check_sizes(holders, tied, stages)
         for k in range(len(stages[holders[0]].ranks)):
             specs = tuple(spec[k] for spec, _ in tied)  # replica k's shards (uneven splits)
@@ -60,8 +62,8 @@ def insert_tie_sync(plans: Sequence[ExecutionPlan], programs: Sequence[StageProg
     return list(plans)
 
 
-def _ties(programs: Sequence[StageProgram], stages: Sequence[StageInfo]
-          ) -> Dict[Tuple[int, ...], List[Tuple[Tuple[TensorSpec, ...], Dict[int, str]]]]:
+def _ties(programs: Sequence[StageProgram], stages: Sequence[StageInfo],
+          grad_dtype: Optional[torch.dtype] = None) -> Dict[Tuple[int, ...], List[Tuple[Tuple[TensorSpec, ...], Dict[int, str]]]]:
     """holding stages -> [(spec per replica under the parameter's first name, stage -> its
     local name)]."""
     first: Dict[int, Tuple[Tuple[TensorSpec, ...], Dict[int, str]]] = {}
@@ -69,7 +71,7 @@ def _ties(programs: Sequence[StageProgram], stages: Sequence[StageInfo]
         for name, p in prog.module.named_parameters():
             if not p.requires_grad:
                 continue
-            spec, local = first.setdefault(id(p), (_spec(prog, name, p, stages[prog.stage].ranks), {}))
+            spec, local = first.setdefault(id(p), (_spec(prog, name, p, stages[prog.stage].ranks, grad_dtype), {}))
             local.setdefault(prog.stage, name)
     out: Dict[Tuple[int, ...], List[Tuple[Tuple[TensorSpec, ...], Dict[int, str]]]] = defaultdict(list)
     for spec, local in first.values():
@@ -78,12 +80,13 @@ def _ties(programs: Sequence[StageProgram], stages: Sequence[StageInfo]
     return dict(out)
 
 
-def _spec(prog: StageProgram, name: str, p: torch.Tensor, ranks) -> Tuple[TensorSpec, ...]:
+def _spec(prog: StageProgram, name: str, p: torch.Tensor, ranks,
+          grad_dtype: Optional[torch.dtype] = None) -> Tuple[TensorSpec, ...]:
     """The gradient replica k (on ranks[k]) sums: a split (vocabulary-parallel) tie sums shard
     with shard, in that replica's shape (NOTE: Uneven splits, docs/sbp.md)."""
     read = next((n for n in prog.module.graph.nodes if n.op == "get_attr" and n.target == name
                  and META_SBP in n.meta), None)
-    dtype = str(p.dtype).replace("torch.", "")
+    dtype = held_in(str(p.dtype).replace("torch.", ""), grad_dtype)   # summed in float32 (a master's)
     if read is None:
         return tuple(TensorSpec(name, tuple(p.shape), dtype) for _ in ranks)
     meta, sig = read.meta[META_TENSOR], read.meta[META_SBP]

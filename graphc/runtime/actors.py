@@ -172,8 +172,9 @@ class Runtime:
 
     def __init__(self, plan: ExecutionPlan, programs: Dict[int, StageProgram], p2p, device,
                  optimizer=None, lr_scheduler=None, window: int = 2, trace: bool = False,
-                 grad_scaler=None):
+                 grad_scaler=None, masters=None):
         self.plan, self.p2p, self.device = plan, p2p, device
+        self.masters = masters   # set_param_dtype's float32 masters (NOTE: Master parameters)
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.enabled else None
         self.found_inf: Optional[bool] = None  # this step's overflow, once gradients are unscaled
@@ -188,7 +189,7 @@ class Runtime:
             s: StageExecutor(prog, plan.training, 1.0 / m, ckpt) for s, prog in programs.items()}
         # ZeRO's shards (See NOTE: ZeRO in zero.py): the optimizer holds them from here on
         self.zero = ZeroShards.from_plan(plan, list(programs.values()), optimizer) if plan.training else None
-        self.grad_sync = (GradSync.from_plan(plan, list(programs.values())) if self.zero is None  # None without synced grads
+        self.grad_sync = (GradSync.from_plan(plan, list(programs.values()), masters) if self.zero is None  # None without synced grads
                           else ZeroGradSync.for_shards(plan, list(programs.values()), self.zero))
         # ZeRO stage 3's gathers, each launched before the compute ahead of it (NOTE: ZeRO stage 3)
         self.warned_whole = False
@@ -390,6 +391,8 @@ class Runtime:
         """This rank's parameters by name, whose .grad the optimizer steps on: a ZeRO
         parameter's shard in its place (See NOTE: ZeRO)."""
         params = _local_parameters([ex.program for ex in self.executors.values()])
+        if self.masters is not None:  # a bf16 parameter's gradient is its master's
+            params = {n: self.masters.master_of(p) for n, p in params.items()}
         if self.zero is not None:
             params.update({n: s.shard for n, s in self.zero.by_name.items()})
         return params
@@ -403,6 +406,8 @@ class Runtime:
         for ex in self.executors.values():
             for p in ex.program.module.parameters():
                 p.grad = None
+        for p in self.masters.masters() if self.masters is not None else ():
+            p.grad = None
 
     def _unscale(self) -> None:
         """NOTE: Loss scaling. This rank's gradients times 1/scale, and whether any rank or
@@ -441,6 +446,8 @@ class Runtime:
         its rows are stepped (See NOTE: ZeRO step overlap in zero.py)."""
         if self.zero is None:
             self.optimizer.step()
+            if self.masters is not None:   # the parameters: the stepped masters, rounded
+                self.masters.copy_back()
         else:
             self.zero.step(self.optimizer, self.zero.after_step)
 

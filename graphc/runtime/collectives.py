@@ -37,7 +37,8 @@ class GradSync:
 
     def __init__(self, buckets: List[Tuple[Tuple[int, ...], List[torch.nn.Parameter]]],
                  expected: Optional[Dict[int, int]] = None,
-                 dtypes: Optional[List[Optional[torch.dtype]]] = None):
+                 dtypes: Optional[List[Optional[torch.dtype]]] = None,
+                 hooked: Optional[Dict[int, torch.Tensor]] = None):
         self.buckets = buckets
         self.dtypes = dtypes or [None] * len(buckets)   # per bucket: summed in (None: the grads')
         self.armed = False
@@ -63,16 +64,20 @@ class GradSync:
             seen |= {id(p) for p in params}
             for p in params:
                 self.in_buckets.setdefault(id(p), []).append(i)
+        # a float32 master's gradient is final when its bf16 parameter's accumulation hook ran
+        # (NOTE: Master parameters): hooked maps id(master) -> that parameter
+        hooked = hooked or {}
         by_id = {id(p): p for _, params in buckets for p in params}
         for key, p in by_id.items():
-            self.handles.append(p.register_post_accumulate_grad_hook(self._hook(key)))
+            self.handles.append(hooked.get(key, p).register_post_accumulate_grad_hook(self._hook(key)))
 
     SYNCS = (AllReduce, TieAllReduce)   # the instructions whose buckets it launches
 
     @classmethod
-    def from_plan(cls, plan, programs) -> "GradSync | None":
+    def from_plan(cls, plan, programs, masters=None) -> "GradSync | None":
         # gradient all-reduces and ties (not ClipGradNorm); a tie names its parameters as
-        # this rank's stage programs know them
+        # this rank's stage programs know them. With masters (set_param_dtype) the buckets
+        # hold the float32 masters, whose .grad the parameters' hooks fill
         syncs = [ins for ins in plan.instructions if type(ins) in cls.SYNCS]
         if not syncs or not programs:
             return None
@@ -86,9 +91,12 @@ class GradSync:
         names = [ins.params if isinstance(ins, TieAllReduce) else [t.name for t in ins.tensors]
                  for ins in syncs]
         m = plan.num_microbatches
-        sync = cls([(ins.ranks, [params[n] for n in ns]) for ins, ns in zip(syncs, names)],
-                        {k: m * n for k, n in uses.items()},
-                        [getattr(torch, ins.tensors[0].dtype) if ins.tensors else None for ins in syncs])
+        held = masters.master_of if masters is not None else (lambda p: p)
+        hooked = {id(held(p)): p for p in params.values()}
+        sync = cls([(ins.ranks, [held(params[n]) for n in ns]) for ins, ns in zip(syncs, names)],
+                   {id(held(p)): m * uses[id(p)] for p in params.values()},
+                   [getattr(torch, ins.tensors[0].dtype) if ins.tensors else None for ins in syncs],
+                   hooked)
         sync.index = {ins: i for i, ins in enumerate(syncs)}
         return sync
 

@@ -26,6 +26,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ...meta import META_SBP, META_TENSOR, SbpSignature
 from ...plan.instructions import AllReduce, ReduceScatter, TieAllReduce
 from ...plan.plan import ZERO_NOTE, ExecutionPlan
 from ...sbp.layout import chunk_range, local_shape
@@ -84,21 +85,34 @@ def model_state(plan: ExecutionPlan, params: Sequence[ParamSpec]) -> ModelState:
     """The model-state bytes of `plan`'s rank holding `params` (NOTE: Model-state bytes)."""
     by_name = {n: p for p in params for n in p.names}
     stage = zero_stage(plan) if plan.training else 0
-    rows: Dict[str, int] = {}       # sharded parameter -> this rank's rows
-    reduced: set = set()
-    grads = 0
-    for ins in plan.instructions if plan.training else ():
+    grads, rows, reduced = _gradient_buffers(plan, by_name, stage) if plan.training else (0, {}, set())
+    out_params = out_optim = 0
+    for p in {id(p): p for p in params}.values():      # a tied parameter once
+        r = rows.get(id(p))
+        out_params += r * p.row_bytes if r is not None and stage == 3 else p.nbytes
+        if p.trained and plan.training:
+            out_optim += p.states * (r * p.row_bytes if r is not None else p.nbytes)
+            if id(p) not in reduced:                     # no collective: its own gradient
+                grads += p.nbytes
+    return ModelState(out_params, grads, out_optim)
+
+
+def _gradient_buffers(plan: ExecutionPlan, by_name: Dict[str, ParamSpec], stage: int):
+    """(bytes of the gradient collectives' buffers, id(parameter) -> this rank's rows for each
+    sharded one, the ids of the parameters some collective reduces)."""
+    grads, rows, reduced = 0, {}, set()
+    for ins in plan.instructions:
         if isinstance(ins, ReduceScatter):
             d, k = len(ins.ranks), sorted(ins.ranks).index(plan.rank)
             part = 0
             for t in ins.tensors:
                 p = by_name[t.name]
-                rows[t.name] = chunk_range(p.shape[0], d, k)[1]
+                rows[id(p)] = chunk_range(p.shape[0], d, k)[1]
                 part += -(-p.shape[0] // d) * math.prod(t.shape[1:]) * _itemsize(t.dtype)
                 if t.dtype != p.dtype:      # the sum cast back to the gradient's dtype
-                    part += rows[t.name] * p.row_bytes
+                    part += rows[id(p)] * p.row_bytes
                 reduced.add(id(p))
-            grads += part * (len(ins.ranks) + 1 if stage == 1 else 1)
+            grads += part * (d + 1 if stage == 1 else 1)   # stage 1 keeps the packed d parts
         elif type(ins) in (AllReduce, TieAllReduce):
             names = ins.params if isinstance(ins, TieAllReduce) else [t.name for t in ins.tensors]
             grads += sum(t.nbytes for t in ins.tensors)
@@ -106,17 +120,7 @@ def model_state(plan: ExecutionPlan, params: Sequence[ParamSpec]) -> ModelState:
             if wide is not None and ins.tensors and ins.tensors[0].dtype != wide:
                 grads += sum(math.prod(t.shape) for t in ins.tensors) * _itemsize(wide)
             reduced |= {id(by_name[n]) for n in names}
-    held = {id(p): p for p in params}.values()       # a tied parameter once
-    sharded = {id(by_name[n]): r for n, r in rows.items()}
-    out_params = out_optim = 0
-    for p in held:
-        r = sharded.get(id(p))
-        out_params += r * p.row_bytes if r is not None and stage == 3 else p.nbytes
-        if p.trained and plan.training:
-            out_optim += p.states * (r * p.row_bytes if r is not None else p.nbytes)
-            if id(p) not in reduced:
-                grads += p.nbytes
-    return ModelState(out_params, grads, out_optim)
+    return grads, rows, reduced
 
 
 def zero_stage(plan: ExecutionPlan) -> int:
@@ -130,23 +134,40 @@ def model_inputs(compiled, optimizer=None) -> ModelInputs:
     or a running rank's own, alike: shapes come from the traced graph), with the optimizer's
     state tensors per parameter counted on a small copy of it (None: Adam's 2 assumed)."""
     states, note = _state_counts(optimizer)
-    per_stage: Dict[int, list] = {}
+    per_stage: Dict[int, List[Tuple[int, _StageParam]]] = {}
     for prog in compiled.programs:
         per_stage[prog.stage] = _stage_params(prog.module, states)
     out: Dict[int, List[ParamSpec]] = {}
     for plan in compiled.plans:
         seen: Dict[int, ParamSpec] = {}
         for s in plan.local_stages:
-            for key, make in per_stage.get(s, ()):
+            for key, param in per_stage.get(s, ()):
                 if key not in seen:
-                    seen[key] = make(plan.rank)
+                    seen[key] = param.on(plan.rank)
         out[plan.rank] = list(seen.values())
     return ModelInputs(out, note)
 
 
-def _stage_params(module, states) -> list:
-    """(id(parameter), rank -> its ParamSpec on that rank) for each parameter of a stage."""
-    from ...meta import META_SBP, META_TENSOR
+@dataclass(frozen=True)
+class _StageParam:
+    """A parameter as a stage program holds it: its global shape and layout (None: whole)."""
+
+    names: Tuple[str, ...]
+    shape: Tuple[int, ...]
+    sig: Optional[SbpSignature]
+    dtype: str
+    trained: bool
+    states: int
+
+    def on(self, rank: int) -> ParamSpec:
+        local = self.shape if self.sig is None else tuple(
+            local_shape(self.shape, self.sig.out, self.sig.mesh, rank))
+        return ParamSpec(self.names, local, self.dtype, self.trained, self.states)
+
+
+def _stage_params(module, states) -> List[Tuple[int, _StageParam]]:
+    """(id(parameter), its _StageParam) for each parameter of a stage program; shape and
+    layout from its get_attr node (a running rank's parameter may be its shard already)."""
     nodes = {str(n.target): n for n in module.graph.nodes if n.op == "get_attr"}
     names: Dict[int, List[str]] = {}
     objs: Dict[int, torch.nn.Parameter] = {}
@@ -159,14 +180,9 @@ def _stage_params(module, states) -> list:
         node = next((nodes[n] for n in ns if n in nodes), None)
         meta = node.meta.get(META_TENSOR) if node is not None else None
         sig = node.meta.get(META_SBP) if node is not None else None
-        shape = tuple(meta.shape) if meta is not None else tuple(p.shape)
-        dtype = str(p.dtype).replace("torch.", "")
         count = states.get(key, states.get(None, 0)) if p.requires_grad else 0
-
-        def make(rank, ns=tuple(ns), shape=shape, sig=sig, dtype=dtype, trained=p.requires_grad, count=count):
-            local = shape if sig is None else tuple(local_shape(shape, sig.out, sig.mesh, rank))
-            return ParamSpec(ns, local, dtype, trained, count)
-        out.append((key, make))
+        out.append((key, _StageParam(tuple(ns), tuple(meta.shape) if meta is not None else tuple(p.shape),
+                                     sig, str(p.dtype).replace("torch.", ""), p.requires_grad, count)))
     return out
 
 

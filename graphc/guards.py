@@ -145,8 +145,9 @@ def global_guards() -> List[Guard]:
     out = [Guard("torch.is_grad_enabled()", torch.is_grad_enabled, fingerprint(torch.is_grad_enabled())),
            Guard("torch.get_default_dtype()", torch.get_default_dtype, fingerprint(torch.get_default_dtype()))]
     for device in ("cpu", "cuda"):
-        def state(device=device):
-            return (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        def state(device=device):   # a disabled region's dtype records nothing (graphc's own regions leave it set)
+            on = torch.is_autocast_enabled(device)
+            return (on, torch.get_autocast_dtype(device) if on else None)
         out.append(Guard(f"autocast state ({device})", state, fingerprint(state())))
     return out
 

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from ..meta import (META_ARRIVAL, META_AUTOCAST, META_BATCHED, META_BOXING, META_GRAD_ENABLED,
                     META_GRAD_PARTIAL, META_PIECES, META_PLACEMENT, META_ROWS, META_SBP, META_STAGE,
-                    META_STAGE_WHY, META_TENSOR, BoxingInfo, RowsMeta, SbpSignature, TensorMeta,
+                    META_STAGE_WHY, META_TENSOR, META_INPUT_STAGES, BoxingInfo, RowsMeta, SbpSignature, TensorMeta,
                     is_backward)
 from ..placement import Broadcast, PartialSum, Split, mesh_shape, placement
 from ..ops.conversions import box
@@ -119,10 +119,16 @@ def _pieces(v, ctx) -> Problem:
         "expected a (pieces, dim) pair of ints"
 
 
+def _input_stages(v, ctx) -> Problem:
+    return None if isinstance(v, tuple) and len(v) > 1 and all(_is_int(s) for s in v) else \
+        "expected a tuple of two or more stage ids"
+
+
 # The schema of every node annotation: key -> check(value, verifier) -> what is wrong, or None.
 SCHEMAS: Dict[str, Callable] = {
     META_STAGE: _stage,
     META_STAGE_WHY: _of_type(str),
+    META_INPUT_STAGES: _input_stages,
     META_TENSOR: _tensor,
     META_BATCHED: _of_type(bool),
     META_ROWS: _rows,

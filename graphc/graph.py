@@ -229,7 +229,7 @@ class Graph:
         exe, failures = self._cache.lookup(key)
         if exe is None:
             # split parameters hold shards by now; ZeRO stage 3's are gathered for the trace
-            with self._state.global_shapes(), whole_parameters(self._root.parameters()):
+            with whole_parameters(self._root.parameters()), self._state.global_shapes():
                 exe = Executable.compile(self._compile_spec(), specs, len(self._compiled.plans), tree)
             check_same_stages(self._compiled, exe.compiled)
             self._state.compiled = exe.compiled

@@ -254,8 +254,9 @@ class Runtime:
     def _gathered_elsewhere(self) -> List[torch.nn.Parameter]:
         """This rank's parameters that its plan's own ZeRO gathers do not cover."""
         params = _local_parameters([ex.program for ex in self.executors.values()])
-        mine = set(self.zero.by_name) if self.zero is not None and self.zero.stage == 3 else set()
-        return [p for n, p in params.items() if n not in mine]
+        mine = {id(s.param) for s in self.zero.by_name.values()} \
+            if self.zero is not None and self.zero.stage == 3 else set()   # by object: a tie has two names
+        return list({id(p): p for p in params.values() if id(p) not in mine}.values())
 
     def _actors(self):
         """Fresh actors for one step (their tags and buffers are per step)."""

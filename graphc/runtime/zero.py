@@ -353,7 +353,8 @@ def whole_parameters(params) -> Iterator[None]:
         yield
     finally:
         for s in chosen:
-            s.keep_rows()
+            if not s.released:   # (a plan run inside the block may have released it itself)
+                s.keep_rows()
         for s in freed:
             s.release()
 

@@ -2,7 +2,12 @@
 
 Float64, whole batch, AdamW, 3 steps, tolerance 1e-10 (helpers.py): pipeline 2 (1F1B and
 GPipe), data 2 and tensor 2 on 2 ranks; pipeline 4 on 4 ranks; pipeline x tensor x data
-2x2x2 on 8 ranks (slow). No op of the tensor-parallel plans falls back to broadcast.
+2x2x2 on 8 ranks (slow); ZeRO stage 3 on tensor 2 x data 2 (2-D: a weight's rows split by
+tensor parallelism, then its local rows by ZeRO; the tied embedding, 640 elements here, stays
+whole below shard_min_size: `graphc check examples/gpt.py --nproc 4 -- --tp 2 --dp 2 --zero 3`
+shards it at the default width) and on pipeline 2 x data 2 (the tie
+across stages stays whole), with a last batch of another shape (a second plan). No op of the
+tensor-parallel plans falls back to broadcast.
 """
 import os
 import sys
@@ -40,11 +45,11 @@ def _train(rank, world, configs):
     out = {}
     ids, vocab = gpt.load_corpus()
     args = _args()
-    for name, (pp, tp, dp, schedule) in configs.items():
+    for name, (pp, tp, dp, schedule, *zero) in configs.items():
         layout = gpt.Layout(pp, tp, dp)
         model = gpt.make_model(vocab, args)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        graph = gpt.GPTGraph(model, opt, layout, args.accumulation, schedule)
+        graph = gpt.GPTGraph(model, opt, layout, args.accumulation, schedule, *zero)
         losses = []
         for x, y in _batches(ids, args):
             loss = graph(*gpt.global_inputs(layout, rank, x, y)).to_local()
@@ -99,3 +104,11 @@ def test_gpt_pipeline_of_four_matches_eager():
 def test_gpt_pipeline_tensor_data_2x2x2_matches_eager():
     configs = {"pp2-tp2-dp2": (2, 2, 2, "1f1b")}
     _check(run_world(_train, 8, configs, timeout=600), configs)
+
+
+def test_gpt_zero_3_on_tensor_2_x_data_2_and_pipeline_2_x_data_2_matches_eager():
+    configs = {"tp2-dp2-zero3": (1, 2, 2, "1f1b", 3), "pp2-dp2-zero3": (2, 1, 2, "1f1b", 3)}
+    results = run_world(_train, 4, configs)
+    _check(results, configs)
+    # a weight split by tensor parallelism, its local rows split again by ZeRO (2-D)
+    assert "mlp.fc.weight:f64[64,32]" in results[0]["tp2-dp2-zero3"]["plan"].split("RELEASE", 1)[1].split("\n")[0]

@@ -39,8 +39,9 @@ def user_line():
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("log_ranks, printing", [(None, ["0"]), ("1,3", ["1", "3"]),
-                                                 ("all", ["0", "1", "2", "3"])])
+@pytest.mark.parametrize("log_ranks, printing", [
+    (None, ["0"]), pytest.param("1,3", ["1", "3"], marks=pytest.mark.slow),
+    pytest.param("all", ["0", "1", "2", "3"], marks=pytest.mark.slow)])
 def test_four_ranks_print_once_per_job_with_the_rank(log_ranks, printing):
     text = run_4_ranks(log_ranks)
     assert sorted(SUMMARY.findall(text)) == printing, text   # the summary, once per chosen rank

@@ -214,6 +214,7 @@ def _load_on_four(rank, world, c):
     return {"losses": losses, "rng": rng, "state": graph.full_state_dict()}
 
 
+@pytest.mark.slow   # CI time: resharding checkpoints also in tests/zero (data 2 -> 1 process, pipeline)
 def test_a_checkpoint_of_two_ranks_resumes_on_four(tmp_path):
     """pipeline 2 (2 ranks) saves after K steps; pipeline 2 x data 2 (4 ranks) loads it and
     trains to N at eager's numbers. dcp.load used to fail with 'Missing key ... rng.rank2'.

@@ -103,7 +103,7 @@ def _train(rank, world, name):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", ["2_to_3", pytest.param("3_to_2", marks=pytest.mark.slow), "2x2_to_2"])
 def test_n_to_m_in_pieces_matches_eager(name):
     results = run_world(_train, CONFIGS[name][1], name)
     torch.manual_seed(0)
@@ -199,6 +199,7 @@ def _train_encoder(rank, world):
 
 
 @pytest.mark.world
+@pytest.mark.slow   # CI time: the 2_to_3 layout runs above, torch's encoder layer in tests/examples
 def test_torch_transformer_encoder_layer_2_to_3_matches_eager():
     results = run_world(_train_encoder, 5)
     torch.manual_seed(0)

@@ -25,6 +25,7 @@ def test_zero_3_on_data_2_equals_eager():
 
 
 @pytest.mark.world
+@pytest.mark.slow   # CI time: data 4 at stage 2 runs in test_zero_numerics
 def test_zero_3_on_data_4_equals_eager():
     results = run_world(_data_parallel, 4, DATA4)
     _check(results, DATA4, "data 4")

@@ -290,8 +290,11 @@ class GraphConfig:
         .grad, so gradients accumulate, are all-reduced (unless set_grad_reduce_dtype says
         otherwise), unscaled and clipped in float32; the optimizer steps on the masters and
         each parameter becomes its master rounded to `dtype`. state_dict() and
-        full_state_dict() hold the float32 masters. Needs float32 parameters and an optimizer;
-        enable_zero is not available with it yet. torch.float32 turns it off.
+        full_state_dict() hold the float32 masters. Needs float32 parameters and an optimizer.
+        With enable_zero stages 1 and 2 each rank holds only its rows of the masters and of
+        the optimizer's state, and the parameters are all-gathered in `dtype` after the step
+        (See NOTE: ZeRO with master parameters in graphc/runtime/zero.py); stage 3 is not
+        available with it yet. torch.float32 turns it off.
 
         Args:
             dtype: torch.bfloat16, torch.float16, or torch.float32 (off).

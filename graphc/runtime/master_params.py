@@ -21,6 +21,8 @@ parameter):
 - checkpoints (state_dict, full_state_dict) save and load the masters: the user's model in
   its own dtype; a load rounds them into the parameters again.
 Bytes per parameter with Adam: 2 (parameter) + 4 (master) + 4 (gradient) + 8 (state) = 18.
+With enable_zero (stages 1 and 2) the masters are sharded: See NOTE: ZeRO with master
+parameters in zero.py.
 """
 from __future__ import annotations
 

@@ -52,6 +52,28 @@ load_state_dict(), full_state_dict(), a plan with no gathers of them, e.g. a for
 graph sharing the model) reads them inside whole_parameters(): gathered, then released
 again, any rows written kept in the shards. A parameter whose storage holds anything else
 (a view into another tensor) cannot be freed alone and is refused.
+
+NOTE: ZeRO with master parameters
+With config.set_param_dtype (NOTE: Master parameters, master_params.py) at stages 1 and 2,
+ZeRO shards the float32 masters, Megatron's distributed-optimizer layout: per rank a bf16
+parameter (2 B) and the whole float32 gradient (4 B: the master's .grad that the parameter's
+post-accumulate hook fills), and only this rank's rows of the master and of Adam's state.
+- the shard parameter the optimizer steps owns a copy of this rank's rows of the master
+  (not a view); the whole master's storage is then freed (resized to 0 bytes: its shape
+  stays, so the hook can still set its whole .grad), and MasterParams.copy_back leaves its
+  parameter alone (hold_rows);
+- the REDUCE_SCATTER packs the masters' float32 gradients (set_grad_reduce_dtype's dtype
+  when given), as the replicated run's ALL_REDUCE would sum them;
+- the ALL_GATHER after the step packs this rank's stepped rows rounded to the parameter's
+  dtype (as copy_back rounds) and unpacks them into the bf16 parameters: the plan's
+  ALL_GATHER says bf16, half the bytes of float32;
+- whatever reads the masters whole (graph.state_dict(), load_state_dict(),
+  full_state_dict(): GraphState.tensors() hands out the masters) runs inside
+  whole_parameters(), which gathers every rank's float32 rows into the master for the
+  block, then keeps this rank's rows in the shard, rounds the master into the parameter and
+  frees it again. The optimizer's state is saved as row shards (NOTE: ZeRO state in
+  checkpoints, dcp.py).
+Stage 3 frees the bf16 parameters between uses as well; with masters it is refused.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ import graphc
 from helpers import run_world
 from test_param_dtype_data_parallel import B, MLP, _batches, _eager_on_rank_rows
 
-pytestmark = [pytest.mark.world, pytest.mark.fp32]
+pytestmark = pytest.mark.fp32   # each test that spawns ranks is marked world
 M, WORLD, K = 2, 2, 2
 MIN_SIZE = 64   # l1.weight (32 x 16) and l2.weight (5 x 32: 3 rows and 2) sharded; the rest whole
 
@@ -104,6 +104,7 @@ def numerics():
         torch.set_default_dtype(old)
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("amp", [False, True])
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_with_masters_equals_replicated_masters_bitwise(numerics, amp, zero):
@@ -117,6 +118,7 @@ def test_zero_with_masters_equals_replicated_masters_bitwise(numerics, amp, zero
             assert params[k].dtype == torch.bfloat16 and torch.equal(params[k], v), k
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_with_masters_and_amp_equals_eager_with_masters_bitwise(numerics, zero):
     for out in numerics:
@@ -125,6 +127,7 @@ def test_zero_with_masters_and_amp_equals_eager_with_masters_bitwise(numerics, z
             assert torch.equal(state[k], v), k
 
 
+@pytest.mark.world
 def test_each_rank_holds_only_its_rows_of_the_sharded_masters(numerics):
     for rank, out in enumerate(numerics):
         for zero in (1, 2):
@@ -188,6 +191,7 @@ def _resume(rank, world, b):
     return {"end": graph.full_state_dict()}
 
 
+@pytest.mark.world
 @pytest.mark.slow
 def test_dcp_round_trip_through_one_process_ends_where_the_unbroken_run_ends(tmp_path):
     old = torch.get_default_dtype()

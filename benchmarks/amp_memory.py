@@ -12,10 +12,12 @@ the model's parameter count, beside the formula:
   fp32                       4 param + 4 grad + 8 Adam                     = 16
   amp (enable_amp bf16)      the same: master weights are the parameters   = 16
   amp + set_param_dtype bf16 2 param + 4 master + 4 grad + 8 Adam          = 18
-  ZeRO stage 1 over d ranks  Megatron's 6 + 12/d (bf16 params, fp32 grads, master + Adam
-                             sharded); graphc has no set_param_dtype with ZeRO yet, so its
-                             row is enable_amp + ZeRO-1: 4 param + 4 grad bucket + (4 shard
-                             grad + 8 Adam)/d = 8 + 12/d
+  amp + ZeRO-1 over d ranks  4 param + 4 grad bucket + (4 shard grad + 8 Adam)/d = 8 + 12/d
+  amp + param_dtype + ZeRO-1 Megatron's 6 + 12/d (bf16 params, fp32 grads, master + Adam
+                             sharded over d ranks); graphc holds 2 param + 4 grad
+                             bucket + (4 master rows + 4 shard grad + 8 Adam)/d = 6 + 16/d: the
+                             reduce-scatter's output (the shard's gradient) is a buffer of its
+                             own, where Megatron's views its grad buffer
 Activations are not model state and are not counted.
 """
 import argparse
@@ -33,7 +35,8 @@ CONFIGS = {  # name: (enable_amp, set_param_dtype, ZeRO stage, ranks, formula)
     "fp32": (False, False, 0, 1, "16"),
     "amp bf16": (True, False, 0, 1, "16"),
     "amp bf16 + param_dtype bf16": (True, True, 0, 1, "18"),
-    "amp bf16 + ZeRO-1, d=2": (True, False, 1, 2, "6+12/d = 12 (Megatron); 8+12/d = 14 here"),
+    "amp bf16 + ZeRO-1, d=2": (True, False, 1, 2, "8+12/d = 14"),
+    "amp + param_dtype bf16 + ZeRO-1, d=2": (True, True, 1, 2, "6+12/d = 12 (Megatron); 6+16/d = 14 here"),
 }
 
 
@@ -118,8 +121,8 @@ def main():
     args = parser.parse_args()
     print(f"{args.layers} x Linear({args.width}, {args.width}), AdamW; model-state bytes per "
           "parameter on each rank")
-    print(f"| {'configuration':<30} | {'measured B/param (per rank)':<28} | formula |")
-    print(f"|{'-' * 32}|{'-' * 30}|---------|")
+    print(f"| {'configuration':<36} | {'measured B/param (per rank)':<28} | formula |")
+    print(f"|{'-' * 38}|{'-' * 30}|---------|")
     for name, (_, _, _, world, formula) in CONFIGS.items():
         with mp.Manager() as manager:
             out = manager.dict()
@@ -127,7 +130,7 @@ def main():
                      nprocs=world)
             per_rank = [out[r][0] / out[r][1] for r in range(world)]
         measured = " / ".join(f"{b:.2f}" for b in per_rank)
-        print(f"| {name:<30} | {measured:<28} | {formula} |", flush=True)
+        print(f"| {name:<36} | {measured:<28} | {formula} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -290,8 +290,11 @@ class GraphConfig:
         .grad, so gradients accumulate, are all-reduced (unless set_grad_reduce_dtype says
         otherwise), unscaled and clipped in float32; the optimizer steps on the masters and
         each parameter becomes its master rounded to `dtype`. state_dict() and
-        full_state_dict() hold the float32 masters. Needs float32 parameters and an optimizer;
-        enable_zero is not available with it yet. torch.float32 turns it off.
+        full_state_dict() hold the float32 masters. Needs float32 parameters and an optimizer.
+        With enable_zero stages 1 and 2 each rank holds only its rows of the masters and of
+        the optimizer's state, and the parameters are all-gathered in `dtype` after the step
+        (See NOTE: ZeRO with master parameters in graphc/runtime/zero.py); stage 3 is not
+        available with it yet. torch.float32 turns it off.
 
         Args:
             dtype: torch.bfloat16, torch.float16, or torch.float32 (off).
@@ -391,12 +394,12 @@ def checked_param_dtype(graph) -> Optional[torch.dtype]:
     cfg = graph.config
     if cfg.param_dtype is None:
         return None
-    if cfg.zero_stage:
+    if cfg.zero_stage == 3:
         raise GraphcError(
             f"{type(graph).__name__}: config.set_param_dtype({cfg.param_dtype}) and "
-            f"config.enable_zero(stage={cfg.zero_stage}) together are not available yet (the "
-            "float32 masters are not sharded). Fix: drop one of them; enable_amp with float32 "
-            "parameters composes with enable_zero.")
+            "config.enable_zero(stage=3) together are not available yet (stage 3 frees the "
+            "parameters between uses; with set_param_dtype only stages 1 and 2 shard the float32 "
+            "masters). Fix: self.config.enable_zero(True, stage=2), or drop set_param_dtype.")
     if graph._optimizer is None:
         raise GraphcError(
             f"{type(graph).__name__}: config.set_param_dtype keeps the float32 master copy in "

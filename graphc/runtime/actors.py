@@ -188,9 +188,10 @@ class Runtime:
         self.executors: Dict[int, StageExecutor] = {
             s: StageExecutor(prog, plan.training, 1.0 / m, ckpt) for s, prog in programs.items()}
         # ZeRO's shards (See NOTE: ZeRO in zero.py): the optimizer holds them from here on
-        self.zero = ZeroShards.from_plan(plan, list(programs.values()), optimizer) if plan.training else None
+        self.zero = (ZeroShards.from_plan(plan, list(programs.values()), optimizer, masters)
+                     if plan.training else None)
         self.grad_sync = (GradSync.from_plan(plan, list(programs.values()), masters) if self.zero is None  # None without synced grads
-                          else ZeroGradSync.for_shards(plan, list(programs.values()), self.zero))
+                          else ZeroGradSync.for_shards(plan, list(programs.values()), self.zero, masters))
         # ZeRO stage 3's gathers, each launched before the compute ahead of it (NOTE: ZeRO stage 3)
         self.warned_whole = False
         self.not_gathered = self._gathered_elsewhere()
@@ -451,6 +452,8 @@ class Runtime:
                 self.masters.copy_back()
         else:
             self.zero.step(self.optimizer, self.zero.after_step)
+            if self.masters is not None:   # the replicated ones; ZeRO's are gathered
+                self.masters.copy_back()
 
 
 def _prefetches(instructions) -> Dict[int, List[AllGather]]:

@@ -21,11 +21,13 @@ parameter):
 - checkpoints (state_dict, full_state_dict) save and load the masters: the user's model in
   its own dtype; a load rounds them into the parameters again.
 Bytes per parameter with Adam: 2 (parameter) + 4 (master) + 4 (gradient) + 8 (state) = 18.
+With enable_zero (stages 1 and 2) the masters are sharded: See NOTE: ZeRO with master
+parameters in zero.py.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Set
 
 import torch
 
@@ -56,6 +58,9 @@ class MasterParams:
     def __init__(self, pairs: List[tuple]):
         self.pairs = pairs                                   # (parameter, master)
         self.by_param: Dict[int, torch.nn.Parameter] = {id(p): m for p, m in pairs}
+        # masters ZeRO holds as this rank's rows (their whole storage freed): a gather, not
+        # copy_back, fills their parameters (See NOTE: ZeRO with master parameters, zero.py)
+        self.rows_only: Set[int] = set()
         self.hooks = [p.register_post_accumulate_grad_hook(_into_master(m)) for p, m in pairs
                       if p.requires_grad]
 
@@ -87,11 +92,17 @@ class MasterParams:
     def masters(self) -> List[torch.nn.Parameter]:
         return [m for _, m in self.pairs]
 
+    def hold_rows(self, master: torch.nn.Parameter) -> None:
+        """ZeRO holds `master` as rows from now on: copy_back leaves its parameter alone."""
+        self.rows_only.add(id(master))
+
     @torch.no_grad()
     def copy_back(self) -> None:
-        """Each parameter becomes its master rounded to its dtype (after a step, or a load)."""
+        """Each parameter becomes its master rounded to its dtype (after a step, or a load);
+        one whose master ZeRO holds as rows is gathered instead."""
         for p, m in self.pairs:
-            p.copy_(m)
+            if id(m) not in self.rows_only:
+                p.copy_(m)
 
 
 def _into_master(master: torch.nn.Parameter):

@@ -52,6 +52,28 @@ load_state_dict(), full_state_dict(), a plan with no gathers of them, e.g. a for
 graph sharing the model) reads them inside whole_parameters(): gathered, then released
 again, any rows written kept in the shards. A parameter whose storage holds anything else
 (a view into another tensor) cannot be freed alone and is refused.
+
+NOTE: ZeRO with master parameters
+With config.set_param_dtype (NOTE: Master parameters, master_params.py) at stages 1 and 2,
+ZeRO shards the float32 masters, Megatron's distributed-optimizer layout: per rank a bf16
+parameter (2 B) and the whole float32 gradient (4 B: the master's .grad that the parameter's
+post-accumulate hook fills), and only this rank's rows of the master and of Adam's state.
+- the shard parameter the optimizer steps owns a copy of this rank's rows of the master
+  (not a view); the whole master's storage is then freed (resized to 0 bytes: its shape
+  stays, so the hook can still set its whole .grad), and MasterParams.copy_back leaves its
+  parameter alone (hold_rows);
+- the REDUCE_SCATTER packs the masters' float32 gradients (set_grad_reduce_dtype's dtype
+  when given), as the replicated run's ALL_REDUCE would sum them;
+- the ALL_GATHER after the step packs this rank's stepped rows rounded to the parameter's
+  dtype (as copy_back rounds) and unpacks them into the bf16 parameters: the plan's
+  ALL_GATHER says bf16, half the bytes of float32;
+- whatever reads the masters whole (graph.state_dict(), load_state_dict(),
+  full_state_dict(): GraphState.tensors() hands out the masters) runs inside
+  whole_parameters(), which gathers every rank's float32 rows into the master for the
+  block, then keeps this rank's rows in the shard, rounds the master into the parameter and
+  frees it again. The optimizer's state is saved as row shards (NOTE: ZeRO state in
+  checkpoints, dcp.py).
+Stage 3 frees the bf16 parameters between uses as well; with masters it is refused.
 """
 from __future__ import annotations
 
@@ -83,6 +105,10 @@ class Shard:
     chunk: int                  # the largest chunk's rows: every rank's part is padded to it
     shard: torch.nn.Parameter
     owns: bool = False          # stage 3: the shard owns its rows; the whole storage is freed between uses
+    # set_param_dtype: the parameter's float32 master, whose rows the shard owns (its whole
+    # storage freed; only its .grad is whole); gathers round the rows into the parameter
+    # (See NOTE: ZeRO with master parameters)
+    master: Optional[torch.nn.Parameter] = None
 
     @property
     def row_numel(self) -> int:
@@ -93,8 +119,9 @@ class Shard:
         return self.chunk * self.row_numel
 
     def view_rows(self) -> torch.Tensor:
-        """This rank's rows: the shard's own at stage 3, else a view of the parameter's."""
-        if self.owns:
+        """This rank's rows: the shard's own at stage 3 or with a master, else a view of the
+        parameter's."""
+        if self.owns or self.master is not None:
             return self.shard.data
         return self.param.data[self.start:self.start + self.rows]
 
@@ -111,6 +138,20 @@ class Shard:
         if self.released:
             self.param.data.untyped_storage().resize_(self.param.numel() * self.param.element_size())
 
+    def materialize_master(self) -> None:
+        """set_param_dtype: the whole master's storage back (values undefined until unpacked)."""
+        m = self.master.data
+        m.untyped_storage().resize_(m.numel() * m.element_size())
+
+    @torch.no_grad()
+    def keep_master_rows(self) -> None:
+        """set_param_dtype: this rank's rows of the (whole) master into the shard, the
+        parameter its master rounded, and the master's storage freed again."""
+        m = self.master.data
+        self.shard.data.copy_(m[self.start:self.start + self.rows])
+        self.param.data.copy_(m)
+        m.untyped_storage().resize_(0)
+
     def keep_rows(self) -> None:
         """Stage 3: this rank's rows of the (whole) parameter into its shard."""
         self.shard.data.copy_(self.param.data[self.start:self.start + self.rows])
@@ -118,7 +159,7 @@ class Shard:
     def refresh(self) -> None:
         """The shard views the parameter's current storage (a load or a device move may have
         replaced it); the optimizer's state stays keyed by the same shard parameter."""
-        if self.owns:
+        if self.owns or self.master is not None:
             return
         rows = self.view_rows()
         if self.shard.data.data_ptr() != rows.data_ptr() or self.shard.device != rows.device:
@@ -138,9 +179,11 @@ class Shard:
             parts[whole, rest.numel():].zero_()
             parts[whole + 1:].zero_()
 
-    def unpack(self, parts: torch.Tensor) -> None:
-        """Every rank's rows from `parts` ([d, part_numel]) into the parameter."""
-        rows = self.param.data.reshape(self.param.shape[0], -1)
+    def unpack(self, parts: torch.Tensor, into: Optional[torch.Tensor] = None) -> None:
+        """Every rank's rows from `parts` ([d, part_numel]) into the parameter (or `into`, of
+        its shape)."""
+        into = self.param if into is None else into
+        rows = into.data.reshape(into.shape[0], -1)
         c = self.chunk
         whole = rows.shape[0] // c if c else 0
         if whole:
@@ -159,9 +202,10 @@ class ZeroShards:
         self.gathering: Dict[AllGather, tuple] = {}   # launched: (work, packed, this rank's rows)
 
     @staticmethod
-    def from_plan(plan, programs, optimizer) -> Optional["ZeroShards"]:
+    def from_plan(plan, programs, optimizer, masters=None) -> Optional["ZeroShards"]:
         """The shards the plan's REDUCE_SCATTERs name (None: no ZeRO here); the optimizer is
-        made to hold them instead of the whole parameters."""
+        made to hold them instead of the whole parameters (or their float32 masters:
+        `masters`, set_param_dtype's MasterParams; See NOTE: ZeRO with master parameters)."""
         scatters = [ins for ins in plan.instructions if isinstance(ins, ReduceScatter)]
         if not scatters:
             return None
@@ -181,19 +225,21 @@ class ZeroShards:
             k = ranks.index(plan.rank)
             for spec in ins.tensors:
                 p = params[spec.name]
+                master = masters.master_of(p) if masters is not None else p
+                master = None if master is p else master
                 n = p.shape[0]
                 start, rows = chunk_range(n, len(ranks), k)
                 shard = made.get(id(p))
                 if shard is None:
-                    if stage == 3:
-                        _own_storage(spec.name, p)
-                    rows_now = p.data[start:start + rows]
-                    shard = made[id(p)] = torch.nn.Parameter(rows_now.clone() if stage == 3 else rows_now,
-                                                             requires_grad=p.requires_grad)
-                s = Shard(spec.name, p, ranks, start, rows, -(-n // len(ranks)), shard, owns=stage == 3)
+                    shard = made[id(p)] = _shard_parameter(spec.name, p, master, start, rows, stage)
+                s = Shard(spec.name, p, ranks, start, rows, -(-n // len(ranks)), shard,
+                          owns=stage == 3, master=master)
                 shards[spec.name] = s
                 if stage == 3 and _held(p) is None:
                     p._graphc_zero3 = s
+                if master is not None:
+                    masters.hold_rows(master)
+                    p._graphc_zero_master = s
         step = next(i for i, ins in enumerate(plan.instructions) if isinstance(ins, OptimizerStep))
         zero = ZeroShards(plan.rank, stage, shards,
                           [ins for ins in plan.instructions[step:] if isinstance(ins, AllGather)])
@@ -204,7 +250,7 @@ class ZeroShards:
         """The optimizer's groups hold each sharded parameter's shard instead of it; state it
         already has for the whole parameter (a checkpoint loaded before the first call) is
         cut to this rank's rows."""
-        by_param = {id(s.param): s for s in self.by_name.values()}
+        by_param = {id(s.master if s.master is not None else s.param): s for s in self.by_name.values()}
         for group in optimizer.param_groups:
             held = []
             for p in group["params"]:
@@ -333,22 +379,21 @@ def released_in(params) -> List[torch.nn.Parameter]:
 @contextmanager
 def whole_parameters(params) -> Iterator[None]:
     """Collective over each parameter's data-parallel group: within the block the stage-3
-    parameters among `params` are whole; after it, the rows written
-    are kept in the shards and those that were freed are freed again (See NOTE: ZeRO stage 3).
-    Every rank of a group gathers the same parameters in the same order (by name)."""
-    chosen = list({id(p): _held(p) for p in params if _held(p) is not None}.values())
-    chosen.sort(key=lambda s: (s.ranks, s.name))
+    parameters among `params` are whole, and so are the float32 masters ZeRO holds as rows
+    (set_param_dtype); after it, the rows written are kept in the shards, each such parameter
+    is its master rounded again, and what was freed is freed again (See NOTE: ZeRO stage 3,
+    NOTE: ZeRO with master parameters). Every rank of a group gathers the same parameters in
+    the same order (by name)."""
+    params = list(params)
+    chosen = _by_group(_held(p) for p in params)
     freed = [s for s in chosen if s.released]
     for s in freed:
-        d = len(s.ranks)
-        packed = torch.empty((d, s.part_numel), dtype=s.param.dtype, device=s.param.device)
-        mine = torch.zeros(s.part_numel, dtype=s.param.dtype, device=s.param.device)
-        mine[:s.rows * s.row_numel].copy_(s.shard.data.reshape(-1))
-        work = _all_gather(packed, mine, s.ranks)
-        if work is not None:
-            work.wait()
         s.materialize()
-        s.unpack(packed)
+        _gather_rows(s, s.param)
+    rows_only = _by_group(_master_rows(p) for p in params)
+    for s in rows_only:
+        s.materialize_master()
+        _gather_rows(s, s.master)
     try:
         yield
     finally:
@@ -357,6 +402,47 @@ def whole_parameters(params) -> Iterator[None]:
                 s.keep_rows()
         for s in freed:
             s.release()
+        for s in rows_only:
+            s.keep_master_rows()
+
+
+def _by_group(shards) -> List[Shard]:
+    """The distinct shards among `shards` (None skipped), in the order every rank gathers."""
+    chosen = list({id(s): s for s in shards if s is not None}.values())
+    return sorted(chosen, key=lambda s: (s.ranks, s.name))
+
+
+def _master_rows(p: torch.nn.Parameter) -> Optional[Shard]:
+    """The Shard of a parameter whose float32 master ZeRO holds as rows (set_param_dtype)."""
+    return getattr(p, "_graphc_zero_master", None)
+
+
+def _gather_rows(s: Shard, into: torch.Tensor) -> None:
+    """Every rank's rows of `s` (its shard's, in `into`'s dtype) written into `into`."""
+    d = len(s.ranks)
+    packed = torch.empty((d, s.part_numel), dtype=into.dtype, device=into.device)
+    mine = torch.zeros(s.part_numel, dtype=into.dtype, device=into.device)
+    mine[:s.rows * s.row_numel].copy_(s.shard.data.reshape(-1))
+    work = _all_gather(packed, mine, s.ranks)
+    if work is not None:
+        work.wait()
+    s.unpack(packed, into)
+
+
+def _shard_parameter(name: str, p: torch.nn.Parameter, master: Optional[torch.nn.Parameter],
+                     start: int, rows: int, stage: int) -> torch.nn.Parameter:
+    """The parameter the optimizer steps for `p`: a view of its rows (stages 1, 2), a copy of
+    them (stage 3), or a copy of its float32 master's rows, whose whole storage is then freed
+    (See NOTE: ZeRO with master parameters)."""
+    if master is not None:
+        _own_storage(name, master)
+        shard = torch.nn.Parameter(master.data[start:start + rows].clone(), requires_grad=master.requires_grad)
+        master.data.untyped_storage().resize_(0)
+        return shard
+    if stage == 3:
+        _own_storage(name, p)
+    rows_now = p.data[start:start + rows]
+    return torch.nn.Parameter(rows_now.clone() if stage == 3 else rows_now, requires_grad=p.requires_grad)
 
 
 def _own_storage(name: str, p: torch.nn.Parameter) -> None:
@@ -430,8 +516,8 @@ class ZeroGradSync(GradSync):
     SYNCS = GradSync.SYNCS + (ReduceScatter,)
 
     @classmethod
-    def for_shards(cls, plan, programs, shards: ZeroShards) -> "ZeroGradSync":
-        sync = cls.from_plan(plan, programs)
+    def for_shards(cls, plan, programs, shards: ZeroShards, masters=None) -> "ZeroGradSync":
+        sync = cls.from_plan(plan, programs, masters)
         sync.shards = shards
         sync.scatters = {i: ins for ins, i in sync.index.items() if isinstance(ins, ReduceScatter)}
         sync.packed: Dict[int, torch.Tensor] = {}

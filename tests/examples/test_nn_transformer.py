@@ -143,7 +143,9 @@ def _train(rank, world, batch_first, layout):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("batch_first, layout", [(True, "tensor"), (False, "tensor"), (True, "data")],
+@pytest.mark.parametrize("batch_first, layout", [(True, "tensor"),
+                                                 pytest.param(False, "tensor", marks=pytest.mark.slow),  # CI time
+                                                 (True, "data")],
                          ids=["tensor2", "tensor2_sequence_first", "data2"])
 def test_nn_transformer_matches_eager(batch_first, layout):
     torch.manual_seed(0)

@@ -170,8 +170,10 @@ def _train(rank, world, batch_first, layout):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("batch_first, layout", [(True, "tensor"), (False, "tensor"), (True, "data"),
-                                                 (True, "pipeline")],
+@pytest.mark.parametrize("batch_first, layout", [(True, "tensor"),
+                                                 pytest.param(False, "tensor", marks=pytest.mark.slow),  # CI time
+                                                 (True, "data"),
+                                                 pytest.param(True, "pipeline", marks=pytest.mark.slow)],
                          ids=["tensor2", "tensor2_sequence_first", "data2", "pipeline2"])
 def test_vit_matches_eager(batch_first, layout):
     torch.manual_seed(0)

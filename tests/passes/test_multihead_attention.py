@@ -103,7 +103,9 @@ def _train(rank, world, batch_first, layout):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("batch_first, layout", [(True, "tensor"), (False, "tensor"), (True, "data")],
+@pytest.mark.parametrize("batch_first, layout", [(True, "tensor"),
+                                                 pytest.param(False, "tensor", marks=pytest.mark.slow),  # CI time
+                                                 (True, "data")],
                          ids=["tensor2", "tensor2_sequence_first", "data2"])
 def test_masked_and_cross_attention_match_eager(batch_first, layout):
     torch.manual_seed(0)

@@ -89,9 +89,12 @@ def _check(results, configs):
 
 
 # gpipe and 1f1b are covered at more sizes by test_pipeline_numerics; looped_bfs shares
-# interleaved_1f1b's layout: -m slow keeps CI time
+# interleaved_1f1b's layout, zero_bubble its layout and zbv's split backward; every
+# schedule runs in the local sweep (tests/local), which test_local_vs_gloo holds bitwise to
+# gloo: -m slow keeps CI time
 @pytest.mark.parametrize("schedule", [pytest.param(s, marks=pytest.mark.slow)
-                                      if s in ("gpipe", "1f1b", "looped_bfs") else s for s in CHUNKS])
+                                      if s in ("gpipe", "1f1b", "looped_bfs", "zero_bubble") else s
+                                      for s in CHUNKS])
 def test_schedule_matches_eager(schedule):
     accs = (2 * P, 4 * P) if schedule == "dualpipev" else (P, 2 * P)  # it needs m >= 2p
     configs = [(schedule, acc, opt, "never", ()) for acc in accs for opt in OPTIMIZERS]

@@ -147,7 +147,7 @@ def _check(results, name, ref, holders):
         assert results[holders[0]][name]["ties"], f"{name}: no tie collective in the plan"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])   # CI time
 def test_tied_parameters_match_eager(world):
     results = run_world(_train, world)
     for name, (opt_name, _, holders) in CONFIGS[world].items():

@@ -172,12 +172,14 @@ def test_zero_1_and_2_on_data_2_equal_eager():
 
 
 @pytest.mark.world
+@pytest.mark.slow   # CI time: data 4 ZeRO runs in the local sweep (slow) and at stage 3 in test_zero3_numerics (slow)
 def test_zero_2_on_data_4_equals_eager():
     results = run_world(_data_parallel, 4, DATA4)
     _check(results, DATA4, "data 4")
 
 
 @pytest.mark.world
+@pytest.mark.slow   # CI time: pipeline 2 x data 2 runs at stage 3 (test_zero3_numerics) and in the sweep
 def test_zero_on_pipeline_2_x_data_2_equals_eager():
     results = run_world(_pipeline_data, 4, PIPE)
     _check(results, PIPE, "pipeline 2 x data 2")

@@ -200,6 +200,22 @@ def flip(ctx: RuleCtx) -> List[Candidate]:
     return [({x: P}, P)] + [c for c in _split_candidates(ctx) if c[1].dim not in flipped]
 
 
+def pad(ctx: RuleCtx) -> List[Candidate]:
+    """F.pad(x, pad, mode, value): the last len(pad)//2 dims grow; any other split dim stays
+    split (each shard pads its own rows alike: HF's causal-LM loss pads its labels' last
+    dim). Constant zero padding is linear, so P -> P."""
+    x, mx = ctx.node.args[0], ctx.meta(ctx.node.args[0])
+    widths = ctx.arg(1, "pad")
+    if mx is None or not isinstance(widths, (list, tuple)):
+        return []
+    nd = len(mx.shape)
+    grown = {nd - 1 - i for i in range(len(widths) // 2)}
+    cands = [c for c in _split_candidates(ctx) if c[1].dim not in grown]
+    if ctx.arg(2, "mode", "constant") == "constant" and not ctx.arg(3, "value", None):
+        cands.append(({x: P}, P))
+    return cands
+
+
 def filled_like(ctx: RuleCtx) -> List[Candidate]:
     """zeros_like/ones_like/full_like/empty_like(x): x's layout with its values replaced, so a
     split x gives the local shard's shape, split alike (never partial: ones would add up)."""
@@ -712,6 +728,7 @@ _register(triangular, torch.tril, torch.triu, "tril", "triu")
 _register(expand, "expand", torch.broadcast_to, "broadcast_to")
 _register(set_item, local_ops.set_item)
 _register(flip, torch.flip, "flip")
+_register(pad, F.pad)
 _register(filled_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like)
 _register(cast, "float", "double", "half", "bfloat16", "to", "type", "type_as")
 _register(metadata, "size", "dim", "numel", "nelement", "ndimension", "get_device")

@@ -139,3 +139,12 @@ def test_expand_keeps_a_split_dim_it_does_not_expand():
     exp = nodes["expand"]
     assert not exp.meta[META_SBP].fallback and exp.meta[META_SBP].out == (Split(1),)
     assert -1 in exp.args[1]  # the split heads dim keeps the local size
+
+
+def test_pad_keeps_a_split_dim_it_does_not_grow():
+    """HF's causal-LM loss pads its labels' last dim (F.pad(labels, (0, 1), value=-100)): the
+    batch stays split, no fallback gathers it; padding the split dim is a conversion first."""
+    sigs = _sigs(lambda x: F.pad(x, (0, 1), value=-100.0))
+    assert sigs["pad"].out == (Split(0),) and not sigs["pad"].fallback
+    sigs = _sigs(lambda x: F.pad(x, (0, 0, 0, 0, 1, 1)))   # grows dim 0, the split one
+    assert sigs["pad"].out != (Split(0),) and not sigs["pad"].fallback

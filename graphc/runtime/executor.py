@@ -63,8 +63,7 @@ class StageExecutor:
         self.draw = (0, 0)  # (base seed, step) random ops draw for (See NOTE: Replica-equal randomness)
         module = program.module
         self._params = [p for p in module.parameters() if p.requires_grad]
-        self._fixed = {t.untyped_storage().data_ptr() for t in
-                       list(module.parameters()) + list(module.buffers())}
+        self._state = list(module.parameters()) + list(module.buffers())
         self._buffers = dict(module.named_buffers())
 
     # -- forward ---------------------------------------------------------------------
@@ -100,6 +99,12 @@ class StageExecutor:
         self.max_live = max(self.max_live, len(self.saved))
         self.max_live_bytes = max(self.max_live_bytes, self.live_bytes)
         return outs
+
+    @property
+    def _fixed(self) -> set:
+        """The storages of the stage's parameters and buffers, which are no activations: read
+        now, since ZeRO stage 3 gives a parameter new storage at each gather (NOTE: ZeRO stage 3)."""
+        return {t.untyped_storage().data_ptr() for t in self._state}
 
     def _counter(self, seen: Dict[int, int]):
         fixed = self._fixed

@@ -31,6 +31,12 @@ Ranks = Tuple[int, ...]
 _THREAD = threading.local()   # .world: the local world's rank this thread runs, if any
 
 
+# the flat collectives under their current names (torch 2.13 deprecates the *_tensor ones with
+# a FutureWarning per process); the GPU machines' torch 2.11 may have only the old names
+_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class TorchWorld:
     """torch.distributed's default group and the groups created for graphc's rank sets."""
 
@@ -81,11 +87,11 @@ class TorchWorld:
     # faster than the list forms above (16 MiB on 2 ranks); ZeRO's buckets use them
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, ranks: Optional[Ranks] = None,
                         async_op: bool = False):
-        return dist.all_gather_into_tensor(out, t, group=self.group(ranks), async_op=async_op)
+        return _ALL_GATHER_FLAT(out, t, group=self.group(ranks), async_op=async_op)
 
     def reduce_scatter_from(self, out: torch.Tensor, t: torch.Tensor, ranks: Optional[Ranks] = None,
                             async_op: bool = False):
-        return dist.reduce_scatter_tensor(out, t, group=self.group(ranks), async_op=async_op)
+        return _REDUCE_SCATTER_FLAT(out, t, group=self.group(ranks), async_op=async_op)
 
     def all_to_all(self, recv: List[torch.Tensor], send: List[torch.Tensor], ranks: Optional[Ranks] = None):
         dist.all_to_all(recv, send, group=self.group(ranks))

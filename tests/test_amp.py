@@ -28,15 +28,22 @@ class Net(nn.Module):
 
 
 class AmpGraph(graphc.Graph):
-    def __init__(self, model, opt, pipeline=False):
+    """Net under bf16 autocast (amp), M micro-batches, on one rank or a pipeline of 2;
+    param_dtype: config.set_param_dtype (tests/test_param_dtype.py)."""
+
+    def __init__(self, model, opt, pipeline=False, amp=True, param_dtype=None):
         super().__init__()
         self.model = model
         if pipeline:
             self.model.stage0.config.set_stage(0, graphc.placement("cpu", [0]))
             self.model.stage1.config.set_stage(1, graphc.placement("cpu", [1]))
-        self.config.enable_amp(True, dtype=torch.bfloat16)
+        if amp:
+            self.config.enable_amp(True, dtype=torch.bfloat16)
+        if param_dtype is not None:
+            self.config.set_param_dtype(param_dtype)
         self.config.set_gradient_accumulation_steps(M)
-        self.add_optimizer(opt)
+        if opt is not None:
+            self.add_optimizer(opt)
 
     def build(self, x, y):
         loss = F.cross_entropy(self.model(x), y)

@@ -8,49 +8,18 @@ parameters after the step) bit for bit: in one process, with and without enable_
 a 2-stage pipeline of real gloo ranks. Checkpoints hold the float32 masters."""
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import graphc
 from helpers import run_world
+from test_amp import M, AmpGraph, Net, _batches   # the same model, graph and data
 
 pytestmark = pytest.mark.fp32
-M, STEPS = 2, 3
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stage0 = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32))
-        self.stage1 = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
-
-    def forward(self, x):
-        return self.stage1(self.stage0(x))
-
-
-class MasterGraph(graphc.Graph):
+class MasterGraph(AmpGraph):
     def __init__(self, model, opt, amp=True, pipeline=False, param_dtype=torch.bfloat16):
-        super().__init__()
-        self.model = model
-        if pipeline:
-            self.model.stage0.config.set_stage(0, graphc.placement("cpu", [0]))
-            self.model.stage1.config.set_stage(1, graphc.placement("cpu", [1]))
-        if amp:
-            self.config.enable_amp(True, dtype=torch.bfloat16)
-        self.config.set_param_dtype(param_dtype)
-        self.config.set_gradient_accumulation_steps(M)
-        if opt is not None:
-            self.add_optimizer(opt)
-
-    def build(self, x, y):
-        loss = F.cross_entropy(self.model(x), y)
-        loss.backward()
-        return loss
-
-
-def _batches():
-    g = torch.Generator().manual_seed(0)
-    return [(torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(STEPS)]
+        super().__init__(model, opt, pipeline, amp, param_dtype)
 
 
 def eager_with_masters(model, batches, amp):

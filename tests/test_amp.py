@@ -3,7 +3,6 @@ parameters and fp32 gradient accumulation. CPU autocast to bfloat16 is determini
 graphc equals an eager reference running the same micro-batches under torch.autocast with
 float32 parameters, accumulating float32 gradients in the same order, bit for bit: in one
 process and on a 2-stage pipeline of real gloo ranks."""
-import copy
 
 import pytest
 import torch

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
-from ..meta import META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR
+from ..meta import META_GRAD_PARTIAL, META_SBP, META_TENSOR
 from ..plan.instructions import AllReduce, OptimizerStep, TensorSpec
 from ..plan.plan import ExecutionPlan
 from ..sbp.layout import axis_groups, flat, local_shape

@@ -25,7 +25,6 @@ checkpointed micro-batch counts its kept inputs. `max_live_bytes` is the step's 
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Dict, List, Optional, Tuple
 
 import torch

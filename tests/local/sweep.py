@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable, List, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.nn as nn

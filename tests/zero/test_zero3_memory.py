@@ -12,7 +12,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import graphc
 from graphc.plan.instructions import AllGather, ReleaseParams

@@ -11,7 +11,7 @@ import graphc
 from graphc.plan.instructions import STAGE_COMPUTES, AllGather
 from helpers import run_world
 from models import OPTIMIZERS
-from test_zero_numerics import MIN_SIZE, Net, ZeroGraph, _check, _data_parallel, _pipeline_data, batches, rows
+from test_zero_numerics import Net, ZeroGraph, _check, _data_parallel, _pipeline_data, batches, rows
 
 DATA2 = [(3, 1, "adam", False), (3, 4, "adam", True), (3, 4, "sgd_momentum", False)]
 DATA4 = [(3, 4, "adam", True)]

@@ -133,7 +133,7 @@ def test_masked_hf_model_on_pipeline_2(kind, accumulation):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("kind", ["llama", "bert"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("bert", marks=pytest.mark.slow)])   # CI time
 def test_masked_hf_model_on_data_2(kind):
     _check(kind, run_world(_worker, 2, kind, "data", 2))
 

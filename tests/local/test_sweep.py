@@ -18,14 +18,16 @@ LARGE_DEFAULT = {"skip-pp8-dp1-tp1-1f1b-acc8", "skip-pp4-dp2-tp1-interleaved_1f1
 
 def _default(c: sweep.Config) -> bool:
     """The 2-rank worlds at accumulation 2 (4 for dualpipev, which needs m >= 2p; ZeRO 1, 2
-    and 3 among them) but checkpointing "except_last", every 2-rank Llama world, the 4-rank worlds of GPT, conv net and Llama at one
+    and 3 among them; activation checkpointing "always" under 1f1b, interleaved_1f1b and zbv),
+    every 2-rank Llama world, the 4-rank worlds of GPT, conv net and Llama at one
     accumulation, and LARGE_DEFAULT: every model, schedule and layout kind, within the CI
     budget (the whole default suite under 15 minutes on 2 cores)."""
     if c.id in LARGE_DEFAULT:
         return True
     if c.nproc == 2:
-        if c.checkpointing == "except_last":   # "always" runs every schedule's recomputation
-            return False
+        if c.checkpointing == "except_last" or (c.checkpointing == "always" and c.schedule not in
+                                                 ("1f1b", "interleaved_1f1b", "zbv")):
+            return False   # recomputation under a plain, an interleaved and a V schedule
         return c.acc == (4 if c.schedule == "dualpipev" else 2) or c.model == "llama"
     return c.nproc == 4 and c.acc == 2 and c.model != "skip"
 

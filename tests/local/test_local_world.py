@@ -47,6 +47,23 @@ class SkipGraph(graphc.Graph):
         return loss
 
 
+def split_over_data(batches, pp: int, dp: int):
+    """Each rank's call arguments: x split(0) over stage 0's dp ranks, y over the last
+    stage's (a rank outside passes rows that are not read); plain batches at dp 1."""
+    if dp == 1:
+        return batches
+
+    def inputs(rank, step):
+        out = []
+        for t, stage in zip(batches[step], (0, pp - 1)):
+            ranks = list(range(stage * dp, (stage + 1) * dp))
+            k = ranks.index(rank) if rank in ranks else 0
+            out.append(graphc.to_global(t.chunk(dp)[k], placement=graphc.placement("cpu", ranks),
+                                        sbp=graphc.sbp.split(0)))
+        return tuple(out)
+    return inputs
+
+
 def skip_factory(pp, dp, blocks=4, acc=2):
     def make():
         torch.manual_seed(0)
@@ -58,7 +75,8 @@ def skip_factory(pp, dp, blocks=4, acc=2):
 @pytest.mark.parametrize("pp,dp", [(1, 2), (2, 1), (2, 2), (4, 2)])
 def test_local_world_trains_like_eager(pp, dp):
     batches = make_batches(n=3)
-    run = graphc.testing.local_world(skip_factory(pp, dp), batches, nproc=pp * dp, check=True)
+    run = graphc.testing.local_world(skip_factory(pp, dp), split_over_data(batches, pp, dp),
+                                     nproc=pp * dp, steps=len(batches), check=True)
     assert run.ok, run.text()
     report = run.reports[0]
     assert len(report.rows) == 3 and len(report.per_param) == len(dict(SkipNet(4).named_parameters()))

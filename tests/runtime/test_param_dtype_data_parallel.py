@@ -22,10 +22,10 @@ import torch.nn.functional as F
 
 import graphc
 from helpers import run_world
+from test_amp_data_parallel import B, F32, M, U, WORLD, _batches, _pieces   # the same data and cut
+from test_amp_data_parallel import DataParallel as AmpDataParallel
 
 pytestmark = [pytest.mark.world, pytest.mark.fp32]
-M, B, STEPS, WORLD = 2, 16, 3, 2
-U, F32 = 2.0 ** -8, 2.0 ** -24
 
 
 class MLP(nn.Module):
@@ -37,24 +37,12 @@ class MLP(nn.Module):
         return self.l2(F.gelu(self.norm(self.l1(x))))
 
 
-class DataParallel(graphc.Graph):
+class DataParallel(AmpDataParallel):
+    """test_amp_data_parallel's graph with bf16 parameters and float32 masters."""
+
     def __init__(self, model, opt):
-        super().__init__()
-        self.model = model
-        self.config.enable_amp(True, dtype=torch.bfloat16)
+        super().__init__(model, opt)
         self.config.set_param_dtype(torch.bfloat16)
-        self.config.set_gradient_accumulation_steps(M)
-        self.add_optimizer(opt)
-
-    def build(self, x, y):
-        loss = F.cross_entropy(self.model(x), y)
-        loss.backward()
-        return loss
-
-
-def _batches():
-    g = torch.Generator().manual_seed(0)
-    return [(torch.randn(B, 16, generator=g), torch.randint(0, 5, (B,), generator=g)) for _ in range(STEPS)]
 
 
 def _model():
@@ -63,12 +51,6 @@ def _model():
     model = MLP()
     masters = {k: p.detach().clone().requires_grad_() for k, p in model.named_parameters()}
     return model.to(torch.bfloat16), masters
-
-
-def _pieces(x, y):
-    rows = B // WORLD
-    return [list(zip(x[r * rows:(r + 1) * rows].chunk(M), y[r * rows:(r + 1) * rows].chunk(M)))
-            for r in range(WORLD)]
 
 
 def _backward(model, xs, ys):

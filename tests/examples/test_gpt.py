@@ -2,10 +2,9 @@
 
 Float64, whole batch, AdamW, 3 steps, tolerance 1e-10 (helpers.py): pipeline 2 (1F1B and
 GPipe), data 2 and tensor 2 on 2 ranks; pipeline 4 on 4 ranks; pipeline x tensor x data
-2x2x2 on 8 ranks (slow); ZeRO stage 3 on tensor 2 x data 2 (2-D: a weight's rows split by
-tensor parallelism, then its local rows by ZeRO; the tied embedding, 640 elements here, stays
-whole below shard_min_size: `graphc check examples/gpt.py --nproc 4 -- --tp 2 --dp 2 --zero 3`
-shards it at the default width) and on pipeline 2 x data 2 (the tie
+2x2x2 on 8 ranks (slow); ZeRO stage 3 (width 64) on tensor 2 x data 2 (2-D: a weight's rows
+split by tensor parallelism, then its local rows by ZeRO, the tied embedding and head among
+them) and on pipeline 2 x data 2 (the tie
 across stages stays whole), with a last batch of another shape (a second plan). No op of the
 tensor-parallel plans falls back to broadcast.
 """
@@ -41,10 +40,10 @@ def _batches(ids, args):
     yield from gpt.batches(ids, args.batch // 2, args.block, 1, seed=1)
 
 
-def _train(rank, world, configs):
+def _train(rank, world, configs, extra=()):
     out = {}
     ids, vocab = gpt.load_corpus()
-    args = _args()
+    args = _args(extra)
     for name, (pp, tp, dp, schedule, *zero) in configs.items():
         layout = gpt.Layout(pp, tp, dp)
         model = gpt.make_model(vocab, args)
@@ -58,9 +57,9 @@ def _train(rank, world, configs):
     return out
 
 
-def _eager():
+def _eager(extra=()):
     ids, vocab = gpt.load_corpus()
-    args = _args()
+    args = _args(extra)
     model = gpt.make_model(vocab, args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = []
@@ -73,8 +72,8 @@ def _eager():
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _check(results, names):
-    ref_losses, ref_state = _eager()
+def _check(results, names, extra=()):
+    ref_losses, ref_state = _eager(extra)
     for name in names:
         for rank, res in enumerate(results):
             got = res[name]
@@ -108,7 +107,9 @@ def test_gpt_pipeline_tensor_data_2x2x2_matches_eager():
 
 def test_gpt_zero_3_on_tensor_2_x_data_2_and_pipeline_2_x_data_2_matches_eager():
     configs = {"tp2-dp2-zero3": (1, 2, 2, "1f1b", 3), "pp2-dp2-zero3": (2, 1, 2, "1f1b", 3)}
-    results = run_world(_train, 4, configs)
-    _check(results, configs)
-    # a weight split by tensor parallelism, its local rows split again by ZeRO (2-D)
-    assert "mlp.fc.weight:f64[64,32]" in results[0]["tp2-dp2-zero3"]["plan"].split("RELEASE", 1)[1].split("\n")[0]
+    wide = ("--embd", "64")   # the tied embedding's local [20, 64] reaches shard_min_size (1024)
+    results = run_world(_train, 4, configs, wide)
+    _check(results, configs, wide)
+    released = results[0]["tp2-dp2-zero3"]["plan"].split("RELEASE", 1)[1].split("\n")[0]
+    # weights split by tensor parallelism, their local rows split again by ZeRO (2-D), the tie too
+    assert "mlp.fc.weight:f64[128,64]" in released and "lm_head.weight:f64[20,64]" in released

@@ -12,12 +12,10 @@ the model's parameter count, beside the formula:
   fp32                       4 param + 4 grad + 8 Adam                     = 16
   amp (enable_amp bf16)      the same: master weights are the parameters   = 16
   amp + set_param_dtype bf16 2 param + 4 master + 4 grad + 8 Adam          = 18
-  amp + ZeRO-1 over d ranks  4 param + 4 grad bucket + (4 shard grad + 8 Adam)/d = 8 + 12/d
-  amp + param_dtype + ZeRO-1 Megatron's 6 + 12/d (bf16 params, fp32 grads, master + Adam
-                             sharded over d ranks); graphc holds 2 param + 4 grad
-                             bucket + (4 master rows + 4 shard grad + 8 Adam)/d = 6 + 16/d: the
-                             reduce-scatter's output (the shard's gradient) is a buffer of its
-                             own, where Megatron's views its grad buffer
+  amp + ZeRO-1 over d ranks  4 param + 4 grad bucket + 8 Adam/d           = 8 + 8/d
+                             (the shard's gradient views its row of the kept bucket)
+  amp + param_dtype + ZeRO-1 2 param + 4 grad bucket + (4 master rows + 8 Adam)/d = 6 + 12/d,
+                             Megatron's distributed optimizer
 Activations are not model state and are not counted.
 """
 import argparse
@@ -35,8 +33,8 @@ CONFIGS = {  # name: (enable_amp, set_param_dtype, ZeRO stage, ranks, formula)
     "fp32": (False, False, 0, 1, "16"),
     "amp bf16": (True, False, 0, 1, "16"),
     "amp bf16 + param_dtype bf16": (True, True, 0, 1, "18"),
-    "amp bf16 + ZeRO-1, d=2": (True, False, 1, 2, "8+12/d = 14"),
-    "amp + param_dtype bf16 + ZeRO-1, d=2": (True, True, 1, 2, "6+12/d = 12 (Megatron); 6+16/d = 14 here"),
+    "amp bf16 + ZeRO-1, d=2": (True, False, 1, 2, "8+8/d = 12"),
+    "amp + param_dtype bf16 + ZeRO-1, d=2": (True, True, 1, 2, "6+12/d = 12 (Megatron's)"),
 }
 
 

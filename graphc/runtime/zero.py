@@ -16,7 +16,9 @@ model state over the data-parallel axis (ZeRO, DeepSpeed; OneFlow's enable_zero)
   rank, each tensor's part padded to c rows so the parts are equal (gloo and NCCL need it),
   and each rank receives the sum of its rows, which become its shard parameters' .grad.
   The full gradient is dropped once packed. Stage 1 keeps the packed buckets between steps
-  (DDP keeps its buckets too); stage 2 frees them after the reduce-scatter;
+  (DDP keeps its buckets too), writes each rank's sum into its own row of its bucket and
+  makes the shards' gradients views of that row (Megatron's layout: no gradient buffer of
+  their own); stage 2 frees them after the reduce-scatter;
 - the optimizer steps on the shards, which writes this rank's rows of the parameters;
   ALL_GATHER after OPTIMIZER_STEP brings every rank's rows to every rank.
 A reduce-scatter and an all-gather send what one all-reduce sends ((d-1)/d of the bucket
@@ -542,6 +544,13 @@ class ZeroGradSync(GradSync):
         work, out = self.works.pop(i)
         if work is not None:
             work.wait()
+        kept = self.packed.get(i)
+        if kept is not None and kept.dtype == out.dtype:
+            # stage 1 keeps the packed bucket: this rank's sum goes into its own row there, and
+            # the shards' gradients are views of it (no buffer of their own: Megatron's layout)
+            row = kept[self.shards.by_name[ins.tensors[0].name].ranks.index(self.shards.rank)]
+            row.copy_(out)
+            out = row
         self.shards.take_grads(ins, out)
         if not self.works:
             self.armed = False

@@ -10,7 +10,8 @@ stages' parameters (See NOTE: ZeRO in graphc/runtime/zero.py for the layouts):
     TIE_ALL_REDUCE bucket whole (a flat buffer in the reduce dtype, kept between steps, plus
     its copy in the gradients' dtype where that differs), each REDUCE_SCATTER bucket's
     summed part (every tensor padded to its largest chunk, in the reduce dtype), at ZeRO
-    stage 1 also its packed bucket (d parts, kept between steps), and a trained parameter
+    stage 1 instead its packed bucket (d parts, kept between steps, the summed part written
+    into this rank's; with a reduce dtype of its own also the part), and a trained parameter
     no collective names (no data parallelism) whole in its own dtype;
   * optimizer: the state tensors of a parameter's shape that the optimizer keeps for each
     trained parameter (Adam 2, SGD with momentum 1), on this rank's rows for one a
@@ -112,7 +113,10 @@ def _gradient_buffers(plan: ExecutionPlan, by_name: Dict[str, ParamSpec], stage:
                 if t.dtype != p.dtype:      # the sum cast back to the gradient's dtype
                     part += rows[id(p)] * p.row_bytes
                 reduced.add(id(p))
-            grads += part * (d + 1 if stage == 1 else 1)   # stage 1 keeps the packed d parts
+            # stage 1 keeps the packed d parts; the shards' gradients are views of this rank's
+            # (runtime/zero.py ZeroGradSync.wait) unless the sum is cast to another dtype
+            same = all(t.dtype == by_name[t.name].dtype for t in ins.tensors)
+            grads += part * ((d if same else d + 1) if stage == 1 else 1)
         elif type(ins) in (AllReduce, TieAllReduce):
             names = ins.params if isinstance(ins, TieAllReduce) else [t.name for t in ins.tensors]
             grads += sum(t.nbytes for t in ins.tensors)

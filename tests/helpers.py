@@ -29,6 +29,7 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -216,3 +217,10 @@ def assert_close(got, want, what: str = "") -> None:
     """torch.testing.assert_close at the oracle's tolerance."""
     atol, rtol = tolerance()
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{what}\n{m}")
+
+
+# the attention models' layouts on 2 gloo ranks (tests/passes/test_multihead_attention.py,
+# tests/examples/test_nn_transformer.py, test_vit_tensor_parallel.py): tensor parallel
+# (sequence-first too, slow) and data parallel; CI runs the batch-first ones
+ATTENTION_LAYOUTS = [(True, "tensor"), pytest.param(False, "tensor", marks=pytest.mark.slow), (True, "data")]
+ATTENTION_LAYOUT_IDS = ["tensor2", "tensor2_sequence_first", "data2"]

@@ -105,10 +105,10 @@ def _gather_for_use(out: list, plan: ExecutionPlan, scatter: Dict[Tuple[int, ...
     and released after. A rank holding one stage gathers once per step (whole from the
     stage's first compute to its last: memory for bytes); a rank holding several gathers per
     compute, so one chunk at a time is whole (bytes for memory)."""
-    by_stage: Dict[int, List[Tuple[Tuple[int, ...], TensorSpec]]] = defaultdict(list)
+    by_stage: Dict[int, Dict[Tuple[int, ...], List[TensorSpec]]] = defaultdict(lambda: defaultdict(list))
     for group, specs in scatter.items():
         for t in specs:
-            by_stage[shardable[t.name]].append((group, replace(t, dtype=dtypes.get(t.name, t.dtype))))
+            by_stage[shardable[t.name]][group].append(replace(t, dtype=dtypes.get(t.name, t.dtype)))
     per_compute = len(plan.local_stages) > 1
     uses: Dict[int, List[int]] = defaultdict(list)    # stage -> positions of its computes
     for i, ins in enumerate(out):
@@ -119,9 +119,8 @@ def _gather_for_use(out: list, plan: ExecutionPlan, scatter: Dict[Tuple[int, ...
     before: Dict[int, list] = defaultdict(list)
     after: Dict[int, list] = defaultdict(list)
     for s, at in uses.items():
-        gathers = [AllGather(g, tuple(t for gg, t in by_stage[s] if gg == g))
-                   for g in dict.fromkeys(g for g, _ in by_stage[s])]
-        release = ReleaseParams(tuple(t for _, t in by_stage[s]))
+        gathers = [AllGather(g, tuple(specs)) for g, specs in by_stage[s].items()]
+        release = ReleaseParams(tuple(t for specs in by_stage[s].values() for t in specs))
         for i in (at if per_compute else at[:1]):
             before[i].extend(gathers)
         for i in (at if per_compute else at[-1:]):

@@ -448,12 +448,10 @@ class Runtime:
         its rows are stepped (See NOTE: ZeRO step overlap in zero.py)."""
         if self.zero is None:
             self.optimizer.step()
-            if self.masters is not None:   # the parameters: the stepped masters, rounded
-                self.masters.copy_back()
         else:
             self.zero.step(self.optimizer, self.zero.after_step)
-            if self.masters is not None:   # the replicated ones; ZeRO's are gathered
-                self.masters.copy_back()
+        if self.masters is not None:   # the parameters: the stepped masters, rounded (ZeRO's rows: gathered)
+            self.masters.copy_back()
 
 
 def _prefetches(instructions) -> Dict[int, List[AllGather]]:

@@ -239,6 +239,7 @@ class ZeroShards:
                 shards[spec.name] = s
                 if stage == 3 and _held(p) is None:
                     p._graphc_zero3 = s
+                    _hold_seen()
                 if master is not None:
                     masters.hold_rows(master)
                     p._graphc_zero_master = s
@@ -335,16 +336,8 @@ class ZeroShards:
         """Starts gathering every rank's rows of the bucket's parameters (after the optimizer
         stepped on them); gather() waits for it."""
         shards = [self.by_name[t.name] for t in ins.tensors]
-        d = len(shards[0].ranks)
         ref = shards[0].param
-        width = sum(s.part_numel for s in shards)
-        packed = torch.empty((d, width), dtype=ref.dtype, device=ref.device)
-        mine = torch.zeros(width, dtype=ref.dtype, device=ref.device)
-        at = 0
-        for s in shards:
-            mine[at:at + s.rows * s.row_numel].copy_(s.view_rows().reshape(-1))
-            at += s.part_numel
-        self.gathering[ins] = (_all_gather(packed, mine, shards[0].ranks), packed, mine)
+        self.gathering[ins] = _launch_rows(shards, ref.dtype, ref.device)
 
     def gather(self, ins: AllGather) -> None:
         """Waits for the bucket's all-gather (launching it first if step() or a prefetch did
@@ -367,6 +360,14 @@ class ZeroShards:
             self.by_name[t.name].release()
 
 
+_ANY_HELD = False   # whether this process has held any parameter as stage-3 rows
+
+
+def _hold_seen() -> None:
+    global _ANY_HELD
+    _ANY_HELD = True
+
+
 def _held(p: torch.nn.Parameter) -> Optional[Shard]:
     """The Shard of a parameter ZeRO stage 3 holds (the first executable's: every executable
     of a graph shards a parameter alike); None for any other."""
@@ -374,7 +375,10 @@ def _held(p: torch.nn.Parameter) -> Optional[Shard]:
 
 
 def released_in(params) -> List[torch.nn.Parameter]:
-    """Those of `params` that ZeRO stage 3 holds as shards now (their whole storage freed)."""
+    """Those of `params` that ZeRO stage 3 holds as shards now (their whole storage freed).
+    Asked every step: nothing to look at until some parameter is held (_ANY_HELD)."""
+    if not _ANY_HELD:
+        return []
     return [p for p in params if _held(p) is not None and _held(p).released]
 
 
@@ -419,13 +423,24 @@ def _master_rows(p: torch.nn.Parameter) -> Optional[Shard]:
     return getattr(p, "_graphc_zero_master", None)
 
 
+def _launch_rows(shards: List[Shard], dtype: torch.dtype, device) -> tuple:
+    """Starts gathering every rank's rows of `shards` (one group's), packed in `dtype`, each
+    rank's part of each padded to its largest chunk: (work or None, packed [d, width], this
+    rank's part)."""
+    d = len(shards[0].ranks)
+    width = sum(s.part_numel for s in shards)
+    packed = torch.empty((d, width), dtype=dtype, device=device)
+    mine = torch.zeros(width, dtype=dtype, device=device)
+    at = 0
+    for s in shards:
+        mine[at:at + s.rows * s.row_numel].copy_(s.view_rows().reshape(-1))
+        at += s.part_numel
+    return _all_gather(packed, mine, shards[0].ranks), packed, mine
+
+
 def _gather_rows(s: Shard, into: torch.Tensor) -> None:
     """Every rank's rows of `s` (its shard's, in `into`'s dtype) written into `into`."""
-    d = len(s.ranks)
-    packed = torch.empty((d, s.part_numel), dtype=into.dtype, device=into.device)
-    mine = torch.zeros(s.part_numel, dtype=into.dtype, device=into.device)
-    mine[:s.rows * s.row_numel].copy_(s.shard.data.reshape(-1))
-    work = _all_gather(packed, mine, s.ranks)
+    work, packed, _ = _launch_rows([s], into.dtype, into.device)
     if work is not None:
         work.wait()
     s.unpack(packed, into)

@@ -44,19 +44,20 @@ def _args():
     return parser.parse_args([])
 
 
-def _poison(model, when):
-    """A hook making wpe.weight's gradient inf while when["now"] is set."""
-    model.transformer.wpe.weight.register_hook(
-        lambda g: g * float("inf") if when["now"] else g)
-
-
-def _eager():
+def _poisoned_model():
+    """(corpus ids, args, the GPT, its AdamW, `when`): a hook makes wpe.weight's gradient inf
+    while when["now"] is set."""
     ids, vocab = gpt.load_corpus()
     args = _args()
     model = gpt.make_model(vocab, args)
     when = {"now": False}
-    _poison(model, when)
+    model.transformer.wpe.weight.register_hook(lambda g: g * float("inf") if when["now"] else g)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    return ids, args, model, opt, when
+
+
+def _eager():
+    ids, args, model, opt, when = _poisoned_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
     scales, losses, m = [], [], args.accumulation
     for step, (x, y) in enumerate(gpt.batches(ids, args.batch, args.block, STEPS)):
@@ -78,12 +79,7 @@ def _eager():
 def _train(rank, world):
     torch.set_num_threads(1)
     want = _eager()
-    ids, vocab = gpt.load_corpus()
-    args = _args()
-    model = gpt.make_model(vocab, args)
-    when = {"now": False}
-    _poison(model, when)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    ids, args, model, opt, when = _poisoned_model()
     layout = gpt.Layout(pp=2)
     graph = gpt.GPTGraph(model, opt, layout, args.accumulation, amp="fp16")
     scales, losses, states = [], [], []

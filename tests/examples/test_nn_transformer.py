@@ -19,8 +19,8 @@ import graphc
 from graphc import sbp
 from graphc.meta import META_SBP
 from graphc.plan.instructions import Collective
-from helpers import (assert_close, assert_same_as_eager, compile_graph, eager_train, feed_split, global_input,
-                     graphc_train, run_world)
+from helpers import (ATTENTION_LAYOUT_IDS, ATTENTION_LAYOUTS, assert_close, assert_same_as_eager, compile_graph,
+                     eager_train, feed_split, global_input, graphc_train, run_world)
 from models import OPTIMIZERS
 
 STEPS, BATCH, L, T, E, HEADS, FF, CLASSES = 3, 4, 6, 5, 16, 4, 32, 3
@@ -143,10 +143,7 @@ def _train(rank, world, batch_first, layout):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("batch_first, layout", [(True, "tensor"),
-                                                 pytest.param(False, "tensor", marks=pytest.mark.slow),  # CI time
-                                                 (True, "data")],
-                         ids=["tensor2", "tensor2_sequence_first", "data2"])
+@pytest.mark.parametrize("batch_first, layout", ATTENTION_LAYOUTS, ids=ATTENTION_LAYOUT_IDS)
 def test_nn_transformer_matches_eager(batch_first, layout):
     torch.manual_seed(0)
     model = _Eager(Seq2Seq(batch_first))

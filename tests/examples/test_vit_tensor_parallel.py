@@ -28,8 +28,8 @@ import graphc
 from graphc import sbp
 from graphc.meta import META_SBP
 from graphc.plan.instructions import Collective
-from helpers import (assert_same_as_eager, compile_graph, eager_train, feed_split, global_input, graphc_train,
-                     run_world)
+from helpers import (ATTENTION_LAYOUT_IDS, ATTENTION_LAYOUTS, assert_same_as_eager, compile_graph, eager_train,
+                     feed_split, global_input, graphc_train, run_world)
 from models import OPTIMIZERS
 
 STEPS, BATCH, CLASSES = 3, 4, 5
@@ -170,11 +170,9 @@ def _train(rank, world, batch_first, layout):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("batch_first, layout", [(True, "tensor"),
-                                                 pytest.param(False, "tensor", marks=pytest.mark.slow),  # CI time
-                                                 (True, "data"),
-                                                 pytest.param(True, "pipeline", marks=pytest.mark.slow)],
-                         ids=["tensor2", "tensor2_sequence_first", "data2", "pipeline2"])
+@pytest.mark.parametrize("batch_first, layout",
+                         ATTENTION_LAYOUTS + [pytest.param(True, "pipeline", marks=pytest.mark.slow)],
+                         ids=ATTENTION_LAYOUT_IDS + ["pipeline2"])
 def test_vit_matches_eager(batch_first, layout):
     torch.manual_seed(0)
     want_losses, want_state = eager_train(VisionTransformer(batch_first), OPTIMIZERS["sgd_momentum"], None,

@@ -17,7 +17,8 @@ import graphc
 from graphc import sbp
 from graphc.meta import META_SBP
 from graphc.plan.instructions import Collective
-from helpers import assert_same_as_eager, compile_graph, eager_train, feed_split, graphc_train, run_world
+from helpers import (ATTENTION_LAYOUT_IDS, ATTENTION_LAYOUTS, assert_same_as_eager, compile_graph, eager_train,
+                     feed_split, graphc_train, run_world)
 from models import OPTIMIZERS
 
 STEPS, BATCH, L, S, E, HEADS = 3, 4, 6, 5, 16, 4
@@ -103,10 +104,7 @@ def _train(rank, world, batch_first, layout):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("batch_first, layout", [(True, "tensor"),
-                                                 pytest.param(False, "tensor", marks=pytest.mark.slow),  # CI time
-                                                 (True, "data")],
-                         ids=["tensor2", "tensor2_sequence_first", "data2"])
+@pytest.mark.parametrize("batch_first, layout", ATTENTION_LAYOUTS, ids=ATTENTION_LAYOUT_IDS)
 def test_masked_and_cross_attention_match_eager(batch_first, layout):
     torch.manual_seed(0)
     model = Block(batch_first)

@@ -106,6 +106,7 @@ def test_megatron_attention_matches_eager():
 
 
 @pytest.mark.world
+@pytest.mark.slow   # CI time: Megatron attention in test_megatron_attention_matches_eager, data x tensor in test_gpt
 def test_data_x_tensor_fused_attention_matches_eager():
     results = run_world(_train_2d, 4)
     torch.manual_seed(0)

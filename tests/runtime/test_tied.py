@@ -147,7 +147,9 @@ def _check(results, name, ref, holders):
         assert results[holders[0]][name]["ties"], f"{name}: no tie collective in the plan"
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])   # CI time
+# CI time: ties run by default in tests/examples/test_gpt.py (pipeline 2, the tied GPT) and
+# test_schedules_numerics (a tie across chunks)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_tied_parameters_match_eager(world):
     results = run_world(_train, world)
     for name, (opt_name, _, holders) in CONFIGS[world].items():

@@ -1,0 +1,141 @@
+"""The layout matrix of the semantics tests (NOTE: Layout matrix).
+
+NOTE: Layout matrix
+A Python effect of a user's program (a hook, a frozen layer, a counter, a count passed in)
+that holds in one process but not on a data-, tensor- or pipeline-parallel stage is the
+bug class users hit: the same program must mean the same thing on every layout. So a
+semantics test is written once against this module and runs over LAYOUTS in the local
+world (every rank a thread, graphc/runtime/local_world.py), compared with plain eager
+PyTorch on the whole batch (float64, 1e-10):
+
+- the model is a `Pair` (or any module with submodules `a` and `b`, `a` a Linear, `b` a
+  Linear or a module whose first Linear is `b.fc`): `declare(graph, layout)` puts
+  graph.model on the layout: pp2 puts `a` on rank 0 and `b` on rank 1; dp2 the whole model on ranks
+  0-1 with the batch split; tp2 splits `a` by output rows and `b` by input columns
+  (Megatron's pair); pp2xdp2 is pp2 with two data ranks a stage; zero3 is dp2 with ZeRO
+  stage 3;
+- `feed(layout, batches)` gives each rank its call arguments (the batch split over the
+  data ranks of the stage that reads it);
+- `train(layout, make_graph, batches)` runs the steps and returns (losses, state).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphc
+from graphc.check_step import _first_scalar
+from graphc.runtime.local_world import LocalWorld
+from helpers import assert_close
+
+LAYOUTS = ("one", "pp2", "dp2", "tp2", "pp2xdp2", "zero3")
+NPROC = {"one": 1, "pp2": 2, "dp2": 2, "tp2": 2, "pp2xdp2": 4, "zero3": 2}
+# the data ranks of the stage that reads the inputs, per input position (first stage, last stage)
+_READERS = {"dp2": ([0, 1], [0, 1]), "zero3": ([0, 1], [0, 1]), "pp2xdp2": ([0, 1], [2, 3])}
+
+every_layout = pytest.mark.parametrize("layout", LAYOUTS)
+
+
+class Pair(nn.Module):
+    """Two Linears with a tanh between: x (B, d_in) -> (B, d_out)."""
+
+    def __init__(self, d_in: int = 6, hidden: int = 8, d_out: int = 4):
+        super().__init__()
+        self.a = nn.Linear(d_in, hidden)
+        self.b = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _b_linear(model):
+    return model.b if isinstance(model.b.origin, nn.Linear) else model.b.fc
+
+
+def declare(graph: graphc.Graph, layout: str, name: str = "model") -> None:
+    """Puts the graph's module `name` (submodules a and b, already assigned to the graph) on
+    `layout` (see NOTE: Layout matrix)."""
+    cpu = graphc.placement
+    model = getattr(graph, name)
+    if layout in ("pp2", "pp2xdp2"):
+        dp = 2 if layout == "pp2xdp2" else 1
+        model.a.config.set_stage(0, cpu("cpu", list(range(dp))))
+        model.b.config.set_stage(1, cpu("cpu", list(range(dp, 2 * dp))))
+    elif layout in ("dp2", "zero3"):
+        model.config.set_stage(0, cpu("cpu", [0, 1]))
+        if layout == "zero3":
+            graph.config.enable_zero(True, stage=3, shard_min_size=1)
+    elif layout == "tp2":
+        p = cpu("cpu", [0, 1])
+        model.config.set_stage(0, p)
+        graphc.to_global(model.a.weight, placement=p, sbp=graphc.sbp.split(0))
+        graphc.to_global(model.a.bias, placement=p, sbp=graphc.sbp.split(0))
+        graphc.to_global(_b_linear(model).weight, placement=p, sbp=graphc.sbp.split(1))
+    elif layout != "one":
+        raise ValueError(layout)
+
+
+def feed(layout: str, batches: Sequence[tuple]):
+    """Each rank's call arguments per step: tensors with a batch dim split over the data
+    ranks of the stage reading them (the first input on the first stage, the others on the
+    last), everything else as it is."""
+    if layout not in _READERS:
+        return list(batches)
+    first, last = _READERS[layout]
+
+    def inputs(rank: int, step: int):
+        out = []
+        for i, t in enumerate(batches[step]):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                out.append(t)
+                continue
+            ranks = first if i == 0 else last
+            k = ranks.index(rank) if rank in ranks else 0
+            out.append(graphc.to_global(t.chunk(2)[k], placement=graphc.placement("cpu", ranks),
+                                        sbp=graphc.sbp.split(0)))
+        return tuple(out)
+    return inputs
+
+
+def train(layout: str, make_graph: Callable[[str], graphc.Graph], batches: Sequence[tuple],
+          between: Optional[Callable[[graphc.Graph, int], None]] = None
+          ) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+    """`make_graph(layout)` trained on `batches` in a local world of the layout's ranks; returns
+    the losses and the full state. `between(graph, step)` runs on every rank before each call
+    (what a user does between steps: freeze a layer, switch an adapter)."""
+    args = feed(layout, batches)
+
+    def rank_main(rank: int):
+        graph = make_graph(layout)
+        outs = []
+        for step in range(len(batches)):
+            if between is not None:
+                between(graph, step)
+            outs.append(graph(*(args(rank, step) if callable(args) else args[step])))
+        return outs, graph.full_state_dict(rank0_only=True)
+
+    results = LocalWorld(NPROC[layout]).run(rank_main)
+    losses = [next(v for v in (_scalar(outs[step]) for outs, _ in results) if v is not None)
+              for step in range(len(batches))]
+    return losses, results[0][1]
+
+
+def _scalar(out):
+    loss = _first_scalar(out)
+    return None if loss is None else float(loss)
+
+
+def assert_same(got: Tuple[List[float], Dict[str, torch.Tensor]],
+                want: Tuple[List[float], Dict[str, torch.Tensor]], layout: str) -> None:
+    """graphc's (losses, state) equal eager's at 1e-10 (helpers.assert_close)."""
+    losses, state = got
+    want_losses, want_state = want
+    assert len(losses) == len(want_losses), f"{layout}: {losses} vs {want_losses}"
+    for i, (a, b) in enumerate(zip(losses, want_losses)):
+        assert_close(torch.tensor(a), torch.tensor(b), f"{layout}: loss at step {i}")
+    assert set(state) == set(want_state), f"{layout}: {sorted(state)} vs {sorted(want_state)}"
+    for k in want_state:
+        assert_close(state[k], want_state[k], f"{layout}: {k}")

@@ -24,7 +24,8 @@ from torch.utils import _pytree as pytree
 from . import compiler
 from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
-from .guards import MISSING, Guard, GuardSet, difference, fingerprint, global_guards, record_reads, structure_of
+from .guards import (MISSING, Guard, GuardSet, difference, fingerprint, global_guards, observe_frames, record_reads,
+                     requires_grad_guard, structure_of)
 from .log import get_logger, warn_user
 from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .passes.trace_build import forward_replaced
@@ -167,10 +168,11 @@ class Executable:
         every Python value the compile read (NOTE: Guards)."""
         before = global_guards()  # the modes the caller set, before tracing changes any
         # traced with the parameters in the dtype they will be stored in (NOTE: Master parameters)
-        with record_reads(spec.root) as reads, traced_tree(spec.root, tree), \
+        with record_reads(spec.root) as reads, observe_frames() as frames, traced_tree(spec.root, tree), \
                 stored_in(spec.root, spec.param_dtype):
             compiled = compiler.compile(spec, [s.example() for s in specs], world, [s.layout for s in specs])
-        compiled.guards = GuardSet(tuple(before + structure_of(spec.root) + reads.guards()))
+        compiled.guards = GuardSet(tuple(before + structure_of(spec.root) + [requires_grad_guard(spec.root)]
+                                         + reads.guards() + list(frames.guards.values())))
         check_input_placements(compiled, specs)
         return cls(compiled)
 
@@ -285,8 +287,11 @@ class ExecutableCache:
         these input shapes, the first value that no longer matches."""
         reasons: List[str] = []
         for failed in failures:
-            path, was, now = difference(failed.expected, fingerprint(failed.read()))
-            reason = f"{failed.where}{path} changed (compiled for {was}, now {now})"
+            if failed.detail is not None:
+                reason = f"{failed.where} changed ({failed.detail(failed.expected)})"
+            else:
+                path, was, now = difference(failed.expected, fingerprint(failed.read()))
+                reason = f"{failed.where}{path} changed (compiled for {was}, now {now})"
             reasons += [reason] if reason not in reasons else []
         why = "; ".join(reasons) or "the inputs' shapes, dtypes or layouts are new"
         _log.info("recompiling %s: %s", self.name, why)

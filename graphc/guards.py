@@ -24,8 +24,15 @@ the measured cost per call).
 """
 from __future__ import annotations
 
+import dis
 import enum
+import functools
+import gc
 import math
+import os
+import sys
+import sysconfig
+import types
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -53,10 +60,15 @@ def fingerprint(value: Any, depth: int = 0) -> Any:
         if isinstance(value, float) and math.isnan(value):
             return (float, "nan")
         return (type(value), value)
+    if isinstance(value, functools.partial) and depth < _MAX_DEPTH:   # its func, args and keywords
+        return (functools.partial, id(value.func), fingerprint(value.args, depth + 1),
+                fingerprint(value.keywords, depth + 1))
     if depth >= _MAX_DEPTH or isinstance(value, (torch.Tensor, nn.Module)) or callable(value):
         return ("id", id(value))
     if isinstance(value, (tuple, list)) and len(value) <= _MAX_ITEMS:
         return (type(value), tuple(fingerprint(v, depth + 1) for v in value))
+    if isinstance(value, (set, frozenset)) and len(value) <= _MAX_ITEMS:
+        return (type(value), frozenset(fingerprint(v, depth + 1) for v in value))
     if isinstance(value, dict) and len(value) <= _MAX_ITEMS:
         return (type(value), tuple((fingerprint(k, depth + 1), fingerprint(v, depth + 1))
                                    for k, v in value.items()))
@@ -105,6 +117,7 @@ class Guard:
     expected: Any             # its fingerprint when traced
     replaceable: bool = True  # False: a change cannot compile another plan (see check)
     same: Any = MISSING       # the object itself, for a guard on identity (checked with `is`)
+    detail: Optional[Callable[[Any], str]] = None   # the change in words, given `expected`
 
     def holds(self) -> bool:
         if self.same is not MISSING:
@@ -172,16 +185,26 @@ def _entry_reader(table: dict, name: str) -> Callable[[], Any]:
 
 
 def _attr_reader(obj: Any, name: str) -> Callable[[], Any]:
-    """The attribute as Python finds it for a plain value: the instance's, else its class's."""
+    """The attribute as Python finds it for a plain value: the instance's, else its class's;
+    a property (or another descriptor of the class) is read through the object, as the
+    trace read it (peft's `active_adapters`)."""
     attrs, cls = obj.__dict__, type(obj)
+    descriptor = next((c.__dict__[name] for c in cls.__mro__ if name in c.__dict__), None)
+    if descriptor is not None and hasattr(type(descriptor), "__get__"):
+        def read():
+            try:
+                return object.__getattribute__(obj, name)
+            except AttributeError:
+                return MISSING
+        return read
     return lambda: attrs[name] if name in attrs else getattr(cls, name, MISSING)
 
 
 def class_value(obj: Any, name: str, value: Any) -> bool:
-    """Is `value` a plain class attribute (`class Block(nn.Module): scale = 0.5`), which the
-    trace freezes like an instance attribute? Methods and other descriptors are code."""
-    return isinstance(value, _PLAIN) and not name.startswith("__") and any(
-        name in c.__dict__ for c in type(obj).__mro__)
+    """Is `value` a plain value found on the class (`class Block(nn.Module): scale = 0.5`, or
+    a property's result), which the trace freezes like an instance attribute? Methods are code."""
+    return (isinstance(value, _PLAIN) or isinstance(value, (tuple, list, dict, set, frozenset))) \
+        and not name.startswith("__") and any(name in c.__dict__ for c in type(obj).__mro__)
 
 
 class ReadLog:
@@ -240,3 +263,199 @@ def record_reads(root: nn.Module) -> Iterator[ReadLog]:
 def current_log() -> Optional[ReadLog]:
     """The ReadLog of the trace in progress (None outside tracing)."""
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+# NOTE: Frame reads
+# record_reads sees attribute reads of modules; a trace also depends on what the code it runs
+# reads from outside any module: a module-level global (`SCALE`, `CFG.aux_weight`, a global
+# function), a closure cell, an attribute of a user's own Python module (`config.LR`).
+# TorchDynamo sees these because it runs the bytecode itself; graphc's tracer runs the user's
+# code natively, so while tracing it observes every Python frame that starts (sys.settrace,
+# 'call' events only: no per-line cost) and reads the frame's code once per code object: the
+# names it loads with LOAD_GLOBAL (and the attribute chain after one), the free variables it
+# loads with LOAD_DEREF. Each is guarded where it lives (the frame's globals dict, the
+# function's cell):
+# - frames of torch, graphc and the standard library are skipped (their globals are torch's
+#   machinery, not the user's settings);
+# - in the user's code (outside site-packages) plain values, containers of them and objects
+#   of the user's own classes compare by value (fingerprint); functions, classes and other
+#   objects by identity; a global that names one of the user's Python modules guards the
+#   attributes read off it;
+# - in libraries (transformers, peft, torchvision) plain values by value, anything else by
+#   identity: their module-level registries and caches change as they run.
+# A global read many times (by every layer) is one guard.
+_SKIPPED_DIRS = tuple(os.path.realpath(p) + os.sep for p in {
+    os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
+    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
+_LIBRARY_DIRS = tuple(os.path.realpath(p) + os.sep for p in {
+    sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+_LOAD_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+_LOAD_DEREF = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})
+
+
+@dataclass(frozen=True)
+class _CodeReads:
+    """What one code object can read from outside its frame."""
+    kind: str                                 # "skip", "user" or "library" (by its file)
+    globals: Tuple[str, ...]                  # names loaded with LOAD_GLOBAL
+    attributes: Tuple[Tuple[str, str], ...]   # (global, attribute) for `glob.attr`
+    cells: Tuple[str, ...]                    # free variables loaded with LOAD_DEREF
+
+
+_CODE_READS: Dict[Any, _CodeReads] = {}
+
+
+def _code_reads(code) -> _CodeReads:
+    found = _CODE_READS.get(code)
+    if found is not None:
+        return found
+    path = code.co_filename
+    real = os.path.realpath(path) if not path.startswith("<") else path
+    if path.startswith(("<frozen", "<string>")) or real.startswith(_SKIPPED_DIRS):
+        found = _CodeReads("skip", (), (), ())
+    else:
+        names, attrs, cells = [], [], []
+        previous = None
+        for ins in dis.get_instructions(code):
+            if ins.opname in _LOAD_GLOBAL:
+                names.append(ins.argval)
+            elif ins.opname in _LOAD_DEREF and ins.argval in code.co_freevars:
+                cells.append(ins.argval)
+            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None \
+                    and previous.opname in _LOAD_GLOBAL:
+                attrs.append((previous.argval, ins.argval))
+            previous = ins
+        kind = "library" if real.startswith(_LIBRARY_DIRS) else "user"
+        found = _CodeReads(kind, tuple(dict.fromkeys(names)), tuple(dict.fromkeys(attrs)),
+                           tuple(dict.fromkeys(cells)))
+    _CODE_READS[code] = found
+    return found
+
+
+def _user_module(value: Any) -> bool:
+    """A Python module of the user's own (a config.py), whose attributes are settings."""
+    path = getattr(value, "__file__", None)
+    return isinstance(value, types.ModuleType) and bool(path) and not \
+        os.path.realpath(path).startswith(_SKIPPED_DIRS + _LIBRARY_DIRS)
+
+
+def _by_value(value: Any, kind: str) -> bool:
+    """Is a value read from outside the frame compared by value (else by identity)?"""
+    if isinstance(value, _PLAIN) or isinstance(value, functools.partial):
+        return True
+    if kind != "user" or callable(value) or isinstance(value, (torch.Tensor, nn.Module, types.ModuleType)):
+        return False
+    if isinstance(value, (tuple, list, dict, set, frozenset)):
+        return True
+    module = getattr(type(value), "__module__", "") or ""
+    return not module.startswith(("torch", "builtins", "logging", "threading", "collections"))
+
+
+class FrameReads:
+    """The globals, module attributes and closure cells read by the frames that ran while
+    tracing (NOTE: Frame reads), each to become one Guard."""
+
+    def __init__(self):
+        self.guards: Dict[Tuple[int, str], Guard] = {}
+        self._closures: Dict[Any, list] = {}   # code -> the functions made from it
+
+    def observe(self, frame) -> None:
+        reads = _code_reads(frame.f_code)
+        if reads.kind == "skip":
+            return
+        where = f"{os.path.basename(frame.f_code.co_filename)}"
+        scope = frame.f_globals
+        for name in reads.globals:
+            key = (id(scope), name)
+            if key in self.guards or name not in scope:   # a builtin, or a name not set
+                continue
+            value = scope[name]
+            if isinstance(value, types.ModuleType):
+                continue   # the module itself is code; `module.attr` below
+            self.guards[key] = self._guard(f"global {name} ({where})", _entry_reader(scope, name), value,
+                                           reads.kind)
+        for name, attr in reads.attributes:
+            module = scope.get(name)
+            key = (id(module), attr)
+            if key in self.guards or not _user_module(module) or attr not in vars(module):
+                continue
+            self.guards[key] = self._guard(f"{module.__name__}.{attr} ({where})",
+                                           _entry_reader(vars(module), attr), vars(module)[attr], "user")
+        if reads.cells:
+            self._observe_cells(frame, reads, where)
+
+    def _observe_cells(self, frame, reads: _CodeReads, where: str) -> None:
+        """The free variables' cells: found on the function the frame runs (the function
+        made from this code whose cells hold the frame's values)."""
+        code = frame.f_code
+        functions = self._closures.get(code)
+        if functions is None:
+            functions = self._closures[code] = [f for f in gc.get_referrers(code)
+                                                if isinstance(f, types.FunctionType) and f.__closure__]
+        values = frame.f_locals
+        for fn in functions:
+            cells = dict(zip(code.co_freevars, fn.__closure__))
+            if all(name in values and _cell_value(cells[name]) is values[name] for name in reads.cells):
+                break
+        else:
+            return   # made while tracing (a function defined in forward): its cells hold traced values
+        for name in reads.cells:
+            cell = cells[name]
+            key = (id(cell), "")
+            if key not in self.guards:
+                self.guards[key] = self._guard(f"closure variable {name} of {code.co_name} ({where})",
+                                               functools.partial(_cell_value, cell), _cell_value(cell),
+                                               reads.kind)
+
+    @staticmethod
+    def _guard(where: str, read: Callable[[], Any], value: Any, kind: str) -> Guard:
+        if _by_value(value, kind):
+            return Guard(where, read, fingerprint(value))
+        return Guard(where, read, ("id", id(value)), same=value)
+
+    def trace(self, frame, event, arg):
+        if event == "call":
+            self.observe(frame)
+        return None   # no line events in the frame
+
+
+def _cell_value(cell) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:   # an empty cell
+        return MISSING
+
+
+@contextmanager
+def observe_frames() -> Iterator[FrameReads]:
+    """While active, every Python frame this thread starts is read by a FrameReads (NOTE:
+    Frame reads). A trace function set before (a debugger, coverage) keeps running."""
+    reads = FrameReads()
+    previous = sys.gettrace()
+    if previous is None:
+        tracer = reads.trace
+    else:
+        def tracer(frame, event, arg):
+            reads.trace(frame, event, arg)
+            return previous(frame, event, arg)
+    sys.settrace(tracer)
+    try:
+        yield reads
+    finally:
+        sys.settrace(previous)
+
+
+def requires_grad_guard(root: nn.Module) -> Guard:
+    """Which parameters below root take gradients (`requires_grad_(False)` freezes a layer,
+    peft's set_adapter switches the trainable set): a change compiles another plan."""
+    named = list(root.named_parameters())
+
+    def read() -> bytes:   # plain, so compared by value however many parameters
+        return bytes(p.requires_grad for _, p in named)
+
+    def detail(expected) -> str:
+        was = expected[1]
+        flips = [f"{name} {'frozen' if was[i] else 'trainable'}"
+                 for i, (name, p) in enumerate(named) if bool(was[i]) != p.requires_grad]
+        return ", ".join(flips[:4]) + (f" and {len(flips) - 4} more" if len(flips) > 4 else "")
+    return Guard("requires_grad of the parameters", read, fingerprint(read()), detail=detail)

@@ -101,11 +101,12 @@ def feed(layout: str, batches: Sequence[tuple]):
 
 
 def train(layout: str, make_graph: Callable[[str], graphc.Graph], batches: Sequence[tuple],
-          between: Optional[Callable[[graphc.Graph, int], None]] = None
+          between: Optional[Callable[[graphc.Graph, int], None]] = None, graphs: Optional[list] = None
           ) -> Tuple[List[float], Dict[str, torch.Tensor]]:
     """`make_graph(layout)` trained on `batches` in a local world of the layout's ranks; returns
     the losses and the full state. `between(graph, step)` runs on every rank before each call
-    (what a user does between steps: freeze a layer, switch an adapter)."""
+    (what a user does between steps: freeze a layer, switch an adapter); `graphs`, when given,
+    receives each rank's Graph (their recompiles)."""
     args = feed(layout, batches)
 
     def rank_main(rank: int):
@@ -115,10 +116,12 @@ def train(layout: str, make_graph: Callable[[str], graphc.Graph], batches: Seque
             if between is not None:
                 between(graph, step)
             outs.append(graph(*(args(rank, step) if callable(args) else args[step])))
-        return outs, graph.full_state_dict(rank0_only=True)
+        return outs, graph.full_state_dict(rank0_only=True), graph
 
     results = LocalWorld(NPROC[layout]).run(rank_main)
-    losses = [next(v for v in (_scalar(outs[step]) for outs, _ in results) if v is not None)
+    if graphs is not None:
+        graphs.extend(graph for _, _, graph in results)
+    losses = [next(v for v in (_scalar(outs[step]) for outs, _, _ in results) if v is not None)
               for step in range(len(batches))]
     return losses, results[0][1]
 

@@ -232,6 +232,7 @@ class Graph:
             with whole_parameters(self._root.parameters()), self._state.global_shapes():
                 exe = Executable.compile(self._compile_spec(), specs, len(self._compiled.plans), tree)
             check_same_stages(self._compiled, exe.compiled)
+            self._state.adopt(exe.compiled, exe.device(self._rank))
             self._state.compiled = exe.compiled
             self._start(exe, new_state=False)
             self._cache.add(key, exe, failures)

@@ -78,6 +78,40 @@ class GraphState:
                                               if isinstance(tensors[k], nn.Parameter)],
                                              self.optimizer, self.param_dtype)
 
+    def adopt(self, compiled, device: torch.device) -> None:
+        """Another plan of the graph (NOTE: Guards) may use parameters the first did not: an
+        adapter peft's set_adapter made active, a layer unfrozen that build() skipped. Those
+        the new plan places on this rank join its keys and go back into the optimizer's
+        groups, where the user put them (parameters no plan used were left out of both)."""
+        before = self.compiled
+        self.compiled = compiled
+        holders = self._holders()
+        new = {k: s for k, s in holders.items() if k not in self.holders}
+        self.compiled = before
+        if not new:
+            return
+        local = set(compiled.plan_for(self.rank).local_stages)
+        mine = [k for k, s in new.items() if local & set(s)]
+        tensors = self.root.state_dict(keep_vars=True)
+        if mine and (self.masters is not None or getattr(self, "shards", {})):
+            raise GraphcError(
+                f"this call's plan trains {mine[:3]}, which no earlier plan of the graph used, "
+                "with set_param_dtype or split parameters: graphc cannot add them to the "
+                "masters and shards it made at the first call. Fix: call every module (every "
+                "adapter) in the first step, or build a new Graph after the change.")
+        self.holders.update(new)
+        self.owner.update({k: s[0] for k, s in new.items()})
+        self.local_keys += mine
+        adopted = {id(tensors[k]) for k in mine}
+        if device.type != "cpu":
+            for k in mine:
+                tensors[k].data = tensors[k].data.to(device)
+        if self.optimizer is None or not adopted:
+            return
+        for group, members in zip(self.optimizer.param_groups, self.group_params):
+            held = {id(p) for p in group["params"]} | adopted
+            group["params"] = [p for p in members if id(p) in held]
+
     def tensors(self) -> Dict[str, torch.Tensor]:
         """root.state_dict(keep_vars=True) with each parameter stored in a low dtype replaced by
         its float32 master: what checkpoints save and load (NOTE: Master parameters)."""

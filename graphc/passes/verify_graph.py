@@ -41,16 +41,20 @@ def warn_unused_parameters(root, gm: fx.GraphModule) -> None:
     The rule (docs/errors.md): a module build() calls runs on a stage even without
     set_stage (the forward rule places it after its inputs), so only a parameterised module
     that build() never touches is suspicious: no rank owns it, so it is neither trained
-    nor checkpointed. It is a warning, not an error: frozen or spare modules are legal.
+    nor checkpointed. It is a warning, not an error: spare modules are legal, and frozen ones
+    (peft's inactive adapters) are not named.
     Every rank compiles the same graph, so warn_user says it once per job, at the user's line.
     """
     used = {id(p) for p in gm.parameters()}
-    unused = sorted({name.rsplit(".", 1)[0] for name, p in root.named_parameters() if id(p) not in used})
+    unused = sorted({name.rsplit(".", 1)[0] for name, p in root.named_parameters()
+                     if id(p) not in used and p.requires_grad})   # a frozen one (an inactive adapter) is spare
     if unused:
         warn_user(
             f"graphc: module(s) {unused} of {type(root).__name__[:-len('Build')]} have parameters "
-            "but build() never uses them; no rank owns them, so they are neither trained nor saved "
-            "by graph.state_dict(). Fix: call them in build(), or do not assign them to the Graph.")
+            "but build() never uses them; no rank owns them until a plan uses them (an adapter "
+            "switched on, a branch taken after a change), so until then they are neither trained "
+            "nor saved by graph.state_dict(). Fix: call them in build(), or do not assign them "
+            "to the Graph.")
 
 
 def verify_annotated(gm: fx.GraphModule, stage_modules: Dict[str, int], num_stages: int) -> None:

@@ -1,7 +1,7 @@
 """The front end's cost: compile time of the GPT example (and of a Hugging Face Llama when
 transformers is installed) and the guard check graphc runs on every call (NOTE: Guards).
 
-    python benchmarks/frontend.py [--repeats 3]
+    python benchmarks/frontend.py [--repeats 3] [--layers 4 32]
 
 One process, float32, one thread. Compile time is graph.compile(x, y) (trace, passes, plan,
 runtime set-up), the median of --repeats fresh graphs; the guard check is
@@ -23,9 +23,9 @@ import gpt  # noqa: E402
 import graphc  # noqa: E402
 
 
-def _gpt():
+def _gpt(layers):
     ids, vocab = gpt.load_corpus()
-    opts = argparse.Namespace(block=32, layers=4, heads=4, embd=64, seed=0, batch=16, lr=3e-3)
+    opts = argparse.Namespace(block=32, layers=layers, heads=4, embd=64, seed=0, batch=16, lr=3e-3)
 
     def make(accumulation):
         model = gpt.make_model(vocab, opts)
@@ -34,12 +34,12 @@ def _gpt():
     return make, next(gpt.batches(ids, opts.batch, opts.block, 1))
 
 
-def _llama():
+def _llama(layers):
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
         return None
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
     class LlamaGraph(graphc.Graph):
@@ -76,7 +76,7 @@ def measure(name, make, batch, repeats):
             t0 = time.perf_counter()
             graph(*batch)
             steps.append(time.perf_counter() - t0)
-        line = (f"{name:6s} accumulation {accumulation}: compile {statistics.median(compiles) * 1e3:7.0f} ms, "
+        line = (f"{name:9s} accumulation {accumulation}: compile {statistics.median(compiles) * 1e3:7.0f} ms, "
                 f"step {statistics.median(steps) * 1e3:6.1f} ms")
         guards = getattr(graph.compiled, "guards", None)
         if guards is not None:
@@ -92,15 +92,18 @@ def measure(name, make, batch, repeats):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 32],
+                        help="model depths to measure (the guard check grows with the modules)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float32)
-    measure("gpt", *_gpt(), args.repeats)
-    llama = _llama()
-    if llama is None:
-        print("llama: skipped (pip install transformers to include it)")
-    else:
-        measure("llama", *llama, args.repeats)
+    for layers in args.layers:
+        measure(f"gpt-{layers}", *_gpt(layers), args.repeats)
+        llama = _llama(layers)
+        if llama is None:
+            print("llama: skipped (pip install transformers to include it)")
+        else:
+            measure(f"llama-{layers}", *llama, args.repeats)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import sysconfig
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -118,6 +118,9 @@ class Guard:
     replaceable: bool = True  # False: a change cannot compile another plan (see check)
     same: Any = MISSING       # the object itself, for a guard on identity (checked with `is`)
     detail: Optional[Callable[[Any], str]] = None   # the change in words, given `expected`
+    # where `read` looks, for the compiled check (NOTE: Compiled guard check): (table, key)
+    # for a dict entry, (table, key, cls) for an attribute: the instance's, else its class's
+    source: Optional[tuple] = None
 
     def holds(self) -> bool:
         if self.same is not MISSING:
@@ -132,25 +135,66 @@ class GuardSet:
 
     def failing(self) -> Optional[Guard]:
         """The first guard that no longer holds, or None (the plan may run)."""
-        seen: Dict[int, Any] = {}  # one object read by many modules (an HF config): summed once
-        for g in self.guards:
-            value = g.read()
-            if g.same is not MISSING:
-                if value is not g.same:
-                    return g
-                continue
-            if isinstance(value, _PLAIN):
-                now = fingerprint(value)
-            else:
-                now = seen.get(id(value))
-                if now is None:
-                    now = seen[id(value)] = fingerprint(value)
-            if now != g.expected:
-                return g
-        return None
+        check = self.__dict__.get("_check")
+        if check is None:
+            check = self.__dict__["_check"] = compiled_check(self.guards)
+        i = check({})   # {}: one object read by many modules (an HF config) summed once a call
+        return None if i < 0 else self.guards[i]
 
     def __len__(self) -> int:
         return len(self.guards)
+
+
+# NOTE: Compiled guard check
+# Every call of a graph checks every guard of its plan: with one guard per module attribute
+# read and per parameter slot, a 32-layer model has ~1600. Walking them one Guard at a time
+# (a reader call, a fingerprint, a tuple comparison each) cost ~30 us a layer. As Dynamo
+# compiles its guards into one function, compiled_check writes the guards as one function
+# of straight-line Python: a dict entry read inline (`d.get(key, M)`), an identity guard an
+# `is`, a bool or None an `is`, an int, float or string a type check and `==`; only other
+# values go through fingerprint (containers, configs: each object once per call). It returns
+# the index of the first failing guard, -1 when all hold.
+_INLINE_TYPES = (int, float, str)
+
+
+def compiled_check(guards: Sequence[Guard]) -> Callable[[dict], int]:
+    """One function checking `guards` in order (NOTE: Compiled guard check)."""
+    # `type(v) in PT`, not isinstance: isinstance asks the object for __class__, which an HF
+    # config answers through its own __getattribute__ (~1 us, 34 configs read per call)
+    scope: Dict[str, Any] = {"M": MISSING, "fp": fingerprint, "PT": frozenset(_PLAIN) - {enum.Enum},
+                             "id": id, "type": type, "getattr": getattr}
+    lines = ["def check(seen):"]
+    for i, g in enumerate(guards):
+        if g.source is not None and len(g.source) == 2:
+            scope[f"d{i}"], scope[f"k{i}"] = g.source
+            lines.append(f"    v = d{i}.get(k{i}, M)")
+        elif g.source is not None:
+            scope[f"d{i}"], scope[f"k{i}"], scope[f"c{i}"] = g.source
+            lines.append(f"    v = d{i}.get(k{i}, M)")
+            lines.append(f"    if v is M: v = getattr(c{i}, k{i}, M)")
+        else:
+            scope[f"r{i}"] = g.read
+            lines.append(f"    v = r{i}()")
+        if g.same is not MISSING:
+            scope[f"s{i}"] = g.same
+            lines.append(f"    if v is not s{i}: return {i}")
+            continue
+        kind, raw = g.expected if isinstance(g.expected, tuple) and len(g.expected) == 2 else (None, None)
+        if kind in (bool, type(None)):
+            lines.append(f"    if v is not {raw!r}: return {i}")
+        elif kind in _INLINE_TYPES and not (kind is float and math.isnan(raw)):
+            scope[f"t{i}"], scope[f"x{i}"] = kind, raw
+            lines.append(f"    if type(v) is not t{i} or v != x{i}: return {i}")
+        else:
+            scope[f"e{i}"] = g.expected
+            lines.append(f"    if type(v) in PT: f = fp(v)")
+            lines.append(f"    else:")
+            lines.append(f"        f = seen.get(id(v), M)")
+            lines.append(f"        if f is M: f = seen[id(v)] = fp(v)")
+            lines.append(f"    if f != e{i}: return {i}")
+    lines.append("    return -1")
+    exec(compile("\n".join(lines), "<graphc guards>", "exec"), scope)  # noqa: S102 - generated above
+    return scope["check"]
 
 
 def global_guards() -> List[Guard]:
@@ -176,7 +220,7 @@ def structure_of(root: nn.Module) -> List[Guard]:
                     continue
                 where = f"{prefix}.{name}" if prefix else name
                 out.append(Guard(where, _entry_reader(table, name), ("id", id(obj)), replaceable=False,
-                                 same=obj))
+                                 same=obj, source=(table, name)))
     return out
 
 
@@ -184,13 +228,23 @@ def _entry_reader(table: dict, name: str) -> Callable[[], Any]:
     return lambda: table.get(name, MISSING)
 
 
+def _descriptor(cls: type, name: str) -> Any:
+    """The class's descriptor for `name` (a property), or None for a plain value."""
+    found = next((c.__dict__[name] for c in cls.__mro__ if name in c.__dict__), None)
+    return found if found is not None and hasattr(type(found), "__get__") else None
+
+
+def _attr_source(obj: Any, name: str) -> Optional[tuple]:
+    """Where _attr_reader looks, for the compiled check (None: through a descriptor)."""
+    return None if _descriptor(type(obj), name) is not None else (obj.__dict__, name, type(obj))
+
+
 def _attr_reader(obj: Any, name: str) -> Callable[[], Any]:
     """The attribute as Python finds it for a plain value: the instance's, else its class's;
     a property (or another descriptor of the class) is read through the object, as the
     trace read it (peft's `active_adapters`)."""
     attrs, cls = obj.__dict__, type(obj)
-    descriptor = next((c.__dict__[name] for c in cls.__mro__ if name in c.__dict__), None)
-    if descriptor is not None and hasattr(type(descriptor), "__get__"):
+    if _descriptor(cls, name) is not None:
         def read():
             try:
                 return object.__getattribute__(obj, name)
@@ -223,7 +277,7 @@ class ReadLog:
         self.reads[key] = (where, obj, fingerprint(value))
 
     def guards(self) -> List[Guard]:
-        return [Guard(where, _attr_reader(obj, name), fp)
+        return [Guard(where, _attr_reader(obj, name), fp, source=_attr_source(obj, name))
                 for (_, name), (where, obj, fp) in self.reads.items()]
 
 
@@ -284,11 +338,27 @@ def current_log() -> Optional[ReadLog]:
 # - in libraries (transformers, peft, torchvision) plain values by value, anything else by
 #   identity: their module-level registries and caches change as they run.
 # A global read many times (by every layer) is one guard.
-_SKIPPED_DIRS = tuple(os.path.realpath(p) + os.sep for p in {
-    os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
-    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
+_OWN_DIRS = tuple(os.path.realpath(p) + os.sep for p in {
+    os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__))})
 _LIBRARY_DIRS = tuple(os.path.realpath(p) + os.sep for p in {
     sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+_STDLIB_DIRS = tuple(os.path.realpath(p) + os.sep for p in {
+    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
+
+
+def _kind_of(path: str) -> str:
+    """'skip' (torch, graphc, the standard library), 'library' (site-packages) or 'user'.
+    site-packages may lie inside the standard library's folder: it is asked first."""
+    if path.startswith(("<frozen", "<string>")):
+        return "skip"
+    real = os.path.realpath(path) if not path.startswith("<") else path
+    if real.startswith(_OWN_DIRS):
+        return "skip"
+    if real.startswith(_LIBRARY_DIRS):
+        return "library"
+    return "skip" if real.startswith(_STDLIB_DIRS) else "user"
+
+
 _LOAD_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _LOAD_DEREF = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})
 
@@ -309,9 +379,8 @@ def _code_reads(code) -> _CodeReads:
     found = _CODE_READS.get(code)
     if found is not None:
         return found
-    path = code.co_filename
-    real = os.path.realpath(path) if not path.startswith("<") else path
-    if path.startswith(("<frozen", "<string>")) or real.startswith(_SKIPPED_DIRS):
+    kind = _kind_of(code.co_filename)
+    if kind == "skip":
         found = _CodeReads("skip", (), (), ())
     else:
         names, attrs, cells = [], [], []
@@ -325,7 +394,6 @@ def _code_reads(code) -> _CodeReads:
                     and previous.opname in _LOAD_GLOBAL:
                 attrs.append((previous.argval, ins.argval))
             previous = ins
-        kind = "library" if real.startswith(_LIBRARY_DIRS) else "user"
         found = _CodeReads(kind, tuple(dict.fromkeys(names)), tuple(dict.fromkeys(attrs)),
                            tuple(dict.fromkeys(cells)))
     _CODE_READS[code] = found
@@ -335,8 +403,7 @@ def _code_reads(code) -> _CodeReads:
 def _user_module(value: Any) -> bool:
     """A Python module of the user's own (a config.py), whose attributes are settings."""
     path = getattr(value, "__file__", None)
-    return isinstance(value, types.ModuleType) and bool(path) and not \
-        os.path.realpath(path).startswith(_SKIPPED_DIRS + _LIBRARY_DIRS)
+    return isinstance(value, types.ModuleType) and bool(path) and _kind_of(path) == "user"
 
 
 def _by_value(value: Any, kind: str) -> bool:
@@ -373,14 +440,14 @@ class FrameReads:
             if isinstance(value, types.ModuleType):
                 continue   # the module itself is code; `module.attr` below
             self.guards[key] = self._guard(f"global {name} ({where})", _entry_reader(scope, name), value,
-                                           reads.kind)
+                                           reads.kind, (scope, name))
         for name, attr in reads.attributes:
             module = scope.get(name)
             key = (id(module), attr)
             if key in self.guards or not _user_module(module) or attr not in vars(module):
                 continue
-            self.guards[key] = self._guard(f"{module.__name__}.{attr} ({where})",
-                                           _entry_reader(vars(module), attr), vars(module)[attr], "user")
+            self.guards[key] = self._guard(f"{module.__name__}.{attr} ({where})", _entry_reader(vars(module), attr),
+                                           vars(module)[attr], "user", (vars(module), attr))
         if reads.cells:
             self._observe_cells(frame, reads, where)
 
@@ -408,10 +475,10 @@ class FrameReads:
                                                reads.kind)
 
     @staticmethod
-    def _guard(where: str, read: Callable[[], Any], value: Any, kind: str) -> Guard:
+    def _guard(where: str, read: Callable[[], Any], value: Any, kind: str, source: Optional[tuple] = None) -> Guard:
         if _by_value(value, kind):
-            return Guard(where, read, fingerprint(value))
-        return Guard(where, read, ("id", id(value)), same=value)
+            return Guard(where, read, fingerprint(value), source=source)
+        return Guard(where, read, ("id", id(value)), same=value, source=source)
 
     def trace(self, frame, event, arg):
         if event == "call":

@@ -164,7 +164,7 @@ def _flat_outputs(out, outputs: Dict[str, Any]):
     for leaf, (path, _) in zip(leaves, _paths(out)):
         if not isinstance(leaf, (fx.Proxy, torch.Tensor) + _PLAIN_LEAVES):
             raise GraphcError(
-                f"build() returns a {type(leaf).__name__} at {path or 'its result'}: a Python object "
+                f"build() returns a {type(leaf).__name__} at {_path_text(path)}: a Python object "
                 "made while tracing would be returned unchanged on every step. Fix: return "
                 "tensors (e.g. out.loss, out.logits); a Hugging Face model's cache is left out "
                 "with use_cache=False.")
@@ -172,6 +172,16 @@ def _flat_outputs(out, outputs: Dict[str, Any]):
         return out
     outputs["tree"] = spec
     return tuple(leaves)
+
+
+def _path_text(path) -> str:
+    """A leaf's key path as Python would index it (`.past_key_values`, `['loss']`)."""
+    if not path:
+        return "its result"
+    try:
+        return pytree.keystr(path)
+    except Exception:  # a key type without a text form
+        return str(path)
 
 
 def _paths(out):

@@ -119,7 +119,9 @@ class GuardSet:
 
     def failing(self) -> Optional[Guard]:
         """The first guard that no longer holds, or None (the plan may run)."""
-        seen: Dict[int, Any] = {}  # one object read by many modules (an HF config): summed once
+        # one object read by many modules (an HF config): summed once; kept with its fingerprint,
+        # so a value made by a read (hook_state's tuples) cannot free its id for the next one
+        seen: Dict[int, Tuple[Any, Any]] = {}
         for g in self.guards:
             value = g.read()
             if g.same is not MISSING:
@@ -129,9 +131,9 @@ class GuardSet:
             if isinstance(value, _PLAIN):
                 now = fingerprint(value)
             else:
-                now = seen.get(id(value))
-                if now is None:
-                    now = seen[id(value)] = fingerprint(value)
+                if id(value) not in seen:
+                    seen[id(value)] = (value, fingerprint(value))
+                now = seen[id(value)][1]
             if now != g.expected:
                 return g
         return None
@@ -165,6 +167,40 @@ def structure_of(root: nn.Module) -> List[Guard]:
                 out.append(Guard(where, _entry_reader(table, name), ("id", id(obj)), replaceable=False,
                                  same=obj))
     return out
+
+
+# NOTE: Module hooks (passes/traced_hooks.py): the hooks a trace runs are part of the plan
+FORWARD_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+BACKWARD_HOOK_TABLES = ("_backward_pre_hooks", "_backward_hooks")
+# torch's process-wide module hooks, run on every module's call
+GLOBAL_HOOK_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                      "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def hook_guards(root: nn.Module) -> List[Guard]:
+    """The forward and backward hooks of every module below root, and torch's global module
+    hooks: one registered or removed after compile compiles another plan (NOTE: Module hooks)."""
+    tables = FORWARD_HOOK_TABLES + BACKWARD_HOOK_TABLES
+    out = [Guard(f"{prefix or 'the Graph'} hooks", _hooks_reader(module.__dict__, tables),
+                 fingerprint(hook_state(module.__dict__, tables)))
+           for prefix, module in root.named_modules()]
+    torch_hooks = vars(torch.nn.modules.module)
+    out.append(Guard("torch's global module hooks", _hooks_reader(torch_hooks, GLOBAL_HOOK_TABLES),
+                     fingerprint(hook_state(torch_hooks, GLOBAL_HOOK_TABLES))))
+    return out
+
+
+def hook_state(tables_of: Dict[str, Any], tables: Tuple[str, ...]) -> Optional[tuple]:
+    """(table, ((key, id(hook)), ...)) per non-empty hook table, or None when all are empty
+    (a plain value: an unhooked module's guard is one comparison)."""
+    state = tuple((t, tuple((k, id(fn)) for k, fn in tables_of[t].items()))
+                  for t in tables if tables_of.get(t))
+    return state or None
+
+
+def _hooks_reader(tables_of: Dict[str, Any], tables: Tuple[str, ...]) -> Callable[[], Any]:
+    return lambda: hook_state(tables_of, tables)
 
 
 def _entry_reader(table: dict, name: str) -> Callable[[], Any]:

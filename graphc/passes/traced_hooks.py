@@ -29,7 +29,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.nn.modules import module as torch_module
 
-from ..errors import GraphcError
+from ..errors import GraphcError, defined_at
 from ..guards import BACKWARD_HOOK_TABLES, FORWARD_HOOK_TABLES, GLOBAL_HOOK_TABLES
 
 
@@ -89,11 +89,12 @@ def install_modules(gm: fx.GraphModule, root: nn.Module, modules: Dict[str, nn.M
 
 def check_backward_hooks(m: nn.Module, name: str, line: str) -> None:
     """Refuses a module build() calls that has backward hooks (NOTE: Module hooks)."""
-    if any(m.__dict__.get(t) for t in BACKWARD_HOOK_TABLES):
+    hooks = [fn for t in BACKWARD_HOOK_TABLES for fn in (m.__dict__.get(t) or {}).values()]
+    if hooks:
         raise GraphcError(
             f"module '{name}' ({type(m).__name__}), called by build() at {line}, has a backward "
-            "hook (register_full_backward_hook / register_full_backward_pre_hook / "
-            "register_backward_hook). graphc runs the backward per micro-batch and, on data- and "
+            f"hook ({defined_at(hooks[0])}; register_full_backward_hook, "
+            "register_full_backward_pre_hook or register_backward_hook). graphc runs the backward per micro-batch and, on data- and "
             "tensor-parallel stages, per shard, so the hook would see partial gradients, not "
             "eager's. Fix: remove the hook; to read or change a parameter's whole gradient use "
             "param.register_post_accumulate_grad_hook(fn), which graphc calls once per step; to "

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from ..errors import GraphcError
+from ..errors import GraphcError, defined_at
 
 _INTERNAL = "graphc_internal_hook"
 
@@ -79,10 +79,7 @@ class UserGradHooks:
 
 
 def _refusal(name: str, fn: Callable, why: str) -> str:
-    code = getattr(fn, "__code__", None)
-    where = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else repr(fn)
-    return (f"parameter '{name}' has a post-accumulate-grad hook ({getattr(fn, '__name__', fn)} "
-            f"defined at {where}), but {why}, so the hook cannot be called as eager calls it: once "
+    return (f"parameter '{name}' has a post-accumulate-grad hook ({defined_at(fn)}), but {why}, so the hook cannot be called as eager calls it: once "
             "per step with the whole gradient in .grad. Fix: remove the hook (handle.remove()) "
             "and do its work on the whole model after the step (e.g. on graph.full_state_dict() "
             "or in the optimizer), or keep this parameter whole (no tensor-parallel split, no "

@@ -105,7 +105,8 @@ class BuildTracer(fx.Tracer):
         self._hooks_traced: Optional[torch.nn.Module] = None  # the hooked leaf being traced through
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        if isinstance(m, _TRACED_THROUGH) or m is self._hooks_traced:  # NOTE: Composite torch layers
+        # NOTE: Composite torch layers; a hooked leaf's own call (NOTE: Module hooks)
+        if isinstance(m, _TRACED_THROUGH) or m is self._hooks_traced:
             return False
         return super().is_leaf_module(m, module_qualified_name)
 

@@ -33,7 +33,6 @@ from ..errors import GraphcError, defined_at
 from ..guards import BACKWARD_HOOK_TABLES, FORWARD_HOOK_TABLES, GLOBAL_HOOK_TABLES
 
 
-
 def has_forward_hooks(m: nn.Module) -> bool:
     return bool(m._forward_pre_hooks or m._forward_hooks)
 

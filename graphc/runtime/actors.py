@@ -26,9 +26,9 @@ from torch.profiler import record_function
 
 from .. import world
 from ..errors import RankFailedError
+from ..log import warn_user
 from ..meta import META_SBP
 from ..placement import Broadcast
-from ..log import warn_user
 from ..plan.instructions import (ACT, COMPUTE, AllGather, AllReduce, BackwardInput, BackwardWeight,
                                  ClipGradNorm, Collective, Forward, OptimizerStep, OverlapFB, Recv,
                                  ReleaseParams, Send)
@@ -270,7 +270,8 @@ class Runtime:
         for prog in programs.values():
             for node in prog.module.graph.nodes:
                 sig = node.meta.get(META_SBP)
-                if node.op == "get_attr" and sig is not None and not all(isinstance(s, Broadcast) for s in sig.out):
+                split = sig is not None and not all(isinstance(s, Broadcast) for s in sig.out)
+                if node.op == "get_attr" and split:
                     out[str(node.target)] = "it is split over the ranks of its stage (tensor parallel)"
         if self.zero is not None:
             out.update({n: "ZeRO shards its gradient over the data-parallel ranks" for n in self.zero.by_name})

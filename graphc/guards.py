@@ -200,7 +200,10 @@ def hook_state(tables_of: Dict[str, Any], tables: Tuple[str, ...]) -> Optional[t
 
 
 def _hooks_reader(tables_of: Dict[str, Any], tables: Tuple[str, ...]) -> Callable[[], Any]:
-    return lambda: hook_state(tables_of, tables)
+    # torch registers and removes hooks in these dicts in place: an unhooked module's check
+    # is one any() over them
+    dicts = [tables_of[t] for t in tables if t in tables_of]
+    return lambda: hook_state(tables_of, tables) if any(dicts) else None
 
 
 def _entry_reader(table: dict, name: str) -> Callable[[], Any]:

@@ -103,6 +103,8 @@ def test_hooks_with_kwargs(layout):
 def _hook_from_step_one(model, step):
     if step == 1:  # after the first call: another plan, with the hook in it
         model.a.register_forward_hook(_double_output)
+    if step == 2:  # on the model itself, which the trace goes through (not a leaf)
+        model.register_forward_pre_hook(_shift_input)
 
 
 @every_layout

@@ -15,3 +15,10 @@ class PlanError(GraphcError):
 
 class RankFailedError(GraphcError):
     """Another rank failed or timed out while this rank was running a step."""
+
+
+def defined_at(fn) -> str:
+    """'name defined at file:line' of a user's function (a hook), for messages."""
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)
+    where = f" defined at {code.co_filename}:{code.co_firstlineno}" if code is not None else ""
+    return f"{getattr(fn, '__name__', type(fn).__name__)}{where}"

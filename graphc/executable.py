@@ -24,8 +24,8 @@ from torch.utils import _pytree as pytree
 from . import compiler
 from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
-from .guards import (MISSING, Guard, GuardSet, difference, fingerprint, global_guards, observe_frames, record_reads,
-                     requires_grad_guard, structure_of)
+from .guards import (MISSING, Guard, GuardSet, difference, fingerprint, global_guards, hook_guards, observe_frames,
+                     record_reads, requires_grad_guard, structure_of)
 from .log import get_logger, warn_user
 from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .passes.trace_build import forward_replaced
@@ -171,8 +171,9 @@ class Executable:
         with record_reads(spec.root) as reads, observe_frames() as frames, traced_tree(spec.root, tree), \
                 stored_in(spec.root, spec.param_dtype):
             compiled = compiler.compile(spec, [s.example() for s in specs], world, [s.layout for s in specs])
-        compiled.guards = GuardSet(tuple(before + structure_of(spec.root) + [requires_grad_guard(spec.root)]
-                                         + reads.guards() + list(frames.guards.values())))
+        compiled.guards = GuardSet(tuple(before + structure_of(spec.root) + hook_guards(spec.root)
+                                         + [requires_grad_guard(spec.root)] + reads.guards()
+                                         + list(frames.guards.values())))
         check_input_placements(compiled, specs)
         return cls(compiled)
 

@@ -188,9 +188,10 @@ def compiled_check(guards: Sequence[Guard]) -> Callable[[dict], int]:
         else:
             scope[f"e{i}"] = g.expected
             lines.append(f"    if type(v) in PT: f = fp(v)")
-            lines.append(f"    else:")
-            lines.append(f"        f = seen.get(id(v), M)")
-            lines.append(f"        if f is M: f = seen[id(v)] = fp(v)")
+            lines.append(f"    else:")   # kept with the value: a read's fresh tuple must not free its id
+            lines.append(f"        s = seen.get(id(v))")
+            lines.append(f"        if s is None: s = seen[id(v)] = (v, fp(v))")
+            lines.append(f"        f = s[1]")
             lines.append(f"    if f != e{i}: return {i}")
     lines.append("    return -1")
     exec(compile("\n".join(lines), "<graphc guards>", "exec"), scope)  # noqa: S102 - generated above
@@ -222,6 +223,43 @@ def structure_of(root: nn.Module) -> List[Guard]:
                 out.append(Guard(where, _entry_reader(table, name), ("id", id(obj)), replaceable=False,
                                  same=obj, source=(table, name)))
     return out
+
+
+# NOTE: Module hooks (passes/traced_hooks.py): the hooks a trace runs are part of the plan
+FORWARD_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+BACKWARD_HOOK_TABLES = ("_backward_pre_hooks", "_backward_hooks")
+# torch's process-wide module hooks, run on every module's call
+GLOBAL_HOOK_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                      "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def hook_guards(root: nn.Module) -> List[Guard]:
+    """The forward and backward hooks of every module below root, and torch's global module
+    hooks: one registered or removed after compile compiles another plan (NOTE: Module hooks)."""
+    tables = FORWARD_HOOK_TABLES + BACKWARD_HOOK_TABLES
+    out = [Guard(f"{prefix or 'the Graph'} hooks", _hooks_reader(module.__dict__, tables),
+                 fingerprint(hook_state(module.__dict__, tables)))
+           for prefix, module in root.named_modules()]
+    torch_hooks = vars(torch.nn.modules.module)
+    out.append(Guard("torch's global module hooks", _hooks_reader(torch_hooks, GLOBAL_HOOK_TABLES),
+                     fingerprint(hook_state(torch_hooks, GLOBAL_HOOK_TABLES))))
+    return out
+
+
+def hook_state(tables_of: Dict[str, Any], tables: Tuple[str, ...]) -> Optional[tuple]:
+    """(table, ((key, id(hook)), ...)) per non-empty hook table, or None when all are empty
+    (a plain value: an unhooked module's guard is one comparison)."""
+    state = tuple((t, tuple((k, id(fn)) for k, fn in tables_of[t].items()))
+                  for t in tables if tables_of.get(t))
+    return state or None
+
+
+def _hooks_reader(tables_of: Dict[str, Any], tables: Tuple[str, ...]) -> Callable[[], Any]:
+    # torch registers and removes hooks in these dicts in place: an unhooked module's check
+    # is one any() over them
+    dicts = [tables_of[t] for t in tables if t in tables_of]
+    return lambda: hook_state(tables_of, tables) if any(dicts) else None
 
 
 def _entry_reader(table: dict, name: str) -> Callable[[], Any]:

@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTenso
 from ..errors import GraphcError
 from ..meta import META_AUTOCAST, META_GRAD_ENABLED
 from ..ops.autocast import autocast_state
+from .traced_hooks import check_backward_hooks, has_forward_hooks, run_forward_hooks, without_forward_hooks
 from .traced_writes import write_item
 from .unsupported_modules import check_runnable_module
 from .user_lines import GRAPHC_DIR, TORCH_DIR, caller_line, deepest_user_frame
@@ -98,9 +99,14 @@ class BuildTracer(fx.Tracer):
         self.source_file: Optional[str] = None  # the Graph's file, for error messages
         self.item_writes: list = []  # (set_item node, nodes sharing its input's storage, line)
         self._modules_seen: Optional[list] = None
+        # qualified name -> the hooked leaf without its forward hooks, which its call_module
+        # node runs (NOTE: Module hooks, traced_hooks.py); trace_build installs them
+        self.unhooked: Dict[str, torch.nn.Module] = {}
+        self._hooks_traced: Optional[torch.nn.Module] = None  # the hooked leaf being traced through
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        if isinstance(m, _TRACED_THROUGH):  # NOTE: Composite torch layers
+        # NOTE: Composite torch layers; a hooked leaf's own call (NOTE: Module hooks)
+        if isinstance(m, _TRACED_THROUGH) or m is self._hooks_traced:
             return False
         return super().is_leaf_module(m, module_qualified_name)
 
@@ -109,7 +115,25 @@ class BuildTracer(fx.Tracer):
             return forward(*args, **kwargs)
         if not any(m is sub for sub in self._known_modules()):
             return self._call_unowned(m, forward, args, kwargs)
+        path = self.path_of_module(m)
+        check_backward_hooks(m, path, caller_line(self.source_file))
+        if has_forward_hooks(m) and self.is_leaf_module(m, path):
+            return self._call_hooked_leaf(m, path, args, kwargs)
         return super().call_module(m, forward, args, kwargs)
+
+    def _call_hooked_leaf(self, m, path: str, args, kwargs):
+        """A leaf with forward hooks: the hooks on traced values around its call_module node,
+        all in the module's scope, as Module.__call__ runs them (NOTE: Module hooks)."""
+        self.unhooked.setdefault(path, without_forward_hooks(m))
+
+        def hooked(*args, **kwargs):
+            return run_forward_hooks(m, lambda *a, **k: self.create_proxy("call_module", path, a, k),
+                                     args, kwargs)
+        self._hooks_traced = m  # fx's call_module then scopes `hooked` as a module's forward
+        try:
+            return super().call_module(m, hooked, args, kwargs)
+        finally:
+            self._hooks_traced = None
 
     def _known_modules(self):
         if self._modules_seen is None:
@@ -224,8 +248,8 @@ class BuildTracer(fx.Tracer):
         """A leaf module on fakes of its own parameters and buffers: its real state is untouched."""
         self.running_fake = True
         try:
-            return run_module_on_fakes(self.trace_root.get_submodule(target), fargs, fkwargs,
-                                       self.fake_tensor)
+            module = self.unhooked.get(target) or self.trace_root.get_submodule(target)
+            return run_module_on_fakes(module, fargs, fkwargs, self.fake_tensor)
         finally:
             self.running_fake = False
 

@@ -30,6 +30,7 @@ from ..meta import META_BATCHED, META_OUTPUT_TREE
 from .build_tracer import FAKE, BuildTracer
 from .traced_calls import patched_calls
 from .traced_checkpoint import traced_checkpoints
+from .traced_hooks import check_global_hooks, install_modules
 from .traced_writes import check_item_writes
 from .user_lines import node_line, traceback_line
 
@@ -51,6 +52,7 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
     tracer.examples = [_microbatch_example(tracer, t, num_microbatches, b, name)
                        for name, t, b in zip(names, example_inputs, batched)]
     outputs: Dict[str, Any] = {}
+    check_global_hooks()  # NOTE: Module hooks (traced_hooks.py)
     with _traced_root(root, len(example_inputs), outputs), patched_calls(tracer, source_file), \
             traced_checkpoints(tracer):  # torch.utils.checkpoint traces as its function
         try:
@@ -71,6 +73,7 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
     for node in g.nodes:
         node.meta.pop(FAKE, None)
     gm = fx.GraphModule(root, g, class_name=type(root).__name__)
+    install_modules(gm, root, tracer.unhooked)  # hooked leaves run without their traced hooks
     if "tree" in outputs:
         gm.meta[META_OUTPUT_TREE] = outputs["tree"]
     return gm

@@ -27,6 +27,8 @@ from torch.profiler import record_function
 from .. import world
 from ..errors import RankFailedError
 from ..log import warn_user
+from ..meta import META_SBP
+from ..placement import Broadcast
 from ..plan.instructions import (ACT, COMPUTE, AllGather, AllReduce, BackwardInput, BackwardWeight,
                                  ClipGradNorm, Collective, Forward, OptimizerStep, OverlapFB, Recv,
                                  ReleaseParams, Send)
@@ -35,6 +37,7 @@ from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
 from .collectives import GradSync
 from .executor import StageExecutor
+from .grad_hooks import UserGradHooks
 from .stopped_ranks import explain_stopped_peers
 from .zero import ZeroGradSync, ZeroShards, released_in, whole_parameters
 
@@ -192,6 +195,8 @@ class Runtime:
                      if plan.training else None)
         self.grad_sync = (GradSync.from_plan(plan, list(programs.values()), masters) if self.zero is None  # None without synced grads
                           else ZeroGradSync.for_shards(plan, list(programs.values()), self.zero, masters))
+        # the user's post-accumulate-grad hooks, called once a step (NOTE: Post-accumulate-grad hooks)
+        self.grad_hooks = UserGradHooks(_local_parameters(programs.values()), self._not_whole(programs))
         # ZeRO stage 3's gathers, each launched before the compute ahead of it (NOTE: ZeRO stage 3)
         self.warned_whole = False
         self.not_gathered = self._gathered_elsewhere()
@@ -259,6 +264,22 @@ class Runtime:
             if self.zero is not None and self.zero.stage == 3 else set()   # by object: a tie has two names
         return list({id(p): p for p in params.values() if id(p) not in mine}.values())
 
+    def _not_whole(self, programs: Dict[int, StageProgram]) -> Dict[str, str]:
+        """This rank's parameters whose .grad is not their whole gradient, with why."""
+        out: Dict[str, str] = {}
+        for prog in programs.values():
+            for node in prog.module.graph.nodes:
+                sig = node.meta.get(META_SBP)
+                split = sig is not None and not all(isinstance(s, Broadcast) for s in sig.out)
+                if node.op == "get_attr" and split:
+                    out[str(node.target)] = "it is split over the ranks of its stage (tensor parallel)"
+        if self.zero is not None:
+            out.update({n: "ZeRO shards its gradient over the data-parallel ranks" for n in self.zero.by_name})
+        if self.masters is not None:
+            out.update({n: "set_param_dtype keeps its gradient in a float32 master, not in .grad"
+                        for n in _local_parameters(programs.values())})
+        return out
+
     def _actors(self):
         """Fresh actors for one step (their tags and buffers are per step)."""
         recv_actors = {p: RecvActor(p, q, self.p2p, self.device, self.window)
@@ -285,6 +306,18 @@ class Runtime:
         return per_mb
 
     def _run(self, user_inputs):
+        if not self.plan.training:
+            return self._run_plan(user_inputs)
+        self.grad_hooks.set_aside()  # NOTE: Post-accumulate-grad hooks
+        try:
+            out = self._run_plan(user_inputs)
+        except BaseException:
+            self.grad_hooks.restore()
+            raise
+        self.grad_hooks.run()  # a step without clipping or optimizer: its gradients are final here
+        return out
+
+    def _run_plan(self, user_inputs):
         start = time.perf_counter()
         stats = StepStats()
         if self.captured is not None:
@@ -330,8 +363,10 @@ class Runtime:
                 elif isinstance(ins, OptimizerStep):
                     for actor in send_actors.values():
                         actor.drain()
+                    self.grad_hooks.run()  # gradients are final: where eager's hooks have run
                     self._optimizer_step()
                 elif isinstance(ins, ClipGradNorm):
+                    self.grad_hooks.run()
                     self._unscale()
                     self._clip_grad_norm(ins)
                 elif isinstance(ins, AllGather):

@@ -12,6 +12,7 @@ import torch
 from .. import world
 from ..plan.instructions import AllReduce, TieAllReduce
 from ..ops.conversions import my_group
+from .grad_hooks import internal
 
 # -- gradient synchronisation ----------------------------------------------------------------
 class GradSync:
@@ -101,6 +102,7 @@ class GradSync:
         return sync
 
     def _hook(self, key: int):
+        @internal  # per micro-batch, beside the user's hooks (NOTE: Post-accumulate-grad hooks)
         def fire(_param):
             if not self.armed:
                 return

@@ -31,6 +31,8 @@ from typing import Dict, Iterable, List, Optional, Set
 
 import torch
 
+from .grad_hooks import internal
+
 PARAM_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -107,6 +109,7 @@ class MasterParams:
 
 def _into_master(master: torch.nn.Parameter):
     """The hook moving a micro-batch's gradient (low dtype) into master.grad (float32)."""
+    @internal  # NOTE: Post-accumulate-grad hooks (grad_hooks.py)
     def accumulate(p: torch.Tensor) -> None:
         g, p.grad = p.grad, None
         if master.grad is None:

@@ -41,11 +41,12 @@ def amp_bound(graph, bound: Callable[[torch.dtype], float]) -> Callable[[torch.d
     config.enable_amp the float32 parameters and loss are computed through the amp dtype's
     roundings, which graphc cuts elsewhere than eager on the whole batch does (micro-batches,
     shards, partial sums), so they agree to the amp dtype's tolerance, not float32's (eager
-    autocast itself moves that much when cut differently: benchmarks/amp_noise_floor.py)."""
+    autocast itself moves that much when cut differently: benchmarks/amp_noise_floor.py).
+    float64 values keep theirs: autocast leaves float64 ops as they are."""
     amp = graph.config.amp_dtype
     if amp is None:
         return bound
-    return lambda dtype: max(bound(dtype), bound(amp))
+    return lambda dtype: bound(dtype) if dtype == torch.float64 else max(bound(dtype), bound(amp))
 
 
 class FirstStepCheck:

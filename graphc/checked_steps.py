@@ -116,7 +116,8 @@ class StepChecker:
             before = self.graph.full_state_dict(rank0_only=True)
             if self.rank == 0:
                 self.twin = EagerTwin(self.graph, self.groups, before)
-            shown = self.graph.config.amp_dtype or torch.float64  # (the bound an amp job's values meet)
+            # the bound the parameters are compared at (their dtype's; an amp job's: amp_bound)
+            shown = next((v.dtype for v in before.values() if torch.is_floating_point(v)), torch.float64)
             self.report = StepReport(type(self.graph).__name__, self.world, bound=self.bound(shown))
             self.report.where = _holders(self.graph)
 

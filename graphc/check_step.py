@@ -14,12 +14,14 @@ shapes and a warning says so.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from . import world as ranks
@@ -32,6 +34,19 @@ from .sbp.layout import coord, flat, place_shard
 
 # relative tolerance by the parameters' dtype: graphc only reorders sums (helpers.py's oracle)
 RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+def amp_bound(graph, bound: Callable[[torch.dtype], float]) -> Callable[[torch.dtype], float]:
+    """`bound` (a tolerance by the compared values' dtype) for this graph's job. With
+    config.enable_amp the float32 parameters and loss are computed through the amp dtype's
+    roundings, which graphc cuts elsewhere than eager on the whole batch does (micro-batches,
+    shards, partial sums), so they agree to the amp dtype's tolerance, not float32's (eager
+    autocast itself moves that much when cut differently: benchmarks/amp_noise_floor.py).
+    float64 values keep theirs: autocast leaves float64 ops as they are."""
+    amp = graph.config.amp_dtype
+    if amp is None:
+        return bound
+    return lambda dtype: bound(dtype) if dtype == torch.float64 else max(bound(dtype), bound(amp))
 
 
 class FirstStepCheck:
@@ -68,6 +83,7 @@ class FirstStepCheck:
         out, want = EagerTwin(graph, self.groups, self.before).step(self.inputs, self.tree)
         want_loss = _first_scalar(out)
         prefix = user_prefix(graph._root)  # full_state_dict's keys drop it; the report names it
+        rtol = amp_bound(graph, lambda dtype: RTOL.get(dtype, 1e-2))
         rows = []
         for k, v in want.items():
             got = after.get(k)
@@ -75,12 +91,12 @@ class FirstStepCheck:
                 continue
             diff = (got.to(v.dtype) - v).abs().max().item() if v.numel() else 0.0
             scale = max(v.abs().max().item() if v.numel() else 0.0, 1.0)
-            if diff > RTOL.get(v.dtype, 1e-2) * scale:
+            if diff > rtol(v.dtype) * scale:
                 rows.append((diff, prefix + k))
         dloss = None
         if loss is not None and want_loss is not None:
             dloss = abs(loss - float(want_loss))
-            tol = RTOL.get(want_loss.dtype, 1e-2) * max(abs(float(want_loss)), 1.0)
+            tol = rtol(want_loss.dtype) * max(abs(float(want_loss)), 1.0)
             if dloss > tol:
                 rows.append((dloss, "<loss>"))
         if not rows:
@@ -203,6 +219,15 @@ class EagerTwin:
             if graph._lr_scheduler is not None:  # its counters and lambdas, stepping the twin's optimizer
                 self.sch = copy.deepcopy(graph._lr_scheduler, {id(graph._optimizer): self.opt})
 
+    def _amp(self):
+        """config.enable_amp as the compiled step means it: build() under torch.autocast on the
+        device the twin runs on, loss.backward() outside it (NOTE: Autocast regions)."""
+        dtype = self.graph.config.amp_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        device_type = next((p.device.type for p in self.root.parameters()), "cpu")
+        return _AmpBuild(device_type, dtype)
+
     def _keeper(self, qualname: str):
         """A forward hook keeping a copy of the module's (first) output; it returns None: a
         hook's return value would replace the output (and a detached copy cut the backward)."""
@@ -225,7 +250,8 @@ class EagerTwin:
                 continue
             hooks.append(module.register_forward_hook(self._keeper(qualname)))
         try:
-            out = type(self.graph).build(self.root, *pytree.tree_unflatten(inputs, tree))
+            with self._amp():
+                out = type(self.graph).build(self.root, *pytree.tree_unflatten(inputs, tree))
         finally:
             for h in hooks:
                 h.remove()
@@ -239,6 +265,30 @@ class EagerTwin:
         state = {k[len(prefix):] if prefix and k.startswith(prefix) else k: v.detach()
                  for k, v in self.root.state_dict().items()}
         return out, state
+
+
+class _AmpBuild(TorchFunctionMode):
+    """build() under torch.autocast(device_type, dtype), with Tensor.backward() run outside
+    it, as graphc's executor runs the backward (config.enable_amp)."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        self.autocast = torch.autocast(device_type, dtype=dtype)
+        self.device_type = device_type
+
+    def __enter__(self):
+        self.autocast.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        return self.autocast.__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.backward:
+            with torch.autocast(self.device_type, enabled=False):
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 def whole_batch(inputs: Tuple[Any, ...], rank: int, world: int) -> Tuple[List[torch.Tensor], Any]:

@@ -11,6 +11,8 @@ difference that grows over steps shows as it grows. The first departing step nam
 parameter and its first departing value: every rank kept each Forward's outputs of the
 step (Runtime.captured), which are gathered then, and only then, and compared with the
 twin's module outputs on the same rows (_locate). Every rank gets the step's verdict.
+A job with config.enable_amp has its twin run build() under the same autocast (backward
+outside it, EagerTwin._amp), compared at the amp dtype's tolerance (check_step.amp_bound).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import world as ranks
-from .check_step import EagerTwin, _first_scalar, _rank_world, gathered_loss, user_prefix, whole_batch
+from .check_step import EagerTwin, _first_scalar, _rank_world, amp_bound, gathered_loss, user_prefix, whole_batch
 from .placement import Broadcast, Split
 from .runtime.local_world import sum_in_order
 from .sbp.layout import flat
@@ -95,7 +97,7 @@ class StepChecker:
     """Compares every call of one graph with its EagerTwin (NOTE: Checked steps)."""
 
     def __init__(self, graph, groups, bound):
-        self.graph, self.groups, self.bound = graph, groups, bound
+        self.graph, self.groups, self.bound = graph, groups, amp_bound(graph, bound)
         self.twin: Optional[EagerTwin] = None
         self.report: Optional[StepReport] = None
         self.inputs: List[torch.Tensor] = []
@@ -114,7 +116,9 @@ class StepChecker:
             before = self.graph.full_state_dict(rank0_only=True)
             if self.rank == 0:
                 self.twin = EagerTwin(self.graph, self.groups, before)
-            self.report = StepReport(type(self.graph).__name__, self.world, bound=self.bound(torch.float64))
+            # the bound the parameters are compared at (their dtype's; an amp job's: amp_bound)
+            shown = next((v.dtype for v in before.values() if torch.is_floating_point(v)), torch.float64)
+            self.report = StepReport(type(self.graph).__name__, self.world, bound=self.bound(shown))
             self.report.where = _holders(self.graph)
 
     def compare(self, outputs) -> StepRow:

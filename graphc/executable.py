@@ -100,7 +100,10 @@ class InputTree:
 def flatten_call(inputs: Sequence[Any], build) -> Tuple[List[InputSpec], Optional[InputTree]]:
     """NOTE: Input trees. A call whose arguments are tensors is passed as it is (tree None);
     nested dicts, lists and tuples (a Hugging Face batch) are flattened to their tensor
-    leaves, each an input of the graph, and build() gets the structure back while tracing."""
+    leaves, each an input of the graph, and build() gets the structure back while tracing.
+    The structure (the number of leaves and the tree, a dict's keys included) is part of the
+    input signature: a batch with another key set (one with an attention_mask, one without)
+    selects or compiles a plan of its own (ExecutableCache.same_structure)."""
     if all(isinstance(x, (torch.Tensor, GlobalTensor)) for x in inputs):
         return input_specs(inputs), None
     is_leaf = lambda x: isinstance(x, GlobalTensor)  # noqa: E731 - a GlobalTensor is one input
@@ -198,10 +201,9 @@ class Executable:
         return self.compiled.guards.failing()
 
     def check_inputs(self, specs: Sequence[InputSpec], name: str) -> None:
-        """What a second signature cannot change: the number of inputs, their ranks, their kinds."""
+        """What a second signature of the same input structure cannot change: the inputs'
+        ranks and kinds (NOTE: Input trees)."""
         want = self.compiled.input_meta
-        if len(specs) != len(want):
-            raise GraphcError(f"{name} was compiled for {len(want)} inputs, called with {len(specs)}")
         for i, (s, (w_shape, w_dtype)) in enumerate(zip(specs, want)):
             if len(s.shape) != len(w_shape) or s.local.dtype.is_floating_point != w_dtype.is_floating_point:
                 raise GraphcError(
@@ -267,11 +269,19 @@ class ExecutableCache:
             failures.append(failed)
         return None, failures
 
+    def same_structure(self, key: tuple) -> Optional[Executable]:
+        """An executable compiled for inputs of `key`'s structure (the number of inputs and
+        their tree, NOTE: Input trees), the current one first; None for a new structure."""
+        if self.current is not None and _structure(self.key) == _structure(key):
+            return self.current
+        return next((v[-1] for k, v in self.entries.items() if _structure(k) == _structure(key)), None)
+
     def add(self, key: tuple, exe: Executable, failures: Sequence[Guard] = ()) -> None:
+        new_structure = self.same_structure(key) is None
         entries = self.entries.setdefault(key, [])
         entries.append(exe)
         if self.current is not None:
-            why = self._why(failures)
+            why = _new_structure(key) if new_structure else self._why(failures)
             self.recompiles.append(why)
             if len(entries) == PLANS_PER_SIGNATURE + 1:
                 warn_user(f"{self.name} has compiled {len(entries)} plans for the same input "
@@ -297,6 +307,20 @@ class ExecutableCache:
         why = "; ".join(reasons) or "the inputs' shapes, dtypes or layouts are new"
         _log.info("recompiling %s: %s", self.name, why)
         return why
+
+
+def _structure(key: tuple) -> tuple:
+    """A cache key's input structure: the number of inputs and their tree (NOTE: Input trees)."""
+    signature_, tree = key
+    return len(signature_), tree
+
+
+def _new_structure(key: tuple) -> str:
+    signature_, tree = key
+    names = ", ".join(tree.names) if tree is not None else f"{len(signature_)} tensors"
+    why = f"the inputs' structure is new ({names})"
+    _log.info("compiling for new inputs: %s", why)
+    return why
 
 
 def check_replaceable(name: str, failed: Guard) -> None:

@@ -218,14 +218,16 @@ class Graph:
         object.__setattr__(self, "_base_seed", seed if self._state.base_seed is None else self._state.base_seed)
 
     def _compiled_for(self, specs, tree=None) -> None:
-        """A new input shape, or a Python value build() read that changed (NOTE: Guards),
-        selects (or compiles and caches) another executable.
+        """A new input shape or structure (NOTE: Input trees), or a Python value build() read
+        that changed (NOTE: Guards), selects (or compiles and caches) another executable.
 
         Every rank calls the graph with the same program, so every rank changes plan at the
         same call (compiling is deterministic; new process groups are created collectively).
         """
-        self._cache.current.check_inputs(specs, type(self).__name__)
         key = (signature(specs), tree)
+        same = self._cache.same_structure(key)  # a new structure is a new program (NOTE: Input trees)
+        if same is not None:
+            same.check_inputs(specs, type(self).__name__)
         exe, failures = self._cache.lookup(key)
         if exe is None:
             # split parameters hold shards by now; ZeRO stage 3's are gathered for the trace

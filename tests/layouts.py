@@ -15,7 +15,7 @@ PyTorch on the whole batch (float64, 1e-10):
   (Megatron's pair); pp2xdp2 is pp2 with two data ranks a stage; zero3 is dp2 with ZeRO
   stage 3;
 - `feed(layout, batches)` gives each rank its call arguments (the batch split over the
-  data ranks of the stage that reads it);
+  data ranks of the stage that reads it; a dict's or list's tensors as a tensor in its place);
 - `train(layout, make_graph, batches)` runs the steps and returns (losses, state).
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 import graphc
 from graphc.check_step import _first_scalar
@@ -86,17 +87,16 @@ def feed(layout: str, batches: Sequence[tuple]):
         return list(batches)
     first, last = _READERS[layout]
 
+    def split(t, ranks: List[int], rank: int):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        k = ranks.index(rank) if rank in ranks else 0
+        return graphc.to_global(t.chunk(2)[k], placement=graphc.placement("cpu", ranks), sbp=graphc.sbp.split(0))
+
     def inputs(rank: int, step: int):
-        out = []
-        for i, t in enumerate(batches[step]):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                out.append(t)
-                continue
-            ranks = first if i == 0 else last
-            k = ranks.index(rank) if rank in ranks else 0
-            out.append(graphc.to_global(t.chunk(2)[k], placement=graphc.placement("cpu", ranks),
-                                        sbp=graphc.sbp.split(0)))
-        return tuple(out)
+        # a dict's tensors go where a tensor in its position would (a batch dict: the first stage's)
+        return tuple(pytree.tree_map(lambda t: split(t, first if i == 0 else last, rank), arg)
+                     for i, arg in enumerate(batches[step]))
     return inputs
 
 

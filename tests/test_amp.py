@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import graphc
 from helpers import run_world
+from layouts import Pair, declare, train
 
 pytestmark = pytest.mark.fp32
 M, STEPS = 2, 3
@@ -116,3 +117,78 @@ def test_enable_amp_on_a_pipeline_equals_eager_autocast_bitwise():
 def test_enable_amp_refuses_other_dtypes():
     with pytest.raises(graphc.GraphcError, match="torch.bfloat16 or torch.float16"):
         graphc.Graph().config.enable_amp(True, dtype=torch.float64)
+
+
+# -- a stage that starts with a LayerNorm (issue 30, point D) ----------------------------------
+class NormFirst(nn.Module):
+    """Stage 1 of the layout matrix's Pair when it starts with a LayerNorm: CPU autocast leaves
+    layer_norm alone, so it runs on the bf16 activation the stage receives, with float32
+    weights, and returns bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, h):
+        return self.fc(self.norm(h))
+
+
+class NormFirstGraph(graphc.Graph):
+    def __init__(self, layout):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = _norm_first_pair()
+        declare(self, layout)
+        self.config.enable_amp(True, dtype=torch.bfloat16)
+        self.config.set_gradient_accumulation_steps(M)
+        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.1))
+
+    def build(self, x, y):
+        loss = ((self.model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+
+def _norm_first_pair():
+    pair = Pair()
+    pair.b = NormFirst()
+    return pair
+
+
+def _one_thread_eager_autocast(batches):
+    """Eager autocast on the same micro-batches, on one intra-op thread as every rank of a
+    local world (or torchrun) computes: the mixed-dtype LayerNorm's weight and bias gradients
+    are sums whose order depends on the thread count (at 2 threads they differ by ~5e-5 after
+    one SGD step, which was issue 30's report), the only thing that differs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = _norm_first_pair()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for x, y in batches:
+            opt.zero_grad()
+            parts = []
+            for xs, ys in zip(x.chunk(M), y.chunk(M)):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = ((model(xs) - ys) ** 2).mean()
+                (loss / M).backward()
+                parts.append(loss.detach())
+            opt.step()
+            losses.append(torch.stack(parts).mean().item())
+        return losses, model.state_dict()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("layout", ["one", "pp2"])
+def test_a_stage_starting_with_a_layer_norm_equals_eager_autocast_bitwise(layout):
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)) for _ in range(STEPS)]
+    want_losses, want_state = _one_thread_eager_autocast(batches)
+    losses, state = train(layout, NormFirstGraph, batches)
+    assert losses == want_losses
+    for k, v in want_state.items():
+        assert torch.equal(state[k], v), (k, (state[k] - v).abs().max())

@@ -8,6 +8,7 @@ import torch
 
 import graphc
 import graphc.compiler
+import graphc.testing
 from helpers import run_world
 from passes.test_split_inputs import MaskGraph, MaskedTokens, _mask_data
 
@@ -90,3 +91,54 @@ def test_the_check_takes_a_dict_batch():
     out = DictGraph(model, torch.optim.SGD(model.parameters(), lr=0.1))(
         {"x": torch.randn(8, 4), "y": torch.randint(0, 3, (8,))})
     assert out["loss"].to_local().dim() == 0
+
+
+# -- amp: the eager twin runs under the job's autocast (issue 30, point 7) ---------------------
+def _amp_graph(pipeline=False, m=1, check_first=False):
+    from test_amp import AmpGraph, Net
+    torch.manual_seed(0)
+    model = Net()
+    graph = AmpGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), pipeline=pipeline)
+    graph.config.set_gradient_accumulation_steps(m)
+    graph.config.set_check_microbatching(check_first)
+    return graph
+
+
+@pytest.mark.fp32
+def test_check_mode_on_an_amp_job_runs_eager_under_the_same_autocast():
+    """One process, no accumulation: the twin's autocast step is graphc's, bit for bit."""
+    from test_amp import _batches
+    run = graphc.testing.local_world(_amp_graph, _batches(), nproc=1, check=True)
+    assert run.ok, run.text()
+    rows = run.reports[0].rows
+    assert [r.dloss for r in rows] == [0.0] * len(rows) and [r.dparam for r in rows] == [0.0] * len(rows), run.text()
+
+
+@pytest.mark.fp32
+@pytest.mark.parametrize("nproc, m", [(1, 2), (2, 2)])
+def test_check_mode_on_an_amp_job_is_ok_at_the_amp_tolerance(nproc, m):
+    """Micro-batches (and a pipeline) round bf16 elsewhere than eager on the whole batch: the
+    values agree to bf16's tolerance (check_mode.TOLERANCE), which the report states."""
+    from test_amp import _batches
+    run = graphc.testing.local_world(lambda: _amp_graph(nproc == 2, m), _batches(), nproc=nproc, check=True)
+    assert run.ok, run.text()
+    assert "bound |d| <= 0.01 * (1 + |eager|)" in run.text()
+    assert max(r.dparam for r in run.reports[0].rows) > 0  # (not bitwise: the bound is needed)
+
+
+@pytest.mark.fp32
+def test_the_first_step_check_passes_an_amp_job():
+    from test_amp import _batches
+    x, y = _batches()[0]
+    assert _amp_graph(m=2, check_first=True)(x, y).to_local().dim() == 0
+
+
+@pytest.mark.fp32
+def test_the_check_still_refuses_a_wrong_split_under_amp(monkeypatch):
+    _mask_passed_whole(monkeypatch)
+    torch.manual_seed(0)
+    model = MaskedTokens().float()
+    graph = CheckedGraph(model, torch.optim.Adam(model.parameters(), lr=0.01), 2)
+    graph.config.enable_amp(True, dtype=torch.bfloat16)
+    with pytest.raises(graphc.GraphcError, match=r"the first step differs from eager"):
+        graph(*_mask_data())

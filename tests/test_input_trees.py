@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import graphc
 from helpers import assert_close, run_world
+from layouts import Pair, assert_same, declare, train
 
 
 class Net(nn.Module):
@@ -154,3 +155,73 @@ def test_a_returned_python_object_is_refused():
     graph = HFGraph(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(graphc.GraphcError, match=r"returns a DynamicCache at .*use_cache=False"):
         graph(_hf_batch())
+
+
+# -- a new key set is a new input signature (issue 30, row 10) --------------------------------
+class KeyedGraph(graphc.Graph):
+    """build(self, batch) where some batches carry a "mask" and others do not."""
+
+    def __init__(self, model, layout):
+        super().__init__()
+        self.model = model
+        declare(self, layout)
+        self.config.set_gradient_accumulation_steps(2)
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def build(self, batch):
+        loss = _keyed_loss(self.model, batch)
+        loss.backward()
+        return loss
+
+
+def _keyed_loss(model, batch):
+    err = (model(batch["x"]) - batch["y"]) ** 2
+    return (err * batch["mask"]).mean() if "mask" in batch else err.mean()
+
+
+def _keyed_batches(steps=4):
+    """Alternating key sets: {x, y}, then {x, mask, y} (the mask in the middle: a new tree,
+    not only a new last leaf), and so on."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for step in range(steps):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)
+        mask = (torch.rand(8, 4, generator=g) > 0.3).to(x.dtype)
+        out.append(({"x": x, "mask": mask, "y": y} if step % 2 else {"x": x, "y": y},))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["one", "pp2", "dp2", "zero3"])
+def test_a_batch_with_a_new_key_set_gets_its_own_plan(layout):
+    batches = _keyed_batches()
+    torch.manual_seed(0)
+    ref = Pair()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want_losses = []
+    for (batch,) in batches:
+        loss = _keyed_loss(ref, batch)
+        opt.zero_grad(), loss.backward(), opt.step()
+        want_losses.append(loss.item())
+    graphs = []
+
+    def make_graph(layout):
+        torch.manual_seed(0)
+        graphs.append(KeyedGraph(Pair(), layout))
+        return graphs[-1]
+
+    got = train(layout, make_graph, batches)
+    assert_same(got, (want_losses, ref.state_dict()), layout)
+    for graph in graphs:  # one compile per key set, reused when the first key set comes back
+        assert len(graph._cache) == 2, graph.recompiles
+        assert graph.recompiles == ["the inputs' structure is new (batch_x, batch_mask, batch_y)"]
+
+
+def test_a_new_key_set_of_another_rank_is_still_refused():
+    """Within one input structure, a leaf's number of dims is part of the program."""
+    torch.manual_seed(0)
+    graph = KeyedGraph(Pair(), "one")
+    (batch,) = _keyed_batches(1)[0]
+    graph(batch)
+    graph({"x": batch["x"], "mask": batch["y"], "y": batch["y"]})
+    with pytest.raises(graphc.GraphcError, match=r"input 1 of KeyedGraph has shape \[8, 4, 1\]"):
+        graph({"x": batch["x"], "mask": batch["y"][..., None], "y": batch["y"]})

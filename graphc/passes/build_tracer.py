@@ -18,7 +18,7 @@ from ..meta import META_AUTOCAST, META_GRAD_ENABLED
 from ..ops.autocast import autocast_state
 from .traced_hooks import check_backward_hooks, has_forward_hooks, run_forward_hooks, without_forward_hooks
 from .traced_writes import write_item
-from .unsupported_modules import check_runnable_module
+from .unsupported_modules import check_runnable_module, check_traceable_module
 from .user_lines import GRAPHC_DIR, TORCH_DIR, caller_line, deepest_user_frame
 
 FAKE = "graphc_fake"  # node.meta key for the value while tracing; removed when tracing ends
@@ -113,6 +113,7 @@ class BuildTracer(fx.Tracer):
     def call_module(self, m, forward, args, kwargs):
         if self.running_fake:
             return forward(*args, **kwargs)
+        check_traceable_module(m, self._name_of(m), self.source_file)  # torch.compile'd modules
         if not any(m is sub for sub in self._known_modules()):
             return self._call_unowned(m, forward, args, kwargs)
         path = self.path_of_module(m)
@@ -139,6 +140,9 @@ class BuildTracer(fx.Tracer):
         if self._modules_seen is None:
             self._modules_seen = [sub for _, sub in self.trace_root.named_modules(remove_duplicate=False)]
         return self._modules_seen
+
+    def _name_of(self, m: torch.nn.Module) -> str:
+        return next((name for name, sub in self.trace_root.named_modules() if sub is m), type(m).__name__)
 
     def _call_unowned(self, m, forward, args, kwargs):
         """A module built inside a forward (BERT's `CrossEntropyLoss()` in its forward): traced

@@ -205,7 +205,11 @@ def _builtin_tree(spec) -> bool:
 def _explain_trace_failure(graph_name: str, source_file: Optional[str], e: Exception) -> str:
     where = traceback_line(source_file, e.__traceback__)
     msg = str(e)
-    if "control flow" in msg or "iteration" in msg or "bool" in msg.lower():
+    if "dynamo-optimized" in msg:  # a torch.compile'd function (modules: check_traceable_module)
+        fix = ("graphc compiles the whole step itself, and torch.compile's wrapper cannot be traced "
+               "inside it. Fix: call the function itself, not torch.compile(fn), in build() and "
+               "the modules' forward.")
+    elif "control flow" in msg or "iteration" in msg or "bool" in msg.lower():
         fix = ("build() is traced once into a static graph, so Python control flow on a tensor's "
                "value (if/while over a tensor's value, bool(), .item() in a condition) cannot be "
                "recorded; control flow on shapes (x.size(), x.shape, len(x)) is fine. Fix: compute "

@@ -308,10 +308,13 @@ def test_input_dtype_kind_changes_on_a_later_call():
 
 
 def test_wrong_number_of_inputs_on_a_later_call():
+    """Another number of inputs is another input structure (NOTE: Input trees): it is
+    compiled, and build()'s own signature refuses it; the first plan still runs."""
     g = Train()
     g(X)
-    with raises("compiled for 1 inputs, called with 2"):
+    with raises("build() takes 1 inputs (x), found 2", "Fix"):
         g(X, X)
+    g(X)
 
 
 def test_wrong_number_of_inputs_at_compile():
@@ -760,3 +763,38 @@ def test_replicated_parameters_must_start_equal_is_named_in_the_catalogue():
     problems = _mismatches({0: {"param:w": "aa", "plan hash": "p"}, 1: {"param:w": "bb", "plan hash": "p"}},
                            {"w": [0, 1]})
     assert problems == ["replicated parameter 'w' (checksums): ranks [0]: \"aa\"; ranks [1]: \"bb\""]
+
+
+class CompiledInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = torch.compile(nn.Linear(8, 8))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_torch_compiled_submodule():
+    """fx cannot trace torch.compile's wrapper: the refusal names the module, the user's
+    line that calls it, and the fix (the uncompiled module, e.g. its _orig_mod)."""
+    with raises("module 'model.b' is a torch.compile'd Linear (an OptimizedModule)",
+                "test_misuse.py", "return self.b(torch.tanh(self.a(x)))",
+                "graphc compiles the whole step itself",
+                "Fix: give the Graph the uncompiled module: drop the torch.compile(...) call",
+                "model.b = model.b._orig_mod"):
+        Train(model=CompiledInside())(X)
+    model = CompiledInside()
+    model.b = model.b._orig_mod  # the fix the message gives trains
+    Train(model=model)(X)
+
+
+def test_torch_compiled_model():
+    with raises("module 'model' is a torch.compile'd TwoStage", "self.model = model._orig_mod"):
+        Train(model=torch.compile(TwoStage()))(X)
+
+
+def test_torch_compiled_function():
+    double = torch.compile(lambda t: t * 2)
+    with raises("could not trace Train.build()", "call the function itself, not torch.compile(fn)"):
+        Train(body=lambda self, x: double(self.model(x)))(X)

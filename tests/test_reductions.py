@@ -149,3 +149,68 @@ def test_returned_count_is_the_whole_batch_count(layout):
         assert hits_f64.item() == want_hits.item(), f"{layout}: step {step}: {hits_f64} vs {want_hits}"
         assert_close(loss, want_loss, f"{layout}: loss at step {step}")
 
+
+
+# -- transformers' num_items_in_batch ---------------------------------------------------------
+transformers = pytest.importorskip("transformers")
+LLAMA_STAGES = [("model.embed_tokens", 0), ("model.layers.0", 0), ("model.layers.1", 1), ("model.norm", 1),
+                ("lm_head", 1)]
+LLAMA_LOSS_RTOL = 8 * torch.finfo(torch.float32).eps  # HF's loss is float32 (test_hf_masks.py)
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _tokens(steps=STEPS, T=12):
+    """(ids, mask, labels, num_items_in_batch) per step: padded rows of different lengths, and
+    the Trainer's count of the whole batch's label tokens (labels shifted by one), a 0-d Long."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (B, T), generator=g)
+        mask = (torch.arange(T)[None] < torch.randint(2, T + 1, (B, 1), generator=g)).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        out.append((ids, mask, labels, (labels[:, 1:] != -100).sum()))
+    return out
+
+
+class LlamaGraph(graphc.Graph):
+    def __init__(self, layout, accumulation):
+        super().__init__()
+        self.model = _llama()
+        if layout == "pp2":
+            for path, stage in LLAMA_STAGES:
+                block = self.model   # graphc's blocks, attribute by attribute
+                for part in path.split("."):
+                    block = block[int(part)] if part.isdigit() else getattr(block, part)
+                block.config.set_stage(stage, graphc.placement("cpu", [stage]))
+        elif layout == "dp2":
+            self.model.config.set_stage(0, graphc.placement("cpu", [0, 1]))
+        self.config.set_gradient_accumulation_steps(accumulation)
+        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=LR))
+
+    def build(self, ids, mask, labels, n):
+        out = self.model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=n)
+        out.loss.backward()
+        return out.loss
+
+
+def _hf_loss(model, ids, mask, labels, n):
+    return model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=n).loss
+
+
+@pytest.mark.parametrize("layout", ["one", "pp2", "dp2"])
+@pytest.mark.parametrize("accumulation", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_hf_num_items_in_batch(layout, accumulation):
+    """The Trainer's call: the loss is the sum over label tokens / num_items_in_batch, a batch
+    sum; its steps equal eager's on the whole batch (before: 1/m of the loss and gradient)."""
+    batches = _tokens()
+    losses, state = train(layout, lambda layout: LlamaGraph(layout, accumulation), batches)
+    want_losses, want_state = _eager(_hf_loss, batches, _llama())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=LLAMA_LOSS_RTOL, atol=0)
+    for k, v in want_state.items():
+        assert_close(state[k], v, f"{layout}: {k}")

@@ -253,7 +253,8 @@ def _coupled(e: Coupling, m: int, split: Optional[List[str]] = None) -> GraphcEr
 # not followed here, keeps the mean (as before).
 _SUMS = frozenset({"sum", "nansum", "count_nonzero"})
 _MEANS = frozenset({"mean", "nanmean"})
-_KEEPS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as", "detach", "clone",
+_KEEPS = frozenset({"float", "double", "half", "bfloat16", "long", "int", "short", "to", "type", "type_as",
+                    "detach", "clone",
                     "neg", "contiguous", "squeeze", "unsqueeze", "view", "reshape", "flatten",
                     "getitem"})
 _SCALES = frozenset({"mul", "truediv", "div", "divide", "true_divide"})

@@ -8,9 +8,10 @@ scale / m instead of 1 / m; scale instead of 1 for a batch-sum loss, NOTE: Batch
 before the optimizer step (or the gradient clipping, which needs true gradients) each rank
 multiplies its gradients by 1 / scale and looks for inf/NaN; one all-reduce (MAX) over
 every rank makes an overflow found on any rank or stage everyone's, and then every rank
-skips the step, drops the gradients and multiplies the scale by backoff_factor. After growth_interval steps without an overflow the scale is multiplied by
-growth_factor. The numbers are torch.amp.GradScaler's: a float32 scale, its reciprocal in
-float32, the same update rule; eager's scaler loop gives the same steps.
+skips the step, drops the gradients and multiplies the scale by backoff_factor. After
+growth_interval steps without an overflow the scale is multiplied by growth_factor. The
+numbers are torch.amp.GradScaler's: a float32 scale, its reciprocal in float32, the same
+update rule; eager's scaler loop gives the same steps.
 """
 from __future__ import annotations
 

@@ -145,7 +145,7 @@ def test_returned_count_is_the_whole_batch_count(layout):
     for step, ((loss, *hits), (want_loss, want_hits)) in enumerate(
             zip(_returned(layout, batches), _eager_counts(batches))):
         assert [h.dtype for h in hits] == [torch.int64, torch.float64, torch.int32], layout
-        assert [h.item() for h in hits] == [want_hits.item()] * 3, f"{layout}: step {step}: {hits} vs {want_hits}"
+        assert [h.item() for h in hits] == [want_hits.item()] * 3, f"{layout}: step {step}: {hits}"
         assert_close(loss, want_loss, f"{layout}: loss at step {step}")
 
 

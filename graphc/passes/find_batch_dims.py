@@ -254,9 +254,8 @@ def _coupled(e: Coupling, m: int, split: Optional[List[str]] = None) -> GraphcEr
 _SUMS = frozenset({"sum", "nansum", "count_nonzero"})
 _MEANS = frozenset({"mean", "nanmean"})
 _KEEPS = frozenset({"float", "double", "half", "bfloat16", "long", "int", "short", "to", "type", "type_as",
-                    "detach", "clone",
-                    "neg", "contiguous", "squeeze", "unsqueeze", "view", "reshape", "flatten",
-                    "getitem"})
+                    "detach", "clone", "neg", "contiguous", "squeeze", "unsqueeze", "view", "reshape",
+                    "flatten", "getitem"})
 _SCALES = frozenset({"mul", "truediv", "div", "divide", "true_divide"})
 _LOSS_MODULES = (torch.nn.modules.loss._Loss,)
 

@@ -79,8 +79,9 @@ class StageProgram:
         recv = {s: [str(t) for t in v] for s, v in self.recv_from.items()}
         send = {s: [str(t) for t in v] for s, v in self.send_to.items()}
         whole = f" whole_inputs={list(self.whole_inputs)}" if self.whole_inputs else ""
+        summed = " (batch sum)" if self.loss_summed else ""
         head = (f"# stage {self.stage}: inputs={self.inputs} recv_from={recv} send_to={send} "
-                f"loss={self.loss}{' (batch sum)' if self.loss_summed else ''} results={self.results}{whole}")
+                f"loss={self.loss}{summed} results={self.results}{whole}")
         if self.prologue is not None:
             head += (f"\n# prologue (once per step, summed over micro-batches): "
                      f"{self.prologue.outputs}\n{self.prologue.module.code.strip()}")

@@ -151,13 +151,13 @@ def test_returned_count_is_the_whole_batch_count(layout):
 
 
 # -- transformers' num_items_in_batch ---------------------------------------------------------
-transformers = pytest.importorskip("transformers")
 LLAMA_STAGES = [("model.embed_tokens", 0), ("model.layers.0", 0), ("model.layers.1", 1), ("model.norm", 1),
                 ("lm_head", 1)]
 LLAMA_LOSS_RTOL = 8 * torch.finfo(torch.float32).eps  # HF's loss is float32 (test_hf_masks.py)
 
 
 def _llama():
+    transformers = pytest.importorskip("transformers")   # only these tests need it
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     torch.manual_seed(0)

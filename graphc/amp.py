@@ -4,13 +4,14 @@ scaler semantics), driven by the runtime once per step.
 NOTE: Loss scaling
 `self.set_grad_scaler(graphc.amp.GradScaler(...))` in the Graph's __init__. Every
 micro-batch's loss is multiplied by the scale before its backward (the backward's seed is
-scale / m instead of 1 / m); before the optimizer step (or the gradient clipping, which needs
-true gradients) each rank multiplies its gradients by 1 / scale and looks for inf/NaN; one
-all-reduce (MAX) over every rank makes an overflow found on any rank or stage everyone's,
-and then every rank skips the step, drops the gradients and multiplies the scale by
-backoff_factor. After growth_interval steps without an overflow the scale is multiplied by
-growth_factor. The numbers are torch.amp.GradScaler's: a float32 scale, its reciprocal in
-float32, the same update rule; eager's scaler loop gives the same steps.
+scale / m instead of 1 / m; scale instead of 1 for a batch-sum loss, NOTE: Batch sums);
+before the optimizer step (or the gradient clipping, which needs true gradients) each rank
+multiplies its gradients by 1 / scale and looks for inf/NaN; one all-reduce (MAX) over
+every rank makes an overflow found on any rank or stage everyone's, and then every rank
+skips the step, drops the gradients and multiplies the scale by backoff_factor. After
+growth_interval steps without an overflow the scale is multiplied by growth_factor. The
+numbers are torch.amp.GradScaler's: a float32 scale, its reciprocal in float32, the same
+update rule; eager's scaler loop gives the same steps.
 """
 from __future__ import annotations
 

@@ -420,7 +420,7 @@ def merge(per_mb: List[torch.Tensor], rows=None) -> torch.Tensor:
     if rows is not None and not rows.reduced:
         return per_mb[0]
     if rows is not None and rows.summed:  # a batch sum is the sum of its micro-batches' (NOTE: Batch sums)
-        return torch.stack(per_mb).sum(0)
+        return torch.stack(per_mb).sum(0, dtype=per_mb[0].dtype)  # an int32 count stays one
     if per_mb[0].dim() == 0 or rows is not None:
         return torch.stack(per_mb).mean(0)
     return torch.cat(per_mb, 0)

@@ -44,7 +44,8 @@ class TensorMeta:
 class RowsMeta:
     """Where a value holds the batch's rows: `dim` indexes them (None: no batch dim), and
     `reduced` says it is a sum or mean over them (a micro-batch holds one part of it), and
-    `summed` which of the two, for build()'s outputs (find_batch_dims: NOTE: Batch sums)."""
+    `summed` which of the two, for build()'s outputs and the loss (find_batch_dims: NOTE:
+    Batch sums)."""
 
     dim: Optional[int]
     reduced: bool

@@ -242,21 +242,29 @@ def _coupled(e: Coupling, m: int, split: Optional[List[str]] = None) -> GraphcEr
 
 # NOTE: Batch sums. A value build() returns that is reduced over the batch comes back as
 # eager computes it on the whole batch: a mean of per-micro-batch means, but a sum of
-# per-micro-batch sums (`n_correct = (pred == y).sum()`). The kind is read back from the
-# output through casts and scalings to the reduction that made it; `s / n` with n the
-# number of entries s summed (x.shape[0], x.numel() of the micro-batch) is a mean. A value
-# mixing both kinds, or made by an op not followed here, keeps the mean (as before).
+# per-micro-batch sums (`n_correct = (pred == y).sum()`, of any dtype). The kind is read back
+# from the output through casts and scalings to the reduction that made it; `s / n` with n
+# the number of entries s summed (x.shape[0], x.numel() of the micro-batch) is a mean, while
+# a sum scaled by anything else (a number, or a tensor without the batch's rows: a count of
+# the whole batch passed in, as transformers' `num_items_in_batch`) stays a sum. The loss
+# follows the same rule: a batch-sum loss (`loss.sum() / num_items_in_batch`) is the sum of
+# its micro-batches' parts, so each micro-batch's gradient counts whole, where a batch
+# mean's counts 1/m (StageProgram.loss_weight). A value mixing both kinds, or made by an op
+# not followed here, keeps the mean (as before).
 _SUMS = frozenset({"sum", "nansum", "count_nonzero"})
 _MEANS = frozenset({"mean", "nanmean"})
-_KEEPS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as", "detach", "clone",
-                    "neg", "contiguous", "squeeze", "unsqueeze", "view", "reshape", "flatten",
-                    "getitem"})
+_KEEPS = frozenset({"float", "double", "half", "bfloat16", "long", "int", "short", "to", "type", "type_as",
+                    "detach", "clone", "neg", "contiguous", "squeeze", "unsqueeze", "view", "reshape",
+                    "flatten", "getitem"})
 _SCALES = frozenset({"mul", "truediv", "div", "divide", "true_divide"})
 _LOSS_MODULES = (torch.nn.modules.loss._Loss,)
 
 
 def _mark_sums(gm: fx.GraphModule) -> None:
-    for node in gm.graph.output_node().all_input_nodes:
+    """Marks build()'s outputs and the loss that are batch sums (NOTE: Batch sums)."""
+    backward = next((n for n in gm.graph.nodes if is_backward(n)), None)
+    loss = [backward.args[0]] if backward is not None and isinstance(backward.args[0], fx.Node) else []
+    for node in gm.graph.output_node().all_input_nodes + loss:
         meta = node.meta.get(META_ROWS)
         if meta is not None and meta.dim is None and meta.reduced and _kind(gm, node) == "sum":
             node.meta[META_ROWS] = RowsMeta(None, True, summed=True)
@@ -286,17 +294,57 @@ def _kind(gm: fx.GraphModule, node: fx.Node, depth: int = 0) -> Optional[str]:
         return {"sum": "sum", "mean": "mean"}.get(node.kwargs.get("reduction", "mean"))
     if name in _KEEPS:
         return _kind(gm, first, depth + 1)
-    tensors = [a for a in node.args if isinstance(a, fx.Node)]
-    numbers = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
-    if name in _SCALES and len(tensors) == 1 and numbers:
-        kind = _kind(gm, tensors[0], depth + 1)
-        if kind == "sum" and name != "mul" and tensors[0] is first and numbers[0] in _counts(gm, first):
-            return "mean"
-        return kind
+    if name in _SCALES:
+        return _scaled_kind(gm, node, name, depth)
     if name in ("add", "sub", "iadd", "isub"):
-        kinds = {_kind(gm, a, depth + 1) for a in tensors
-                 if (a.meta.get(META_ROWS) or RowsMeta(None, False)).reduced}
+        kinds = {_kind(gm, a, depth + 1) for a in node.args if _reduced(a)}
         return kinds.pop() if len(kinds) == 1 else None
+    return None
+
+
+def _scaled_kind(gm: fx.GraphModule, node: fx.Node, name: str, depth: int) -> Optional[str]:
+    """x * c or x / c, with x reduced over the batch and c a number or a tensor without the
+    batch's rows: x's kind, except that a sum divided by its own number of entries is a mean."""
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    x, c = node.args
+    if name == "mul" and not _reduced(x):
+        x, c = c, x
+    if not _reduced(x) or not _without_rows(c):
+        return None
+    kind = _kind(gm, x, depth + 1)
+    if kind == "sum" and name != "mul" and _number(gm, c) in _counts(gm, x):
+        return "mean"
+    return kind
+
+
+def _reduced(a) -> bool:
+    return isinstance(a, fx.Node) and (a.meta.get(META_ROWS) or RowsMeta(None, False)).reduced
+
+
+def _without_rows(c) -> bool:
+    """A number, or a tensor that neither holds the batch's rows nor is reduced over them
+    (the same on every micro-batch: a count passed in whole, a parameter)."""
+    if isinstance(c, fx.Node):
+        rows = c.meta.get(META_ROWS)
+        return c.meta.get(META_TENSOR) is not None and rows is not None and rows.dim is None \
+            and not rows.reduced
+    return isinstance(c, (int, float)) and not isinstance(c, bool)
+
+
+def _number(gm: fx.GraphModule, c) -> Optional[float]:
+    """c's value where the trace made it a constant (a number, or a one-element tensor such
+    as torch.tensor(x.shape[0])), else None. A module's buffer is the user's own value, the
+    same for the whole batch as for a micro-batch: no count of the micro-batch."""
+    if not isinstance(c, fx.Node):
+        return c
+    if c.op != "get_attr" or c.target in dict(gm.named_buffers()):
+        return None
+    value = gm
+    for part in c.target.split("."):
+        value = getattr(value, part, None)
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.numel() == 1:
+        return value.item()
     return None
 
 

@@ -17,8 +17,8 @@ from typing import Dict, Optional, Tuple
 
 import torch.fx as fx
 
-from ..meta import (META_ARRIVAL, META_BOXING, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
-                    BoxingInfo, SbpSignature)
+from ..meta import (META_ARRIVAL, META_BOXING, META_GRAD_PARTIAL, META_ROWS, META_SBP, META_STAGE,
+                    META_TENSOR, BoxingInfo, SbpSignature)
 from ..placement import PartialSum, Split
 from ..ops.conversions import box
 from ..sbp.boxing import BOXINGS, backward_collective, kind_of
@@ -149,6 +149,8 @@ def _box_node(gm, value: fx.Node, consumer: fx.Node, mesh: tuple, axis: int, kin
         node = gm.graph.call_function(box, args)
     node.meta[META_STAGE] = consumer.meta.get(META_STAGE, value.meta.get(META_STAGE))
     node.meta[META_TENSOR] = meta
+    if META_ROWS in value.meta:  # the same global value: a returned batch sum still merges as one
+        node.meta[META_ROWS] = value.meta[META_ROWS]
     node.meta[META_SBP] = SbpSignature(mesh, dst, ((value.name, src),))
     fwd = moved_bytes(BOXINGS[kind].collective, tensor_bytes(meta), n)
     bwd = moved_bytes(backward_collective(kind), tensor_bytes(meta), n) if meta.requires_grad else 0

@@ -17,7 +17,7 @@ from typing import Dict, List, Tuple
 import torch.fx as fx
 
 from ..errors import GraphcError
-from ..meta import META_ARRIVAL, META_SBP, META_STAGE, META_TENSOR, is_backward
+from ..meta import META_ARRIVAL, META_ROWS, META_SBP, META_STAGE, META_TENSOR, is_backward
 from ..plan.instructions import TensorSpec
 from ..plan.program import StageProgram
 from ..sbp.layout import B, flat, is_even, local_shape, mesh_shape, same_shape
@@ -128,10 +128,12 @@ def _stage_program(gm, s: int, nodes, loss, results, arg_index, meshes) -> Stage
             outputs.append(n.name)
     g.output(tuple(env[next(n for n in mine if n.name == name)] for name in outputs))
     module = fx.GraphModule(gm, g, class_name=f"Stage{s}")
+    here = loss is not None and loss in env and loss.meta[META_STAGE] == s   # the loss is on this stage
     return StageProgram(
         stage=s, module=module, inputs=inputs, outputs=outputs, user_inputs=user_inputs,
         recv_from=dict(recv_from), send_to=dict(send_to), requires_grad=requires_grad,
-        loss=loss.name if loss is not None and loss in env and loss.meta[META_STAGE] == s else None,
+        loss=loss.name if here else None,
+        loss_summed=here and bool(getattr(loss.meta.get(META_ROWS), "summed", False)),
         results=[n.name for n in mine if n in results],
         uneven={name: shapes for name, shapes in uneven.items() if shapes}, reshard=reshard)
 

@@ -45,6 +45,7 @@ class StageProgram:
     send_to: Dict[int, List[TensorSpec]]             # consumer stage -> values sent (forward)
     requires_grad: Dict[str, bool] = field(default_factory=dict)
     loss: Optional[str] = None                       # value whose backward starts on this stage
+    loss_summed: bool = False                        # the loss is a batch sum (NOTE: Batch sums)
     results: List[str] = field(default_factory=list)  # build() outputs computed here
     whole_inputs: Tuple[str, ...] = ()               # user inputs not split into micro-batches
     prologue: Optional[Prologue] = None              # per-step values from the whole batch
@@ -65,6 +66,11 @@ class StageProgram:
         return tuple(replace(s, shape=self.uneven[s.name][producer]) if s.name in self.uneven
                      else s for s in specs)
 
+    def loss_weight(self, microbatches: int) -> float:
+        """The seed of each micro-batch's backward: its part of a batch sum counts whole, its
+        mean over its own rows 1/m of the step's mean (NOTE: Batch sums)."""
+        return 1.0 if self.loss_summed else 1.0 / microbatches
+
     @property
     def code(self) -> str:
         return self.module.code
@@ -73,8 +79,9 @@ class StageProgram:
         recv = {s: [str(t) for t in v] for s, v in self.recv_from.items()}
         send = {s: [str(t) for t in v] for s, v in self.send_to.items()}
         whole = f" whole_inputs={list(self.whole_inputs)}" if self.whole_inputs else ""
+        summed = " (batch sum)" if self.loss_summed else ""
         head = (f"# stage {self.stage}: inputs={self.inputs} recv_from={recv} send_to={send} "
-                f"loss={self.loss} results={self.results}{whole}")
+                f"loss={self.loss}{summed} results={self.results}{whole}")
         if self.prologue is not None:
             head += (f"\n# prologue (once per step, summed over micro-batches): "
                      f"{self.prologue.outputs}\n{self.prologue.module.code.strip()}")

@@ -189,7 +189,7 @@ class Runtime:
         m = plan.num_microbatches
         ckpt = checkpointed_microbatches(plan.checkpointing, m)
         self.executors: Dict[int, StageExecutor] = {
-            s: StageExecutor(prog, plan.training, 1.0 / m, ckpt) for s, prog in programs.items()}
+            s: StageExecutor(prog, plan.training, prog.loss_weight(m), ckpt) for s, prog in programs.items()}
         # ZeRO's shards (See NOTE: ZeRO in zero.py): the optimizer holds them from here on
         self.zero = (ZeroShards.from_plan(plan, list(programs.values()), optimizer, masters)
                      if plan.training else None)
@@ -334,8 +334,9 @@ class Runtime:
             self._own_grads()
         if self.grad_scaler is not None and self.plan.training:  # NOTE: Loss scaling (graphc/amp.py)
             self.found_inf = None
+            m = self.plan.num_microbatches
             for ex in self.executors.values():
-                ex.loss_scale = self.grad_scaler.get_scale() / self.plan.num_microbatches
+                ex.loss_scale = self.grad_scaler.get_scale() * ex.program.loss_weight(m)
         if self.grad_sync is not None and self.plan.training:
             self.grad_sync.start_step()
         if self.zero is not None:

@@ -277,6 +277,20 @@ def reduction(ctx: RuleCtx) -> List[Candidate]:
     return cands
 
 
+def pick_along(ctx: RuleCtx) -> List[Candidate]:
+    """argmax/argmin/amax/amin over `dim`: a split dim that is not reduced stays split (each
+    shard's rows pick their own entry, the one the whole tensor's rows pick: predictions of a
+    batch split over data ranks). Over a split dim there is no partial form (a max of the
+    shards is not their sum), nor over every dim at once (argmax's flat index)."""
+    x = ctx.node.args[0]
+    mx = ctx.meta(x)
+    if mx is None or ctx.arg(1, "dim") is None:
+        return []
+    dims, keepdim = reduce_dims(ctx)
+    return [({x: S(d)}, S(d if keepdim else d - sum(1 for r in dims if r < d)))
+            for d in range(len(mx.shape)) if d not in dims and ctx.splits(mx.shape[d])]
+
+
 def cross_entropy(ctx: RuleCtx) -> List[Candidate]:
     """Batch-split logits and targets: per-sample losses split, mean/sum partial."""
     x, y = ctx.node.args[0], ctx.node.args[1]
@@ -709,6 +723,7 @@ _register(softmax, F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "
 _register(layer_norm, F.layer_norm)
 _register(embedding, F.embedding)
 _register(reduction, torch.sum, torch.mean, "sum", "mean")
+_register(pick_along, torch.argmax, torch.argmin, torch.amax, torch.amin, "argmax", "argmin", "amax", "amin")
 _register(cross_entropy, F.cross_entropy)
 _register(mse_loss, F.mse_loss)
 _register(reshape, torch.reshape, torch.flatten, "view", "reshape", "flatten", torch.unflatten,

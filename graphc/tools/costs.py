@@ -143,7 +143,7 @@ def _replay_stage_here(prog, compiled, optimizer, repeats: int, rank: int) -> _S
     for p in module.parameters():
         p.grad = None
     ex = StageExecutor(replace(prog, module=module), compiled.training,
-                       1.0 / compiled.num_microbatches)
+                       prog.loss_weight(compiled.num_microbatches))
     opt = _rebuild_optimizer(module, optimizer) if compiled.training else None
     plan = compiled.plan_for(rank) if hasattr(compiled, "plan_for") else compiled.plans[rank]
     order = [part for ins in plan.instructions for part in _parts(ins)

@@ -53,6 +53,16 @@ def test_casts_masks_and_softmax_keep_the_split():
     assert [k for k, s in sigs.items() if s.out != (Split(0),)] == ["_tensor_constant0"]
 
 
+def test_argmax_keeps_the_rows_it_does_not_reduce_split():
+    """Predictions of a batch split over data ranks (`logits.argmax(-1) == y`) stay split; over
+    the split dim itself there is no partial form: the input is split along another dim first."""
+    sigs = _sigs(lambda x: (x.argmax(-1), torch.amax(x, 1, keepdim=True)))
+    assert sigs["argmax"].out == (Split(0),) and not sigs["argmax"].fallback
+    assert sigs["amax"].out == (Split(0),) and not sigs["amax"].fallback
+    over_rows = _sigs(lambda x: x.argmax(0))["argmax"]
+    assert over_rows.ins[0][1] != (Split(0),) and not over_rows.fallback
+
+
 def test_attention_splits_batch_or_heads_never_the_sequence():
     def fn(x):  # x [B, H, T, E], split on the sequence dim T
         return F.scaled_dot_product_attention(x, x, x, is_causal=True)

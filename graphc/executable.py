@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from . import compiler
 from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
-from .guards import (MISSING, Guard, GuardSet, difference, fingerprint, global_guards, hook_guards, observe_frames,
+from .guards import (MISSING, Guard, GuardSet, difference, fingerprint, global_guards, hook_guards,
                      record_reads, requires_grad_guard, structure_of)
 from .log import get_logger, warn_user
 from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
@@ -171,12 +171,11 @@ class Executable:
         every Python value the compile read (NOTE: Guards)."""
         before = global_guards()  # the modes the caller set, before tracing changes any
         # traced with the parameters in the dtype they will be stored in (NOTE: Master parameters)
-        with record_reads(spec.root) as reads, observe_frames() as frames, traced_tree(spec.root, tree), \
+        with record_reads(spec.root) as reads, traced_tree(spec.root, tree), \
                 stored_in(spec.root, spec.param_dtype):
             compiled = compiler.compile(spec, [s.example() for s in specs], world, [s.layout for s in specs])
         compiled.guards = GuardSet(tuple(before + structure_of(spec.root) + hook_guards(spec.root)
-                                         + [requires_grad_guard(spec.root)] + reads.guards()
-                                         + list(frames.guards.values())))
+                                         + [requires_grad_guard(spec.root)] + reads.guards()))
         check_input_placements(compiled, specs)
         return cls(compiled)
 

@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 
 from ..errors import GraphcError
+from ..guards import frames_unobserved
 from ..meta import META_AUTOCAST, META_GRAD_ENABLED
 from ..ops.autocast import autocast_state
 from .traced_hooks import check_backward_hooks, has_forward_hooks, run_forward_hooks, without_forward_hooks
@@ -216,7 +217,7 @@ class BuildTracer(fx.Tracer):
     def _run_fake(self, kind, target, args, kwargs):
         fargs = fx.node.map_aggregate(args, self._fake_arg)
         fkwargs = fx.node.map_aggregate(kwargs, self._fake_arg)
-        with self.fake_mode:
+        with self.fake_mode, frames_unobserved():
             if kind == "call_function":
                 return target(*fargs, **fkwargs)
             if kind == "call_method":

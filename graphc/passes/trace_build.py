@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..errors import GraphcError
+from ..guards import traced_frames
 from ..meta import META_BATCHED, META_OUTPUT_TREE
 from .build_tracer import FAKE, BuildTracer
 from .traced_calls import patched_calls
@@ -56,8 +57,8 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
     with _traced_root(root, len(example_inputs), outputs), patched_calls(tracer, source_file), \
             traced_checkpoints(tracer):  # torch.utils.checkpoint traces as its function
         try:
-            with torch.autocast(*autocast) if autocast else contextlib.nullcontext():
-                g = tracer.trace(root)
+            with torch.autocast(*autocast) if autocast else contextlib.nullcontext(), traced_frames():
+                g = tracer.trace(root)   # what its frames read is guarded (NOTE: Frame reads)
         except GraphcError:
             raise
         except Exception as e:  # fx raises TraceError, TypeError, ... on untraceable user code

@@ -4,6 +4,7 @@ len(x), x.dtype) from those values, so they are constants of the compiled graph 
 trace_build's docstring). The fakes live in node.meta[FAKE] until tracing ends."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import traceback
@@ -16,6 +17,7 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTenso
 from ..errors import GraphcError
 from ..meta import META_AUTOCAST, META_GRAD_ENABLED
 from ..ops.autocast import autocast_state
+from .traced_tensors import refuse_parameter_write, writes_in_place
 from .traced_writes import write_item
 from .unsupported_modules import check_runnable_module
 from .user_lines import GRAPHC_DIR, TORCH_DIR, caller_line, deepest_user_frame
@@ -137,7 +139,17 @@ class BuildTracer(fx.Tracer):
     # -- fake values ------------------------------------------------------------------
     def fake_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """The fake of a real tensor; the same real tensor (a tied weight) gives the same fake."""
-        return self.fake_mode.from_tensor(t, static_shapes=True)
+        with self.untraced():
+            return self.fake_mode.from_tensor(t, static_shapes=True)
+
+    @contextlib.contextmanager
+    def untraced(self):
+        """graphc's own work on values while tracing: nothing in it is recorded (running_fake)."""
+        before, self.running_fake = self.running_fake, True
+        try:
+            yield
+        finally:
+            self.running_fake = before
 
     def node_fake(self, node: fx.Node):
         """The value of `node` while tracing, None where unknown."""
@@ -175,6 +187,8 @@ class BuildTracer(fx.Tracer):
             return proxy
         if kind == "call_method" and target == "backward":
             return proxy
+        if kind == "call_method" and writes_in_place(target) and args:
+            self._check_parameter_write(node, target)
         try:
             node.meta[FAKE] = self._run_fake(kind, target, args, kwargs)
         except GraphcError:
@@ -185,10 +199,26 @@ class BuildTracer(fx.Tracer):
             self.failed[node.name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return proxy
 
+    def _check_parameter_write(self, node: fx.Node, op: str) -> None:
+        """A write into a parameter (`model.w.mul_(0.9)`, also through `.data` or detach) is
+        refused (NOTE: Tensors outside the trace)."""
+        written = node.args[0]
+        while isinstance(written, fx.Node) and (
+                (written.op == "call_method" and written.target == "detach")
+                or (written.op == "call_function" and written.target is getattr and written.args[1] == "data")):
+            written = written.args[0]
+        if isinstance(written, fx.Node) and written.op == "get_attr":
+            try:
+                self.trace_root.get_parameter(written.target)
+            except AttributeError:
+                return
+            where = deepest_user_frame(None, traceback.extract_stack())
+            raise refuse_parameter_write(written.target, op, where)
+
     def _run_fake(self, kind, target, args, kwargs):
         fargs = fx.node.map_aggregate(args, self._fake_arg)
         fkwargs = fx.node.map_aggregate(kwargs, self._fake_arg)
-        with self.fake_mode:
+        with self.untraced(), self.fake_mode:
             if kind == "call_function":
                 return target(*fargs, **fkwargs)
             if kind == "call_method":

@@ -30,6 +30,7 @@ from ..meta import META_BATCHED, META_OUTPUT_TREE
 from .build_tracer import FAKE, BuildTracer
 from .traced_calls import patched_calls
 from .traced_checkpoint import traced_checkpoints
+from .traced_tensors import traced_tensors
 from .traced_writes import check_item_writes
 from .user_lines import node_line, traceback_line
 
@@ -54,7 +55,8 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
     with _traced_root(root, len(example_inputs), outputs), patched_calls(tracer, source_file), \
             traced_checkpoints(tracer):  # torch.utils.checkpoint traces as its function
         try:
-            with torch.autocast(*autocast) if autocast else contextlib.nullcontext():
+            with torch.autocast(*autocast) if autocast else contextlib.nullcontext(), \
+                    traced_tensors(tracer):  # NOTE: Tensors outside the trace
                 g = tracer.trace(root)
         except GraphcError:
             raise

@@ -18,6 +18,7 @@ import torch.nn.modules.transformer as transformer_layers
 from ..errors import GraphcError
 from ..ops.buffers import assign_buffer
 from .build_tracer import FAKE, BuildTracer, ShapeProxy
+from .traced_attributes import check_attribute_write
 from .user_lines import caller_line
 
 # calls that must not happen inside build(): they act on real gradients the trace never has
@@ -104,6 +105,7 @@ def patched_calls(tracer: BuildTracer, source_file: Optional[str]):
         buffers = module.__dict__.get("_buffers")
         if isinstance(value, fx.Proxy) and buffers is not None and name in buffers:
             return _assign_buffer(tracer, source_file, module, name, value)
+        check_attribute_write(tracer, module, name, value)  # NOTE: Attribute writes
         return original_setattr(module, name, value)
 
     def recorded(name, fn):

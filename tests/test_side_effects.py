@@ -1,0 +1,220 @@
+"""Python and in-place side effects in build() (NOTE: Tensors outside the trace, NOTE:
+Attribute writes): tensors build() makes and writes into, parameters reached through
+parameters(), counters, an EMA teacher. Each trains as eager does on every layout of the
+matrix (tests/layouts.py; float64, 1e-10 against a plain eager loop on the whole batch),
+or is refused with the user's line and the fix."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphc
+from graphc.passes.trace_build import trace_build
+from layouts import Pair, assert_same, declare, every_layout, train
+
+D_OUT = 4
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+def batches(n: int = 3, b: int = 8):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(b, 6, generator=g), torch.randn(b, D_OUT, generator=g)) for _ in range(n)]
+
+
+def accumulated(out, y):
+    """build()'s extra terms written with tensors made in build() and written in place."""
+    buf = torch.zeros(D_OUT)
+    buf.add_(out.mean(0))
+    idx = out.detach().argmax(-1)
+    counts = torch.zeros(D_OUT).scatter_add_(0, idx, out.pow(2).mean(-1) / out.shape[0])
+    return buf.pow(2).sum() + counts.sum()
+
+
+def l2(model):
+    return 1e-2 * sum(p.pow(2).sum() for p in model.parameters())
+
+
+def eager(make_model, bs, extra):
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in bs:
+        out = model(x)
+        loss = ((out - y) ** 2).mean() + extra(model, out, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class Trained(graphc.Graph):
+    def __init__(self, model, layout, extra, acc=1):
+        super().__init__()
+        self.model = model
+        self.extra = extra
+        declare(self, layout)
+        self.config.set_gradient_accumulation_steps(acc)
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def build(self, x, y):
+        out = self.model(x)
+        loss = ((out - y) ** 2).mean() + self.extra(self.model, out, y)
+        loss.backward()
+        return loss
+
+
+def graph_maker(extra, acc=1, make_model=Pair):
+    def make(layout):
+        torch.manual_seed(0)
+        return Trained(make_model(), layout, extra, acc)
+    return make
+
+
+@every_layout
+def test_tensor_made_in_build_written_in_place(layout):
+    """torch.zeros(n).add_(x) / .scatter_add_(...): a fresh tensor every step, as in eager."""
+    extra = lambda model, out, y: accumulated(out, y)  # noqa: E731
+    bs = batches()
+    assert_same(train(layout, graph_maker(extra), bs), eager(Pair, bs, extra), layout)
+
+
+def test_no_constant_written_in_place():
+    """The traced graph writes into no get_attr constant."""
+    graph = Trained(Pair(), "one", lambda model, out, y: accumulated(out, y))
+    gm = trace_build(graph._root, [torch.randn(8, 6), torch.randn(8, D_OUT)])
+    written = [n for n in gm.graph.nodes if n.op == "call_method" and n.target.endswith("_")
+               and n.target != "backward" and n.args[0].op == "get_attr"]
+    assert not written, [n.format_node() for n in written]
+
+
+@every_layout
+def test_l2_penalty_over_parameters(layout):
+    """sum(p.pow(2).sum() for p in model.parameters()): the parameters are graph values."""
+    extra = lambda model, out, y: l2(model)  # noqa: E731
+    bs = batches()
+    assert_same(train(layout, graph_maker(extra, acc=2), bs), eager(Pair, bs, extra), layout)
+
+
+def test_weight_norm_returned():
+    """A weight norm over named_parameters() returned from build() is this step's, not the trace's."""
+    class Logged(Trained):
+        def build(self, x, y):
+            loss = ((self.model(x) - y) ** 2).mean()
+            loss.backward()
+            with torch.no_grad():
+                norm = torch.stack([p.norm() for _, p in self.model.named_parameters()]).sum()
+            return loss, norm
+
+    torch.manual_seed(0)
+    model = Pair()
+    want = []
+    with torch.no_grad():
+        for x, y in batches():
+            want.append(sum(p.norm() for p in model.parameters()).item())
+            for p in model.parameters():  # the SGD step of the plain mse loss
+                p.grad = None
+            loss = ((model(x) - y) ** 2).mean()
+            with torch.enable_grad():
+                ((model(x) - y) ** 2).mean().backward()
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    torch.manual_seed(0)
+    graph = Logged(Pair(), "one", None)
+    got = [float(graph(x, y)[1].to_local()) for x, y in batches()]
+    assert got == pytest.approx(want, abs=1e-10), (got, want)
+    del loss
+
+
+class Counted(graphc.Graph):
+    def __init__(self):
+        super().__init__()
+        self.model = Pair()
+        self.step = 0
+
+    def build(self, x, y):
+        self.step += 1
+        return ((self.model(x) - y) ** 2).mean()
+
+
+class CountingPair(Pair):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+class Forward(graphc.Graph):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def build(self, x):
+        return self.model(x)
+
+
+def test_counter_in_build_refused():
+    x, y = batches(1)[0]
+    with pytest.raises(graphc.GraphcError) as e:
+        Counted()(x, y)
+    msg = str(e.value)
+    assert "'self.step' from 0 to 1" in msg and "test_side_effects.py" in msg, msg
+    assert "move `self.step += 1` out of build()" in msg, msg
+
+
+def test_counter_in_forward_refused():
+    x, _ = batches(1)[0]
+    with pytest.raises(graphc.GraphcError) as e:
+        Forward(CountingPair())(x)
+    msg = str(e.value)
+    assert "'model.calls' from 0 to 1" in msg and "move `self.calls += 1` out of build()" in msg, msg
+
+
+def test_eval_in_build_allowed():
+    """A write that does not read the old value (teacher.eval()) leaves the same state every call."""
+    class Evaluating(Forward):
+        def build(self, x):
+            self.model.eval()
+            return self.model(x)
+
+    model = nn.Sequential(nn.Linear(6, 4), nn.Dropout(0.5))
+    x, _ = batches(1)[0]
+    out = Evaluating(model)(x).to_local()
+    assert not model.training
+    torch.testing.assert_close(out, model(x), rtol=0, atol=1e-12)
+
+
+def test_ema_teacher_in_build_refused():
+    class Distilled(graphc.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = Pair()
+            self.teacher = Pair().requires_grad_(False)
+            self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.1))
+
+        def build(self, x, y):
+            loss = ((self.model(x) - self.teacher(x)) ** 2).mean()
+            loss.backward()
+            with torch.no_grad():
+                for p_t, p_s in zip(self.teacher.parameters(), self.model.parameters()):
+                    p_t.mul_(0.99).add_(p_s, alpha=0.01)
+            return loss
+
+    x, y = batches(1)[0]
+    with pytest.raises(graphc.GraphcError) as e:
+        Distilled()(x, y)
+    msg = str(e.value)
+    assert "parameter 'teacher.a.weight' in place (mul_)" in msg and "p_t.mul_(0.99)" in msg, msg
+    assert "update it after the graph call" in msg, msg

@@ -218,3 +218,29 @@ def test_ema_teacher_in_build_refused():
     msg = str(e.value)
     assert "parameter 'teacher.a.weight' in place (mul_)" in msg and "p_t.mul_(0.99)" in msg, msg
     assert "update it after the graph call" in msg, msg
+
+
+def test_traced_tensor_stored_on_the_graph_refused():
+    class Stored(Forward):
+        def build(self, x):
+            out = self.model(x)
+            self.last = out
+            return out
+
+    x, _ = batches(1)[0]
+    with pytest.raises(graphc.GraphcError) as e:
+        Stored(Pair())(x)
+    assert "stores a traced tensor in 'self.last'" in str(e.value) and "return loss, last" in str(e.value)
+
+
+def test_counter_with_accumulation_refused_on_the_first_trace():
+    class Accumulated(Counted):
+        def __init__(self):
+            super().__init__()
+            self.config.set_gradient_accumulation_steps(2)
+
+    x, y = batches(1)[0]
+    graph = Accumulated()
+    with pytest.raises(graphc.GraphcError, match="'self.step' from 0 to 1"):
+        graph(x, y)
+    assert graph.step == 0

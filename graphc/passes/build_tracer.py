@@ -209,7 +209,8 @@ class BuildTracer(fx.Tracer):
             written = written.args[0]
         if isinstance(written, fx.Node) and written.op == "get_attr":
             try:
-                self.trace_root.get_parameter(written.target)
+                with self.untraced():  # fx's patched getattr would give a proxy, not the Parameter
+                    self.trace_root.get_parameter(written.target)
             except AttributeError:
                 return
             where = deepest_user_frame(None, traceback.extract_stack())

@@ -10,6 +10,10 @@ Shapes are constants of the compiled graph: `x.size()`, `x.shape`, `x.dim()`, `l
 `torch.arange(t)` and `view(b, t, ...)` trace as the author wrote them. Only control flow
 on tensor *values* is refused. Tracing has no side effect on the user's modules: every
 op runs on fake tensors (BatchNorm's running statistics and counters stay untouched).
+Parameters reached any way are get_attr nodes, a tensor made in build() and written in
+place is a per-call copy (NOTE: Tensors outside the trace), and what would run per trace
+instead of per call (`self.step += 1`, an in-place write into a parameter) is refused
+(NOTE: Attribute writes).
 Requires: every module build() calls was assigned to the Graph in __init__.
 """
 from __future__ import annotations

@@ -10,8 +10,9 @@ same state after every call, so after the first: it is allowed. A write that cha
 value the trace read before (a read-modify-write: a counter, a running average kept in a
 Python number) is refused with the user's line and the fix: make the update outside
 build(), after the graph call. The Graph's own attributes count as the traced root's
-(build_root.py), and graphc's own bookkeeping on the root (fx's `_tensor_constant0`) is
-not a user's write.
+(build_root.py); a traced tensor stored on the Graph (`self.last = h`) would be a symbol
+of the trace, never a step's value: refused too, with the fix (return it). graphc's own
+bookkeeping on the root (fx's `_tensor_constant0`) is not a user's write.
 """
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ def check_attribute_write(tracer, module, name: str, value: Any) -> None:
     if not any(module is m for m in tracer._known_modules()):
         return  # a module made during the step (its __init__), not the user's state
     owner, where = _owner(tracer, module, name)
+    if module is tracer.trace_root and isinstance(value, fx.Proxy):
+        line = deepest_user_frame(None, traceback.extract_stack())
+        raise GraphcError(
+            f"build() stores a traced tensor in '{where}' at {line}: it would hold a symbol of "
+            "the trace, not each step's value (eager sets it on every call). Fix: return it from "
+            f"build() (`return loss, {name}`) and read it from the graph call's result.")
     old = owner.__dict__.get(name, MISSING) if hasattr(owner, "__dict__") else MISSING
     if old is MISSING or isinstance(value, fx.Proxy) or fingerprint(old) == fingerprint(value):
         return

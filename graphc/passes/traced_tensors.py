@@ -102,6 +102,9 @@ class TracedTensors(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if name.startswith("_foreach_") and name.endswith("_") and not self.tracer.running_fake:
+            for t in args[0] if args else ():  # torch._foreach_mul_(teacher_params, 0.99)
+                self._check_parameter_write(t, name)
         if self.tracer.running_fake or name == "__get__" or name == "__set__" or name in _QUESTIONS \
                 or (name.startswith("_") and name not in _OPERATORS and name not in _IN_PLACE_OPERATORS
                     and name != "__setitem__"):
@@ -150,7 +153,9 @@ class TracedTensors(TorchFunctionMode):
                     and id(t) not in self.params and id(t) not in self.buffers:
                 self.made[id(t)] = t  # kept alive while tracing: the id stays this tensor's
 
-    def _check_parameter_write(self, t: torch.Tensor, op: str) -> None:
+    def _check_parameter_write(self, t, op: str) -> None:
+        if not isinstance(t, torch.Tensor) or isinstance(t, (fx.Proxy, torch._subclasses.FakeTensor)):
+            return
         name = self.params[id(t)][0] if id(t) in self.params else self.param_storages.get(_storage(t))
         if name is not None:
             where = deepest_user_frame(None, traceback.extract_stack())

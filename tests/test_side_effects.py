@@ -244,3 +244,48 @@ def test_counter_with_accumulation_refused_on_the_first_trace():
     with pytest.raises(graphc.GraphcError, match="'self.step' from 0 to 1"):
         graph(x, y)
     assert graph.step == 0
+
+
+def test_counter_in_a_class_attribute_refused():
+    class ClassCounted(Forward):
+        calls = 0
+
+        def build(self, x):
+            self.calls += 1
+            return self.model(x)
+
+    x, _ = batches(1)[0]
+    with pytest.raises(graphc.GraphcError, match="'self.calls' from 0 to 1"):
+        ClassCounted(Pair())(x)
+
+
+def test_write_into_a_view_of_a_written_tensor_refused():
+    """buf[0] taken before buf's traced write would see it in eager: refused, naming both lines."""
+    class Viewed(Forward):
+        def build(self, x):
+            out = self.model(x)
+            buf = torch.zeros(2, D_OUT)
+            row = buf[0]
+            row.add_(out.mean(0))
+            return buf.sum()
+
+    x, _ = batches(1)[0]
+    with pytest.raises(graphc.GraphcError, match=r"shares memory with a tensor it wrote in place at .*row.add_"):
+        Viewed(Pair())(x)
+
+
+HELD = torch.zeros(D_OUT)
+
+
+def test_write_into_a_held_tensor_refused():
+    """A plain tensor (a global, an unregistered attribute) written in build() is state graphc
+    could not keep per call: refused, with the fix (a buffer)."""
+    class Held(Forward):
+        def build(self, x):
+            out = self.model(x)
+            HELD.add_(out.mean(0).detach())
+            return out
+
+    x, _ = batches(1)[0]
+    with pytest.raises(graphc.GraphcError, match=r"HELD.add_.*register_buffer"):
+        Held(Pair())(x)

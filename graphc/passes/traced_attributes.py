@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch.fx as fx
 
 from ..errors import GraphcError
-from ..guards import MISSING, current_log, fingerprint
+from ..guards import MISSING, class_value, current_log, fingerprint
 from .user_lines import deepest_user_frame
 
 
@@ -39,7 +39,7 @@ def check_attribute_write(tracer, module, name: str, value: Any) -> None:
             f"build() stores a traced tensor in '{where}' at {line}: it would hold a symbol of "
             "the trace, not each step's value (eager sets it on every call). Fix: return it from "
             f"build() (`return loss, {name}`) and read it from the graph call's result.")
-    old = owner.__dict__.get(name, MISSING) if hasattr(owner, "__dict__") else MISSING
+    old = _current(owner, name)
     if old is MISSING or isinstance(value, fx.Proxy) or fingerprint(old) == fingerprint(value):
         return
     log = current_log()
@@ -54,13 +54,22 @@ def check_attribute_write(tracer, module, name: str, value: Any) -> None:
         "after the graph call: `loss = graph(x, y); ...` followed by the update.")
 
 
+def _current(obj, name: str) -> Any:
+    """The value build() reads as obj.name, as the guards see it: the instance's, else a
+    plain class attribute (`calls = 0` in the class body)."""
+    if name in obj.__dict__:
+        return obj.__dict__[name]
+    value = getattr(type(obj), name, MISSING)
+    return value if value is not MISSING and class_value(obj, name, value) else MISSING
+
+
 def _owner(tracer, module, name: str):
     """The object that holds `name` (the Graph for the traced root's fallback attributes),
     and the name the user knows it by."""
     root = tracer.trace_root
     if module is root:
         graph = root.__dict__.get("_graphc_graph")
-        if graph is not None and name not in root.__dict__ and name in graph.__dict__:
+        if graph is not None and name not in root.__dict__ and _current(graph, name) is not MISSING:
             return graph, f"self.{name}"
         return module, f"self.{name}"
     holder = tracer.path_of_module(module)

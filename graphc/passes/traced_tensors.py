@@ -98,6 +98,7 @@ class TracedTensors(TorchFunctionMode):
         self.made: Dict[int, torch.Tensor] = {}     # id -> a real tensor an op made while tracing
         self.written: Dict[int, fx.Proxy] = {}      # id of such a tensor -> the node it now reads
         self.nodes: Dict[Tuple[str, bool], fx.Proxy] = {}
+        self.stale: Dict[int, str] = {}             # id of a view of a written tensor -> the write's line
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -112,6 +113,7 @@ class TracedTensors(TorchFunctionMode):
         written = writes_in_place(name) and args and isinstance(args[0], torch.Tensor)
         if written and not isinstance(args[0], fx.Proxy):
             self._check_parameter_write(args[0], name)
+            self._check_held_write(args[0], name)
         traced = fx.node.map_aggregate((tuple(args), kwargs), self._traced)
         if not _has_proxy(traced):
             out = func(*args, **kwargs)
@@ -120,6 +122,7 @@ class TracedTensors(TorchFunctionMode):
         targs, tkwargs = traced
         if written and id(args[0]) in self.made and id(args[0]) not in self.written:
             # the first traced write into a tensor made while tracing: into a per-call copy
+            self._note_stale_views(args[0])
             copy = self.tracer.create_proxy("call_method", "clone", (args[0],), {})
             targs = (copy,) + tuple(targs[1:])
         out = _record(func, name, targs, tkwargs)
@@ -130,6 +133,12 @@ class TracedTensors(TorchFunctionMode):
     def _traced(self, a):
         if not isinstance(a, torch.Tensor) or isinstance(a, (fx.Proxy, torch._subclasses.FakeTensor)):
             return a
+        if id(a) in self.stale:
+            raise GraphcError(
+                f"build() reads a tensor at {_user_line()} that shares memory with a tensor it "
+                f"wrote in place at {self.stale[id(a)]} (a view of it, or the tensor it is a view "
+                "of). In eager the read sees the write; graphc writes into a copy made on every "
+                "call. Fix: take the view after the write, or write into the tensor itself.")
         if id(a) in self.written:
             return self.written[id(a)]
         known = self.params.get(id(a)) or self.buffers.get(id(a))
@@ -153,13 +162,37 @@ class TracedTensors(TorchFunctionMode):
                     and id(t) not in self.params and id(t) not in self.buffers:
                 self.made[id(t)] = t  # kept alive while tracing: the id stays this tensor's
 
+    def _note_stale_views(self, t: torch.Tensor) -> None:
+        """Made tensors sharing t's memory would see its write in eager, not here: a later
+        read of one is refused."""
+        storage = _storage(t)
+        if storage is None:
+            return
+        where = _user_line()
+        for other in self.made.values():
+            if other is not t and id(other) not in self.written and _storage(other) == storage:
+                self.stale[id(other)] = where
+
+    def _check_held_write(self, t: torch.Tensor, op: str) -> None:
+        """A write into a tensor build() neither made nor owns as a parameter or buffer (a
+        plain tensor attribute, a global) would run per trace or per micro-batch, not per call."""
+        if isinstance(t, torch._subclasses.FakeTensor) or id(t) in self.made or id(t) in self.buffers \
+                or self.memory.get(_memory_key(t)) is not None:
+            return
+        raise GraphcError(
+            f"build() writes in place ({_IN_PLACE_OPERATORS.get(op, op)}) into a tensor of shape "
+            f"{list(t.shape)} that it did not make and that is no parameter or buffer of the "
+            f"Graph's modules (a plain tensor attribute, a global) at {_user_line()}. graphc "
+            "records build() once, so the write would not happen once per call as in eager. "
+            "Fix: register it as a buffer of a module assigned to the Graph "
+            "(module.register_buffer('name', t)), or update it outside build().")
+
     def _check_parameter_write(self, t, op: str) -> None:
         if not isinstance(t, torch.Tensor) or isinstance(t, (fx.Proxy, torch._subclasses.FakeTensor)):
             return
         name = self.params[id(t)][0] if id(t) in self.params else self.param_storages.get(_storage(t))
         if name is not None:
-            where = deepest_user_frame(None, traceback.extract_stack())
-            raise refuse_parameter_write(name, _IN_PLACE_OPERATORS.get(op, op), where)
+            raise refuse_parameter_write(name, _IN_PLACE_OPERATORS.get(op, op), _user_line())
 
 
 def _record(func, name: str, args, kwargs):
@@ -173,6 +206,10 @@ def _record(func, name: str, args, kwargs):
         return _OPERATORS[name](*args)
     proxy = next(p for p in _proxies((args, kwargs)))
     return type(proxy).__torch_function__(func, (type(proxy),), args, kwargs)
+
+
+def _user_line() -> str:
+    return deepest_user_frame(None, traceback.extract_stack())
 
 
 def _proxies(tree):

@@ -105,34 +105,33 @@ def test_l2_penalty_over_parameters(layout):
     assert_same(train(layout, graph_maker(extra, acc=2), bs), eager(Pair, bs, extra), layout)
 
 
-def test_weight_norm_returned():
-    """A weight norm over named_parameters() returned from build() is this step's, not the trace's."""
-    class Logged(Trained):
-        def build(self, x, y):
-            loss = ((self.model(x) - y) ** 2).mean()
-            loss.backward()
-            with torch.no_grad():
-                norm = torch.stack([p.norm() for _, p in self.model.named_parameters()]).sum()
-            return loss, norm
+class Logged(Trained):
+    def build(self, x, y):
+        loss = ((self.model(x) - y) ** 2).mean()
+        loss.backward()
+        with torch.no_grad():
+            norm = torch.stack([p.norm() for _, p in self.model.named_parameters()]).sum()
+        return norm, loss
 
+
+@every_layout
+def test_weight_norm_returned(layout):
+    """A weight norm over named_parameters() returned from build() is this step's, not the trace's."""
     torch.manual_seed(0)
     model = Pair()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     want = []
-    with torch.no_grad():
-        for x, y in batches():
-            want.append(sum(p.norm() for p in model.parameters()).item())
-            for p in model.parameters():  # the SGD step of the plain mse loss
-                p.grad = None
-            loss = ((model(x) - y) ** 2).mean()
-            with torch.enable_grad():
-                ((model(x) - y) ** 2).mean().backward()
-            for p in model.parameters():
-                p -= 0.1 * p.grad
-    torch.manual_seed(0)
-    graph = Logged(Pair(), "one", None)
-    got = [float(graph(x, y)[1].to_local()) for x, y in batches()]
+    for x, y in batches():
+        want.append(sum(p.norm() for p in model.parameters()).item())
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+    def make(layout):
+        torch.manual_seed(0)
+        return Logged(Pair(), layout, None, acc=2)
+    got, _ = train(layout, make, batches())  # the first scalar output: the norm
     assert got == pytest.approx(want, abs=1e-10), (got, want)
-    del loss
 
 
 class Counted(graphc.Graph):

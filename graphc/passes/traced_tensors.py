@@ -120,6 +120,13 @@ class TracedTensors(TorchFunctionMode):
             self._note_made(out)
             return out
         targs, tkwargs = traced
+        out_arg = kwargs.get("out")
+        if isinstance(out_arg, torch.Tensor) and not isinstance(out_arg, fx.Proxy):
+            raise GraphcError(
+                f"build() calls {name}(..., out=...) with traced inputs at {_user_line()}: the "
+                "result would be written into a tensor held outside the graph, once per "
+                f"micro-batch, not into the variable on every call. Fix: assign the result "
+                f"(`buf = torch.{name}(...)`).")
         if written and id(args[0]) in self.made and id(args[0]) not in self.written:
             # the first traced write into a tensor made while tracing: into a per-call copy
             self._note_stale_views(args[0])

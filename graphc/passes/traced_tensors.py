@@ -95,6 +95,7 @@ class TracedTensors(TorchFunctionMode):
         self.memory = {_memory_key(t): n for n, t in list(root.named_parameters()) + list(root.named_buffers())
                        if _memory_key(t) is not None}
         self.param_storages = {_storage(p): n for n, p in root.named_parameters() if _storage(p) is not None}
+        self.owned_storages = set(self.param_storages) | {_storage(b) for b in root.buffers()}
         self.made: Dict[int, torch.Tensor] = {}     # id -> a real tensor an op made while tracing
         self.written: Dict[int, fx.Proxy] = {}      # id of such a tensor -> the node it now reads
         self.nodes: Dict[Tuple[str, bool], fx.Proxy] = {}
@@ -106,10 +107,14 @@ class TracedTensors(TorchFunctionMode):
         if name.startswith("_foreach_") and name.endswith("_") and not self.tracer.running_fake:
             for t in args[0] if args else ():  # torch._foreach_mul_(teacher_params, 0.99)
                 self._check_parameter_write(t, name)
-        if self.tracer.running_fake or name == "__get__" or name == "__set__" or name in _QUESTIONS \
+        if self.tracer.running_fake:
+            return func(*args, **kwargs)
+        if name == "__get__" or name == "__set__" or name in _QUESTIONS \
                 or (name.startswith("_") and name not in _OPERATORS and name not in _IN_PLACE_OPERATORS
                     and name != "__setitem__"):
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)  # not recorded: a question, a property, torch's internals
+            self._note_made(out)
+            return out
         written = writes_in_place(name) and args and isinstance(args[0], torch.Tensor)
         if written and not isinstance(args[0], fx.Proxy):
             self._check_parameter_write(args[0], name)
@@ -165,8 +170,8 @@ class TracedTensors(TorchFunctionMode):
 
     def _note_made(self, out) -> None:
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor) \
-                    and id(t) not in self.params and id(t) not in self.buffers:
+            if isinstance(t, torch.Tensor) and not isinstance(t, (fx.Proxy, torch._subclasses.FakeTensor)) \
+                    and _storage(t) not in self.owned_storages:  # a view of a parameter is not made here
                 self.made[id(t)] = t  # kept alive while tracing: the id stays this tensor's
 
     def _note_stale_views(self, t: torch.Tensor) -> None:

@@ -99,7 +99,7 @@ class TracedTensors(TorchFunctionMode):
         self.made: Dict[int, torch.Tensor] = {}     # id -> a real tensor an op made while tracing
         self.written: Dict[int, fx.Proxy] = {}      # id of such a tensor -> the node it now reads
         self.nodes: Dict[Tuple[str, bool], fx.Proxy] = {}
-        self.stale: Dict[int, str] = {}             # id of a view of a written tensor -> the write's line
+        self.stale: Dict[int, Tuple[str, int]] = {}  # id of a tensor sharing a written one's memory -> (the write's line, its id)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -115,6 +115,9 @@ class TracedTensors(TorchFunctionMode):
             out = func(*args, **kwargs)  # not recorded: a question, a property, torch's internals
             self._note_made(out)
             return out
+        if name == "__setitem__" and id(args[0]) in self.stale and len(args) == 3 \
+                and args[2] is self.written.get(self.stale[id(args[0])][1]):
+            del self.stale[id(args[0])]  # `buf[i] += v`: the written view, stored back whole
         written = writes_in_place(name) and args and isinstance(args[0], torch.Tensor)
         if written and not isinstance(args[0], fx.Proxy):
             self._check_parameter_write(args[0], name)
@@ -148,7 +151,7 @@ class TracedTensors(TorchFunctionMode):
         if id(a) in self.stale:
             raise GraphcError(
                 f"build() reads a tensor at {_user_line()} that shares memory with a tensor it "
-                f"wrote in place at {self.stale[id(a)]} (a view of it, or the tensor it is a view "
+                f"wrote in place at {self.stale[id(a)][0]} (a view of it, or the tensor it is a view "
                 "of). In eager the read sees the write; graphc writes into a copy made on every "
                 "call. Fix: take the view after the write, or write into the tensor itself.")
         if id(a) in self.written:
@@ -183,7 +186,7 @@ class TracedTensors(TorchFunctionMode):
         where = _user_line()
         for other in self.made.values():
             if other is not t and id(other) not in self.written and _storage(other) == storage:
-                self.stale[id(other)] = where
+                self.stale[id(other)] = (where, id(t))
 
     def _check_held_write(self, t: torch.Tensor, op: str) -> None:
         """A write into a tensor build() neither made nor owns as a parameter or buffer (a

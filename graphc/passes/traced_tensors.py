@@ -104,37 +104,24 @@ class TracedTensors(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name.startswith("_foreach_") and name.endswith("_") and not self.tracer.running_fake:
-            for t in args[0] if args else ():  # torch._foreach_mul_(teacher_params, 0.99)
-                self._check_parameter_write(t, name)
-        if self.tracer.running_fake:
+        if self.tracer.running_fake:  # graphc's own work on fakes
             return func(*args, **kwargs)
-        if name == "__get__" or name == "__set__" or name in _QUESTIONS \
-                or (name.startswith("_") and name not in _OPERATORS and name not in _IN_PLACE_OPERATORS
-                    and name != "__setitem__"):
-            out = func(*args, **kwargs)  # not recorded: a question, a property, torch's internals
-            self._note_made(out)
-            return out
-        if name == "__setitem__" and id(args[0]) in self.stale and len(args) == 3 \
-                and args[2] is self.written.get(self.stale[id(args[0])][1]):
-            del self.stale[id(args[0])]  # `buf[i] += v`: the written view, stored back whole
-        written = writes_in_place(name) and args and isinstance(args[0], torch.Tensor)
-        if written and not isinstance(args[0], fx.Proxy):
+        if _untraced(name):  # a question, a property, torch's internals: run as they are
+            if name.startswith("_foreach_") and name.endswith("_") and args:
+                for t in args[0]:  # torch._foreach_mul_(teacher_params, 0.99)
+                    self._check_parameter_write(t, name)
+            return self._made_by(func, args, kwargs)
+        if name == "__setitem__":
+            self._stored_back(args)
+        written = writes_in_place(name) and args and isinstance(args[0], torch.Tensor) \
+            and not isinstance(args[0], fx.Proxy)
+        if written:
             self._check_parameter_write(args[0], name)
             self._check_held_write(args[0], name)
-        traced = fx.node.map_aggregate((tuple(args), kwargs), self._traced)
-        if not _has_proxy(traced):
-            out = func(*args, **kwargs)
-            self._note_made(out)
-            return out
-        targs, tkwargs = traced
-        out_arg = kwargs.get("out")
-        if isinstance(out_arg, torch.Tensor) and not isinstance(out_arg, fx.Proxy):
-            raise GraphcError(
-                f"build() calls {name}(..., out=...) with traced inputs at {_user_line()}: the "
-                "result would be written into a tensor held outside the graph, once per "
-                f"micro-batch, not into the variable on every call. Fix: assign the result "
-                f"(`buf = torch.{name}(...)`).")
+        targs, tkwargs = fx.node.map_aggregate((tuple(args), kwargs), self._traced)
+        if not _has_proxy((targs, tkwargs)):
+            return self._made_by(func, args, kwargs)
+        _check_out(name, kwargs)
         if written and id(args[0]) in self.made and id(args[0]) not in self.written:
             # the first traced write into a tensor made while tracing: into a per-call copy
             self._note_stale_views(args[0])
@@ -144,6 +131,18 @@ class TracedTensors(TorchFunctionMode):
         if written and id(args[0]) in self.made:
             self.written[id(args[0])] = targs[0] if name == "__setitem__" else out
         return out
+
+    def _made_by(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        self._note_made(out)
+        return out
+
+    def _stored_back(self, args) -> None:
+        """`buf[i] += v` writes into the view buf[i], then stores it back into buf whole: buf
+        is not a stale read then."""
+        stale = self.stale.get(id(args[0]))
+        if stale is not None and len(args) == 3 and args[2] is self.written.get(stale[1]):
+            del self.stale[id(args[0])]
 
     def _traced(self, a):
         if not isinstance(a, torch.Tensor) or isinstance(a, (fx.Proxy, torch._subclasses.FakeTensor)):
@@ -208,6 +207,23 @@ class TracedTensors(TorchFunctionMode):
         name = self.params[id(t)][0] if id(t) in self.params else self.param_storages.get(_storage(t))
         if name is not None:
             raise refuse_parameter_write(name, _IN_PLACE_OPERATORS.get(op, op), _user_line())
+
+
+def _untraced(name: str) -> bool:
+    if name in ("__get__", "__set__") or name in _QUESTIONS:
+        return True
+    return name.startswith("_") and name not in _OPERATORS and name not in _IN_PLACE_OPERATORS \
+        and name != "__setitem__"
+
+
+def _check_out(name: str, kwargs) -> None:
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor) and not isinstance(out, fx.Proxy):
+        raise GraphcError(
+            f"build() calls {name}(..., out=...) with traced inputs at {_user_line()}: the "
+            "result would be written into a tensor held outside the graph, once per "
+            "micro-batch, not into the variable on every call. Fix: assign the result "
+            f"(`buf = torch.{name}(...)`).")
 
 
 def _record(func, name: str, args, kwargs):

@@ -198,28 +198,61 @@ def test_eval_in_build_allowed():
     torch.testing.assert_close(out, model(x), rtol=0, atol=1e-12)
 
 
-def test_ema_teacher_in_build_refused():
+def _ema_mul(teacher, student):
+    for p_t, p_s in zip(teacher.parameters(), student.parameters()):
+        p_t.mul_(0.99).add_(p_s, alpha=0.01)
+
+
+def _ema_attribute(teacher, student):
+    teacher.a.weight.mul_(0.99)
+
+
+def _ema_data(teacher, student):
+    for p_t, p_s in zip(teacher.parameters(), student.parameters()):
+        p_t.data.mul_(0.99)
+
+
+def _ema_data_assigned(teacher, student):
+    for p_t, p_s in zip(teacher.parameters(), student.parameters()):
+        p_t.data = 0.99 * p_t.data + 0.01 * p_s.data
+
+
+def _ema_foreach(teacher, student):
+    torch._foreach_mul_(list(teacher.parameters()), 0.99)
+
+
+@pytest.mark.parametrize("update, op, line", [
+    (_ema_mul, "mul_", "p_t.mul_(0.99)"), (_ema_attribute, "mul_", "teacher.a.weight.mul_(0.99)"),
+    (_ema_data, "mul_", "p_t.data.mul_(0.99)"), (_ema_data_assigned, ".data =", "p_t.data = 0.99"),
+    (_ema_foreach, "_foreach_mul_", "torch._foreach_mul_")])
+def test_ema_teacher_in_build_refused(update, op, line):
+    """An EMA teacher updated in build() under no_grad would move per micro-batch or per
+    trace, never once per step: refused, naming the parameter, the line and the fix."""
     class Distilled(graphc.Graph):
         def __init__(self):
             super().__init__()
             self.model = Pair()
             self.teacher = Pair().requires_grad_(False)
+            self.config.set_gradient_accumulation_steps(2)
             self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.1))
 
         def build(self, x, y):
             loss = ((self.model(x) - self.teacher(x)) ** 2).mean()
             loss.backward()
             with torch.no_grad():
-                for p_t, p_s in zip(self.teacher.parameters(), self.model.parameters()):
-                    p_t.mul_(0.99).add_(p_s, alpha=0.01)
+                update(self.teacher, self.model)
             return loss
 
     x, y = batches(1)[0]
+    graph = Distilled()
+    before = {k: v.clone() for k, v in graph.teacher.state_dict().items()}
     with pytest.raises(graphc.GraphcError) as e:
-        Distilled()(x, y)
+        graph(x, y)
     msg = str(e.value)
-    assert "parameter 'teacher.a.weight' in place (mul_)" in msg and "p_t.mul_(0.99)" in msg, msg
+    assert f"parameter 'teacher.a.weight' in place ({op})" in msg and line in msg, msg
     assert "update it after the graph call" in msg, msg
+    for k, v in graph.teacher.state_dict().items():  # nothing ran while tracing
+        assert torch.equal(v, before[k]), k
 
 
 def test_traced_tensor_stored_on_the_graph_refused():

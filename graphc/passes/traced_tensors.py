@@ -110,6 +110,8 @@ class TracedTensors(TorchFunctionMode):
             if name.startswith("_foreach_") and name.endswith("_") and args:
                 for t in args[0]:  # torch._foreach_mul_(teacher_params, 0.99)
                     self._check_parameter_write(t, name)
+            if name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data" and args:
+                self._check_parameter_write(args[0], ".data =")  # p_t.data = 0.99 * p_t.data + ...
             return self._made_by(func, args, kwargs)
         if name == "__setitem__":
             self._stored_back(args)

@@ -91,6 +91,23 @@ def test_tensor_made_in_build_written_in_place(layout):
     assert_same(train(layout, graph_maker(extra), bs), eager(Pair, bs, extra), layout)
 
 
+def expert_load(model, out, y):
+    """A mixture-of-experts load-balancing loss as DeepSeek's gate writes it: expert counts
+    scattered into torch.zeros(batch, experts) with the batch size read off the shape."""
+    rows, experts = out.shape
+    scores = out.softmax(-1)
+    top = torch.topk(scores, 2, dim=-1).indices
+    counts = torch.zeros(rows, experts)
+    counts.scatter_add_(1, top, torch.ones(rows, 2)).div_(2 / experts)
+    return (counts * scores).sum(1).mean()
+
+
+@every_layout
+def test_expert_load_loss(layout):
+    bs = batches()
+    assert_same(train(layout, graph_maker(expert_load, acc=2), bs), eager(Pair, bs, expert_load), layout)
+
+
 def test_no_constant_written_in_place():
     """The traced graph writes into no get_attr constant."""
     graph = Trained(Pair(), "one", lambda model, out, y: accumulated(out, y))

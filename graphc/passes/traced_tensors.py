@@ -256,8 +256,8 @@ def _has_proxy(tree) -> bool:
 
 
 def _memory_key(t: torch.Tensor) -> Optional[tuple]:
-    if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor):
-        return None
+    if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor) or not t.data_ptr():
+        return None  # no memory to share (an empty tensor's pointer is 0)
     return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)
 
 

@@ -109,11 +109,11 @@ class BuildTracer(fx.Tracer):
     def call_module(self, m, forward, args, kwargs):
         if self.running_fake:
             return forward(*args, **kwargs)
-        if not any(m is sub for sub in self._known_modules()):
+        if not any(m is sub for sub in self.known_modules()):
             return self._call_unowned(m, forward, args, kwargs)
         return super().call_module(m, forward, args, kwargs)
 
-    def _known_modules(self):
+    def known_modules(self):
         if self._modules_seen is None:
             self._modules_seen = [sub for _, sub in self.trace_root.named_modules(remove_duplicate=False)]
         return self._modules_seen

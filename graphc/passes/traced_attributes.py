@@ -30,7 +30,7 @@ def check_attribute_write(tracer, module, name: str, value: Any) -> None:
     """Refuses `module.name = value` while tracing when it changes a value the trace read."""
     if name == "training" or name.startswith("_tensor_constant") or tracer.running_fake:
         return
-    if not any(module is m for m in tracer._known_modules()):
+    if not any(module is m for m in tracer.known_modules()):
         return  # a module made during the step (its __init__), not the user's state
     owner, where = _owner(tracer, module, name)
     if module is tracer.trace_root and isinstance(value, fx.Proxy):

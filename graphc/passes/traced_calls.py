@@ -1,7 +1,8 @@
 """The calls build() makes that tracing answers itself, patched while trace_build traces
 (`patched_calls`): isinstance on a traced value (NOTE: isinstance while tracing), custom
 autograd Functions (kept as opaque calls), torch's random factories (recorded as nodes,
-drawn on every step), `module.buf = value` in a forward (recorded as ops.buffers.assign_buffer),
+drawn on every step), `module.buf = value` in a forward (recorded as ops.buffers.assign_buffer;
+other attribute writes are checked, NOTE: Attribute writes in traced_attributes.py),
 and the calls build() may not make (clip_grad_norm_, GradScaler, Python's random: refused,
 naming the user's line and the fix)."""
 from __future__ import annotations

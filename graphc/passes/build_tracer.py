@@ -4,6 +4,7 @@ len(x), x.dtype) from those values, so they are constants of the compiled graph 
 trace_build's docstring). The fakes live in node.meta[FAKE] until tracing ends."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import traceback
@@ -18,6 +19,7 @@ from ..guards import frames_unobserved
 from ..meta import META_AUTOCAST, META_GRAD_ENABLED
 from ..ops.autocast import autocast_state
 from .traced_hooks import check_backward_hooks, has_forward_hooks, run_forward_hooks, without_forward_hooks
+from .traced_tensors import refuse_parameter_write, writes_in_place
 from .traced_writes import write_item
 from .unsupported_modules import check_runnable_module, check_traceable_module
 from .user_lines import GRAPHC_DIR, TORCH_DIR, caller_line, deepest_user_frame
@@ -115,7 +117,7 @@ class BuildTracer(fx.Tracer):
         if self.running_fake:
             return forward(*args, **kwargs)
         check_traceable_module(m, self._name_of(m), self.source_file)  # torch.compile'd modules
-        if not any(m is sub for sub in self._known_modules()):
+        if not any(m is sub for sub in self.known_modules()):
             return self._call_unowned(m, forward, args, kwargs)
         path = self.path_of_module(m)
         check_backward_hooks(m, path, caller_line(self.source_file))
@@ -137,7 +139,7 @@ class BuildTracer(fx.Tracer):
         finally:
             self._hooks_traced = None
 
-    def _known_modules(self):
+    def known_modules(self):
         if self._modules_seen is None:
             self._modules_seen = [sub for _, sub in self.trace_root.named_modules(remove_duplicate=False)]
         return self._modules_seen
@@ -166,7 +168,17 @@ class BuildTracer(fx.Tracer):
     # -- fake values ------------------------------------------------------------------
     def fake_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """The fake of a real tensor; the same real tensor (a tied weight) gives the same fake."""
-        return self.fake_mode.from_tensor(t, static_shapes=True)
+        with self.untraced():
+            return self.fake_mode.from_tensor(t, static_shapes=True)
+
+    @contextlib.contextmanager
+    def untraced(self):
+        """graphc's own work on values while tracing: nothing in it is recorded (running_fake)."""
+        before, self.running_fake = self.running_fake, True
+        try:
+            yield
+        finally:
+            self.running_fake = before
 
     def node_fake(self, node: fx.Node):
         """The value of `node` while tracing, None where unknown."""
@@ -204,6 +216,8 @@ class BuildTracer(fx.Tracer):
             return proxy
         if kind == "call_method" and target == "backward":
             return proxy
+        if kind == "call_method" and writes_in_place(target) and args:
+            self._check_parameter_write(node, target)
         try:
             node.meta[FAKE] = self._run_fake(kind, target, args, kwargs)
         except GraphcError:
@@ -214,10 +228,27 @@ class BuildTracer(fx.Tracer):
             self.failed[node.name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return proxy
 
+    def _check_parameter_write(self, node: fx.Node, op: str) -> None:
+        """A write into a parameter (`model.w.mul_(0.9)`, also through `.data` or detach) is
+        refused (NOTE: Tensors outside the trace)."""
+        written = node.args[0]
+        while isinstance(written, fx.Node) and (
+                (written.op == "call_method" and written.target == "detach")
+                or (written.op == "call_function" and written.target is getattr and written.args[1] == "data")):
+            written = written.args[0]
+        if isinstance(written, fx.Node) and written.op == "get_attr":
+            try:
+                with self.untraced():  # fx's patched getattr would give a proxy, not the Parameter
+                    self.trace_root.get_parameter(written.target)
+            except AttributeError:
+                return
+            where = deepest_user_frame(None, traceback.extract_stack())
+            raise refuse_parameter_write(written.target, op, where)
+
     def _run_fake(self, kind, target, args, kwargs):
         fargs = fx.node.map_aggregate(args, self._fake_arg)
         fkwargs = fx.node.map_aggregate(kwargs, self._fake_arg)
-        with self.fake_mode, frames_unobserved():
+        with self.untraced(), self.fake_mode, frames_unobserved():
             if kind == "call_function":
                 return target(*fargs, **fkwargs)
             if kind == "call_method":

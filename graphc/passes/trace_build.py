@@ -10,6 +10,10 @@ Shapes are constants of the compiled graph: `x.size()`, `x.shape`, `x.dim()`, `l
 `torch.arange(t)` and `view(b, t, ...)` trace as the author wrote them. Only control flow
 on tensor *values* is refused. Tracing has no side effect on the user's modules: every
 op runs on fake tensors (BatchNorm's running statistics and counters stay untouched).
+Parameters reached any way are get_attr nodes, a tensor made in build() and written in
+place is a per-call copy (NOTE: Tensors outside the trace), and what would run per trace
+instead of per call (`self.step += 1`, an in-place write into a parameter) is refused
+(NOTE: Attribute writes).
 Requires: every module build() calls was assigned to the Graph in __init__.
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ from .build_tracer import FAKE, BuildTracer
 from .traced_calls import patched_calls
 from .traced_checkpoint import traced_checkpoints
 from .traced_hooks import check_global_hooks, install_modules
+from .traced_tensors import traced_tensors
 from .traced_writes import check_item_writes
 from .user_lines import node_line, traceback_line
 
@@ -57,7 +62,8 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
     with _traced_root(root, len(example_inputs), outputs), patched_calls(tracer, source_file), \
             traced_checkpoints(tracer):  # torch.utils.checkpoint traces as its function
         try:
-            with torch.autocast(*autocast) if autocast else contextlib.nullcontext(), traced_frames():
+            with torch.autocast(*autocast) if autocast else contextlib.nullcontext(), \
+                    traced_tensors(tracer), traced_frames():  # NOTE: Tensors outside the trace
                 g = tracer.trace(root)   # what its frames read is guarded (NOTE: Frame reads)
         except GraphcError:
             raise

@@ -1,7 +1,8 @@
 """The calls build() makes that tracing answers itself, patched while trace_build traces
 (`patched_calls`): isinstance on a traced value (NOTE: isinstance while tracing), custom
 autograd Functions (kept as opaque calls), torch's random factories (recorded as nodes,
-drawn on every step), `module.buf = value` in a forward (recorded as ops.buffers.assign_buffer),
+drawn on every step), `module.buf = value` in a forward (recorded as ops.buffers.assign_buffer;
+other attribute writes are checked, NOTE: Attribute writes in traced_attributes.py),
 and the calls build() may not make (clip_grad_norm_, GradScaler, Python's random: refused,
 naming the user's line and the fix)."""
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.modules.transformer as transformer_layers
 from ..errors import GraphcError
 from ..ops.buffers import assign_buffer
 from .build_tracer import FAKE, BuildTracer, ShapeProxy
+from .traced_attributes import check_attribute_write
 from .user_lines import caller_line
 
 # calls that must not happen inside build(): they act on real gradients the trace never has
@@ -104,6 +106,7 @@ def patched_calls(tracer: BuildTracer, source_file: Optional[str]):
         buffers = module.__dict__.get("_buffers")
         if isinstance(value, fx.Proxy) and buffers is not None and name in buffers:
             return _assign_buffer(tracer, source_file, module, name, value)
+        check_attribute_write(tracer, module, name, value)  # NOTE: Attribute writes
         return original_setattr(module, name, value)
 
     def recorded(name, fn):

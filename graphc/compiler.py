@@ -63,7 +63,7 @@ from .passes.propagate_shapes import propagate_shapes
 from .passes.seed_random_ops import seed_random_ops
 from .passes.split_inputs import split_inputs
 from .passes.split_stages import split_stages
-from .passes.trace_build import trace_build
+from .passes.trace_build import TraceText, trace_build, traced_text
 from .passes.verify_graph import verify_annotated, verify_traced, warn_unused_parameters
 from .passes.verify_meta import MetaVerifier, graphs_in
 from .placement import Layout
@@ -125,6 +125,7 @@ class CompiledGraph:
     history: List[PassRecord] = field(default_factory=list)
     meshes: List[tuple] = field(default_factory=list)  # per stage: placement ranks (2-D nested)
     guards: GuardSet = field(default_factory=GuardSet)  # the Python values it was built from (NOTE: Guards)
+    trace: Optional["TraceText"] = None  # build()'s traced graph as text (NOTE: Retrace check)
 
     def plan_for(self, rank: int) -> ExecutionPlan:
         return self.plans[rank]
@@ -168,18 +169,9 @@ def _step(run: _Compilation, name: str, fn: Callable, *args) -> Any:
     return out
 
 
-def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
-            input_layouts: Sequence = ()) -> CompiledGraph:
-    """Compiles the spec's build() for every rank of a world of `world_size`.
-
-    spec: a CompileSpec, or a Graph (its _compile_spec(), config.compile_spec, is taken here).
-    input_layouts: per input, None (broadcast) or the Layout of a GlobalTensor input (a
-    (placement, sbp) pair is read as one).
-    """
-    if not isinstance(spec, CompileSpec):
-        spec = spec._compile_spec()
-    input_layouts = [Layout.of(layout) for layout in input_layouts]
-    run = _Compilation()
+def _declare_and_trace(run: _Compilation, spec, example_inputs, world_size: int, input_layouts):
+    """compile()'s first phases: the stages and layouts declared, build() traced (its graph for
+    one micro-batch, after the whole batch's where accumulation splits inputs)."""
     m = spec.gradient_accumulation_steps
 
     # ** declare: what the user wrote down, checked before anything is traced
@@ -204,6 +196,31 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     # the graph every later pass annotates, traced for one micro-batch's shapes
     gm = _step(run, "trace_build", trace_build, spec.root, example_inputs, m, batched,
                spec.name, spec.source_file, traced_autocast(stages, spec.amp_dtype))
+    return stages, stage_of_module, declared, gm
+
+
+def retrace(spec: CompileSpec, example_inputs: Sequence[torch.Tensor], world_size: int,
+            input_layouts: Sequence = ()) -> "TraceText":
+    """build() traced again as compile() traced it, as text (NOTE: Retrace check)."""
+    layouts = [Layout.of(layout) for layout in input_layouts]
+    return traced_text(_declare_and_trace(_Compilation(), spec, example_inputs, world_size, layouts)[3])
+
+
+def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
+            input_layouts: Sequence = ()) -> CompiledGraph:
+    """Compiles the spec's build() for every rank of a world of `world_size`.
+
+    spec: a CompileSpec, or a Graph (its _compile_spec(), config.compile_spec, is taken here).
+    input_layouts: per input, None (broadcast) or the Layout of a GlobalTensor input (a
+    (placement, sbp) pair is read as one).
+    """
+    if not isinstance(spec, CompileSpec):
+        spec = spec._compile_spec()
+    input_layouts = [Layout.of(layout) for layout in input_layouts]
+    run = _Compilation()
+    m = spec.gradient_accumulation_steps
+    stages, stage_of_module, declared, gm = _declare_and_trace(run, spec, example_inputs, world_size, input_layouts)
+    trace = traced_text(gm)   # what GRAPHC_RETRACE compares (NOTE: Retrace check)
     gm.meta[META_DECLARED] = declared   # the passes read them off the graph they annotate
     # reject what a static graph cannot hold (host syncs, several backward()) before placing it
     _step(run, "verify_traced", verify_traced, gm)
@@ -293,6 +310,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
 
     input_meta = [(tuple(t.shape), t.dtype) for t in example_inputs]
     compiled = CompiledGraph(gm, stages, programs, plans, training, m, input_meta, run.history, meshes)
+    compiled.trace = trace
     if debug_level() >= 1:
         total = sum(r.seconds for r in run.history)
         _log.info("compiled %s: %d stage(s), %d micro-batch(es), schedule=%s, %s, %.0f ms",

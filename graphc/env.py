@@ -131,6 +131,10 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     _choice("GRAPHC_P2P", "auto", ("auto", "shm", "gloo"), "auto: shared memory where it can",
             "the transport of cpu channels (graphc/runtime/comm.py): auto is shared memory "
             "between ranks of one host, gloo elsewhere"),
+    _choice("GRAPHC_RETRACE", "0", ("0", "1"), "0: off",
+            "1 traces build() again on every call and compares it with the plan in use: a "
+            "difference is a Python value the guards missed, a GraphcError naming it "
+            "(graphc/executable.py, NOTE: Retrace check)"),
     _int("GRAPHC_SHM_MAX_MB", 1024, 1, "MiB", "the largest shared-memory ring of one channel"),
     Variable("GRAPHC_TRACE", "", "0, 1, or a file path", "1 records each step's events "
              "(graph.last_stats.events); a path also writes the merged Chrome trace "

@@ -179,6 +179,24 @@ class Executable:
         check_input_placements(compiled, specs)
         return cls(compiled)
 
+    def retrace(self, spec: compiler.CompileSpec, specs: Sequence[InputSpec], tree: Optional[InputTree],
+                name: str) -> None:
+        """GRAPHC_RETRACE=1 (NOTE: Retrace check): build() traced again for this call, under the
+        contexts it was compiled in; a graph other than the plan's is a GraphcError naming the
+        first node that differs, the value a guard should have seen."""
+        world = len(self.compiled.plans)
+        with traced_tree(spec.root, tree), stored_in(spec.root, spec.param_dtype):
+            now = compiler.retrace(spec, [s.example() for s in specs], world, [s.layout for s in specs])
+        found = self.compiled.trace.first_difference(now) if self.compiled.trace is not None else None
+        if found is not None:
+            where, was, new = found
+            raise GraphcError(
+                f"GRAPHC_RETRACE: {name}.build() traced for this call differs from the plan in use, "
+                f"whose guards all hold: a Python value build() reads changed where no guard sees "
+                f"it. First difference at {where}\n  plan: {was}\n  now:  {new}\n"
+                "Fix: pass the value as a tensor input or keep it constant between calls, and "
+                "report the path to graphc (it is a missing guard).")
+
     def device(self, rank: int) -> torch.device:
         """Where this rank's stages run (the CPU on a rank without a stage)."""
         local = self.compiled.plan_for(rank).local_stages

@@ -6,7 +6,7 @@ from typing import Any, Dict, List
 import torch
 import torch.nn as nn
 
-from . import check_mode, compiler, plan_mode, world
+from . import check_mode, compiler, env, plan_mode, world
 from .amp import checked_scaler
 from .block import ModuleBlock
 from .build_root import BuildRoot
@@ -238,6 +238,9 @@ class Graph:
             self._state.compiled = exe.compiled
             self._start(exe, new_state=False)
             self._cache.add(key, exe, failures)
+        elif env.read("GRAPHC_RETRACE") == "1":   # the guards' oracle (NOTE: Retrace check)
+            with whole_parameters(self._root.parameters()), self._state.global_shapes():
+                exe.retrace(self._compile_spec(), specs, tree, type(self).__name__)
         self._cache.use(key, exe)
         self._state.compiled = exe.compiled
 

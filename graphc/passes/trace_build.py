@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import inspect
 import types
 from contextlib import contextmanager
-from typing import Any, Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -226,3 +228,64 @@ def _explain_trace_failure(graph_name: str, source_file: Optional[str], e: Excep
                "functions and tensor methods on its inputs.")
     return (f"graphc could not trace {graph_name}.build() at {where}\n"
             f"  found: {type(e).__name__}: {msg.splitlines()[0] if msg else ''}\n  {fix}")
+
+
+# NOTE: Retrace check
+# Guards (graphc/guards.py) name what a plan depends on; a path they do not see would let a
+# plan run on a value it no longer matches. GRAPHC_RETRACE=1 is the oracle that finds such a
+# path: on every call of a cached plan, build() is traced again for the call's inputs and
+# its graph, as text (one line per node: its op, target, constant arguments, and a digest of
+# every tensor constant), compared with the text the plan was compiled from. The first
+# differing node names the user's line and both versions: the value the guards missed.
+@dataclass(frozen=True)
+class TraceText:
+    """A traced build() as text: one entry per node, and the user's line that made it."""
+
+    lines: Tuple[str, ...]
+    where: Tuple[str, ...]
+
+    def first_difference(self, now: "TraceText") -> Optional[Tuple[str, str, str]]:
+        """(the user's line, the plan's text, the text now) of the first node that differs."""
+        for i in range(max(len(self.lines), len(now.lines))):
+            was = self.lines[i] if i < len(self.lines) else "(no node)"
+            new = now.lines[i] if i < len(now.lines) else "(no node)"
+            if was != new:
+                where = now.where[i] if i < len(now.where) else self.where[i]
+                return where, was, new
+        return None
+
+
+def traced_text(gm: fx.GraphModule) -> TraceText:
+    """gm's nodes as TraceText (NOTE: Retrace check)."""
+    lines, where = [], []
+    for node in gm.graph.nodes:
+        text = f"{node.name} = {node.op}[{_target_text(node.target)}]{node.args!r} {node.kwargs!r}"
+        if node.op == "get_attr":
+            value = _attr(gm, node.target)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                text += f" = {_digest(value)}"
+        lines.append(text)
+        where.append(node_line(node) if node.meta.get("stack_trace") else node.format_node())
+    return TraceText(tuple(lines), tuple(where))
+
+
+def _target_text(target) -> str:
+    if isinstance(target, str):
+        return target
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def _digest(t: torch.Tensor) -> str:
+    """A tensor constant's dtype, shape and a hash of its values."""
+    if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor):
+        return f"{t.dtype}{list(t.shape)}"
+    data = t.detach().cpu().contiguous()
+    raw = data.view(torch.uint8) if data.dim() else data.reshape(1).view(torch.uint8)
+    return f"{t.dtype}{list(t.shape)}#{hashlib.sha1(raw.numpy().tobytes()).hexdigest()[:12]}"

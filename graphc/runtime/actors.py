@@ -252,10 +252,11 @@ class Runtime:
     def _warn_whole(self, n: int) -> None:
         if not self.warned_whole:
             self.warned_whole = True
-            warn_user(f"{n} parameter(s) sharded by ZeRO stage 3 in another graph are read by this "
-                      "plan, which does not gather them: each call gathers them whole first and "
-                      "frees them after (slow path). Fix: enable_zero(True, stage=3) in this graph "
-                      "as well.")
+            warn_user(f"{n} parameter(s) sharded by ZeRO stage 3 (by another graph, or by this "
+                      "graph while they trained) are read by this plan, which does not gather them: "
+                      "each call gathers them whole first and frees them after (slow path). Fix: "
+                      "enable_zero(True, stage=3) in the other graph as well; a layer frozen after "
+                      "the first call is gathered so until it trains again.")
 
     def _gathered_elsewhere(self) -> List[torch.nn.Parameter]:
         """This rank's parameters that its plan's own ZeRO gathers do not cover."""

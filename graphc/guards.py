@@ -443,6 +443,12 @@ def _code_reads(code) -> _CodeReads:
     return found
 
 
+def _fx_patched(value: Any) -> bool:
+    """Is `value` fx's stand-in for a global while it traces (torch.fx.wrap, math autowrap)?
+    fx marks it inside its _Patcher class, so the attribute's name is mangled."""
+    return hasattr(value, "_Patcher__fx_already_patched") or hasattr(value, "__fx_already_patched")
+
+
 def _user_module(value: Any) -> bool:
     """A Python module of the user's own (a config.py), whose attributes are settings."""
     path = getattr(value, "__file__", None)
@@ -482,8 +488,9 @@ class FrameReads:
             if key in self.guards or name not in scope:   # a builtin, or a name not set
                 continue
             value = scope[name]
-            if isinstance(value, types.ModuleType):
-                continue   # the module itself is code; `module.attr` below
+            if isinstance(value, types.ModuleType) or _fx_patched(value):
+                continue   # a module is code (`module.attr` below); fx's own patch of a global
+                # (a torch.fx.wrap'd function, math's autowrapped ones) is undone after the trace
             self.guards[key] = self._guard(f"global {name} ({where})", _entry_reader(scope, name), value,
                                            reads.kind, (scope, name))
         for name, attr in reads.attributes:

@@ -5,6 +5,7 @@ Each is changed between calls as a user would, on every layout of the matrix (NO
 matrix, tests/layouts.py), and graphc must train as eager does on the whole batch (float64,
 1e-10) by compiling a plan for the new value (or reusing the cached one)."""
 import functools
+import math
 import importlib.util
 import sys
 
@@ -236,3 +237,22 @@ def test_library_objects_compare_by_identity():
     assert guard.same is not None and not guard.holds()   # a new dict: identity differs
     guard = reads._guard("global REGISTRY", lambda: {"a": 1}, {"a": 1}, "user")
     assert guard.holds()
+
+
+@torch.fx.wrap
+def _wrapped_scale(x, gain: float):
+    return x * gain
+
+
+class FxPatched(Pair):
+    def forward(self, x):   # fx swaps both globals for stand-ins while it traces
+        return _wrapped_scale(self.b(torch.tanh(self.a(x))), sqrt(4.0))
+
+
+sqrt = math.sqrt
+
+
+def test_globals_fx_patches_while_tracing_need_no_recompile():
+    # a torch.fx.wrap'd function and an autowrapped math function are fx's stand-ins during
+    # the trace: their guard read the stand-in and failed on every call (a plan per call)
+    _check("one", FxPatched, lambda m, step: None, recompiles=0)

@@ -39,6 +39,7 @@ from .traced_calls import patched_calls
 from .traced_checkpoint import traced_checkpoints
 from .traced_hooks import check_global_hooks, install_modules
 from .traced_tensors import traced_tensors
+from .traced_wraps import traced_wraps
 from .traced_writes import check_item_writes
 from .user_lines import node_line, traceback_line
 
@@ -65,7 +66,7 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
             traced_checkpoints(tracer):  # torch.utils.checkpoint traces as its function
         try:
             with torch.autocast(*autocast) if autocast else contextlib.nullcontext(), \
-                    traced_tensors(tracer), traced_frames():  # NOTE: Tensors outside the trace
+                    traced_tensors(tracer), traced_frames(), traced_wraps(tracer):  # NOTE: Tensors outside the trace
                 g = tracer.trace(root)   # what its frames read is guarded (NOTE: Frame reads)
         except GraphcError:
             raise

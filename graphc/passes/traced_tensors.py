@@ -15,7 +15,9 @@ tensor make that differ from eager, where the op runs on every call:
   in place with a traced value (`buf.add_(x.sum(0))`, `.scatter_add_(0, idx, src)`,
   `buf[i] = v`): the write would land in the graph's constant and accumulate over steps.
   The write goes to a copy of the constant made on every call (a `clone` node), and every
-  later use of the tensor reads the written node.
+  later use of the tensor reads the written node. A random draw into such a tensor
+  (`torch.empty(size).bernoulli_(p)`, torchvision's stochastic_depth) is recorded the same
+  way, though nothing traced flows into it: otherwise its mask would be frozen for every step.
 A write into a parameter inside build() (an EMA teacher's `p_t.mul_(0.99)` under no_grad)
 would run per micro-batch, or at trace time only, never once per step as in eager: it is
 refused with the user's line and the fix (update after the graph call). Buffers reached
@@ -33,6 +35,7 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from ..errors import GraphcError
+from ..ops.random_ops import RANDOM_METHODS
 from .user_lines import deepest_user_frame
 
 # Python's operators on a tensor, recorded as the operator (fx's own form for a proxy)
@@ -121,9 +124,14 @@ class TracedTensors(TorchFunctionMode):
             self._check_parameter_write(args[0], name)
             self._check_held_write(args[0], name)
         targs, tkwargs = fx.node.map_aggregate((tuple(args), kwargs), self._traced)
-        if not _has_proxy((targs, tkwargs)):
+        # a draw into a tensor made while tracing (torchvision's stochastic_depth:
+        # `torch.empty(size).bernoulli_(p)`) would be one mask frozen for every step
+        drawn = name in RANDOM_METHODS and args and id(args[0]) in self.made and not isinstance(targs[0], fx.Proxy)
+        if not _has_proxy((targs, tkwargs)) and not drawn:
             return self._made_by(func, args, kwargs)
         _check_out(name, kwargs)
+        if drawn and not written:   # t.bernoulli(): drawn from a per-call copy as well
+            targs = (self.tracer.create_proxy("call_method", "clone", (args[0],), {}),) + tuple(targs[1:])
         if written and id(args[0]) in self.made and id(args[0]) not in self.written:
             # the first traced write into a tensor made while tracing: into a per-call copy
             self._note_stale_views(args[0])

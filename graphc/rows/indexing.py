@@ -13,6 +13,8 @@ row dim it writes rows into other rows.
 """
 from __future__ import annotations
 
+from typing import List, Optional
+
 import torch.fx as fx
 
 from ..meta import META_TENSOR
@@ -222,15 +224,40 @@ def set_item(ctx: Ctx):
                    "entries in flat order, counted across the batch's rows")
         return Rows(lead + x.dims[len(lead):], combine_reduced(ctx, ctx.tensors()))
     region = getitem(ctx)
+    dims = list(x.dims)
     if region is not None and value is not None:
         offset = len(region.dims) - len(value.dims)
+        whole = _whole_dims(index, len(dims))
         for k, s in enumerate(value.dims):
             r = region.dims[k + offset] if k + offset >= 0 else None
-            if s is not None and r is None:
+            if s is not None and r is None and whole is not None and whole[k + offset] \
+                    and dims[k + offset] is None and _same_size(ctx, k + offset, k):
+                # rows written in place, each into its own position, of a tensor made without
+                # them (T5's _shift_right: `shifted[..., 1:] = labels[..., :-1]`): x takes them
+                dims[k + offset] = s
+            elif s is not None and r is None:
                 ctx.couple([s], "x[index] = value writes rows of the batch into other positions")
             elif s is not None:
                 ctx.unify(r, s)
-    return Rows(x.dims, combine_reduced(ctx, ctx.tensors()))
+    return Rows(tuple(dims), combine_reduced(ctx, ctx.tensors()))
+
+
+def _whole_dims(index, ndim: int) -> Optional[List[bool]]:
+    """Per dim of x, whether `x[index]` keeps it whole and in place (`:` or under `...`);
+    None when the index drops or adds dims (an int, None, a tensor), so dims do not line up."""
+    entries = list(index) if isinstance(index, tuple) else [index]
+    if any(not isinstance(e, slice) and e is not Ellipsis for e in entries) or entries.count(Ellipsis) > 1:
+        return None
+    if Ellipsis in entries:
+        at = entries.index(Ellipsis)
+        entries = entries[:at] + [slice(None)] * (ndim - len(entries) + 1) + entries[at + 1:]
+    entries += [slice(None)] * (ndim - len(entries))
+    return [e == slice(None) for e in entries] if len(entries) == ndim else None
+
+
+def _same_size(ctx: Ctx, x_dim: int, value_dim: int) -> bool:
+    x, value = ctx.shape(0), ctx.shape(2)
+    return x is not None and value is not None and x[x_dim] == value[value_dim]
 
 
 def _is_mask(ctx: Ctx, index: fx.Node) -> bool:

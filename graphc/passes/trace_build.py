@@ -259,12 +259,16 @@ class TraceText:
 def traced_text(gm: fx.GraphModule) -> TraceText:
     """gm's nodes as TraceText (NOTE: Retrace check)."""
     lines, where = [], []
+    ids: Dict[fx.Node, str] = {}   # nodes by position: fx's names (`_tensor_constant3`) count earlier traces
     for node in gm.graph.nodes:
-        text = f"{node.name} = {node.op}[{_target_text(node.target)}]{node.args!r} {node.kwargs!r}"
+        ids[node] = f"%{len(ids)}"
+        target = _target_text(node.target)
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: ids.get(n, n.name))
         if node.op == "get_attr":
             value = _attr(gm, node.target)
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                text += f" = {_digest(value)}"
+                target = f"constant {_digest(value)}"   # a tensor constant by its value, not its name
+        text = f"{ids[node]} = {node.op}[{target}]{args!r}"
         lines.append(text)
         where.append(node_line(node) if node.meta.get("stack_trace") else node.format_node())
     return TraceText(tuple(lines), tuple(where))

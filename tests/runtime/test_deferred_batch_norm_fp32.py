@@ -7,19 +7,18 @@ float32 accumulation's own error is the noise floor; graphc's deferred BatchNorm
 gradients concatenated. Each micro-batch is normalised with its own statistics, as in eager
 accumulation (tests/runtime/test_deferred_batch_norm.py).
 
-Measured (CPU, torch 2 float32 kernels), error against exact, graphc / eager float32:
-  BatchNorm on the data          one process 2.4e-6, data 2 2.0e-6 / 3.2e-6 (eager, batch
+Measured (CPU, torch's float32 kernels), error against exact, graphc / eager float32:
+  BatchNorm on the data          one process 2.4e-6, data 2 2.1e-6 / 3.2e-6 (eager, batch
                                  permuted within micro-batches: 5.4e-6 from itself)
-  Linear on the data, then BN    one process 9.1e-6, data 2 3.3e-4 / 8.5e-4 (permuted: 1.3e-3)
+  Linear on the data, then BN    one process 8.4e-6, data 2 1.1e-5 / 8.5e-4 (permuted: 1.3e-3)
 In the second, the Linear's weight gradient is sum(dz * x) with x ~ 100 and sum(dz) = 0 in
 exact arithmetic, so it carries 100x the rounding of sum(dz). Eager's BatchNorm backward
-leaves sum(dz) off by its mean's rounding; graphc's one-process form differentiates through
-the micro-batch's own mean (batch_norm_stats), which keeps sum(dz) at 0, hence 90x closer;
-on data 2 the whole batch's mean is read detached (See NOTE: synchronised batch norm) and
-its rounding shows, still below eager's. So graphc against eager float32 differs by eager's
-own error (8.5e-4 here); in float64 by 7e-13, where eager against itself permuted is 8e-13.
-For scale, the variance formed as E[x^2] - E[x]^2 measures 2.8e-4 on the first model (88x
-eager), which this test fails.
+leaves sum(dz) off by its mean's rounding; graphc's keeps it at 0 (See NOTE: synchronised
+batch norm; before, with the shards' M2 merged by Chan's formula, data 2 was 3.3e-4 off),
+hence 100x closer. So graphc against eager float32 differs by eager's own error (8.5e-4
+here; issue 30 point 7's 5.4e-5 against eager is likely such a difference); in float64 7e-13,
+where eager against itself permuted is 8e-13. For scale, the variance formed as
+E[x^2] - E[x]^2 measures 2.8e-4 on the first model (88x eager), which this test fails.
 """
 import pytest
 import torch

@@ -144,7 +144,7 @@ def _batch_norm(gm, node: fx.Node, mod: nn.Module) -> fx.Node:
     total = call(gm, node, local_ops.batch_norm_sum, [x])
     total.meta[META_TENSOR] = TensorMeta((shape[1],), dtype, False)
     stats = call(gm, node, local_ops.batch_norm_stats, [x, total, count])
-    stats.meta[META_TENSOR] = TensorMeta((2, shape[1]), dtype, x.meta[META_TENSOR].requires_grad)
+    stats.meta[META_TENSOR] = TensorMeta((3, shape[1]), dtype, x.meta[META_TENSOR].requires_grad)
     y = call(gm, node, local_ops.batch_norm_apply, [x, stats, count, w, b, mod.eps])
     if mod.training and mod.track_running_stats:
         update = call(gm, node, local_ops.batch_norm_update_, buffers + [stats, count, mod.momentum])

@@ -61,22 +61,27 @@ def set_item(x: torch.Tensor, index, value) -> torch.Tensor:
 # A BatchNorm in training normalises with the statistics of its whole (micro-)batch. When
 # graphc lays the batch out split, the module becomes four ops (decompose_modules):
 #   total = batch_norm_sum(x)                     per-channel sum [C], detached: partial_sum
-#   stats = batch_norm_stats(x, total, count)     [sum, M2] per channel [2, C]: partial_sum
+#   stats = batch_norm_stats(x, total, count)     [sum, Q, D] per channel [3, C]: partial_sum
 #   y = batch_norm_apply(x, stats, count, w, b)   reads the statistics whole (broadcast)
 #   batch_norm_update_(rm, rv, nbt, stats, ...)   the running statistics, from the same ones
 # SBP inference makes total and stats partial_sum on a split batch, so boxing all-reduces
 # each once forward; the broadcast stats read by a split op get grad_all_reduce (total is
 # detached and needs none backward): two small all-reduces forward, one backward, and the
 # numbers of eager BatchNorm on the whole batch.
-# M2 (the sum of squares about the mean) is Chan's parallel combination of the shards'
-# count n, mean m and M2: M2 = sum over shards of M2_r + n_r (m_r - M)^2, M the batch mean
-# from `total`. Every term is non-negative and about its own mean, so a channel whose mean
-# is large against its spread (mean 1e4, std 1e-2) keeps its variance; sums of (x - k)^2
-# about a shift k lose it to cancellation (4e-8 in float64 gradients). Each term is
-# additive over shards, hence one all-reduce; torch's SyncBatchNorm all-gathers the
+# M2 (the sum of squares about the mean) is taken about M = total / count, the batch mean
+# up to rounding: Q = sum (x - M)^2 and D = sum (x - M), both additive over shards (hence one
+# all-reduce), and M2 = Q - D^2 / count. D is M's rounding error times count, so D^2 / count
+# is tiny and nothing cancels: a channel whose mean is large against its spread (mean 1e4,
+# std 1e-2) keeps its variance, where sums of (x - k)^2 about a shift k far from the mean
+# (the running mean) lose it (4e-8 in float64 gradients). M is read detached, as its exact
+# derivative in M2 is zero; D carries the part its rounding leaves: M2's gradient is
+# 2 (x - M - D / count), which sums to 0 over the batch as it does exactly. Without D the
+# gradient 2 (x - M) sums to 2 D, a shift common to the whole batch that a layer before on
+# inputs ~ 100 multiplies by 100: float32 on data 2, gradients 3.3e-4 off with the shards' M2
+# merged by Chan's formula (as before), 1.1e-5 with D, eager's own 8.5e-4
+# (tests/runtime/test_deferred_batch_norm_fp32.py). torch's SyncBatchNorm all-gathers the
 # shards' (mean, invstd, count) and merges them instead, which needs a result whose size is
-# the number of ranks. M is read detached: M2's derivative in M is zero, so its gradient,
-# 2 (x - M), is exact without one.
+# the number of ranks.
 
 
 def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -94,20 +99,22 @@ def batch_norm_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def batch_norm_stats(x: torch.Tensor, total: torch.Tensor, count: int) -> torch.Tensor:
-    """[sum(x), M2_r + n_r (m_r - M)^2] per channel of this shard of x [N, C, *] (M = total
-    / count, the whole batch's mean; m_r, M2_r the shard's own mean and sum of squares
-    about it): both rows are additive over shards (See NOTE: synchronised batch norm)."""
+    """[sum(x), sum((x - M)^2), sum(x - M)] per channel of this shard of x [N, C, *], M =
+    total / count the whole batch's mean, read detached: every row is additive over shards
+    (See NOTE: synchronised batch norm)."""
     dims = _channel_dims(x)
-    n = x.numel() // x.shape[1]
-    s = x.sum(dims)
-    local_mean = s / n
-    m2 = (x - _channel_view(local_mean, x.dim())).square().sum(dims)
-    between = local_mean - total.to(x.dtype) / count
-    return torch.stack([s, m2 + n * between * between])
+    centred = x - _channel_view(total.to(x.dtype) / count, x.dim())
+    return torch.stack([x.sum(dims), centred.square().sum(dims), centred.sum(dims)])
+
+
+def _mean_m2(stats: torch.Tensor, count: int):
+    """The batch's mean and M2 from batch_norm_stats totalled over its `count` values."""
+    return stats[0] / count, stats[1] - stats[2] * stats[2] / count
 
 
 def _mean_var(stats: torch.Tensor, count: int):
-    return stats[0] / count, stats[1] / count
+    mean, m2 = _mean_m2(stats, count)
+    return mean, m2 / count
 
 
 def batch_norm_apply(x: torch.Tensor, stats: torch.Tensor, count: int, weight=None, bias=None,
@@ -141,9 +148,8 @@ def batch_norm_update_(running_mean, running_var, num_batches_tracked, stats: to
     statistics: momentum (or the cumulative 1/num_batches_tracked when None), unbiased
     variance."""
     with torch.no_grad():
-        stats = stats.detach()
-        _update_running(running_mean, running_var, num_batches_tracked, stats[0] / count, stats[1],
-                        count, momentum)
+        mean, m2 = _mean_m2(stats.detach(), count)
+        _update_running(running_mean, running_var, num_batches_tracked, mean, m2, count, momentum)
 
 
 # NOTE: deferred batch norm
@@ -169,9 +175,8 @@ def batch_norm_deferred_update_(running_mean, running_var, num_batches_tracked, 
     accumulator lives on the buffer object itself, so it goes with it."""
     key = running_mean if running_mean is not None else running_var
     with torch.no_grad():
-        stats = stats.detach()
         acc, seen = getattr(key, "_graphc_deferred", (None, 0))
-        acc = _merge(acc, count, stats[0] / count, stats[1])
+        acc = _merge(acc, count, *_mean_m2(stats.detach(), count))
         seen += 1
         if seen < microbatches:
             key._graphc_deferred = (acc, seen)

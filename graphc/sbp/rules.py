@@ -678,7 +678,7 @@ def batch_norm_sum(ctx: RuleCtx) -> List[Candidate]:
 
 
 def batch_norm_stats(ctx: RuleCtx) -> List[Candidate]:
-    """Per-channel statistics [2, C] of x [N, C, *] about the batch mean (from the sums,
+    """Per-channel statistics [3, C] of x [N, C, *] about the batch mean (from the sums,
     whole): over a split batch or spatial dim partial sums (P), on split channels split.
     See NOTE: synchronised batch norm."""
     x, total = ctx.node.args[0], ctx.arg(1, "total")
@@ -696,7 +696,7 @@ def batch_norm_apply(ctx: RuleCtx) -> List[Candidate]:
     per_channel = [t for t in ctx.tensors() if t is not x]
     stats = ctx.node.args[1]
     cands = _channel_split(ctx, x, per_channel, lambda d: True)
-    for req, _ in cands:  # the statistics [2, C] split along their dim 1, not 0
+    for req, _ in cands:  # the statistics [3, C] split along their dim 1, not 0
         if isinstance(req.get(stats), S):
             req[stats] = S(1)
     return cands

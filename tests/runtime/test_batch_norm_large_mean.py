@@ -2,9 +2,9 @@
 
 Sync-BN (the batch split over ranks) and deferred BN (micro-batches) combine per-shard
 statistics. Sums of (x - k) and (x - k)^2 about a shift k far from the mean lose the variance
-to cancellation (parameters 4e-8 off); combined as count, mean and M2 (Chan's formula, See
-NOTE: synchronised batch norm) they equal eager's BatchNorm on the whole batch within the
-oracle's 1e-10. Layouts: one process, data 2 on real ranks, deferred BN at accumulation 2 in
+to cancellation (parameters 4e-8 off); taken about the batch mean, with the sum about it
+as a correction (See NOTE: synchronised batch norm), they equal eager's BatchNorm on the
+whole batch within the oracle's 1e-10. Layouts: one process, data 2 on real ranks, deferred BN at accumulation 2 in
 one process and on data 2. The eager reference for deferred BN normalises each micro-batch
 with its own statistics and updates the running statistics once from the whole mini-batch.
 """

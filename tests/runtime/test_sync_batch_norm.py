@@ -17,6 +17,7 @@ import graphc
 from graphc import sbp
 from graphc.meta import META_SBP
 from graphc.plan.instructions import AllReduce, Collective
+from graphc.sbp import local_ops
 from conv_models import ConvNet
 from helpers import (assert_close, assert_same_as_eager, compile_graph, eager_train, global_input,
                      graphc_train, run_world)
@@ -75,6 +76,26 @@ def test_data_parallel_conv_net_has_no_fallback_and_few_all_reduces_per_batch_no
     assert len(backward) == len(norms)
     grads = [t.name for i in cg.plans[0].instructions if type(i) is AllReduce for t in i.tensors]
     assert "model.layer1.bn1.weight" in grads and "model.stem.0.weight" in grads
+
+
+@pytest.mark.fp32
+def test_sync_batch_norm_input_gradient_sums_to_zero_at_large_mean():
+    """The gradient a BatchNorm passes to its input sums to 0 over each channel (exactly, in
+    real arithmetic); a layer before on inputs ~ 100 multiplies what is left by 100. Two
+    shards of x = 100 + N(0,1) in float32, their statistics summed as the all-reduce does:
+    |sum dx| / sum |dx| measured 2.0e-8 (the shards' M2 merged by Chan's formula: 9.8e-7;
+    eager F.batch_norm on the whole batch: 1.4e-6). Bound: 4 float32 eps (4.8e-7), the
+    rounding of the sums alone (See NOTE: synchronised batch norm)."""
+    g = torch.Generator().manual_seed(0)
+    x = (100 + torch.randn(64, 8, generator=g, dtype=torch.float64)).float().requires_grad_()
+    weights = torch.randn(64, 8, generator=g, dtype=torch.float64).float()
+    shards = x.chunk(2)
+    total = sum(local_ops.batch_norm_sum(s) for s in shards)
+    stats = sum(local_ops.batch_norm_stats(s, total, 64) for s in shards)
+    y = torch.cat([local_ops.batch_norm_apply(s, stats, 64) for s in shards])
+    (dx,) = torch.autograd.grad((y * weights).sum(), x)
+    residual = (dx.sum(0).abs() / dx.abs().sum(0)).max().item()
+    assert residual <= 4 * torch.finfo(torch.float32).eps, f"sum of the input gradient {residual:.1e}"
 
 
 def test_eval_batch_norm_needs_no_collective():

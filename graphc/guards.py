@@ -243,16 +243,16 @@ def hook_guards(root: nn.Module) -> List[Guard]:
     modules = [(prefix, module.__dict__) for prefix, module in root.named_modules()]
     dicts = [attrs[t] for _, attrs in modules for t in tables if t in attrs]
 
-    def state():
+    def state():   # one line per hook (module, table, key, id): a string compares by value, however many
         if not any(dicts):
             return None
-        return tuple((prefix or "the Graph", hook_state(attrs, tables)) for prefix, attrs in modules
-                     if any(attrs.get(t) for t in tables))
+        return "\n".join(f"{prefix or 'the Graph'}|{t}|{key}|{id(fn)}" for prefix, attrs in modules
+                         for t in tables for key, fn in (attrs.get(t) or {}).items())
     was = state()
 
     def detail(expected) -> str:
-        before, now = dict(was or ()), dict(state() or ())
-        changed = [name for name in dict.fromkeys(list(before) + list(now)) if before.get(name) != now.get(name)]
+        before, now = set((was or "").splitlines()), set((state() or "").splitlines())
+        changed = list(dict.fromkeys(row.split("|")[0] for row in sorted(before ^ now)))
         return ", ".join(f"{name} hooks" for name in changed[:4]) + (" and more" if len(changed) > 4 else "")
     out = [Guard("module hooks", state, fingerprint(was), detail=detail)]
     torch_hooks = vars(torch.nn.modules.module)

@@ -71,7 +71,7 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
         except GraphcError:
             raise
         except Exception as e:  # fx raises TraceError, TypeError, ... on untraceable user code
-            raise GraphcError(_explain_trace_failure(graph_name, source_file, e)) from e
+            raise GraphcError(_explain_trace_failure(graph_name, source_file, e, tracer.failed)) from e
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         raise GraphcError(f"{graph_name}.build() takes {len(placeholders)} inputs "
@@ -212,9 +212,21 @@ def _builtin_tree(spec) -> bool:
     return spec.type in (tuple, list, dict) and all(_builtin_tree(c) for c in children)
 
 
-def _explain_trace_failure(graph_name: str, source_file: Optional[str], e: Exception) -> str:
+def _explain_trace_failure(graph_name: str, source_file: Optional[str], e: Exception,
+                           failed: Optional[Dict[str, str]] = None) -> str:
     where = traceback_line(source_file, e.__traceback__)
     msg = str(e)
+    # an op whose value could not be computed on fake tensors earlier leaves later code
+    # (iterating its result, branching on it) without a value: that op is the cause
+    first = next(iter((failed or {}).items()), None)
+    if first is not None and "grouped_mm" in f"{first[0]} {first[1]}":
+        return (f"graphc could not trace {graph_name}.build() at {where}: torch's '_grouped_mm' (the "
+                f"default experts implementation of Hugging Face MoE models) failed on fake tensors "
+                f"({first[1]}): its shape function accepts bfloat16 only, so the experts' outputs "
+                "have no value while tracing (and torch's CPU kernel refuses float64). Fix: build the "
+                "model with experts_implementation=\"batched_mm\" (in its config, or "
+                "from_pretrained(..., experts_implementation=\"batched_mm\")), static shapes "
+                "graphc trains on every layout.")
     if "dynamo-optimized" in msg:  # a torch.compile'd function (modules: check_traceable_module)
         fix = ("graphc compiles the whole step itself, and torch.compile's wrapper cannot be traced "
                "inside it. Fix: call the function itself, not torch.compile(fn), in build() and "
@@ -227,8 +239,9 @@ def _explain_trace_failure(graph_name: str, source_file: Optional[str], e: Excep
     else:
         fix = ("Fix: build() may only call modules assigned to the Graph in __init__, torch "
                "functions and tensor methods on its inputs.")
+    cause = f"\n  an earlier op had no value on fake tensors: '{first[0]}': {first[1]}" if first else ""
     return (f"graphc could not trace {graph_name}.build() at {where}\n"
-            f"  found: {type(e).__name__}: {msg.splitlines()[0] if msg else ''}\n  {fix}")
+            f"  found: {type(e).__name__}: {msg.splitlines()[0] if msg else ''}{cause}\n  {fix}")
 
 
 # NOTE: Retrace check

@@ -128,6 +128,17 @@ def test_mixtral_eager_experts_are_refused():
     assert "experts_implementation='batched_mm'" in str(info.value)
 
 
+def test_mixtral_grouped_mm_experts_name_the_op_and_the_fix():
+    """transformers' default experts (grouped_mm) have no value on fake tensors outside
+    bfloat16: the refusal names the op and batched_mm (it blamed control flow on a value)."""
+    model = _mixtral("grouped_mm")
+    graph = HFGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, STAGES["mixtral"])
+    with pytest.raises(graphc.GraphcError, match="'_grouped_mm'.*failed on fake tensors") as info:
+        compile_graph(graph, list(_batch(False)), 2)
+    assert 'experts_implementation="batched_mm"' in str(info.value)
+    assert "control flow" not in str(info.value)
+
+
 def test_mixtral_load_balancing_loss_is_refused():
     """Still a coupling: the auxiliary loss (output_router_logits) multiplies the batch's
     share of tokens per expert by its mean router probability, two batch statistics, which

@@ -22,6 +22,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import re
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -279,7 +280,8 @@ def traced_text(gm: fx.GraphModule) -> TraceText:
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: ids.get(n, n.name))
         if node.op == "get_attr":
             value = _attr(gm, node.target)
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            # a constant fx made of a tensor the trace met (buffers change every step: by name)
+            if isinstance(value, torch.Tensor) and re.fullmatch(r"_tensor_constant\d+", node.target):
                 target = f"constant {_digest(value)}"   # a tensor constant by its value, not its name
         text = f"{ids[node]} = {node.op}[{target}]{args!r}"
         lines.append(text)

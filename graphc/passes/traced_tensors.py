@@ -56,6 +56,8 @@ _OPERATORS = {
 _IN_PLACE_OPERATORS = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_",
                        "__itruediv__": "div_", "__ipow__": "pow_", "__iand__": "bitwise_and_",
                        "__ior__": "bitwise_or_"}
+# factories whose values are unset: made zero while tracing, so a constant is the same every trace
+_UNSET = frozenset({"empty", "empty_like", "new_empty", "empty_strided"})
 # methods ending in "_" that set flags, not values
 _NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "detach_",
                          "resize_", "set_", "record_stream", "pin_memory", "backward"})
@@ -144,6 +146,9 @@ class TracedTensors(TorchFunctionMode):
 
     def _made_by(self, func, args, kwargs):
         out = func(*args, **kwargs)
+        if getattr(func, "__name__", "") in _UNSET and isinstance(out, torch.Tensor) \
+                and not isinstance(out, (fx.Proxy, torch._subclasses.FakeTensor)):
+            out.zero_()   # what memory it held is no value of the program (GRAPHC_RETRACE compares constants)
         self._note_made(out)
         return out
 

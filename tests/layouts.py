@@ -142,3 +142,48 @@ def assert_same(got: Tuple[List[float], Dict[str, torch.Tensor]],
     assert set(state) == set(want_state), f"{layout}: {sorted(state)} vs {sorted(want_state)}"
     for k in want_state:
         assert_close(state[k], want_state[k], f"{layout}: {k}")
+
+
+# -- the matrix's usual program: a squared-error regression, trained by graphc and by eager ----
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def batches(n: int = 3, d_in: int = 6, d_out: int = 4, rows: int = 8) -> List[tuple]:
+    """n (x, y) batches for a Pair-shaped model, the same every call."""
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(rows, d_in, generator=g), torch.randn(rows, d_out, generator=g)) for _ in range(n)]
+
+
+class SquaredError(graphc.Graph):
+    """graph.model trained on ((model(x) - y) ** 2).mean(), put on `layout` by declare()."""
+
+    def __init__(self, model, layout: str, make_opt=sgd, accumulation: int = 2):
+        super().__init__()
+        self.model = model
+        declare(self, layout)
+        self.config.set_gradient_accumulation_steps(accumulation)
+        self.add_optimizer(make_opt(model.parameters()))
+
+    def build(self, x, y):
+        loss = ((self.model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+
+def eager(model, data: Sequence[tuple], make_opt=sgd,
+          between: Optional[Callable[[nn.Module, int], None]] = None) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+    """The oracle for SquaredError: plain eager PyTorch on the whole batches, `between(model,
+    step)` before each step as train() runs it; returns (losses, state)."""
+    opt = make_opt(model.parameters())
+    losses = []
+    for step, (x, y) in enumerate(data):
+        if between is not None:
+            between(model, step)
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

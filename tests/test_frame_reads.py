@@ -16,58 +16,22 @@ import torch.nn.functional as F
 
 import graphc
 from graphc.guards import FrameReads, observe_frames
-from layouts import Pair, assert_same, declare, every_layout, train
+from layouts import Pair, SquaredError, assert_same, batches, eager, every_layout, sgd, train
 
 SCALE = 2.0
 
 
-def _batches(n: int = 3):
-    g = torch.Generator().manual_seed(0)
-    return [(torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)) for _ in range(n)]
-
-
-def _eager(model, batches, between, make_opt):
-    opt = make_opt(model.parameters())
-    losses = []
-    for step, (x, y) in enumerate(batches):
-        between(model, step)
-        loss = ((model(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.1)
-
-
-class _Graph(graphc.Graph):
-    def __init__(self, model, layout, make_opt):
-        super().__init__()
-        self.model = model
-        declare(self, layout)
-        self.config.set_gradient_accumulation_steps(2)
-        self.add_optimizer(make_opt(model.parameters()))
-
-    def build(self, x, y):
-        loss = ((self.model(x) - y) ** 2).mean()
-        loss.backward()
-        return loss
-
-
-def _check(layout, make_model, between, make_opt=_sgd, recompiles=None):
+def _check(layout, make_model, between, make_opt=sgd, recompiles=None):
     """make_model() trained with `between(model, step)` before each step, graphc against eager."""
-    batches = _batches()
+    data = batches()
     torch.manual_seed(0)
-    want = _eager(make_model(), batches, between, make_opt)
+    want = eager(make_model(), data, make_opt, between)
 
     def make_graph(layout):
         torch.manual_seed(0)
-        return _Graph(make_model(), layout, make_opt)
+        return SquaredError(make_model(), layout, make_opt)
     graphs = []
-    got = train(layout, make_graph, batches, between=lambda g, step: between(g.model.origin, step),
+    got = train(layout, make_graph, data, between=lambda g, step: between(g.model.origin, step),
                 graphs=graphs)
     assert_same(got, want, layout)
     if recompiles is not None:

@@ -13,7 +13,7 @@ import torch.nn as nn
 import graphc
 from graphc.meta import META_SBP
 from graphc.sbp.layout import flat
-from layouts import assert_same, train
+from layouts import SquaredError, assert_same, batches, eager, train
 
 
 @torch.fx.wrap
@@ -47,39 +47,11 @@ class DropPathBlock(nn.Module):
         return self.b(h + stochastic_depth(self.layer(h), self.p, "row", self.training))
 
 
-class _Graph(graphc.Graph):
-    def __init__(self, model, layout, acc=2):
-        super().__init__()
-        self.model = model
-        if layout == "dp2":
-            self.model.config.set_stage(0, graphc.placement("cpu", [0, 1]))
-        self.config.set_gradient_accumulation_steps(acc)
-        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    def build(self, x, y):
-        loss = ((self.model(x) - y) ** 2).mean()
-        loss.backward()
-        return loss
-
-
-def _batches():
-    g = torch.Generator().manual_seed(0)
-    return [(torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
-
-
 def _eager(make_model, eval_mode=False):
     torch.manual_seed(0)
     model = make_model()
     model.train(not eval_mode)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for x, y in _batches():
-        loss = ((model(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return eager(model, batches())
 
 
 def _fallbacks(graph) -> list:
@@ -95,8 +67,8 @@ def _run(make_model, layout, acc=2, eval_mode=False):
         torch.manual_seed(0)
         model = make_model()
         model.train(not eval_mode)
-        return _Graph(model, layout, acc)
-    got = train(layout, make, _batches(), graphs=graphs)
+        return SquaredError(model, layout, accumulation=acc)
+    got = train(layout, make, batches(), graphs=graphs)
     return got, graphs
 
 

@@ -13,42 +13,17 @@ import torch.nn as nn
 import graphc
 from graphc.errors import GraphcError
 from helpers import assert_close
-from layouts import Pair, declare, every_layout, train, assert_same
+from layouts import Pair, SquaredError, assert_same, batches, declare, eager, every_layout, train
 
 ACCUMULATION = 2
 
 
 def _batches(n=3, batch=8):
-    g = torch.Generator().manual_seed(0)
-    return [(torch.randn(batch, 6, generator=g), torch.randn(batch, 4, generator=g)) for _ in range(n)]
+    return batches(n, rows=batch)
 
 
-class Train(graphc.Graph):
-    def __init__(self, model, layout):
-        super().__init__()
-        self.model = model
-        declare(self, layout)
-        self.config.set_gradient_accumulation_steps(ACCUMULATION)
-        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    def build(self, x, y):
-        loss = ((self.model(x) - y) ** 2).mean()
-        loss.backward()
-        return loss
-
-
-def _eager(model, batches, between=None):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step, (x, y) in enumerate(batches):
-        if between is not None:
-            between(model, step)
-        loss = ((model(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+def Train(model, layout):
+    return SquaredError(model, layout, accumulation=ACCUMULATION)
 
 
 def _compare(layout, make_model, between=None):
@@ -56,7 +31,7 @@ def _compare(layout, make_model, between=None):
     losses and state; `between(model, step)` runs before each step on the raw module."""
     batches = _batches()
     torch.manual_seed(0)
-    want = _eager(make_model(), batches, between)
+    want = eager(make_model(), batches, between=between)
 
     def make_graph(layout):
         torch.manual_seed(0)
@@ -192,7 +167,7 @@ def test_backward_hook_is_refused_naming_the_line():
     model = Pair()
     model.b.register_full_backward_hook(lambda mod, gin, gout: None)
     graph = Train(model, "one")
-    with pytest.raises(GraphcError, match=r"'model.b'.*test_hooks.py:\d+.*backward hook \(<lambda> defined at .*test_hooks.py:\d+"):
+    with pytest.raises(GraphcError, match=r"'model.b'.*layouts.py:\d+.*backward hook \(<lambda> defined at .*test_hooks.py:\d+"):
         graph(*_batches(1)[0])
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import graphc
-from layouts import LAYOUTS, Pair, assert_same, declare, train
+from layouts import LAYOUTS, Pair, SquaredError, assert_same, batches, eager, train
 
 
 class EnvScaled(nn.Module):
@@ -22,19 +22,8 @@ class EnvScaled(nn.Module):
         return self.l(x) * float(os.environ.get("GRAPHC_TEST_SCALE", "1"))
 
 
-class _Graph(graphc.Graph):
-    def __init__(self, model, layout="one"):
-        super().__init__()
-        self.model = model
-        if layout != "one":
-            declare(self, layout)
-        self.config.set_gradient_accumulation_steps(2)
-        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    def build(self, x, y):
-        loss = ((self.model(x) - y) ** 2).mean()
-        loss.backward()
-        return loss
+def _Graph(model, layout="one"):
+    return SquaredError(model, layout)
 
 
 def test_a_value_no_guard_sees_is_named(monkeypatch):
@@ -70,27 +59,16 @@ class Tempered(Pair):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_training_with_the_check_on_equals_eager(layout, monkeypatch):
     monkeypatch.setenv("GRAPHC_RETRACE", "1")
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+    data = batches()
 
     def anneal(model, step):
         model.tau = (1.0, 1.0, 2.0)[step]   # guarded: a second plan at step 2, retraced at none
 
     torch.manual_seed(0)
-    model = Tempered()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step, (x, y) in enumerate(batches):
-        anneal(model, step)
-        loss = ((model(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    want = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    want = eager(Tempered(), data, between=anneal)
 
     def make(layout):
         torch.manual_seed(0)
         return _Graph(Tempered(), layout)
-    got = train(layout, make, batches, between=lambda graph, step: anneal(graph.model.origin, step))
+    got = train(layout, make, data, between=lambda graph, step: anneal(graph.model.origin, step))
     assert_same(got, want, layout)

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import graphc
-from layouts import assert_same, feed, train
+from layouts import assert_same, batches, eager, train
 
 peft = pytest.importorskip("peft")
 
@@ -60,41 +60,22 @@ class LoraGraph(graphc.Graph):
         return loss
 
 
-def _batches(n):
-    g = torch.Generator().manual_seed(0)
-    return [(torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)) for _ in range(n)]
-
-
-def _eager(batches, switch):
-    model = make_model()
-    opt = _opt(model.parameters())
-    losses = []
-    for step, (x, y) in enumerate(batches):
-        switch(model, step)
-        loss = ((model(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _run(layout, batches, switch):
+def _run(layout, data, switch):
     graphs = []
-    got = train(layout, lambda layout: LoraGraph(make_model(), layout), batches,
+    got = train(layout, lambda layout: LoraGraph(make_model(), layout), data,
                 between=lambda graph, step: switch(graph.model.origin, step), graphs=graphs)
-    assert_same(got, _eager(batches, switch), layout)
+    assert_same(got, eager(make_model(), data, _opt, switch), layout)
     return graphs
 
 
 def test_one_plan_for_twenty_calls():
-    graphs = _run("one", _batches(20), lambda model, step: None)
+    graphs = _run("one", batches(20), lambda model, step: None)
     assert graphs[0].recompiles == []
 
 
 @pytest.mark.parametrize("layout", ["one", "dp2", "pp2"])
 def test_two_adapters_switched_every_call_both_train_as_in_eager(layout):
-    graphs = _run(layout, _batches(6), lambda model, step: model.set_adapter(("one", "two")[step % 2]))
+    graphs = _run(layout, batches(6), lambda model, step: model.set_adapter(("one", "two")[step % 2]))
     for graph in graphs:   # a plan per adapter, each reused after its first call
         assert len(graph.recompiles) == 1, graph.recompiles
         assert "lora_A.two.weight trainable" in graph.recompiles[0]

@@ -246,7 +246,7 @@ def _explain_trace_failure(graph_name: str, source_file: Optional[str], e: Excep
 
 
 # NOTE: Retrace check
-# Guards (graphc/guards.py) name what a plan depends on; a path they do not see would let a
+# Guards (graphc/guards/) name what a plan depends on; a path they do not see would let a
 # plan run on a value it no longer matches. GRAPHC_RETRACE=1 is the oracle that finds such a
 # path: on every call of a cached plan, build() is traced again for the call's inputs and
 # its graph, as text (one line per node: its op, target, constant arguments, and a digest of

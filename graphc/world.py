@@ -35,6 +35,9 @@ _THREAD = threading.local()   # .world: the local world's rank this thread runs,
 # a FutureWarning per process); the GPU machines' torch 2.11 may have only the old names
 _ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# gloo's all_to_all of tensor lists came in torch 2.13 (2.11's raises "Backend gloo does not
+# support alltoall"); before it, TorchWorld.all_to_all sends the parts flat (all_to_all_single)
+_GLOO_LIST_ALL_TO_ALL = torch.__version__ >= "2.13"
 
 
 class TorchWorld:
@@ -94,7 +97,11 @@ class TorchWorld:
         return _REDUCE_SCATTER_FLAT(out, t, group=self.group(ranks), async_op=async_op)
 
     def all_to_all(self, recv: List[torch.Tensor], send: List[torch.Tensor], ranks: Optional[Ranks] = None):
-        dist.all_to_all(recv, send, group=self.group(ranks))
+        group = self.group(ranks)
+        if _GLOO_LIST_ALL_TO_ALL or dist.get_backend(group) != "gloo":
+            dist.all_to_all(recv, send, group=group)
+        else:
+            _all_to_all_flat(recv, send, group)
 
     def broadcast(self, t: torch.Tensor, src: int):
         dist.broadcast(t, src)
@@ -131,6 +138,17 @@ class TorchWorld:
 
     def store(self):
         return dist.distributed_c10d._get_default_store()
+
+
+def _all_to_all_flat(recv: List[torch.Tensor], send: List[torch.Tensor], group) -> None:
+    """dist.all_to_all as one all_to_all_single over the parts laid end to end (torch < 2.13
+    on gloo): part i of `send` goes to rank i, rank i's part lands in recv[i]."""
+    flat = torch.empty(sum(r.numel() for r in recv), dtype=recv[0].dtype, device=recv[0].device)
+    dist.all_to_all_single(flat, torch.cat([s.reshape(-1) for s in send]),
+                           output_split_sizes=[r.numel() for r in recv],
+                           input_split_sizes=[s.numel() for s in send], group=group)
+    for r, part in zip(recv, flat.split([r.numel() for r in recv])):
+        r.copy_(part.view(r.shape))
 
 
 _REDUCE_OPS = {"sum": lambda: dist.ReduceOp.SUM, "max": lambda: dist.ReduceOp.MAX}

@@ -105,6 +105,7 @@ def test_gpt_pipeline_tensor_data_2x2x2_matches_eager():
     _check(run_world(_train, 8, configs, timeout=600), configs)
 
 
+@pytest.mark.slow   # CI time: ZeRO-3 on pipeline x data runs in tests/zero/test_zero3_numerics.py, the sweep's GPT ZeRO configurations in the local world
 def test_gpt_zero_3_on_tensor_2_x_data_2_and_pipeline_2_x_data_2_matches_eager():
     configs = {"tp2-dp2-zero3": (1, 2, 2, "1f1b", 3), "pp2-dp2-zero3": (2, 1, 2, "1f1b", 3)}
     wide = ("--embd", "64")   # the tied embedding's local [20, 64] reaches shard_min_size (1024)

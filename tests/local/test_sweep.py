@@ -12,7 +12,7 @@ import sweep
 
 CONFIGS = sweep.configurations()
 LARGE_DEFAULT = {"skip-pp8-dp1-tp1-1f1b-acc8", "skip-pp4-dp2-tp1-interleaved_1f1b-acc4",
-                 "skip-pp8-dp1-tp1-zbv-acc16", "gpt-pp2-dp2-tp2-1f1b-acc2", "gpt-pp2-dp2-tp4-1f1b-acc2",
+                 "skip-pp8-dp1-tp1-zbv-acc16", "gpt-pp2-dp2-tp2-1f1b-acc2",
                  "convbn-pp2-dp4-tp1-1f1b-acc1", "skip-pp2-dp2-tp1-zbv-acc4-zero3"}
 
 

@@ -39,6 +39,7 @@ def _sweep(rank, world):
     return out
 
 
+@pytest.mark.slow   # CI time: the cuts pair up in one process (tests/passes/test_split_stages.py)
 def test_transformer_block_cut_at_every_position_matches_eager():
     results = run_world(_sweep, 2)
     batches = block_batches()

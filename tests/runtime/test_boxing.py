@@ -92,7 +92,7 @@ def _boxing_world(rank, world, shape):
 
 
 @pytest.mark.parametrize("world,shape", [  # 4 ranks: -m slow (CI time)
-    pytest.param(2, SHAPE, id="2-even"), pytest.param(2, UNEVEN, id="2-uneven"),
+    pytest.param(2, SHAPE, id="2-even"), pytest.param(2, UNEVEN, id="2-uneven", marks=pytest.mark.slow),   # CI time: uneven splits in test_uneven_splits
     pytest.param(4, SHAPE, id="4-even", marks=pytest.mark.slow),
     pytest.param(4, UNEVEN, id="4-uneven", marks=pytest.mark.slow)])
 def test_every_sbp_pair_converts_values_and_gradients(world, shape):

@@ -131,7 +131,8 @@ def test_deferred_batch_norm_fp32_large_mean_within_eager_rounding(linear_first)
 
 @pytest.mark.fp32
 @pytest.mark.world
-@MODELS
+@pytest.mark.parametrize("linear_first", [False, pytest.param(True, marks=pytest.mark.slow)],   # CI time: the
+                         ids=["bn-on-data", "linear-then-bn"])   # zero-sum is tests/runtime/test_sync_batch_norm.py's
 def test_deferred_sync_batch_norm_fp32_large_mean_within_eager_rounding(linear_first):
     for rank, got in enumerate(run_world(_graphc_data_parallel, 2, linear_first)):
         _check(got, linear_first, f"deferred sync BatchNorm, data 2 x accumulation 2, rank {rank}")

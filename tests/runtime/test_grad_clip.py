@@ -131,6 +131,7 @@ def test_grad_clip_pipeline_matches_eager():
 
 
 @pytest.mark.world
+@pytest.mark.slow   # CI time: clipping on a pipeline and the sweep's tp layouts run by default
 def test_grad_clip_data_x_tensor_matches_eager():
     results = run_world(_train_data_tensor, 4)
     torch.manual_seed(0)

@@ -150,5 +150,6 @@ def test_data_parallel_batch_norm_matches_eager():
 
 
 @pytest.mark.world
+@pytest.mark.slow   # CI time: data parallel BatchNorm runs by default, the sweep's convbn pp2 x dp2 in the local world
 def test_pipeline_x_data_parallel_batch_norm_matches_eager():
     _check(4)

@@ -261,7 +261,7 @@ def _train(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])   # CI time: hybrid layouts run in test_global_tensors and the sweep
 def test_tensor_and_hybrid_parallel_match_eager(world):
     results = run_world(_train, world)
     for name, (_, make, shape, _) in CONFIGS[world].items():

@@ -74,6 +74,7 @@ ZBV = [(3, 4, "adam", True), (2, 2, "adam", False)]
 
 
 @pytest.mark.world
+@pytest.mark.slow   # CI time: ZeRO-3 on 1f1b pipeline x data runs by default
 def test_zero_on_zbv_pipeline_2_x_data_2_equals_eager():
     results = run_world(_zbv, 4, ZBV)
     _check(results, ZBV, "zbv pipeline 2 x data 2")

@@ -29,7 +29,10 @@ from torch.utils import _pytree as pytree
 
 import graphc
 from graphc.check_step import _first_scalar
+from graphc.meta import META_SBP
+from graphc.placement import Broadcast
 from graphc.runtime.local_world import LocalWorld
+from graphc.sbp.layout import flat
 from helpers import assert_close
 
 LAYOUTS = ("one", "pp2", "dp2", "tp2", "pp2xdp2", "zero3")
@@ -187,3 +190,14 @@ def eager(model, data: Sequence[tuple], make_opt=sgd,
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def fallbacks(graph) -> List[str]:
+    """The ops of a graph's plan without an SBP rule that gather split or partial inputs to
+    run whole on a stage of several ranks (the slow path infer_sbp warns of)."""
+    def gathers(node) -> bool:
+        sig = node.meta.get(META_SBP)
+        return sig is not None and sig.fallback and len(flat(sig.mesh)) > 1 and any(
+            META_SBP in a.meta and not all(isinstance(s, Broadcast) for s in a.meta[META_SBP].out)
+            for a in node.all_input_nodes)
+    return [n.name for n in graph.compiled.gm.graph.nodes if gathers(n)]

@@ -10,10 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import graphc
-from graphc.meta import META_SBP
-from graphc.sbp.layout import flat
-from layouts import SquaredError, assert_same, batches, eager, train
+from layouts import SquaredError, assert_same, batches, eager, fallbacks, train
 
 
 @torch.fx.wrap
@@ -54,12 +51,6 @@ def _eager(make_model, eval_mode=False):
     return eager(model, batches())
 
 
-def _fallbacks(graph) -> list:
-    """Ops of the plan without an SBP rule that run whole on a stage of several ranks."""
-    return [n.name for n in graph.compiled.gm.graph.nodes
-            if META_SBP in n.meta and n.meta[META_SBP].fallback and len(flat(n.meta[META_SBP].mesh)) > 1]
-
-
 def _run(make_model, layout, acc=2, eval_mode=False):
     graphs = []
 
@@ -76,7 +67,7 @@ def _run(make_model, layout, acc=2, eval_mode=False):
 def test_a_wrapped_function_keeps_the_batch_split(p, eval_mode):
     got, graphs = _run(lambda: DropPathBlock(p), "dp2", eval_mode=eval_mode)
     assert_same(got, _eager(lambda: DropPathBlock(p), eval_mode), "dp2")
-    assert _fallbacks(graphs[0]) == []
+    assert fallbacks(graphs[0]) == []
 
 
 def test_its_random_mask_is_drawn_every_step_as_in_eager():

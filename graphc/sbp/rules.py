@@ -222,6 +222,17 @@ def filled_like(ctx: RuleCtx) -> List[Candidate]:
     return _split_candidates(ctx)
 
 
+def created_from(ctx: RuleCtx) -> List[Candidate]:
+    """x.new_zeros(shape) / new_ones / new_full / new_empty: a new tensor of the shape given,
+    whole on every rank; x gives only its dtype and device, so it may be laid out any way
+    (gathering it first was a fallback: T5's `_shift_right` on a split batch)."""
+    x = ctx.node.args[0]
+    if not isinstance(x, fx.Node) or ctx.meta(x) is None:
+        return []
+    layouts = [B, P] + [S(d) for d, size in enumerate(ctx.meta(x).shape) if ctx.splits(size)]
+    return [({x: layout}, B) for layout in layouts]
+
+
 def layer_norm(ctx: RuleCtx) -> List[Candidate]:
     x = ctx.node.args[0]
     shape = ctx.arg(1, "normalized_shape")
@@ -745,6 +756,7 @@ _register(set_item, local_ops.set_item)
 _register(flip, torch.flip, "flip")
 _register(pad, F.pad)
 _register(filled_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like)
+_register(created_from, "new_zeros", "new_ones", "new_full", "new_empty")
 _register(cast, "float", "double", "half", "bfloat16", "to", "type", "type_as")
 _register(metadata, "size", "dim", "numel", "nelement", "ndimension", "get_device")
 _register(conv, F.conv1d, F.conv2d, F.conv3d)

@@ -152,6 +152,14 @@ def traced_tree(root: torch.nn.Module, tree: Optional[InputTree]):
         yield
 
 
+@contextmanager
+def _as_traced(spec: compiler.CompileSpec, tree: Optional[InputTree]):
+    """build() as compile and retrace trace it: taking the call's leaves (NOTE: Input trees),
+    the parameters in the dtype they will be stored in (NOTE: Master parameters)."""
+    with traced_tree(spec.root, tree), stored_in(spec.root, spec.param_dtype):
+        yield
+
+
 def signature(specs: Sequence[InputSpec]) -> tuple:
     return tuple(s.key for s in specs)
 
@@ -170,9 +178,7 @@ class Executable:
         """compiler.compile for these inputs' global shapes and layouts, with the guards of
         every Python value the compile read (NOTE: Guards)."""
         before = global_guards()  # the modes the caller set, before tracing changes any
-        # traced with the parameters in the dtype they will be stored in (NOTE: Master parameters)
-        with record_reads(spec.root) as reads, traced_tree(spec.root, tree), \
-                stored_in(spec.root, spec.param_dtype):
+        with record_reads(spec.root) as reads, _as_traced(spec, tree):
             compiled = compiler.compile(spec, [s.example() for s in specs], world, [s.layout for s in specs])
         compiled.guards = GuardSet(tuple(before + structure_of(spec.root) + hook_guards(spec.root)
                                          + [requires_grad_guard(spec.root)] + reads.guards()))
@@ -185,7 +191,7 @@ class Executable:
         contexts it was compiled in; a graph other than the plan's is a GraphcError naming the
         first node that differs, the value a guard should have seen."""
         world = len(self.compiled.plans)
-        with traced_tree(spec.root, tree), stored_in(spec.root, spec.param_dtype):
+        with _as_traced(spec, tree):
             now = compiler.retrace(spec, [s.example() for s in specs], world, [s.layout for s in specs])
         found = self.compiled.trace.first_difference(now) if self.compiled.trace is not None else None
         if found is not None:

@@ -1,6 +1,7 @@
 """graphc.Graph: the user's entry point (see README.md, "The API by example")."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Dict, List
 
 import torch
@@ -230,8 +231,7 @@ class Graph:
             same.check_inputs(specs, type(self).__name__)
         exe, failures = self._cache.lookup(key)
         if exe is None:
-            # split parameters hold shards by now; ZeRO stage 3's are gathered for the trace
-            with whole_parameters(self._root.parameters()), self._state.global_shapes():
+            with self._traceable():
                 exe = Executable.compile(self._compile_spec(), specs, len(self._compiled.plans), tree)
             check_same_stages(self._compiled, exe.compiled)
             self._state.adopt(exe.compiled, exe.device(self._rank))
@@ -239,10 +239,17 @@ class Graph:
             self._start(exe, new_state=False)
             self._cache.add(key, exe, failures)
         elif env.read("GRAPHC_RETRACE") == "1":   # the guards' oracle (NOTE: Retrace check)
-            with whole_parameters(self._root.parameters()), self._state.global_shapes():
+            with self._traceable():
                 exe.retrace(self._compile_spec(), specs, tree, type(self).__name__)
         self._cache.use(key, exe)
         self._state.compiled = exe.compiled
+
+    @contextmanager
+    def _traceable(self):
+        """The parameters as a trace reads them after the first call: split ones hold shards
+        by now (their global shapes stand in), ZeRO stage 3's are gathered."""
+        with whole_parameters(self._root.parameters()), self._state.global_shapes():
+            yield
 
     def _start(self, exe: Executable, new_state: bool) -> None:
         """The graph's state (the first time), rank agreement, then the executable's runtime."""

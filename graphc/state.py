@@ -33,19 +33,20 @@ class GraphState:
         self.masters: Optional[MasterParams] = None
         self.steps = 0
         self.base_seed = None                     # a loaded checkpoint's (See NOTE: DCP state dict)
-        self.holders = self._holders()            # state-dict key -> stages holding it
+        self.holders = self._holders(compiled)    # state-dict key -> stages holding it
         self.owner = {k: s[0] for k, s in self.holders.items()}  # the first: full_state_dict's source
         local = set(compiled.plan_for(rank).local_stages)
         self.local_keys = [k for k, s in self.holders.items() if local & set(s)]
 
-    def _holders(self) -> Dict[str, Tuple[int, ...]]:
-        """Every stage whose program holds a tensor, under each of its names: a tied parameter
-        is held by every stage that uses it (See NOTE: Tied parameters, insert_tie_sync.py)."""
+    def _holders(self, compiled) -> Dict[str, Tuple[int, ...]]:
+        """Every stage of `compiled` whose program holds a tensor, under each of its names: a
+        tied parameter is held by every stage that uses it (See NOTE: Tied parameters,
+        insert_tie_sync.py)."""
         names: Dict[int, List[str]] = defaultdict(list)
         for k, t in self.root.state_dict(keep_vars=True).items():
             names[id(t)].append(k)
         holders: Dict[str, List[int]] = defaultdict(list)
-        for prog in self.compiled.programs:
+        for prog in compiled.programs:
             for _, t in list(prog.module.named_parameters()) + list(prog.module.named_buffers()):
                 for key in names.get(id(t), ()):
                     if prog.stage not in holders[key]:
@@ -83,11 +84,7 @@ class GraphState:
         adapter peft's set_adapter made active, a layer unfrozen that build() skipped. Those
         the new plan places on this rank join its keys and go back into the optimizer's
         groups, where the user put them (parameters no plan used were left out of both)."""
-        before = self.compiled
-        self.compiled = compiled
-        holders = self._holders()
-        new = {k: s for k, s in holders.items() if k not in self.holders}
-        self.compiled = before
+        new = {k: s for k, s in self._holders(compiled).items() if k not in self.holders}
         if not new:
             return
         local = set(compiled.plan_for(self.rank).local_stages)

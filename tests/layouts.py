@@ -29,10 +29,8 @@ from torch.utils import _pytree as pytree
 
 import graphc
 from graphc.check_step import _first_scalar
-from graphc.meta import META_SBP
-from graphc.placement import Broadcast
+from graphc.passes.infer_sbp import gathering_fallbacks
 from graphc.runtime.local_world import LocalWorld
-from graphc.sbp.layout import flat
 from helpers import assert_close
 
 LAYOUTS = ("one", "pp2", "dp2", "tp2", "pp2xdp2", "zero3")
@@ -195,9 +193,4 @@ def eager(model, data: Sequence[tuple], make_opt=sgd,
 def fallbacks(graph) -> List[str]:
     """The ops of a graph's plan without an SBP rule that gather split or partial inputs to
     run whole on a stage of several ranks (the slow path infer_sbp warns of)."""
-    def gathers(node) -> bool:
-        sig = node.meta.get(META_SBP)
-        return sig is not None and sig.fallback and len(flat(sig.mesh)) > 1 and any(
-            META_SBP in a.meta and not all(isinstance(s, Broadcast) for s in a.meta[META_SBP].out)
-            for a in node.all_input_nodes)
-    return [n.name for n in graph.compiled.gm.graph.nodes if gathers(n)]
+    return [n.name for n in gathering_fallbacks(graph.compiled.gm)]

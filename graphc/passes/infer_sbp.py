@@ -57,21 +57,26 @@ def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence,
     return gm
 
 
+def gathering_fallbacks(gm: fx.GraphModule) -> List[fx.Node]:
+    """The ops without an SBP rule whose split or partial inputs are gathered to whole values
+    on a stage of several ranks: the slow path _warn_fallbacks names."""
+    def gathers(node: fx.Node) -> bool:
+        sig = node.meta.get(META_SBP)
+        return sig is not None and sig.fallback and len(flat(sig.mesh)) > 1 and any(
+            META_SBP in a.meta and not all(isinstance(s, Broadcast) for s in a.meta[META_SBP].out)
+            for a in node.all_input_nodes)
+    return [node for node in gm.graph.nodes if gathers(node)]
+
+
 def _warn_fallbacks(gm: fx.GraphModule) -> None:
     """A slow path is said, once per compile: an op without an SBP rule whose split or
     partial inputs are gathered to whole values on a stage of several ranks (the plan marks
     the collective `fallback: <op>` too)."""
     found = []
-    for node in gm.graph.nodes:
-        sig = node.meta.get(META_SBP)
-        if sig is None or not sig.fallback or len(flat(sig.mesh)) == 1:
-            continue
-        gathered = [a for a in node.all_input_nodes if META_SBP in a.meta
-                    and not all(isinstance(s, Broadcast) for s in a.meta[META_SBP].out)]
-        if gathered:
-            trace = node.meta.get("stack_trace", "").strip().splitlines()
-            where = f" at {trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else ""
-            found.append(f"'{node.name}' ({node.format_node().split('=', 1)[-1].strip()[:60]}){where}")
+    for node in gathering_fallbacks(gm):
+        trace = node.meta.get("stack_trace", "").strip().splitlines()
+        where = f" at {trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else ""
+        found.append(f"'{node.name}' ({node.format_node().split('=', 1)[-1].strip()[:60]}){where}")
     if found:
         _log.warning("%d op(s) have no SBP rule and gather split or partial values to run whole on "
                      "every rank of their stage (a slow path: the batch or the weights are "

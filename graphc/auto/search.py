@@ -286,3 +286,34 @@ def memory_estimate(lay: Layout, f: ModelFacts) -> int:
 
 def _divisors(n: int) -> List[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def plan_mode_search(device: str = "h100", memory_gib: Optional[float] = None, budget_s: float = 60.0):
+    """What `graphc plan --auto` installs in plan mode (PlanMode.auto): for the graph the
+    script compiles, search, write DIR/layout.json and DIR/auto.md, and return (the chosen
+    Layout, its CompiledGraph) for the plan files."""
+    import inspect
+    import os
+    from ..executable import _as_traced
+
+    def run(graph, spec, specs, tree, mode):
+        examples = [s.example() for s in specs]
+        names = tree.names if tree is not None else list(inspect.signature(type(graph).build).parameters)[1:]
+        first = examples[0].shape[0] if examples and examples[0].dim() else None
+        batched = [t.dim() > 0 and t.shape[0] == first and n not in spec.whole_inputs
+                   for t, n in zip(examples, names)]
+        memory = None if memory_gib is None else int(memory_gib * 2 ** 30)
+        with _as_traced(spec, tree):
+            result = search(spec, examples, mode.nproc, batched, graph._optimizer, device, memory, budget_s)
+        folder = mode.folder_for(graph)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "layout.json"), "w") as f:
+            f.write(result.best.layout.to_json())
+        with open(os.path.join(folder, "auto.md"), "w") as f:
+            f.write(result.report())
+        print(f"graphc plan --auto: {type(graph).__name__}: {result.best.layout.describe()} "
+              f"(simulated step {result.best.step * 1e3:.3f} ms on {device}, peak "
+              f"{result.best.peak / 2**20:.1f} MiB); wrote {folder}/layout.json and auto.md; "
+              f"train with self.config.load_layout('{os.path.join(folder, 'layout.json')}')", flush=True)
+        return result.best.layout, result.compiled
+    return run

@@ -17,7 +17,9 @@ from ..errors import GraphcError
 
 # graphc plan's options -> whether each takes a value (for splitting them from the script's)
 OPTIONS = {"--nproc": True, "--out": True, "--simulate": None, "--no-chart": False,
-           "--ranks": True, "--auto": False, "--device": True, "--memory": True, "--budget-s": True}
+           "--ranks": True, "--auto": False}
+# --auto's own options: graphc's only when --auto is given (a script may take a --device too)
+AUTO_OPTIONS = {"--device": True, "--memory": True, "--budget-s": True}
 USAGE = ("graphc plan SCRIPT [SCRIPT_ARGS...] --nproc N --out DIR "
          "[--simulate [measure|h100|h200|a100]] [--ranks 0,7,-1|all] [--no-chart] "
          "[--auto [--device h100] [--memory GIB] [--budget-s S]] [-- SCRIPT_ARGS]")
@@ -36,7 +38,8 @@ def split_argv(argv: List[str], options=None) -> Tuple[List[str], str, List[str]
     """(graphc options, script, script args) from what follows `graphc plan` (or another
     command running a script: `options` maps its options to whether each takes a value,
     None for an optional value; default OPTIONS)."""
-    options = OPTIONS if options is None else options
+    if options is None:
+        options = dict(OPTIONS, **(AUTO_OPTIONS if "--auto" in argv else {}))
     mine, script, theirs = [], None, []
     i = 0
     while i < len(argv):

@@ -50,22 +50,6 @@ def _linear(rng):
     return randn(b, t, i), randn(o, i), randn(o)
 
 
-def _dim_of(t, rng):
-    return rng.randrange(-t.dim(), t.dim())
-
-
-def _reduce(rng):
-    return (randn(*_rank(rng)),)
-
-
-def _reduce_call(seed_dims):
-    def call(ts):
-        x, = ts
-        nd = len(x.shape) if isinstance(x, torch.Tensor) else None
-        return (x, *seed_dims(nd)), {}
-    return call
-
-
 def _cat(rng):
     shape = list(dims(rng, 3))
     other = list(shape)

@@ -1,14 +1,13 @@
 """The SBP rule table, checked by running it (See NOTE: SBP rule check, tests/sbp/rule_check.py):
 every registered rule's every claimed signature, on small random shapes and 2 and 3 ranks,
 gives each rank its local component of the whole op's output (float64, 1e-10)."""
-import operator
 
 import pytest
 
 from graphc.placement import Split
 from graphc.sbp import rules
 from rule_check import Sample, check_sample
-from rule_samples import NOT_SAMPLED, SAMPLES, dims, one
+from rule_samples import NOT_SAMPLED, SAMPLES, one
 
 SEEDS = range(2)
 

@@ -14,11 +14,12 @@ from .build_root import BuildRoot
 from .check_mode import CheckDone
 from .check_step import FirstStepCheck, optimizer_groups, warn_if_random
 from .checked_steps import StepChecker
-from .config import GraphConfig, compile_spec
+from .config import GraphConfig
 from .dcp import dcp_state_dict, unprefixed
 from .errors import GraphcError
 from .executable import (Executable, ExecutableCache, check_cuda_available, check_same_stages, flatten_call,
                          named_placements, signature)
+from .graph_spec import compile_spec
 from .optim_check import check_optimizer
 from .plan.plan import ExecutionPlan
 from .runtime.dist_env import ensure_process_group, timeout_seconds

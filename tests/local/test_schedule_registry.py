@@ -12,6 +12,7 @@ import pytest
 
 import sweep
 from graphc.plan.instructions import Backward, Forward
+from graphc.plan.schedule_text import schedule_from_text
 from graphc.plan.schedules import (ONE_STAGE_LAYOUT, SCHEDULES, Schedule, register_schedule,
                                    unregister_schedule)
 from graphc.tools import bubbles, schedule_table
@@ -58,3 +59,23 @@ def test_a_registered_schedule_is_swept_and_trains_like_eager(toy):
     ok, text = sweep.check(sweep.Config("skip", pp=2, dp=1, tp=1, schedule=toy, acc=2))
     assert ok, text
     assert "OK: 2 step(s)" in text
+
+
+# a V of 4 stages on 2 ranks, written by hand: each rank runs its first chunk's forwards,
+# then the other chunk's, then the backwards newest first (ZB-V's layout, no split backward)
+V_BY_HAND = """
+# rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
+0F0,0F1,3F0,3F1,3B1,3B0,0B1,0B0
+1F0,1F1,2F0,2F1,2B1,2B0,1B1,1B0
+"""
+
+
+def test_a_schedule_given_as_text_trains_like_eager():
+    register_schedule(schedule_from_text("v_by_hand", V_BY_HAND))
+    try:
+        assert SCHEDULES["v_by_hand"].family.name == "V"
+        ok, text = sweep.check(sweep.Config("skip", pp=2, dp=1, tp=1, schedule="v_by_hand", acc=2))
+        assert ok, text
+        assert "OK: 2 step(s)" in text
+    finally:
+        unregister_schedule("v_by_hand")

@@ -420,8 +420,8 @@ def _rounds_fit(num_ranks: int, num_microbatches: int) -> bool:
 # NOTE: Schedule registry
 # SCHEDULES is the one list of pipeline schedules. Everything that goes over "every
 # schedule" reads it when it runs, not a copy: config.set_pipeline_schedule, the compiler,
-# the bubble table (tools/bubbles.py), the docs' table (tools/schedule_table.py, checked
-# against docs/schedules.md), the equivalence sweep (tests/local/sweep.py) and the plan
+# the bubble table (tools/bubbles.py), the docs' tables of schedules and of bubbles
+# (tools/schedule_table.py, bubbles.markdown, checked against docs/schedules.md), the equivalence sweep (tests/local/sweep.py) and the plan
 # tests. So a new schedule is one record here (or one `register_schedule` call in its own
 # file), and every check picks it up. What a record cannot compute it states: the torch
 # class with the same order (None where torch has none: no test may assume one), the
@@ -439,7 +439,8 @@ class Schedule:
     torch.distributed.pipelining schedule with the same order (get_schedule_class's name,
     None if torch has none); `needs` and `peak`, the preconditions and rank r's peak live
     chunk-micro-batches as docs/schedules.md prints them; `textbook`, the bubble over the
-    ideal step the literature gives, (p, v, m) -> fraction, where it gives one.
+    ideal step the literature gives, (p, v, m) -> fraction, where it gives one (its
+    docstring is the formula the docs print).
     """
 
     name: str
@@ -453,10 +454,12 @@ class Schedule:
 
 
 def _one_chunk_bubble(p: int, v: int, m: int) -> float:
+    """(p-1)/m"""
     return (p - 1) / m
 
 
 def _interleaved_bubble(p: int, v: int, m: int) -> float:
+    """(p-1)/(v m)"""
     return (p - 1) / (v * m)
 
 

@@ -80,6 +80,21 @@ def render(rows: Sequence[Bubble]) -> str:
     return "\n".join(lines)
 
 
+SETTINGS = ((8, 1.0, "m = 8, F = B, I = W"), (8, 2.0, "m = 8, F = I = W"), (16, 2.0, "m = 16, F = I = W"))
+
+
+def markdown(p: int = 4, v: int = 2) -> str:
+    """docs/schedules.md's bubble table: each registered schedule's bubble over the ideal step
+    at SETTINGS, and the formula its record's `textbook` gives (See NOTE: Schedule registry)."""
+    lines = ["| schedule | " + " | ".join(label for _, _, label in SETTINGS) + " | paper |",
+             "|---|" + "---|" * len(SETTINGS) + "---|"]
+    for name in sorted(SCHEDULES):
+        cells = [f"{bubble(name, p, v, m, backward).over_ideal:.3f}" for m, backward, _ in SETTINGS]
+        formula = SCHEDULES[name].textbook
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {formula.__doc__ if formula else ''} |")
+    return "\n".join(lines)
+
+
 def textbook(b: Bubble) -> str:
     """The bubble over ideal the literature gives (any B / F), or '' where it gives none."""
     formula = SCHEDULES[b.schedule].textbook
@@ -93,7 +108,11 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--backward", type=float, default=1.0,
                     help="B / F: 1 (F = B, I = W = F/2, default) or 2 (F = I = W)")
+    ap.add_argument("--markdown", action="store_true", help="docs/schedules.md's table instead")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.ranks, args.chunks))
+        return 0
     print(render(table(args.ranks, args.chunks, args.microbatches, args.backward)))
     return 0
 

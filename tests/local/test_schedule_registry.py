@@ -51,6 +51,7 @@ def test_a_registered_schedule_is_verified_tabled_and_charted(toy):
     rows = [b for b in bubbles.table(4, 2, (8,)) if b.schedule == toy]
     gpipe = bubbles.bubble("gpipe", 4, 1, 8)
     assert len(rows) == 1 and rows[0].over_ideal == pytest.approx(gpipe.over_ideal)   # same bubble
+    assert f"| {toy} | 0.375 | 0.375 | 0.187 |  |" in bubbles.markdown()            # the docs' bubbles
 
 
 def test_a_registered_schedule_is_swept_and_trains_like_eager(toy):

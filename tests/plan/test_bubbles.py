@@ -45,3 +45,12 @@ def test_table_lists_every_schedule_once_per_microbatch_count():
         (name, m) for name in SCHEDULES for m in (8, 16))
     text = render(rows)
     assert "interleaved_1f1b    4  2   8        1.188          0.188     0.188" in text
+
+
+def test_docs_bubble_table_is_the_simulators():
+    """docs/schedules.md's bubble table is what `python -m graphc.tools.bubbles --markdown`
+    prints for the registered schedules (a new schedule shows there, or this fails)."""
+    from pathlib import Path
+    from graphc.tools.bubbles import markdown
+    doc = (Path(__file__).parents[2] / "docs" / "schedules.md").read_text()
+    assert markdown() in doc, "docs/schedules.md: paste python -m graphc.tools.bubbles --markdown"

@@ -52,13 +52,6 @@ class RuleCtx:
         Uneven splits, docs/sbp.md), so any dim of at least n."""
         return size >= self.n
 
-    def fills(self, size: int) -> bool:
-        """Split with a non-empty shard on every rank: torch.chunk's cut leaves the last
-        ranks nothing when n > 2 (4 over 3: 2, 2, 0), which ops over channels refuse
-        (pooling, batch norm) or get wrong (a conv summing 0 input channels gives 0 output
-        channels). Found by tests/sbp/test_rule_table.py (See NOTE: SBP rule check)."""
-        return self.splits(size) and min(chunk_sizes(size, self.n)) > 0
-
     def divisible(self, size: int) -> bool:
         """Equal shards: for local forms that need them (a reshape merging or cutting a split
         dim, grouped-query heads, a parameter stored in pieces)."""
@@ -633,9 +626,17 @@ def conv(ctx: RuleCtx) -> List[Candidate]:
         cands.append((with_bias({x: S(0), w: B}, B), S(0)))
     if groups == 1 and ctx.splits(out.shape[c]):
         cands.append((with_bias({x: B, w: S(0)}, S(0)), S(c)))
-    if groups == 1 and not has_bias and ctx.fills(mx.shape[c]):
+    if groups == 1 and not has_bias and fills(ctx, mx.shape[c]):
         cands.append(({x: S(c), w: S(1)}, P))
     return cands
+
+
+def fills(ctx: RuleCtx, size: int) -> bool:
+    """A split of a dim of `size` with a non-empty shard on every rank: torch.chunk's cut
+    leaves the last ranks nothing when n > 2 (4 over 3: 2, 2, 0), which ops over channels
+    refuse (pooling, batch norm) or get wrong (a conv summing 0 input channels gives 0
+    output channels). Found by tests/sbp/test_rule_table.py (See NOTE: SBP rule check)."""
+    return ctx.splits(size) and min(chunk_sizes(size, ctx.n)) > 0
 
 
 def _pool(spatial: int, linear: bool):
@@ -647,7 +648,7 @@ def _pool(spatial: int, linear: bool):
             return []
         keep = len(out.shape) - spatial   # the channel dim is keep - 1: no empty shard
         cands = [c for c in _split_candidates(ctx) if c[1].dim < keep - 1
-                 or (c[1].dim == keep - 1 and ctx.fills(out.shape[keep - 1]))]
+                 or (c[1].dim == keep - 1 and fills(ctx, out.shape[keep - 1]))]
         return cands + ([({x: P}, P)] if linear else [])
     return pool
 
@@ -669,7 +670,7 @@ def _channel_split(ctx: RuleCtx, x, per_channel, out_dim_ok) -> List[Candidate]:
         if not ctx.splits(size):
             continue
         if d == 1:
-            if ctx.fills(size):
+            if fills(ctx, size):
                 cands.append(({x: S(1), **{t: S(0) for t in per_channel}}, S(1)))
         elif out_dim_ok(d):
             cands.append(({x: S(d), **{t: B for t in per_channel}}, S(d)))

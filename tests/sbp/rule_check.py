@@ -102,7 +102,8 @@ def check_candidate(sample: Sample, tensors, whole, n: int, required: Dict[str, 
                 results.append(local(*(parts[name][k] for name in names)))
         except Exception as e:   # the op refuses its local components: the claim is wrong
             shapes = [tuple(parts[name][k].shape) for name in names]
-            return f"rank {k} raised on local inputs {shapes}: {type(e).__name__}: {str(e).splitlines()[0]}"
+            first_line = str(e).splitlines()[0] if str(e) else ""
+            return f"rank {k} raised on local inputs {shapes}: {type(e).__name__}: {first_line}"
     return _compare(whole, results, out, mesh)
 
 
@@ -117,26 +118,41 @@ def _components(t: torch.Tensor, layout, mesh: tuple, seed: int) -> List[torch.T
 
 
 def _compare(whole, results: list, out, mesh: tuple) -> Optional[str]:
-    if isinstance(whole, (tuple, list)):
+    """None if the ranks' results are the whole output laid out as `out`, else why not."""
+    if isinstance(whole, (tuple, list)):   # split/chunk: every piece laid out alike
         for i, w in enumerate(whole):
             bad = _compare(w, [r[i] for r in results], out, mesh)
             if bad:
                 return f"element {i}: {bad}"
         return None
-    if not isinstance(whole, torch.Tensor):
+    if not isinstance(whole, torch.Tensor):   # a host value (a size): the same on every rank
         wrong = [k for k, r in enumerate(results) if r != whole]
         return f"ranks {wrong} computed {[results[k] for k in wrong]}, whole {whole}" if wrong else None
     if isinstance(out, PartialSum):
-        if any(r.shape != whole.shape for r in results):
-            return f"partial results of shapes {[tuple(r.shape) for r in results]}, whole {tuple(whole.shape)}"
-        return _differs(sum(results), whole, "the sum over ranks")
+        return _compare_partial(whole, results)
+    return _compare_components(whole, results, out, mesh)
+
+
+def _shapes(tensors) -> list:
+    return [tuple(t.shape) for t in tensors]
+
+
+def _compare_partial(whole: torch.Tensor, results: list) -> Optional[str]:
+    if any(r.shape != whole.shape for r in results):
+        return f"partial results of shapes {_shapes(results)}, whole {tuple(whole.shape)}"
+    return _differs(sum(results), whole, "the sum over ranks")
+
+
+def _compare_components(whole: torch.Tensor, results: list, out, mesh: tuple) -> Optional[str]:
+    """Each rank's result is its component of `whole` laid out as `out` (S or B): shape first."""
     if isinstance(out, Split) and out.dim >= whole.dim():
-        return f"claims {out} of a {whole.dim()}-D output (ranks computed shapes {[tuple(r.shape) for r in results]})"
+        return f"claims {out} of a {whole.dim()}-D output (ranks computed shapes {_shapes(results)})"
     for k, r in enumerate(results):
         want = whole if isinstance(out, Broadcast) else local_component(whole, (out,), mesh, k)
         shape = local_shape(whole.shape, (out,), mesh, k)
         if tuple(r.shape) != tuple(shape):
-            return f"rank {k} computed shape {tuple(r.shape)}, its {out} component of {tuple(whole.shape)} is {shape}"
+            return (f"rank {k} computed shape {tuple(r.shape)}, its {out} component of "
+                    f"{tuple(whole.shape)} is {shape}")
         bad = _differs(r, want, f"rank {k}")
         if bad:
             return bad
@@ -149,7 +165,8 @@ def _differs(got: torch.Tensor, want: torch.Tensor, who: str) -> Optional[str]:
         same_nan = torch.equal(got.isnan(), want.isnan())
         if same_nan and (err.numel() == 0 or err.max() <= TOLERANCE):
             return None
-        return f"{who} differs from the whole op's by {err.max().item() if err.numel() else 0:.2e} (nan alike: {same_nan})"
+        worst = err.max().item() if err.numel() else 0.0
+        return f"{who} differs from the whole op's by {worst:.2e} (nan alike: {same_nan})"
     return None if torch.equal(got, want) else f"{who} differs from the whole op's"
 
 

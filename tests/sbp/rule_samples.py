@@ -122,61 +122,83 @@ def _reshape_pair(rng):
     return shape, target
 
 
-SAMPLES = []
-UNARY_FUNCTIONS = [F.relu, torch.relu, F.gelu, F.silu, torch.tanh, torch.sigmoid,
-                   torch.exp, F.sigmoid, F.tanh, torch.neg, operator.neg, torch.rsqrt, torch.sqrt,
-                   torch.abs, F.relu6, F.leaky_relu, F.elu, F.hardtanh, F.hardswish, F.softplus,
-                   F.mish, F.selu, F.celu, F.hardsigmoid, F.logsigmoid, F.softsign, F.tanhshrink,
-                   torch.logical_not, torch.tril, torch.triu, torch.zeros_like, torch.ones_like]
-UNARY_METHODS = ["relu", "tanh", "sigmoid", "exp", "neg", "contiguous", "clone", "logical_not",
-                 "rsqrt", "sqrt", "abs", "tril", "triu", "float", "double"]
-for fn in UNARY_FUNCTIONS:
-    low = 2 if fn in (torch.tril, torch.triu) else 1
-    SAMPLES.append(Sample(fn, one(lambda rng, low=low: dims(rng, rng.randint(low, 4)))))
-for name in UNARY_METHODS:
-    low = 2 if name in ("tril", "triu") else 1
-    SAMPLES.append(Sample(name, one(lambda rng, low=low: dims(rng, rng.randint(low, 4)))))
-SAMPLES += [Sample(F.dropout, one(_rank), lambda ts, s: ((ts[0],), {"p": 0.5, "training": False}), "eval")]
-SAMPLES += [Sample(F.threshold, one(_rank), lambda ts, s: ((ts[0], 0.1, 2.0), {}))]
+def first_and(*constants, **kwargs):
+    """A call passing the first tensor, then `constants` (dims, sizes), then `kwargs`."""
+    return lambda ts, s: ((ts[0], *constants), kwargs)
 
-BINARY = [operator.add, operator.sub, torch.add, torch.sub, "add", "sub", operator.mul,
-          operator.truediv, torch.mul, torch.div, "mul", "div", operator.eq, operator.ne,
-          operator.lt, operator.le, operator.gt, operator.ge, torch.eq, torch.ne, torch.lt,
-          torch.le, torch.gt, torch.ge, "eq", "ne", "lt", "le", "gt", "ge", "pow", torch.pow,
-          operator.pow]
-SAMPLES += [Sample(k, _two_broadcasting) for k in BINARY]
-SAMPLES += [Sample(operator.add, one(_rank), lambda ts, s: ((ts[0], 1.5), {}), "scalar"),
-            Sample(operator.mul, one(_rank), lambda ts, s: ((ts[0], 1.5), {}), "scalar"),
-            Sample(operator.invert, lambda rng: (randn(*_rank(rng)) > 0,))]
-SAMPLES += [Sample(torch.where, lambda rng: (lambda x, m: (m, x, randn(*x.shape)))(*_with_mask(rng)))]
-SAMPLES += [Sample(k, _with_mask, lambda ts, s: ((ts[0], ts[1], -1.0), {}))
-            for k in ("masked_fill", "masked_fill_", torch.masked_fill)]
-SAMPLES += [Sample(k, _matmul_shapes) for k in (torch.matmul, operator.matmul, "matmul")]
-SAMPLES += [Sample(k, lambda rng: (lambda m, k_, n: (randn(m, k_), randn(k_, n)))(*dims(rng, 3)))
-            for k in (torch.mm, "mm")]
-SAMPLES += [Sample(k, lambda rng: (lambda b, m, k_, n: (randn(b, m, k_), randn(b, k_, n)))(*dims(rng, 4)))
-            for k in (torch.bmm, "bmm")]
-SAMPLES += [Sample(F.linear, _linear),
-            Sample(F.linear, lambda rng: _linear(rng)[:2], label="no bias"),
-            Sample(torch.addmm, lambda rng: (lambda m, k_, n: (randn(n), randn(m, k_), randn(k_, n)))(*dims(rng, 3))),
-            Sample(torch.addmm, lambda rng: (lambda m, k_, n: (randn(m, n), randn(m, k_), randn(k_, n)))(*dims(rng, 3)), label="2-D bias")]
-for k in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax"):
-    SAMPLES.append(Sample(k, one(_rank), lambda ts, s: ((ts[0], -1), {})))
-SAMPLES += [Sample(F.layer_norm, lambda rng: (lambda s: (randn(*s), randn(s[-1]), randn(s[-1])))(dims(rng, 3)),
-                   lambda ts, s: ((ts[0], (s[0][-1],), ts[1], ts[2]), {}))]
-SAMPLES += [Sample(F.embedding, _embedding)]
-for k in (torch.sum, torch.mean, "sum", "mean"):
-    SAMPLES += [Sample(k, one(lambda rng: dims(rng, 3)), lambda ts, s: ((ts[0],), {}), "all"),
-                Sample(k, one(lambda rng: dims(rng, 3)), lambda ts, s: ((ts[0], 1), {}), "dim 1"),
-                Sample(k, one(lambda rng: dims(rng, 3)), lambda ts, s: ((ts[0], (0, 2), True), {}), "dims 0, 2 keepdim")]
-for k in (torch.argmax, torch.argmin, torch.amax, torch.amin, "argmax", "argmin", "amax", "amin"):
-    SAMPLES += [Sample(k, one(lambda rng: dims(rng, 3)), lambda ts, s: ((ts[0], 1), {}), "dim 1"),
-                Sample(k, one(lambda rng: dims(rng, 3)), lambda ts, s: ((ts[0], -1, True), {}), "dim -1 keepdim")]
-SAMPLES += [Sample(F.cross_entropy, _cross_entropy),
-            Sample(F.cross_entropy, _cross_entropy, lambda ts, s: (tuple(ts), {"reduction": "sum"}), "sum"),
-            Sample(F.mse_loss, lambda rng: (lambda s: (randn(*s), randn(*s)))(dims(rng, 2))),
-            Sample(F.mse_loss, lambda rng: (lambda s: (randn(*s), randn(*s)))(dims(rng, 2)),
-                   lambda ts, s: (tuple(ts), {"reduction": "none"}), "none")]
+
+def all_tensors(**kwargs):
+    """A call passing every input tensor in order, then `kwargs`."""
+    return lambda ts, s: (tuple(ts), kwargs)
+
+
+ANY_RANK = one(_rank)
+THREE_D = one(lambda rng: dims(rng, 3))
+
+
+def _at_least(low):
+    return one(lambda rng: dims(rng, rng.randint(low, 4)))
+
+
+def _where(rng):
+    x, mask = _with_mask(rng)
+    return mask, x, randn(*x.shape)
+
+
+def _mm(rng):
+    m, k, n = dims(rng, 3)
+    return randn(m, k), randn(k, n)
+
+
+def _bmm(rng):
+    b, m, k, n = dims(rng, 4)
+    return randn(b, m, k), randn(b, k, n)
+
+
+def _addmm(bias_rows: bool):
+    def make(rng):
+        m, k, n = dims(rng, 3)
+        return randn(*((m, n) if bias_rows else (n,))), randn(m, k), randn(k, n)
+    return make
+
+
+def _layer_norm(rng):
+    shape = dims(rng, 3)
+    return randn(*shape), randn(shape[-1]), randn(shape[-1])
+
+
+def _same_shape_pair(rng):
+    shape = dims(rng, 2)
+    return randn(*shape), randn(*shape)
+
+
+def _conv1d(rng):
+    n, cin, cout = dims(rng, 3)
+    return randn(n, cin, 6), randn(cout, cin, 3)
+
+
+def _conv3d(rng):
+    n, cin, cout = dims(rng, 3)
+    return randn(n, cin, 3, 3, 3), randn(cout, cin, 2, 2, 2)
+
+
+def _group_norm(rng):
+    n, h = dims(rng, 2)
+    return randn(n, 4, h), randn(4), randn(4)
+
+
+def _set_item_value(rng):
+    shape = dims(rng, 3)
+    return randn(*shape), randn(shape[0], 1)
+
+
+def _set_item_mask(rng):
+    shape = dims(rng, 2)
+    return randn(*shape), randn(*shape) > 0
+
+
+def _bn_count(ts, s):
+    return s[0][0] * s[0][2]   # values per channel of x [N, C, H]
 
 
 def _reshape_sample(key, label=""):
@@ -189,62 +211,100 @@ def _reshape_sample(key, label=""):
     return Sample(key, make, lambda ts, s: ((ts[0], state["target"]), {}), label)
 
 
+UNARY_FUNCTIONS = [F.relu, torch.relu, F.gelu, F.silu, torch.tanh, torch.sigmoid,
+                   torch.exp, F.sigmoid, F.tanh, torch.neg, operator.neg, torch.rsqrt, torch.sqrt,
+                   torch.abs, F.relu6, F.leaky_relu, F.elu, F.hardtanh, F.hardswish, F.softplus,
+                   F.mish, F.selu, F.celu, F.hardsigmoid, F.logsigmoid, F.softsign, F.tanhshrink,
+                   torch.logical_not, torch.zeros_like, torch.ones_like]
+UNARY_METHODS = ["relu", "tanh", "sigmoid", "exp", "neg", "contiguous", "clone", "logical_not",
+                 "rsqrt", "sqrt", "abs", "float", "double"]
+BINARY = [operator.add, operator.sub, torch.add, torch.sub, "add", "sub", operator.mul,
+          operator.truediv, torch.mul, torch.div, "mul", "div", operator.eq, operator.ne,
+          operator.lt, operator.le, operator.gt, operator.ge, torch.eq, torch.ne, torch.lt,
+          torch.le, torch.gt, torch.ge, "eq", "ne", "lt", "le", "gt", "ge", "pow", torch.pow,
+          operator.pow]
+
+SAMPLES = [Sample(k, _at_least(1)) for k in UNARY_FUNCTIONS + UNARY_METHODS]
+SAMPLES += [Sample(k, _at_least(2)) for k in (torch.tril, torch.triu, "tril", "triu")]
+SAMPLES += [Sample(F.dropout, ANY_RANK, first_and(p=0.5, training=False), "eval"),
+            Sample(F.threshold, ANY_RANK, first_and(0.1, 2.0))]
+SAMPLES += [Sample(k, _two_broadcasting) for k in BINARY]
+SAMPLES += [Sample(operator.add, ANY_RANK, first_and(1.5), "scalar"),
+            Sample(operator.mul, ANY_RANK, first_and(1.5), "scalar"),
+            Sample(operator.invert, lambda rng: (randn(*_rank(rng)) > 0,)),
+            Sample(torch.where, _where)]
+SAMPLES += [Sample(k, _with_mask, lambda ts, s: ((ts[0], ts[1], -1.0), {}))
+            for k in ("masked_fill", "masked_fill_", torch.masked_fill)]
+SAMPLES += [Sample(k, _matmul_shapes) for k in (torch.matmul, operator.matmul, "matmul")]
+SAMPLES += [Sample(k, _mm) for k in (torch.mm, "mm")] + [Sample(k, _bmm) for k in (torch.bmm, "bmm")]
+SAMPLES += [Sample(F.linear, _linear),
+            Sample(F.linear, lambda rng: _linear(rng)[:2], label="no bias"),
+            Sample(torch.addmm, _addmm(bias_rows=False)),
+            Sample(torch.addmm, _addmm(bias_rows=True), label="2-D bias")]
+SAMPLES += [Sample(k, ANY_RANK, first_and(-1))
+            for k in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax")]
+SAMPLES += [Sample(F.layer_norm, _layer_norm, lambda ts, s: ((ts[0], (s[0][-1],), ts[1], ts[2]), {})),
+            Sample(F.embedding, _embedding)]
+for k in (torch.sum, torch.mean, "sum", "mean"):
+    SAMPLES += [Sample(k, THREE_D, first_and(), "all"), Sample(k, THREE_D, first_and(1), "dim 1"),
+                Sample(k, THREE_D, first_and((0, 2), True), "dims 0, 2 keepdim")]
+for k in (torch.argmax, torch.argmin, torch.amax, torch.amin, "argmax", "argmin", "amax", "amin"):
+    SAMPLES += [Sample(k, THREE_D, first_and(1), "dim 1"),
+                Sample(k, THREE_D, first_and(-1, True), "dim -1 keepdim")]
+SAMPLES += [Sample(F.cross_entropy, _cross_entropy),
+            Sample(F.cross_entropy, _cross_entropy, all_tensors(reduction="sum"), "sum"),
+            Sample(F.mse_loss, _same_shape_pair),
+            Sample(F.mse_loss, _same_shape_pair, all_tensors(reduction="none"), "none")]
 SAMPLES += [_reshape_sample(torch.reshape), _reshape_sample("view"), _reshape_sample("reshape"),
-            Sample(torch.flatten, one(lambda rng: dims(rng, 3)), lambda ts, s: ((ts[0], 1), {})),
-            Sample("flatten", one(lambda rng: dims(rng, 3))),
-            Sample(torch.unflatten, one(lambda rng: (rng.randint(1, 4), 6)), lambda ts, s: ((ts[0], 1, (2, 3)), {})),
-            Sample("unflatten", one(lambda rng: (rng.randint(1, 4), 6)), lambda ts, s: ((ts[0], 1, (3, 2)), {}))]
-SAMPLES += [Sample(k, one(lambda rng: dims(rng, 3)), lambda ts, s: ((ts[0], 0, 2), {})) for k in (torch.transpose, "transpose")]
-SAMPLES += [Sample(torch.permute, one(lambda rng: dims(rng, 3)), lambda ts, s: ((ts[0], (2, 0, 1)), {})),
-            Sample("permute", one(lambda rng: dims(rng, 3)), lambda ts, s: ((ts[0], 1, 2, 0), {})),
-            Sample("t", one(lambda rng: dims(rng, 2)))]
-SAMPLES += [Sample(torch.cat, _cat, _cat_call)]
-SAMPLES += [Sample(k, one(lambda rng: dims(rng, 3, 2)), lambda ts, s: ((ts[0], 1, 1), {})) for k in (torch.split, "split")]
-SAMPLES += [Sample(k, one(lambda rng: dims(rng, 3, 2)), lambda ts, s: ((ts[0], 2, 2), {})) for k in (torch.chunk, "chunk")]
+            Sample(torch.flatten, THREE_D, first_and(1)),
+            Sample("flatten", THREE_D),
+            Sample(torch.unflatten, one(lambda rng: (rng.randint(1, 4), 6)), first_and(1, (2, 3))),
+            Sample("unflatten", one(lambda rng: (rng.randint(1, 4), 6)), first_and(1, (3, 2)))]
+SAMPLES += [Sample(k, THREE_D, first_and(0, 2)) for k in (torch.transpose, "transpose")]
+SAMPLES += [Sample(torch.permute, THREE_D, first_and((2, 0, 1))),
+            Sample("permute", THREE_D, first_and(1, 2, 0)),
+            Sample("t", one(lambda rng: dims(rng, 2))),
+            Sample(torch.cat, _cat, _cat_call)]
+SAMPLES += [Sample(k, one(lambda rng: dims(rng, 3, 2)), first_and(1, 1)) for k in (torch.split, "split")]
+SAMPLES += [Sample(k, one(lambda rng: dims(rng, 3, 2)), first_and(2, 2)) for k in (torch.chunk, "chunk")]
 SAMPLES += [Sample(F.scaled_dot_product_attention, _attention),
-            Sample(F.scaled_dot_product_attention, _attention, lambda ts, s: (tuple(ts), {"is_causal": True}), "causal")]
-SAMPLES += [Sample("expand", one(lambda rng: (rng.randint(1, 4), 1, rng.randint(1, 4))),
-                   lambda ts, s: ((ts[0], 2, -1, 3, -1), {}))]
-SAMPLES += [Sample(k, one(lambda rng: (rng.randint(1, 2), 1)), lambda ts, s: ((ts[0], (3, 2, 4)), {}))
+            Sample(F.scaled_dot_product_attention, _attention, all_tensors(is_causal=True), "causal"),
+            Sample("expand", one(lambda rng: (rng.randint(1, 4), 1, rng.randint(1, 4))),
+                   first_and(2, -1, 3, -1))]
+SAMPLES += [Sample(k, one(lambda rng: (rng.randint(1, 2), 1)), first_and((3, 2, 4)))
             for k in (torch.broadcast_to, "broadcast_to")]
-SAMPLES += [Sample(local_ops.set_item, lambda rng: (lambda s: (randn(*s), randn(s[0], 1)))(dims(rng, 3)),
-                   lambda ts, s: ((ts[0], (slice(None), 0), ts[1]), {})),
-            Sample(local_ops.set_item, lambda rng: (lambda s: (randn(*s), randn(*s) > 0))(dims(rng, 2)),
-                   lambda ts, s: ((ts[0], ts[1], 0.5), {}), "mask")]
-SAMPLES += [Sample(k, one(lambda rng: dims(rng, 3)), lambda ts, s: ((ts[0], [1]), {})) for k in (torch.flip, "flip")]
-SAMPLES += [Sample(F.pad, one(lambda rng: dims(rng, 3)), lambda ts, s: ((ts[0], (1, 2)), {})),
-            Sample(F.pad, one(lambda rng: dims(rng, 3)), lambda ts, s: ((ts[0], (0, 1), "constant", 3.0), {}), "value")]
-SAMPLES += [Sample(torch.full_like, one(_rank), lambda ts, s: ((ts[0], 2.5), {}))]
-SAMPLES += [Sample("new_zeros", one(_rank), lambda ts, s: ((ts[0], (2, 3)), {})),
-            Sample("new_ones", one(_rank), lambda ts, s: ((ts[0], (3,)), {})),
-            Sample("new_full", one(_rank), lambda ts, s: ((ts[0], (2,), 1.5), {})),
-            Sample("new_empty", one(_rank), lambda ts, s: ((ts[0], (0,)), {}))]
-SAMPLES += [Sample("half", one(_rank)), Sample("bfloat16", one(_rank)),
-            Sample("to", one(_rank), lambda ts, s: ((ts[0], torch.float32), {})),
-            Sample("type", one(_rank), lambda ts, s: ((ts[0], torch.float32), {})),
+SAMPLES += [Sample(local_ops.set_item, _set_item_value, lambda ts, s: ((ts[0], (slice(None), 0), ts[1]), {})),
+            Sample(local_ops.set_item, _set_item_mask, lambda ts, s: ((ts[0], ts[1], 0.5), {}), "mask")]
+SAMPLES += [Sample(k, THREE_D, first_and([1])) for k in (torch.flip, "flip")]
+SAMPLES += [Sample(F.pad, THREE_D, first_and((1, 2))),
+            Sample(F.pad, THREE_D, first_and((0, 1), "constant", 3.0), "value"),
+            Sample(torch.full_like, ANY_RANK, first_and(2.5))]
+SAMPLES += [Sample("new_zeros", ANY_RANK, first_and((2, 3))), Sample("new_ones", ANY_RANK, first_and((3,))),
+            Sample("new_full", ANY_RANK, first_and((2,), 1.5)),
+            Sample("new_empty", ANY_RANK, first_and((0,)))]
+SAMPLES += [Sample("half", ANY_RANK), Sample("bfloat16", ANY_RANK),
+            Sample("to", ANY_RANK, first_and(torch.float32)),
+            Sample("type", ANY_RANK, first_and(torch.float32)),
             Sample("type_as", lambda rng: (randn(*_rank(rng)), torch.zeros(1, dtype=torch.float32)))]
-SAMPLES += [Sample(k, one(_rank)) for k in ("size", "dim", "numel", "nelement", "ndimension")]
-SAMPLES += [Sample("size", one(lambda rng: dims(rng, 3)), lambda ts, s: ((ts[0], 0), {}), "dim 0")]
+SAMPLES += [Sample(k, ANY_RANK) for k in ("size", "dim", "numel", "nelement", "ndimension")]
+SAMPLES += [Sample("size", THREE_D, first_and(0), "dim 0")]
 SAMPLES += [Sample(F.conv2d, _conv),
             Sample(F.conv2d, lambda rng: _conv(rng)[:2], label="no bias"),
-            Sample(F.conv1d, lambda rng: (lambda n, ci, co: (randn(n, ci, 6), randn(co, ci, 3)))(*dims(rng, 3))),
-            Sample(F.conv3d, lambda rng: (lambda n, ci, co: (randn(n, ci, 3, 3, 3), randn(co, ci, 2, 2, 2)))(*dims(rng, 3)))]
-SAMPLES += [Sample(k, _pool_input, lambda ts, s: ((ts[0], 2), {})) for k in (F.max_pool2d, F.avg_pool2d)]
-SAMPLES += [Sample(k, _pool_input, lambda ts, s: ((ts[0], (2, 3)), {})) for k in (F.adaptive_max_pool2d, F.adaptive_avg_pool2d)]
-SAMPLES += [Sample(k, _pool1_input, lambda ts, s: ((ts[0], 2), {}))
+            Sample(F.conv1d, _conv1d),
+            Sample(F.conv3d, _conv3d)]
+SAMPLES += [Sample(k, _pool_input, first_and(2)) for k in (F.max_pool2d, F.avg_pool2d)]
+SAMPLES += [Sample(k, _pool_input, first_and((2, 3))) for k in (F.adaptive_max_pool2d, F.adaptive_avg_pool2d)]
+SAMPLES += [Sample(k, _pool1_input, first_and(2))
             for k in (F.max_pool1d, F.avg_pool1d, F.adaptive_max_pool1d, F.adaptive_avg_pool1d)]
-SAMPLES += [Sample(F.group_norm, lambda rng: (lambda n, h: (randn(n, 4, h), randn(4), randn(4)))(*dims(rng, 2)),
-                   lambda ts, s: ((ts[0], 2, ts[1], ts[2]), {}))]
-SAMPLES += [Sample(F.batch_norm, _bn_input, lambda ts, s: ((ts[0], ts[1], ts[2], ts[3], ts[4], False), {})),
+SAMPLES += [Sample(F.group_norm, _group_norm, lambda ts, s: ((ts[0], 2, ts[1], ts[2]), {})),
+            Sample(F.batch_norm, _bn_input, lambda ts, s: ((*ts, False), {})),
             Sample(local_ops.batch_norm_sum, lambda rng: _stats_input(rng)[:1]),
             Sample(local_ops.batch_norm_stats, _stats_input,
-                   lambda ts, s: ((ts[0], ts[1], s[0][0] * s[0][2]), {})),
+                   lambda ts, s: ((ts[0], ts[1], _bn_count(ts, s)), {})),
             Sample(local_ops.batch_norm_apply, _apply_input,
-                   lambda ts, s: ((ts[0], ts[1], s[0][0] * s[0][2], ts[2], ts[3]), {}))]
-SAMPLES += [Sample(operator.getitem, one(lambda rng: dims(rng, 3)),
-                   lambda ts, s: ((ts[0], (slice(None), 0, None, Ellipsis)), {}), "basic"),
-            Sample(operator.getitem, one(lambda rng: dims(rng, 3)),
-                   lambda ts, s: ((ts[0], (Ellipsis, slice(1, None))), {}), "slice")]
+                   lambda ts, s: ((ts[0], ts[1], _bn_count(ts, s), ts[2], ts[3]), {}))]
+SAMPLES += [Sample(operator.getitem, THREE_D, first_and((slice(None), 0, None, Ellipsis)), "basic"),
+            Sample(operator.getitem, THREE_D, first_and((Ellipsis, slice(1, None))), "slice")]
 
 NOT_SAMPLED = {
     # in-place running-statistics updates graphc inserts; their rule claims nothing sharded

@@ -3,11 +3,13 @@ every registered rule's every claimed signature, on small random shapes and 2 an
 gives each rank its local component of the whole op's output (float64, 1e-10)."""
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from graphc.placement import Split
 from graphc.sbp import rules
 from rule_check import Sample, check_sample
-from rule_samples import NOT_SAMPLED, SAMPLES, one
+from rule_samples import NOT_SAMPLED, SAMPLES, first_and, one
 
 SEEDS = range(2)
 
@@ -67,3 +69,16 @@ def test_a_wrong_rule_in_the_table_fails_its_sample(monkeypatch):
     monkeypatch.setitem(rules.RULES, "permute", transposed)
     sample = next(s for s in SAMPLES if s.key == "permute")
     assert any("permute on" in f for seed in SEEDS for f in check_sample(sample, seed))
+
+
+def test_the_empty_channel_shard_it_found_is_caught():
+    """Pooling's rule before `fills`: 4 channels split over 3 ranks (2, 2, 0)
+    leave rank 2 an empty channel dim, which max_pool2d refuses."""
+    def pool_without_fills(ctx):
+        keep = len(ctx.out.shape) - 2
+        return [c for c in rules._split_candidates(ctx) if c[1].dim < keep]
+    sample = Sample(F.max_pool2d, lambda rng: (torch.randn(4, 4, 6, 6, dtype=torch.float64),), first_and(2))
+    failures = check_sample(sample, 0, ranks=(3,), rule=pool_without_fills)
+    assert any("laid out {'x0': split(1)} -> split(1): rank 2 raised on local inputs [(4, 0, 6, 6)]" in f
+               for f in failures), failures
+    assert check_sample(sample, 0, ranks=(3,)) == []      # the registered rule, with fills

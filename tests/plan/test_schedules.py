@@ -7,7 +7,6 @@ idle slots and REDUCE_GRAD dropped). Every other check goes over every registere
 """
 import logging
 from collections import defaultdict
-from pathlib import Path
 from unittest import mock
 
 import pytest

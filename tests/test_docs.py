@@ -109,8 +109,25 @@ def missing_code_names(docs):
                     yield f"{doc.name}: {name}"
 
 
+# bare names the docs cite that are not graphc's code, with what they are
+NOT_GRAPHC = {"tensorboard_trace_handler": "torch.profiler's",
+              "G_m_modules_a_parameters_weight_": "a name fx generates for a parameter read",
+              "_tensor_constantN": "fx's constants, N a number"}
+
+
+def missing_bare_names(docs):
+    """`snake_case` or `CamelCase` names the docs cite that no source file contains."""
+    words = set(re.findall(r"\b\w+\b", "\n".join(p.read_text() for p in SOURCES)))
+    for doc in docs:
+        for name in sorted(set(re.findall(r"`([A-Za-z_]\w*)(?:\(\))?`", doc.read_text()))):
+            code_like = "_" in name or re.match(r"[A-Z][a-z]+[A-Z]", name)
+            if code_like and name not in words and name not in NOT_GRAPHC:
+                yield f"{doc.name}: {name}"
+
+
 def test_code_names_the_docs_cite_exist():
     assert list(missing_code_names(DOCS)) == []
+    assert list(missing_bare_names(DOCS)) == []
 
 
 def test_a_gone_method_is_found(tmp_path):
@@ -119,6 +136,8 @@ def test_a_gone_method_is_found(tmp_path):
                    "`graphc/tools/costs.py: NOT_THERE` and `Graph._compile_spec()`\n")
     assert list(missing_code_names([doc])) == ["design.md: Graph._trace_and_compile",
                                                 "design.md: graphc/tools/costs.py: NOT_THERE"]
+    doc.write_text("the one path (`_trace_and_compile`) and `compile_spec`\n")
+    assert list(missing_bare_names([doc])) == ["design.md: _trace_and_compile"]
 
 
 # -- README ------------------------------------------------------------------------------

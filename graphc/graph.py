@@ -17,13 +17,14 @@ from .build_root import BuildRoot
 from .check_mode import CheckDone
 from .check_step import FirstStepCheck, optimizer_groups, warn_if_random
 from .checked_steps import StepChecker
-from .auto.layout import apply_layout, batch_layouts, input_stages, local_rows
-from .config import GraphConfig, compile_spec
+from .auto.layout import apply_layout, batch_layouts, input_stages
+from .config import GraphConfig
 from .dcp import dcp_state_dict, unprefixed
 from .errors import GraphcError
-from .global_tensor import GlobalTensor
 from .executable import (Executable, ExecutableCache, _as_traced, check_cuda_available, check_same_stages,
                          flatten_call, named_placements, signature)
+from .global_tensor import GlobalTensor, to_global
+from .graph_spec import compile_spec
 from .optim_check import check_optimizer
 from .plan.plan import ExecutionPlan
 from .runtime.dist_env import ensure_process_group, timeout_seconds
@@ -282,7 +283,7 @@ class Graph:
             object.__setattr__(self, "_input_layouts", batch_layouts(layout, leaves, batched, stages))
         # before the first compile makes the process group, torchrun's RANK names this rank
         rank = world.rank() if world.current() is not None else int(os.environ.get("RANK", "0"))
-        return tuple(pytree.tree_unflatten(local_rows(layout, rank, leaves, self._input_layouts), treedef))
+        return tuple(pytree.tree_unflatten(_local_rows(layout, rank, leaves, self._input_layouts), treedef))
 
     @contextmanager
     def _traceable(self):
@@ -386,3 +387,17 @@ class Graph:
         parts = [f"{name} (compiled){notes}"] + [str(p) for p in self._compiled.programs] + [str(self.plan)]
         return "\n\n".join(parts)
 
+
+def _local_rows(layout, rank: int, inputs, laid) -> list:
+    """This rank's call arguments under a loaded layout (`laid`: batch_layouts'): each split
+    input cut to the rows of the rank's data-parallel coordinate and made a GlobalTensor on its
+    placement (a rank outside it passes the first coordinate's rows: they are not read)."""
+    out = []
+    for t, where in zip(inputs, laid):
+        if where is None:
+            out.append(t)
+            continue
+        ranks = list(where.placement.flat_ranks)
+        row = ranks.index(rank) // layout.tp if rank in ranks else 0
+        out.append(to_global(t.chunk(layout.dp)[row], placement=where.placement, sbp=where.sbp))
+    return out

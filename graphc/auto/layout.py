@@ -248,22 +248,6 @@ def batch_layouts(layout: Layout, inputs, batched, stages: Sequence[Optional[int
     return out
 
 
-def local_rows(layout: Layout, rank: int, inputs, laid: Sequence) -> list:
-    """This rank's call arguments under `layout` (`laid`: batch_layouts'): each split input
-    cut to the rows of the rank's data-parallel coordinate and made a GlobalTensor on its
-    placement (a rank outside it passes the first coordinate's rows: they are not read)."""
-    from ..global_tensor import to_global
-    out = []
-    for t, where in zip(inputs, laid):
-        if where is None:
-            out.append(t)
-            continue
-        flat = where.placement.flat_ranks
-        row = (list(flat).index(rank) // layout.tp) if rank in flat else 0
-        out.append(to_global(t.chunk(layout.dp)[row], placement=where.placement, sbp=where.sbp))
-    return out
-
-
 def with_layers(layout: Layout, root: nn.Module) -> Layout:
     """The layout with its layer list named and its stage cuts filled in (even)."""
     name, layers = layer_list(root)
@@ -277,6 +261,6 @@ def constraints_of(spec) -> Dict[str, int]:
     return {"stages": len(stages)} if stages else {}
 
 
-__all__ = ["Layout", "apply_layout", "input_stages", "batch_layouts", "local_rows", "layer_list", "megatron_pairs", "even_boundaries",
+__all__ = ["Layout", "apply_layout", "input_stages", "batch_layouts", "layer_list", "megatron_pairs", "even_boundaries",
            "with_layers", "constraints_of", "V_SCHEDULES", "LOOPED_SCHEDULES"]
 

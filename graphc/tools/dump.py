@@ -41,6 +41,8 @@ def write_all(graph, compiled, folder: str, mode) -> List[str]:
     written += write_programs(compiled, folder)
     written.append(_write(os.path.join(folder, "passes.txt"),
                           "\n\n".join(r.text for r in compiled.history)))
+    # the values the plan was compiled under, as every call checks them (NOTE: Guards)
+    written.append(_write(os.path.join(folder, "guards.txt"), compiled.guards.text()))
     if mode.chart and not charts_available():
         mode.chart = False          # said once, for every graph the script compiles
         print(f"graphc plan: matplotlib is not installed, so no schedule charts are drawn "

@@ -36,6 +36,7 @@ from ..ops.conversions import all_reduce_sum
 from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
 from .collectives import GradSync
+from .device import place_programs
 from .executor import StageExecutor
 from .grad_hooks import UserGradHooks
 from .stopped_ranks import explain_stopped_peers
@@ -188,6 +189,7 @@ class Runtime:
         self.captured: Optional[list] = None
         m = plan.num_microbatches
         ckpt = checkpointed_microbatches(plan.checkpointing, m)
+        place_programs(programs.values(), device)   # constants traced on the CPU (NOTE: CUDA placement)
         self.executors: Dict[int, StageExecutor] = {
             s: StageExecutor(prog, plan.training, prog.loss_weight(m), ckpt) for s, prog in programs.items()}
         # ZeRO's shards (See NOTE: ZeRO in zero.py): the optimizer holds them from here on
@@ -242,8 +244,14 @@ class Runtime:
             raise stopped from exc
 
     def _on_stream(self, user_inputs):
+        """The step on the rank's compute stream, ordered after everything the caller's stream
+        has queued: its inputs and parameters written there (a batch copied in, a
+        load_state_dict), and its reads of the last step's outputs, whose memory this step's
+        allocations on the compute stream may reuse once the caller dropped them. The caller's
+        stream then waits for the step, so the outputs are ready to read there."""
         if self.stream is None:
             return self._run(user_inputs)
+        self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             out = self._run(user_inputs)
         torch.cuda.current_stream().wait_stream(self.stream)
@@ -454,7 +462,9 @@ class Runtime:
         if self.grad_scaler is None or self.found_inf is not None:
             return
         inv = self.grad_scaler.inverse()
-        found = torch.zeros((), dtype=torch.float32)
+        # on the rank's device: NCCL reduces a GPU tensor; a CPU one (a rank without gradients)
+        # would go to gloo while the others' go to NCCL, and the MAX would never meet
+        found = torch.zeros((), dtype=torch.float32, device=self.device)
         params = self._grad_holders()
         for p in {id(p): p for p in params.values()}.values():
             if p.grad is not None:

@@ -365,7 +365,7 @@ class Bench:
         try:
             graph(x, y)
         except graphc.GraphcError as exc:
-            return {"status": "refused", "message": str(exc).splitlines()[0][:200]}
+            return {"status": "refused", "message": " ".join(str(exc).splitlines()[:2])[:300]}
         raise AssertionError("config.set_cuda_graphs(True) ran on CPU placements without a GraphcError")
 
     def float64(self) -> Dict:

@@ -68,6 +68,7 @@ class GraphConfig:
         self.gradient_accumulation_steps = 1
         self.pipeline_schedule = "1f1b"
         self.recv_window = 2
+        self.cuda_graphs = False            # set_cuda_graphs (NOTE: CUDA graphs, runtime/cuda_graphs.py)
         self.gradient_bucket_bytes = DEFAULT_BUCKET_BYTES
         self.trace_path: Optional[str] = None
         self.trace_steps = 5
@@ -355,6 +356,28 @@ class GraphConfig:
                               f"{shard_min_size!r}. Fix: e.g. shard_min_size=1024.")
         self.zero_stage = stage if enabled else 0
         self.zero_shard_min_size = shard_min_size
+
+    def set_cuda_graphs(self, enabled: bool = True) -> None:
+        """Captures each step's compute in a CUDA graph and replays it (NOTE: CUDA graphs).
+
+        The first call runs uncaptured (warm-up), the second captures the rank's forwards and
+        backwards of every stage and micro-batch and replays them; the optimizer step runs
+        after, uncaptured. The numbers are the uncaptured step's, bit for bit. A graph that
+        cannot be captured is a GraphcError at its first call naming why: placements on the
+        CPU, several ranks (transfers and collectives), random ops such as dropout, a
+        GradScaler, or training without an optimizer.
+
+        Args:
+            enabled: True to capture; False (the default) runs every step uncaptured.
+
+        Example:
+            model.to("cuda")
+            self.config.set_cuda_graphs(True)
+        """
+        self._check_open("set_cuda_graphs")
+        if not isinstance(enabled, bool):
+            raise GraphcError(f"set_cuda_graphs expects True or False, found {enabled!r}")
+        self.cuda_graphs = enabled
 
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""

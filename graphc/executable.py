@@ -221,7 +221,7 @@ class Executable:
         self.tracer = Tracer.from_config(config, rank)
         self.runtime = Runtime(plan, programs, p2p, self.device(rank), optimizer, lr_scheduler,
                                config.recv_window, self.tracer.record, grad_scaler, masters,
-                               cuda_graphs=config.cuda_graphs)
+                               cuda_graphs=config.cuda_graphs, memory_stats=config.memory_stats)
 
     def check(self) -> Optional[Guard]:
         """The first guard that no longer holds (None: this executable may run)."""

@@ -46,8 +46,8 @@ from .zero import ZeroGradSync, ZeroShards, released_in, whole_parameters
 
 @dataclass
 class StepStats:
-    """What one step did: peak live activations per stage (micro-batches and bytes), wall time,
-    optional timeline."""
+    """What one step did: peak live activations per stage (micro-batches, and bytes with
+    config.set_memory_stats), wall time, optional timeline."""
 
     max_live_activations: Dict[int, int] = field(default_factory=dict)
     max_live_bytes: Dict[int, int] = field(default_factory=dict)
@@ -193,7 +193,7 @@ class Runtime:
 
     def __init__(self, plan: ExecutionPlan, programs: Dict[int, StageProgram], p2p, device,
                  optimizer=None, lr_scheduler=None, window: int = 2, trace: bool = False,
-                 grad_scaler=None, masters=None, cuda_graphs: bool = False):
+                 grad_scaler=None, masters=None, cuda_graphs: bool = False, memory_stats: bool = False):
         self.plan, self.p2p, self.device = plan, p2p, device
         self.masters = masters   # set_param_dtype's float32 masters (NOTE: Master parameters)
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
@@ -208,7 +208,9 @@ class Runtime:
         ckpt = checkpointed_microbatches(plan.checkpointing, m)
         place_programs(programs.values(), device)   # constants traced on the CPU (NOTE: CUDA placement)
         self.executors: Dict[int, StageExecutor] = {
-            s: StageExecutor(prog, plan.training, prog.loss_weight(m), ckpt) for s, prog in programs.items()}
+            s: StageExecutor(prog, plan.training, prog.loss_weight(m), ckpt, memory_stats)
+            for s, prog in programs.items()}
+        self.memory_stats = memory_stats   # config.set_memory_stats: StepStats.max_live_bytes
         # ZeRO's shards (See NOTE: ZeRO in zero.py): the optimizer holds them from here on
         self.zero = (ZeroShards.from_plan(plan, list(programs.values()), optimizer, masters)
                      if plan.training else None)
@@ -388,7 +390,8 @@ class Runtime:
             actor.drain()
         for s, ex in self.executors.items():
             stats.max_live_activations[s] = ex.max_live
-            stats.max_live_bytes[s] = ex.max_live_bytes
+            if self.memory_stats:
+                stats.max_live_bytes[s] = ex.max_live_bytes
             ex.max_live = ex.max_live_bytes = 0
         stats.seconds = time.perf_counter() - start
         return dict(step.results), stats

@@ -44,6 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..errors import GraphcError
 from ..ops.random_ops import seeded
 from ..plan.instructions import COMPUTE, ClipGradNorm, OptimizerStep
 from ..plan.plan import ExecutionPlan
@@ -143,8 +144,18 @@ class StepGraph:
         self.graph = None
         self.static_inputs = [torch.empty_like(x, device=device) for x in user_inputs]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
-            self.static_results = compute(self.static_inputs)
+        try:
+            # thread_local: a DataLoader's pin-memory thread allocating pinned memory while this
+            # thread captures would fail under torch's default ("global")
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                self.static_results = compute(self.static_inputs)
+        except RuntimeError as exc:   # an op that synchronises or allocates on the host mid-capture
+            raise GraphcError(
+                f"config.set_cuda_graphs(True): capturing the step failed ({str(exc).splitlines()[0]}). "
+                "An op of the step waits for the host or reads a value there (a data-dependent "
+                "shape, .item(), a CPU tensor copied in), which a CUDA graph cannot replay. Fix: "
+                "drop set_cuda_graphs for this graph, and report the op to graphc if build() has "
+                "no such read (NOTE: CUDA graphs).") from exc
         self.graph = graph
         self.grads = [(h, h.grad) for h in self.grad_holders if h.grad is not None]
         self.addresses = self._addresses()

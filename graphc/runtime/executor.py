@@ -19,12 +19,15 @@ forward (then puts back their current values: a recompute updates no running sta
 twice) and inside the same random draw (ops/random_ops.py: masks are a pure function of
 step and micro-batch), so every value, and therefore every gradient, is the forward's.
 
-Live activation bytes: every tensor autograd saves during a forward is counted once (by
-storage) against its micro-batch until that micro-batch's backward frees it; a
-checkpointed micro-batch counts its kept inputs. `max_live_bytes` is the step's peak.
+Live activation bytes (only with `count_bytes`: config.set_memory_stats, since counting
+runs a Python hook on every tensor autograd saves, ~2% of a step): every tensor autograd
+saves during a forward is counted once (by storage) against its micro-batch until that
+micro-batch's backward frees it; a checkpointed micro-batch counts its kept inputs.
+`max_live_bytes` is the step's peak.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -50,8 +53,9 @@ class _Saved:
 
 class StageExecutor:
     def __init__(self, program: StageProgram, training: bool, loss_scale: float,
-                 checkpointed=frozenset()):
+                 checkpointed=frozenset(), count_bytes: bool = True):
         self.program = program
+        self.count_bytes = count_bytes   # live activation bytes (see the module's docstring)
         self.training = training
         self.loss_scale = loss_scale
         self.checkpointed = frozenset(checkpointed)  # micro-batches whose forward is recomputed
@@ -85,11 +89,12 @@ class StageExecutor:
             with torch.no_grad(), drawing(*self.draw, mb):
                 out = prog.module(*args)
             outs = dict(zip(prog.outputs, out))
-            saved = _Saved(leaves, outs, args, buffers, self._bytes_of(args))
+            saved = _Saved(leaves, outs, args, buffers, self._bytes_of(args) if self.count_bytes else 0)
         else:
             seen: Dict[int, int] = {}
-            with torch.enable_grad(), drawing(*self.draw, mb), \
-                    torch.autograd.graph.saved_tensors_hooks(self._counter(seen), _identity):
+            counting = torch.autograd.graph.saved_tensors_hooks(self._counter(seen), _identity) \
+                if self.count_bytes else nullcontext()
+            with torch.enable_grad(), drawing(*self.draw, mb), counting:
                 out = prog.module(*args)
             outs = dict(zip(prog.outputs, out))
             saved = _Saved(leaves, outs, nbytes=sum(seen.values()))

@@ -9,7 +9,9 @@ moment it finishes (flushed, replaced atomically), runs under its own timeout, a
 skipped when the run's budget (--budget seconds, 450 by default) cannot hold it. Steps, in
 order of what matters most:
 
-  install      pip install --no-deps -e . (the machine's torch 2.11+cu130 stays)
+  install      pip install --no-deps --no-build-isolation -e . (the machine's torch 2.11+cu130
+               stays; without internet an isolated build could not fetch setuptools). The
+               steps import graphc from this checkout either way
   pytest       pytest -m cuda tests/cuda (the cuda-marked tests)
   gpt_bf16     the GPT of examples/gpt.py at ~124M parameters (GPT-2 small: 12 layers, width
                768, vocabulary 50304) in bf16 autocast: graphc one stage / eager, interleaved;
@@ -174,8 +176,10 @@ def _free_device_memory() -> None:
 
 
 def run_command(cmd: List[str], timeout: float) -> Dict:
-    """A subprocess step: its exit status and the tail of its output."""
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    """A subprocess step: its exit status and the tail of its output. graphc is importable
+    from the checkout (PYTHONPATH) whether or not the install step worked."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
     return {"status": "ok" if done.returncode == 0 else "failed", "rc": done.returncode,
             "tail": " / ".join(tail)}
@@ -470,7 +474,9 @@ def main(argv=None) -> int:
     results = Results(args.out, describe(args.device))
     bench = Bench(args.device, DRY_SIZES if dry else GPU_SIZES)
     # dry mode leaves the environment alone: pip only says which it is
-    install_cmd = [sys.executable, "-m", "pip"] + (["--version"] if dry else ["install", "--no-deps", "-e", "."])
+    # no internet there: no build isolation (it would fetch setuptools); the machine's own is used
+    install_cmd = [sys.executable, "-m", "pip"] + (["--version"] if dry else
+                                                   ["install", "--no-deps", "--no-build-isolation", "-e", "."])
     pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/cuda", "-p", "no:cacheprovider"]
     plan = [  # (name, function, timeout in seconds)
         ("install", lambda: run_command(install_cmd, 120), 130),

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..errors import GraphcError
 from ..meta import META_AUTOCAST, META_BATCHED, META_GRAD_ENABLED, META_TENSOR, TensorMeta, is_backward
-from .build_tracer import run_module_on_fakes
+from .build_tracer import cpu_fake, run_module_on_fakes
 from .trace_build import microbatch_shape
 
 
@@ -78,10 +78,11 @@ class _Fakes:
 
     def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode):
         self.gm, self.mode = gm, mode
+        self.stand_ins: dict = {}   # cpu_fake's memo
 
     def of(self, value):
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
-            return self.mode.from_tensor(value, static_shapes=True)
+            return cpu_fake(self.mode, value, self.stand_ins)   # on the CPU (NOTE: CUDA placement)
         return value
 
     def attr(self, target: str):

@@ -3,7 +3,9 @@
 NOTE: CUDA placement
 graphc traces build() on CPU stand-ins of the inputs (InputSpec.example), also for a stage
 placed on "cuda": tracing needs no GPU, and `graphc plan` compiles a cuda program on a
-machine without one. What a trace reads of a value's device is therefore the CPU: GPT's
+machine without one; a model already on its GPU is traced on CPU fakes of its parameters
+and buffers too (passes/build_tracer.py: cpu_fake). What a trace reads of a value's device
+is therefore the CPU: GPT's
 `torch.arange(t, device=idx.device)` becomes a tensor constant on the CPU (fx's
 `_tensor_constant0`, a buffer of the stage program), and a call that passes `x.device`
 keeps `device=cpu` as an argument. The parameters and the buffers of the user's state

@@ -5,6 +5,7 @@ weight failed ("found at least two devices, meta and cpu")."""
 import os
 import sys
 
+import pytest
 import torch
 
 import graphc
@@ -49,3 +50,31 @@ def test_tied_weights_keep_one_fake():
     held = list(compiled.programs[0].module.parameters())
     assert len(held) == len(list(model.parameters()))
     assert any(p is model.lm_head.weight for p in held)
+
+
+@pytest.mark.fp32   # autocast casts float32, not the suite's float64
+def test_cuda_amp_plan_lists_the_dtypes_the_gpu_sends():
+    """enable_amp on cuda stages: the trace on CPU stand-ins runs under a cpu region beside the
+    cuda one, so a Linear's output crossing to the next stage is listed bf16, as the GPU sends
+    it (a cuda region alone cast nothing on the CPU: f32 was listed, a receive buffer twice the
+    size of the send)."""
+    plans = {}
+    for device in ("cpu", "cuda"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+
+        class Pipeline(graphc.Graph):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+                self.model[0].config.set_stage(0, graphc.placement(device, ranks=[0]))
+                self.model[1].config.set_stage(1, graphc.placement(device, ranks=[1]))
+                self.config.enable_amp(True, dtype=torch.bfloat16)
+                self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+            def build(self, x):
+                loss = self.model(x).float().pow(2).mean()
+                loss.backward()
+                return loss
+        plans[device] = compile_graph(Pipeline(), [torch.randn(4, 8)], 2).plans[0]
+    sends = {d: [str(i) for i in p.instructions if "SEND" in str(i)] for d, p in plans.items()}
+    assert sends["cuda"] == sends["cpu"] and "bf16[4,8]" in sends["cuda"][0], sends

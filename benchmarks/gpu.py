@@ -78,7 +78,7 @@ class Sizes:
 
 GPU_SIZES = Sizes(layers=12, width=768, heads=12, vocab=50304, block=1024, batch=8,
                   small_batch=2, small_block=128, warmup=3, iters=10)
-DRY_SIZES = Sizes(layers=2, width=32, heads=2, vocab=64, block=16, batch=4,
+DRY_SIZES = Sizes(layers=1, width=32, heads=2, vocab=64, block=16, batch=4,
                   small_batch=2, small_block=8, warmup=1, iters=2)
 
 

@@ -83,6 +83,7 @@ class GraphConfig:
         self.zero_shard_min_size = 1024
         self.grad_reduce_dtype: Optional[torch.dtype] = None   # None: each gradient's own dtype
         self.param_dtype: Optional[torch.dtype] = None  # set_param_dtype (None: the model's own)
+        self.layout = None                  # load_layout: a graphc.auto.Layout (NOTE: Auto layouts)
 
     def _check_open(self, what: str) -> None:
         if self._graph._compiled is not None:
@@ -185,6 +186,22 @@ class GraphConfig:
                               f"{list(CHECKPOINT_MODES)}, found {mode!r}. For one module, use "
                               "module.config.set_activation_checkpointing(True).")
         self.activation_checkpointing = mode
+
+    def load_layout(self, layout) -> None:
+        """Trains on a whole parallel layout: the `layout.json` that `graphc plan --auto`
+        wrote (a path), or a graphc.auto.Layout. It places the model's layers on pipeline
+        stages, splits their Megatron pairs over tensor-parallel ranks and the batch over
+        data-parallel ranks, and sets the schedule, micro-batches, ZeRO stage and
+        checkpointing; set_stage and to_global declarations of the model are replaced. Pass
+        the whole batch on every rank as plain tensors: each rank takes its rows (See NOTE:
+        Auto layouts in graphc/auto/layout.py).
+
+        Example:
+            self.config.load_layout("plans/layout.json")
+        """
+        from .auto.layout import Layout
+        self._check_open("load_layout")
+        self.layout = layout if isinstance(layout, Layout) else Layout.load(layout)
 
     def set_whole_inputs(self, *names: str) -> None:
         """build() arguments passed whole to every micro-batch under gradient accumulation.

@@ -37,6 +37,10 @@ LAYER_OF = {
     "graphc.executable": "api",
     "graphc.check_step": "api", "graphc.optim_check": "api", "graphc.testing": "api",  # the Graph's checks of a step, optimizer
     "graphc.tools": "tools",
+    # a layout as a value and its CompileSpec (config.load_layout) below the API; the search
+    # (compile, simulate, memory model) above the tools, run by graphc plan --auto
+    "graphc.auto.layout": "api", "graphc.auto": "entry",
+    "graphc.tools.plan_cli": "entry",   # `graphc plan`'s command line (it installs --auto's search)
     "graphc.cli": "entry", "graphc.__main__": "entry",
 }
 

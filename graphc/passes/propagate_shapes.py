@@ -9,6 +9,13 @@ compiling changes nothing the user owns (BatchNorm's running statistics and coun
 Each node runs in the grad mode build() traced it in (META_GRAD_ENABLED), so a value
 computed under torch.no_grad() does not require grad.
 Requires: trace_build.
+
+NOTE: Planning meta models
+A model built under `with torch.device("meta"):` has shapes and no memory, so `graphc plan`
+(and `--auto`) can plan one far larger than the machine: its parameters are read as fakes
+on the CPU (build_tracer.cpu_fake, as a model already on its GPU: NOTE: CUDA placement), so
+ops mixing them with the CPU inputs run; the simulator and the
+memory model read only shapes. Such a graph cannot train (no values): plan mode only.
 """
 from __future__ import annotations
 

@@ -41,10 +41,11 @@ from .weight_grads import WeightGroups
 class _Saved:
     """What a micro-batch keeps between its forward and its backward."""
 
-    __slots__ = ("leaves", "outs", "inputs", "buffers", "nbytes", "roots", "grads", "weights")
+    __slots__ = ("leaves", "outs", "inputs", "buffers", "versions", "nbytes", "roots", "grads", "weights")
 
-    def __init__(self, leaves, outs, inputs=None, buffers=None, nbytes=0):
+    def __init__(self, leaves, outs, inputs=None, buffers=None, nbytes=0, versions=None):
         self.leaves, self.outs, self.inputs, self.buffers = leaves, outs, inputs, buffers
+        self.versions = versions   # each buffer's version when `buffers` copied it
         self.nbytes = nbytes
         self.roots: Optional[list] = None   # set by backward_input for backward_weight
         self.grads: Optional[list] = None
@@ -86,10 +87,12 @@ class StageExecutor:
                 return dict(zip(prog.outputs, prog.module(*args)))
         if mb in self.checkpointed:
             buffers = {n: b.clone() for n, b in self._buffers.items()} if self._buffers else None
+            versions = {n: b._version for n, b in self._buffers.items()}
             with torch.no_grad(), drawing(*self.draw, mb):
                 out = prog.module(*args)
             outs = dict(zip(prog.outputs, out))
-            saved = _Saved(leaves, outs, args, buffers, self._bytes_of(args) if self.count_bytes else 0)
+            saved = _Saved(leaves, outs, args, buffers, self._bytes_of(args) if self.count_bytes else 0,
+                           versions)
         else:
             seen: Dict[int, int] = {}
             counting = torch.autograd.graph.saved_tensors_hooks(self._counter(seen), _identity) \
@@ -207,9 +210,12 @@ class StageExecutor:
         current = versions = None
         if saved.buffers:
             current = {n: b.clone() for n, b in self._buffers.items()}
-            with torch.no_grad():   # (an unchanged one is left alone: see below)
+            # a buffer written since the forward (its version moved) is put back; an unchanged
+            # one is left alone (see below). Versions, not torch.equal: no read on the host, which
+            # on a GPU waits for the stream and cannot be captured (NOTE: CUDA graphs)
+            with torch.no_grad():
                 for n, b in self._buffers.items():
-                    if not torch.equal(b, saved.buffers[n]):
+                    if b._version != saved.versions[n]:
                         b.copy_(saved.buffers[n])
             versions = {n: b._version for n, b in self._buffers.items()}
         try:
@@ -225,7 +231,7 @@ class StageExecutor:
                         if b._version != versions[n]:
                             b.copy_(current[n])
         saved.outs = dict(zip(self.program.outputs, out))
-        saved.inputs = saved.buffers = None
+        saved.inputs = saved.buffers = saved.versions = None
 
     @staticmethod
     def _input_grads(saved: _Saved) -> Dict[str, torch.Tensor]:

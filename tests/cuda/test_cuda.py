@@ -186,16 +186,17 @@ def test_zero_on_one_rank(device):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("stages", [1, 2])
-def test_cuda_graphs_bitwise_equal_to_uncaptured_over_10_steps(stages):
+@pytest.mark.parametrize("stages, checkpoint", [(1, False), (2, False), (1, True)],
+                         ids=["one_stage", "two_stages", "checkpointed"])
+def test_cuda_graphs_bitwise_equal_to_uncaptured_over_10_steps(stages, checkpoint):
     """config.set_cuda_graphs: call 1 warms up, call 2 captures, calls 3-10 replay; every
     loss and every parameter after 10 steps equal to the uncaptured graph's bit for bit
     (float32: the captured kernels are the uncaptured ones). On the CPU the option is refused
     (tests/runtime/test_cuda_graphs.py)."""
     plain_model = tiny_gpt("cuda", torch.float32)
     captured_model = copy.deepcopy(plain_model)
-    plain = GPTGraph(plain_model, "cuda", stages=stages)
-    captured = GPTGraph(captured_model, "cuda", stages=stages)
+    plain = GPTGraph(plain_model, "cuda", stages=stages, checkpoint=checkpoint)
+    captured = GPTGraph(captured_model, "cuda", stages=stages, checkpoint=checkpoint)
     captured.config.set_cuda_graphs(True)
     for x, y in token_batches("cuda", n=10):
         want, got = plain(x, y).to_local(), captured(x, y).to_local()

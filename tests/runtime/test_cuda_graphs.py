@@ -75,7 +75,7 @@ def test_what_is_captured_is_the_compute_before_the_optimizer_step():
     assert [type(i).__name__ for i in plan.instructions[n:]] == ["OptimizerStep"]
 
 
-def test_set_cuda_graphs_checks_its_argument_and_when_it_is_called():
+def test_set_cuda_graphs_checks_its_argument():
     graph = Step(nn.Linear(4, 4))
     with pytest.raises(graphc.GraphcError, match="set_cuda_graphs expects True or False"):
         graph.config.set_cuda_graphs("yes")

@@ -23,6 +23,8 @@ order of what matters most:
                difference over the steps, tokens/s
   stages       two pipeline stages on the one device (interleaved 1F1B, 2 micro-batches)
                against one stage
+  simulate     graphc plan's simulator for the detected device (h100, h200, a100 presets)
+               on the gpt_bf16 graph: predicted step / measured step (issue 38 item 3)
   compile      torch.compile of the same model (eager / compiled tokens/s), last: its first
                compile is the slowest step
 
@@ -297,6 +299,13 @@ def bf16_peak(device: str) -> Optional[float]:
     return next((peak for key, peak in BF16_PEAKS if key in name), None)
 
 
+def device_preset(device: str) -> str:
+    """graphc's simulator preset for the detected GPU (h100 in the dry mode)."""
+    name = torch.cuda.get_device_name() if device == "cuda" else ""
+    return next((preset for key, preset in (("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
+                 if key in name), "h100")
+
+
 def throughput(times: Dict[str, List[float]], tokens: int, sizes: Sizes, block: int, device: str) -> Dict:
     row: Dict = {}
     peak = bf16_peak(device)
@@ -313,6 +322,7 @@ def throughput(times: Dict[str, List[float]], tokens: int, sizes: Sizes, block: 
 class Bench:
     def __init__(self, device: str, sizes: Sizes):
         self.device, self.sizes = device, sizes
+        self.measured: Dict[str, float] = {}   # gpt_bf16's row, for the simulator's comparison
 
     def sync(self) -> None:
         if self.device == "cuda":
@@ -333,6 +343,21 @@ class Bench:
         row = throughput(times, s.batch * s.block, s, s.block, self.device)
         row["graphc_over_eager"] = row["graphc_ms"] / row["eager_ms"]
         row["params_M"] = sum(p.numel() for p in eager.model.parameters()) / 1e6
+        self.measured = row
+        return row
+
+    def simulate(self) -> Dict:
+        """The simulator's step for this device's preset against gpt_bf16's measured step."""
+        from graphc.tools.costs import device_costs
+        from graphc.tools.simulate import simulate
+        s = self.sizes
+        graph = graph_for(make_gpt(s, self.device), self.device, torch.bfloat16)
+        graph.compile(*make_batches(s, self.device, 1, s.batch, s.block)[0])
+        preset = device_preset(self.device)
+        predicted = simulate(graph.compiled.plans, device_costs(graph.compiled, preset)).step_time * 1e3
+        row = {"preset": preset, "predicted_ms": predicted}
+        if "graphc_ms" in self.measured:   # meaningless in the dry mode: a GPU preset against a CPU
+            row["predicted_over_measured"] = predicted / self.measured["graphc_ms"]
         return row
 
     def cuda_graphs(self) -> Dict:
@@ -486,6 +511,7 @@ def main(argv=None) -> int:
         ("float64", bench.float64, 45),
         ("amp", bench.amp, 75),
         ("stages", bench.stages, 60),
+        ("simulate", bench.simulate, 45),
         ("compile", bench.compile, 150),
     ]
     wanted = set(filter(None, args.steps.split(",")))

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ["install", "pytest", "gpt_bf16", "cuda_graphs", "float64", "amp", "stages", "compile"]
+STEPS = ["install", "pytest", "gpt_bf16", "cuda_graphs", "float64", "amp", "stages", "simulate", "compile"]
 # what the dry mode runs here: the pytest step is pytest inside pytest (6 s); it runs the same
 # run_command as install, which does run
 DRY_STEPS = [s for s in STEPS if s != "pytest"]
@@ -33,6 +33,7 @@ def test_dry_mode_writes_every_step(tmp_path):
     assert rows["float64"]["loss_diff"] <= 1e-10 and rows["float64"]["param_diff"] <= 1e-10
     assert rows["amp"]["bf16_loss_diff"] == 0.0 and rows["amp"]["fp16_loss_diff"] == 0.0
     assert rows["stages"]["loss_diff"] < 1e-5       # float32: 2 stages reorder nothing but micro-batches
+    assert rows["simulate"]["preset"] == "h100" and rows["simulate"]["predicted_ms"] > 0
     assert rows["compile"]["backend"] == "eager" and rows["compile"]["compiled_tokens_s"] > 0
     assert rows["cuda_graphs"]["status"] == "refused" and "placement type" in rows["cuda_graphs"]["message"]
     table = (out / "gpu.md").read_text()

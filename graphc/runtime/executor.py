@@ -25,6 +25,7 @@ checkpointed micro-batch counts its kept inputs. `max_live_bytes` is the step's 
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -64,6 +65,7 @@ class StageExecutor:
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._state = list(module.parameters()) + list(module.buffers())
         self._buffers = dict(module.named_buffers())
+        self.units = None   # ZeRO stage 3 gathered per unit: a UnitGatherer (NOTE: ZeRO units)
 
     # -- forward ---------------------------------------------------------------------
     def forward(self, mb: int, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -88,8 +90,7 @@ class StageExecutor:
             saved = _Saved(leaves, outs, args, buffers, self._bytes_of(args))
         else:
             seen: Dict[int, int] = {}
-            with torch.enable_grad(), drawing(*self.draw, mb), \
-                    torch.autograd.graph.saved_tensors_hooks(self._counter(seen), _identity):
+            with torch.enable_grad(), drawing(*self.draw, mb), self._saving(self._counter(seen)):
                 out = prog.module(*args)
             outs = dict(zip(prog.outputs, out))
             saved = _Saved(leaves, outs, nbytes=sum(seen.values()))
@@ -98,6 +99,23 @@ class StageExecutor:
         self.max_live = max(self.max_live, len(self.saved))
         self.max_live_bytes = max(self.max_live_bytes, self.live_bytes)
         return outs
+
+    def _saving(self, count):
+        """Autograd's saved tensors counted (`count`) and, gathering per unit, those of a
+        unit's parameters marked so that the backward makes the unit whole before reading
+        them (NOTE: ZeRO units)."""
+        if self.units is None:
+            return torch.autograd.graph.saved_tensors_hooks(count, _identity)
+        units = self.units
+
+        def pack(t):
+            marked = units.pack(t)
+            return marked if marked is not t else count(t)
+        return torch.autograd.graph.saved_tensors_hooks(pack, units.unpack)
+
+    def computing(self, direction: str, mb: int):
+        """The block of one compute: with units, their gathers and releases listed for it."""
+        return nullcontext() if self.units is None else self.units.computing(direction, mb)
 
     @property
     def _fixed(self) -> set:
@@ -205,8 +223,9 @@ class StageExecutor:
             with torch.no_grad():
                 for n, b in self._buffers.items():
                     b.copy_(saved.buffers[n])
+        recomputing = nullcontext() if self.units is None else self.units.recomputing_forward()
         try:
-            with torch.enable_grad(), drawing(*self.draw, mb):
+            with torch.enable_grad(), drawing(*self.draw, mb), recomputing, self._saving(_identity):
                 out = self.program.module(*saved.inputs)
         finally:
             if current is not None:

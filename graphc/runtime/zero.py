@@ -202,6 +202,7 @@ class ZeroShards:
         self.rank, self.stage, self.by_name = rank, stage, shards
         self.after_step = after_step                  # the ALL_GATHERs after the step (stages 1, 2)
         self.gathering: Dict[AllGather, tuple] = {}   # launched: (work, packed, this rank's rows)
+        self.max_whole_bytes = 0   # stage 3: the most bytes of whole parameters held at once
 
     @staticmethod
     def from_plan(plan, programs, optimizer, masters=None) -> Optional["ZeroShards"]:
@@ -353,6 +354,13 @@ class ZeroShards:
             s.materialize()
             s.unpack(packed[:, at:at + s.part_numel])
             at += s.part_numel
+        if self.stage == 3:
+            self.max_whole_bytes = max(self.max_whole_bytes, self.whole_bytes())
+
+    def whole_bytes(self) -> int:
+        """Stage 3: the bytes of the whole parameters held now (gathered, not yet released)."""
+        whole = {id(s.param): s.param for s in self.by_name.values() if s.owns and not s.released}
+        return sum(p.numel() * p.element_size() for p in whole.values())
 
     def release(self, ins: ReleaseParams) -> None:
         """Stage 3: the whole copies of the named parameters freed (See NOTE: ZeRO stage 3)."""

@@ -206,6 +206,10 @@ class Runtime:
         units = UnitGatherer.from_plan(plan, self.zero)
         for ex in self.executors.values():
             ex.units = units
+        if units is not None:
+            units.reached = self.grad_sync.finish_flying
+        if units is not None and self._steps_per_unit():
+            self.grad_sync.step_now = lambda ins: self.zero.step_reduced(self.optimizer, ins)
         # each peer's receives in plan order, and the peers sent to: fixed by the plan
         self.recv_queues: Dict[int, List[Recv]] = defaultdict(list)
         for ins in plan.instructions:
@@ -253,6 +257,13 @@ class Runtime:
             out = self._run(user_inputs)
         torch.cuda.current_stream().wait_stream(self.stream)
         return out
+
+    def _steps_per_unit(self) -> bool:
+        """Whether each unit's shards may step as soon as their gradient is reduced: nothing
+        reads the whole step's gradients first (clipping's norm, loss scaling's inf check)
+        (NOTE: ZeRO units)."""
+        return (self.optimizer is not None and self.grad_scaler is None
+                and not any(isinstance(ins, ClipGradNorm) for ins in self.plan.instructions))
 
     def _warn_whole(self, n: int) -> None:
         if not self.warned_whole:

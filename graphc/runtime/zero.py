@@ -286,6 +286,12 @@ class ZeroShards:
         width = sum(s.part_numel for s in shards)
         first = next((p.grad for p in params if p.grad is not None), params[0])
         dtype = getattr(torch, ins.tensors[0].dtype)   # summed in (NOTE: Gradient reduce dtype)
+        if keep is None and _in_place(shards, params[0].grad, dtype):
+            # one tensor, even rows: its gradient is the packed bucket already (no copy)
+            packed = params[0].grad.view(d, width)
+            params[0].grad = None
+            out = torch.empty(width, dtype=packed.dtype, device=packed.device)
+            return _reduce_scatter(out, packed, shards[0].ranks, flat=False), out, packed
         packed = keep
         if packed is None or packed.shape != (d, width) or packed.dtype != dtype \
                 or packed.device != first.device:
@@ -333,11 +339,28 @@ class ZeroShards:
             for p, g in zip(params, grads):
                 p.grad = g
 
+    def step_reduced(self, optimizer, ins: ReduceScatter) -> None:
+        """The bucket's shards step now, on their reduced gradients, which are then dropped
+        (gathered per unit, without clipping or loss scaling: See NOTE: ZeRO units); the
+        step's OPTIMIZER_STEP skips them (no gradient)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params]
+        mine = {id(self.by_name[t.name].shard) for t in ins.tensors}
+        now = {i for i, p in enumerate(params) if id(p) in mine}
+        try:
+            _step_on(optimizer, params, grads, now)
+        finally:
+            for i, (p, g) in enumerate(zip(params, grads)):
+                p.grad = None if i in now else g
+
     def launch_gather(self, ins: AllGather) -> None:
         """Starts gathering every rank's rows of the bucket's parameters (after the optimizer
         stepped on them); gather() waits for it."""
         shards = [self.by_name[t.name] for t in ins.tensors]
         ref = shards[0].param
+        if self.stage == 3 and all(_in_place([s], s.param, s.param.dtype) for s in shards):
+            self.gathering[ins] = _launch_into(shards)
+            return
         self.gathering[ins] = _launch_rows(shards, ref.dtype, ref.device)
 
     def gather(self, ins: AllGather) -> None:
@@ -347,6 +370,12 @@ class ZeroShards:
         if ins not in self.gathering:
             self.launch_gather(ins)
         work, packed, _ = self.gathering.pop(ins)
+        if isinstance(work, list):   # gathered into the parameters themselves (_launch_into)
+            for w in work:
+                if w is not None:
+                    w.wait()
+            self._note_whole()
+            return
         if work is not None:
             work.wait()
         at = 0
@@ -354,6 +383,9 @@ class ZeroShards:
             s.materialize()
             s.unpack(packed[:, at:at + s.part_numel])
             at += s.part_numel
+        self._note_whole()
+
+    def _note_whole(self) -> None:
         if self.stage == 3:
             self.max_whole_bytes = max(self.max_whole_bytes, self.whole_bytes())
 
@@ -446,6 +478,35 @@ def _launch_rows(shards: List[Shard], dtype: torch.dtype, device) -> tuple:
     return _all_gather(packed, mine, shards[0].ranks), packed, mine
 
 
+def _in_place(shards: List[Shard], t: Optional[torch.Tensor], dtype: torch.dtype) -> bool:
+    """Whether a bucket's collective can run on `t` itself: one tensor, contiguous, in the
+    bucket's dtype, whose rows every rank holds alike (no padding), so [d, rows/d * row]
+    is its own layout."""
+    if len(shards) != 1 or t is None or t.dtype != dtype or not t.is_contiguous():
+        return False
+    s = shards[0]
+    return s.rows == s.chunk and s.param.shape[0] == s.chunk * len(s.ranks)
+
+
+def _launch_into(shards: List[Shard]) -> tuple:
+    """Stage 3: starts gathering every rank's rows of each shard straight into its whole
+    parameter (its storage given back first): no packed copy. ([works], None, None)."""
+    works = []
+    w = world.current()
+    by_broadcast = isinstance(w, world.TorchWorld) and len(shards[0].ranks) > 1 and w.is_gloo(shards[0].ranks)
+    for s in shards:
+        s.materialize()
+        blocks = s.param.data.view(len(s.ranks), -1)
+        if not by_broadcast:
+            works.append(_all_gather(blocks, s.shard.data.reshape(-1), s.ranks))
+            continue
+        # gloo: one broadcast per rank's rows, straight into them (its all-gather would hold a
+        # scratch copy of the whole parameter)
+        blocks[s.ranks.index(w.rank)].copy_(s.shard.data.reshape(-1))
+        works.extend(w.broadcast_from(blocks[k], r, s.ranks, async_op=True) for k, r in enumerate(s.ranks))
+    return works, None, None
+
+
 def _gather_rows(s: Shard, into: torch.Tensor) -> None:
     """Every rank's rows of `s` (its shard's, in `into`'s dtype) written into `into`."""
     work, packed, _ = _launch_rows([s], into.dtype, into.device)
@@ -507,14 +568,18 @@ def _made_shards(optimizer) -> Dict[int, torch.nn.Parameter]:
     return made
 
 
-def _reduce_scatter(out: torch.Tensor, packed: torch.Tensor, ranks: Tuple[int, ...]):
-    """Rank k's `out` = the sum over `ranks` of their `packed[k]`. In the torch world the flat
-    form, asynchronous (it overlaps the rest of the backward); a local world's list form
-    returns when done."""
+def _reduce_scatter(out: torch.Tensor, packed: torch.Tensor, ranks: Tuple[int, ...], flat: bool = True):
+    """Rank k's `out` = the sum over `ranks` of their `packed[k]`. In the torch world
+    asynchronous (it overlaps the rest of the backward), the flat form unless `flat` is False:
+    the list form is slower on gloo but holds half the flat one's scratch (a unit's gradient,
+    reduced inside the backward: NOTE: ZeRO units); a local world's list form returns when
+    done."""
     w = world.current()
     if len(ranks) == 1:
         out.copy_(packed[0])
         return None
+    if isinstance(w, world.TorchWorld) and not flat:
+        return w.reduce_scatter(out, list(packed.unbind(0)), ranks, async_op=True)
     if isinstance(w, world.TorchWorld):
         return w.reduce_scatter_from(out, packed.view(-1), ranks, async_op=True)
     w.reduce_scatter(out, list(packed.unbind(0)), ranks)
@@ -546,7 +611,12 @@ class ZeroGradSync(GradSync):
         sync.shards = shards
         sync.scatters = {i: ins for ins, i in sync.index.items() if isinstance(ins, ReduceScatter)}
         sync.packed: Dict[int, torch.Tensor] = {}
+        sync.step_now = None   # (ReduceScatter) -> None: steps a bucket once reduced (NOTE: ZeRO units)
         return sync
+
+    # stages 2 and 3: at most this many reduce-scatters in flight; launching one more finishes
+    # the oldest, so its packed bucket (the whole gradient's size) is freed inside the backward
+    IN_FLIGHT = 1
 
     def _launch(self, i: int) -> None:
         ins = self.scatters.get(i)
@@ -555,8 +625,18 @@ class ZeroGradSync(GradSync):
         work, out, packed = self.shards.scatter(ins, self.buckets[i][1], self.packed.get(i))
         if self.shards.stage == 1:   # kept between steps, as DDP's buckets
             self.packed[i] = packed
-        self.works[i] = (work, out)
+        self.works[i] = (work, out, packed)   # packed: alive until the work is done
         self.next = i + 1
+        if self.shards.stage >= 2:
+            flying = sorted(j for j in self.works if j in self.scatters)
+            for j in flying[:-self.IN_FLIGHT]:
+                self._finish(j)
+
+    def finish_flying(self) -> None:
+        """Finishes every reduce-scatter launched (gathered per unit: when the backward reaches
+        the next unit, before its gradient exists; NOTE: ZeRO units)."""
+        for j in sorted(j for j in self.works if j in self.scatters):
+            self._finish(j)
 
     def wait(self, ins) -> None:
         if not isinstance(ins, ReduceScatter):
@@ -564,7 +644,15 @@ class ZeroGradSync(GradSync):
         i = self.index[ins]
         while self.next <= i:
             self._launch(self.next)
-        work, out = self.works.pop(i)
+        if i in self.works:          # (else finished already, inside the backward)
+            self._finish(i)
+        if not self.works:
+            self.armed = False
+
+    def _finish(self, i: int) -> None:
+        """Waits for bucket i's reduce-scatter; this rank's sum becomes its shards' gradients."""
+        ins = self.scatters[i]
+        work, out, _ = self.works.pop(i)
         if work is not None:
             work.wait()
         kept = self.packed.get(i)
@@ -575,5 +663,5 @@ class ZeroGradSync(GradSync):
             row.copy_(out)
             out = row
         self.shards.take_grads(ins, out)
-        if not self.works:
-            self.armed = False
+        if self.step_now is not None:
+            self.step_now(ins)

@@ -65,6 +65,7 @@ class UnitGatherer:
         self.direction, self.listed, self.releases = ACT, [], set()
         self.touched: List[int] = []            # units the running backward has read
         self.recomputing = False
+        self.reached = None   # called when the backward reaches a unit (finishes the reduce-scatters)
 
     @staticmethod
     def from_plan(plan, zero: Optional[ZeroShards]) -> Optional["UnitGatherer"]:
@@ -134,6 +135,8 @@ class UnitGatherer:
         k = saved.unit
         if k not in self.touched:
             self.touched.append(k)
+            if self.reached is not None:
+                self.reached()
             self._make_whole(k)
             self._prefetch_after(k)
             for j in self.touched:     # read before k in this backward: their kernels have run

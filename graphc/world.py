@@ -91,6 +91,10 @@ class TorchWorld:
         scratch of its size, where a gather needs one of the whole output's (ZeRO units)."""
         return dist.broadcast(t, src=src, group=self.group(ranks), async_op=async_op)
 
+    def reduce_to(self, t: torch.Tensor, dst: int, ranks: Ranks, async_op: bool = False):
+        """The sum over `ranks` of their `t` into rank `dst`'s `t` (the others' `t` is scratch)."""
+        return dist.reduce(t, dst=dst, group=self.group(ranks), async_op=async_op)
+
     def is_gloo(self, ranks: Ranks) -> bool:
         return dist.get_backend(self.group(ranks)) == "gloo"
 

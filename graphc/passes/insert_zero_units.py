@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch.fx as fx
 
 from ..ops.zero_units import zero_unit_begin, zero_unit_end
+from ..meta import META_TENSOR
 from ..plan.instructions import (ACT, GRAD, COMPUTE, AllGather, Backward, Forward, ReduceScatter,
                                  ReleaseParams, TensorSpec, UnitGather, UnitRelease)
 from ..plan.plan import ZERO_NOTE, ExecutionPlan
@@ -49,7 +50,7 @@ def insert_zero_units(plans: Sequence[ExecutionPlan], programs: Sequence[StagePr
     if not options.unit_bytes:
         return list(plans)
     by_stage = {p.stage: p for p in programs}
-    placed: Dict[int, List[List[TensorSpec]]] = {}   # stage -> its units (fx nodes placed once)
+    placed: Dict[int, PlacedUnits] = {}   # stage -> its units (fx nodes placed once)
     for plan in plans:
         stage = _unit_stage(plan)
         if stage is None:
@@ -122,17 +123,45 @@ def _group_units(order: List[str], nbytes: Dict[str, int], unit_bytes: int) -> L
     return units
 
 
-def place_units(gm: fx.GraphModule, specs: List[TensorSpec], unit_bytes: int) -> List[List[TensorSpec]]:
+# ops whose backward needs a parameter only for the gradient of their other inputs
+_LINEAR_IN_WEIGHT = {"linear", "conv1d", "conv2d", "conv3d", "embedding", "matmul", "mm", "addmm", "bmm"}
+_WEIGHT_SECOND = {"linear", "conv1d", "conv2d", "conv3d", "embedding"}   # f(input, weight, bias, ...)
+
+
+def _requires_grad(node) -> bool:
+    tensor = node.meta.get(META_TENSOR) if isinstance(node, fx.Node) else None
+    return isinstance(node, fx.Node) and (tensor is None or bool(getattr(tensor, "requires_grad", True)))
+
+
+def _read_in_backward(readers: List[fx.Node], params: List[fx.Node]) -> bool:
+    """Whether autograd keeps a unit's parameters for the backward: it does not when every
+    reader is linear in them and no other input of it needs a gradient (the first layer on
+    the batch: its weight's gradient reads only the input). A wrong guess costs a gather
+    made when the backward reads it (NOTE: ZeRO units), not a wrong number."""
+    for r in readers:
+        name = r.target if isinstance(r.target, str) else getattr(r.target, "__name__", "")
+        if name in _WEIGHT_SECOND and len(r.args) > 1 and r.args[1] in params:
+            others = [r.args[0]]     # (input, weight, bias): the bias's gradient reads no weight
+        else:
+            others = [a for a in r.all_input_nodes if a not in params]
+        if name not in _LINEAR_IN_WEIGHT or any(_requires_grad(a) for a in others):
+            return True
+    return False
+
+
+def place_units(gm: fx.GraphModule, specs: List[TensorSpec], unit_bytes: int) -> "PlacedUnits":
     """Cuts `specs` (the stage's sharded parameters) into units and puts zero_unit_begin(k)
     before unit k's first reader and zero_unit_end(k) after its last in `gm`. Returns the
-    units, in forward order."""
+    units, in forward order, and whether each is read in the backward."""
     by_name = {t.name: t for t in specs}
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     readers: Dict[str, List[fx.Node]] = {}
+    param_nodes: Dict[str, List[fx.Node]] = {}
     for node in nodes:
         if node.op == "get_attr" and str(node.target) in by_name:
             readers.setdefault(str(node.target), []).extend(_readers(node))
+            param_nodes.setdefault(str(node.target), []).append(node)
     order = sorted(readers, key=lambda n: min((position[r] for r in readers[n]), default=len(nodes)))
     names = _group_units(order, {n: by_name[n].nbytes for n in order}, unit_bytes)
     for k, unit in enumerate(names):
@@ -147,22 +176,34 @@ def place_units(gm: fx.GraphModule, specs: List[TensorSpec], unit_bytes: int) ->
     gm.recompile()
     unused = [t for t in specs if t.name not in readers]   # read by no op: gathered with the first unit
     units = [[by_name[n] for n in unit] for unit in names]
+    backward = [_read_in_backward([r for n in unit for r in readers[n]],
+                                  [p for n in unit for p in param_nodes[n]]) for unit in names]
     if unused:
         units = [unused + units[0]] + units[1:] if units else [unused]
-    return units
+        backward = backward or [False]
+    return PlacedUnits(units, backward)
+
+
+@dataclass(frozen=True)
+class PlacedUnits:
+    units: List[List[TensorSpec]]        # in forward order
+    read_in_backward: List[bool]         # per unit: autograd keeps its parameters
 
 
 # -- the plan ----------------------------------------------------------------------------
-def unit_events(computes, units: int, reshard: bool, per_step: bool) -> Dict[int, Tuple[list, list]]:
+def unit_events(computes, units: int, reshard: bool, per_step: bool,
+                read_in_backward: Optional[List[bool]] = None) -> Dict[int, Tuple[list, list]]:
     """Compute index -> (units it gathers, units it releases), in the order it runs them: a
     forward gathers what is not whole in forward order and, with `reshard`, releases each
-    after its last use; a backward gathers in reverse order and releases each once done,
-    except that `per_step` keeps them whole until the step's last backward."""
+    after its last use; a backward gathers in reverse order (those it reads) and releases
+    each once done, except that `per_step` keeps them whole until the step's last backward."""
+    read = read_in_backward or [True] * units
     whole, pinned, out = set(), set(), {}
     last_backward = max(i for i, ins in enumerate(computes) if isinstance(ins, Backward))
     for i, ins in enumerate(computes):
-        order = list(range(units)) if isinstance(ins, Forward) else list(reversed(range(units)))
-        gathered = [k for k in order if k not in whole]
+        forward = isinstance(ins, Forward)
+        order = list(range(units)) if forward else list(reversed(range(units)))
+        gathered = [k for k in order if k not in whole and (forward or read[k])]
         whole.update(gathered)
         if isinstance(ins, Forward):
             released = [k for k in order if reshard and k not in pinned]
@@ -170,16 +211,18 @@ def unit_events(computes, units: int, reshard: bool, per_step: bool) -> Dict[int
             pinned.update(order)
             released = []
         else:
-            released = order
+            released = [k for k in order if k in whole]
         whole.difference_update(released)
         out[i] = (gathered, released)
     return out
 
 
-def _rewrite(plan: ExecutionPlan, stage: int, ranks: Tuple[int, ...], units: List[List[TensorSpec]],
+def _rewrite(plan: ExecutionPlan, stage: int, ranks: Tuple[int, ...], placed: "PlacedUnits",
              options: UnitOptions) -> None:
+    units = placed.units
     computes = [ins for ins in plan.instructions if isinstance(ins, (Forward, Backward))]
-    events = unit_events(computes, len(units), options.reshard(stage), options.per_step(stage))
+    events = unit_events(computes, len(units), options.reshard(stage), options.per_step(stage),
+                         placed.read_in_backward)
     at = {id(ins): i for i, ins in enumerate(computes)}
     scattered = {t.name: t for ins in plan.instructions
                  if type(ins) is ReduceScatter and tuple(ins.ranks) == tuple(ranks) for t in ins.tensors}

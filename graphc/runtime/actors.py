@@ -208,6 +208,7 @@ class Runtime:
             ex.units = units
         if units is not None:
             units.reached = self.grad_sync.finish_flying
+            self.grad_sync.scattered = units.scattered
         if units is not None and self._steps_per_unit():
             self.grad_sync.step_now = lambda ins: self.zero.step_reduced(self.optimizer, ins)
         # each peer's receives in plan order, and the peers sent to: fixed by the plan

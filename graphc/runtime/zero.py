@@ -578,12 +578,30 @@ def _reduce_scatter(out: torch.Tensor, packed: torch.Tensor, ranks: Tuple[int, .
     if len(ranks) == 1:
         out.copy_(packed[0])
         return None
+    if isinstance(w, world.TorchWorld) and not flat and w.is_gloo(ranks):
+        # one reduce per rank's rows, in place in `packed` (gloo's reduce-scatter holds
+        # scratch of the whole bucket, its reduce of one rank's rows)
+        works = [w.reduce_to(row, r, ranks, async_op=True) for row, r in zip(packed.unbind(0), ranks)]
+        return _Reduced(works, out, packed[ranks.index(w.rank)])
     if isinstance(w, world.TorchWorld) and not flat:
         return w.reduce_scatter(out, list(packed.unbind(0)), ranks, async_op=True)
     if isinstance(w, world.TorchWorld):
         return w.reduce_scatter_from(out, packed.view(-1), ranks, async_op=True)
     w.reduce_scatter(out, list(packed.unbind(0)), ranks)
     return None
+
+
+class _Reduced:
+    """The works of a reduce-scatter done as one reduce per rank: wait() waits for them and
+    copies this rank's sum into `out`."""
+
+    def __init__(self, works: list, out: torch.Tensor, mine: torch.Tensor):
+        self.works, self.out, self.mine = works, out, mine
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.out.copy_(self.mine)
 
 
 def _all_gather(packed: torch.Tensor, mine: torch.Tensor, ranks: Tuple[int, ...]):
@@ -612,6 +630,7 @@ class ZeroGradSync(GradSync):
         sync.scatters = {i: ins for ins, i in sync.index.items() if isinstance(ins, ReduceScatter)}
         sync.packed: Dict[int, torch.Tensor] = {}
         sync.step_now = None   # (ReduceScatter) -> None: steps a bucket once reduced (NOTE: ZeRO units)
+        sync.scattered = None  # (ReduceScatter) -> None: a bucket's gradients are final, launched
         return sync
 
     # stages 2 and 3: at most this many reduce-scatters in flight; launching one more finishes
@@ -627,6 +646,8 @@ class ZeroGradSync(GradSync):
             self.packed[i] = packed
         self.works[i] = (work, out, packed)   # packed: alive until the work is done
         self.next = i + 1
+        if self.scattered is not None:
+            self.scattered(ins)
         if self.shards.stage >= 2:
             flying = sorted(j for j in self.works if j in self.scatters)
             for j in flying[:-self.IN_FLIGHT]:

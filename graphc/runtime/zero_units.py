@@ -65,6 +65,9 @@ class UnitGatherer:
         self.direction, self.listed, self.releases = ACT, [], set()
         self.touched: List[int] = []            # units the running backward has read
         self.recomputing = False
+        self.unit_of = {t.name: k for k, g in units.items() for t in g.tensors}
+        self.last_backward = max((mb for d, mb in events if d == GRAD), default=-1)
+        self.prefetch_late = False
         self.reached = None   # called when the backward reaches a unit (finishes the reduce-scatters)
 
     @staticmethod
@@ -92,13 +95,17 @@ class UnitGatherer:
         the plan lists for this compute."""
         self.direction = direction
         self.listed, self.releases = self.events.get((direction, microbatch), ([], set()))
+        # the step's last backward launches each unit's reduce-scatter as its gradient is final:
+        # the unit before is prefetched then, not while the unit's kernels run (their gradient
+        # and the gathered copy would be in memory at once)
+        self.prefetch_late = direction == GRAD and microbatch == self.last_backward
         self.touched = []
         if self.listed:
             self._launch(self.listed[0])
         with gathering_units(self):
             yield
         for k in self.listed:        # a gather nothing waited for (a unit the compute skipped)
-            if self.units[k] in self.zero.gathering:
+            if self._in_flight(k):
                 self._make_whole(k)
         for k in sorted(self.releases):
             if self._whole(k):
@@ -134,28 +141,45 @@ class UnitGatherer:
             return saved
         k = saved.unit
         if k not in self.touched:
+            for j in self.touched:     # read before k in this backward: their kernels have run
+                if j > k and j in self.releases and not self.shards[j][0].released:
+                    self._release(j)
             self.touched.append(k)
             if self.reached is not None:
                 self.reached()
             self._make_whole(k)
-            self._prefetch_after(k)
-            for j in self.touched:     # read before k in this backward: their kernels have run
-                if j > k and j in self.releases and self._whole(j):
-                    self._release(j)
+            if not self.prefetch_late:
+                self._prefetch_after(k)
         elif not self._whole(k):
             self._make_whole(k)
         return saved.tensor
 
+    def scattered(self, ins) -> None:
+        """A bucket's gradients are final (the step's last backward ran its kernels): the unit
+        they are is freed now if this backward lists it, rather than when the backward reaches
+        the unit before (a unit whose parameters no backward kernel reads is not reached)."""
+        k = self.unit_of.get(ins.tensors[0].name)
+        if k is None or self.direction != GRAD:
+            return
+        if k in self.releases and not self.shards[k][0].released:
+            self._release(k)
+        if self.prefetch_late:
+            self._prefetch_after(k)
+
     # -- gathers and releases ----------------------------------------------------------
+    def _in_flight(self, k: int) -> bool:
+        return self.units[k] in self.zero.gathering
+
     def _whole(self, k: int) -> bool:
-        return not self.shards[k][0].released
+        """Unit k's parameters hold their values (storage given back and no gather writing it)."""
+        return not self.shards[k][0].released and not self._in_flight(k)
 
     def _launch(self, k: int) -> None:
-        if not self._whole(k) and self.units[k] not in self.zero.gathering:
+        if self.shards[k][0].released and not self._in_flight(k):
             self.zero.launch_gather(self.units[k])
 
     def _make_whole(self, k: int) -> None:
-        if self.units[k] in self.zero.gathering or not self._whole(k):
+        if not self._whole(k):
             self.zero.gather(self.units[k])
         for s in self.shards[k]:   # (whole before any release too: the first step's first use)
             self.by_storage[s.param.untyped_storage().data_ptr()] = k
@@ -167,6 +191,8 @@ class UnitGatherer:
                 self._launch(self.listed[at + 1])
 
     def _release(self, k: int) -> None:
+        if self._in_flight(k):       # a gather writes into the storage: never freed under it
+            self.zero.gather(self.units[k])
         for s in self.shards[k]:
             self.by_storage.pop(s.param.untyped_storage().data_ptr(), None)
             s.release()

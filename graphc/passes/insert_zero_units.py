@@ -23,7 +23,7 @@ from ..ops.zero_units import zero_unit_begin, zero_unit_end
 from ..meta import META_TENSOR
 from ..plan.instructions import (ACT, GRAD, COMPUTE, AllGather, Backward, Forward, ReduceScatter,
                                  ReleaseParams, TensorSpec, UnitGather, UnitRelease)
-from ..plan.plan import ZERO_NOTE, ExecutionPlan
+from ..plan.plan import ZERO_NOTE, ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
 
 
@@ -192,18 +192,22 @@ class PlacedUnits:
 
 # -- the plan ----------------------------------------------------------------------------
 def unit_events(computes, units: int, reshard: bool, per_step: bool,
-                read_in_backward: Optional[List[bool]] = None) -> Dict[int, Tuple[list, list]]:
+                read_in_backward: Optional[List[bool]] = None,
+                recomputed=frozenset()) -> Dict[int, Tuple[list, list]]:
     """Compute index -> (units it gathers, units it releases), in the order it runs them: a
     forward gathers what is not whole in forward order and, with `reshard`, releases each
-    after its last use; a backward gathers in reverse order (those it reads) and releases
-    each once done, except that `per_step` keeps them whole until the step's last backward."""
+    after its last use; a backward gathers in reverse order (those it reads; a recomputed
+    micro-batch's all, in forward order, as its forward runs again) and releases each once
+    done, except that `per_step` keeps them whole until the step's last backward, which
+    releases every unit (the step makes a whole copy stale)."""
     read = read_in_backward or [True] * units
     whole, pinned, out = set(), set(), {}
     last_backward = max(i for i, ins in enumerate(computes) if isinstance(ins, Backward))
     for i, ins in enumerate(computes):
         forward = isinstance(ins, Forward)
-        order = list(range(units)) if forward else list(reversed(range(units)))
-        gathered = [k for k in order if k not in whole and (forward or read[k])]
+        again = not forward and ins.microbatch in recomputed
+        order = list(range(units)) if forward or again else list(reversed(range(units)))
+        gathered = [k for k in order if k not in whole and (forward or again or read[k])]
         whole.update(gathered)
         if isinstance(ins, Forward):
             released = [k for k in order if reshard and k not in pinned]
@@ -211,7 +215,7 @@ def unit_events(computes, units: int, reshard: bool, per_step: bool,
             pinned.update(order)
             released = []
         else:
-            released = [k for k in order if k in whole]
+            released = [k for k in reversed(range(units)) if k in whole]
         whole.difference_update(released)
         out[i] = (gathered, released)
     return out
@@ -221,8 +225,9 @@ def _rewrite(plan: ExecutionPlan, stage: int, ranks: Tuple[int, ...], placed: "P
              options: UnitOptions) -> None:
     units = placed.units
     computes = [ins for ins in plan.instructions if isinstance(ins, (Forward, Backward))]
+    recomputed = checkpointed_microbatches(plan.checkpointing, plan.num_microbatches)
     events = unit_events(computes, len(units), options.reshard(stage), options.per_step(stage),
-                         placed.read_in_backward)
+                         placed.read_in_backward, recomputed)
     at = {id(ins): i for i, ins in enumerate(computes)}
     scattered = {t.name: t for ins in plan.instructions
                  if type(ins) is ReduceScatter and tuple(ins.ranks) == tuple(ranks) for t in ins.tensors}
@@ -251,10 +256,15 @@ def _listed(ins, events: Tuple[list, list], ranks, units) -> list:
     """The UNIT_GATHERs and UNIT_RELEASEs a compute runs, in the order it runs them."""
     gathered, released = events
     direction = ACT if isinstance(ins, Forward) else GRAD
+    gather = lambda k: UnitGather(ranks, tuple(units[k]), ins.stage, ins.microbatch, direction, k)  # noqa: E731
+    release = lambda k: UnitRelease(tuple(units[k]), ins.stage, ins.microbatch, direction, k)  # noqa: E731
+    if direction == GRAD and gathered[1:] and gathered[0] < gathered[1]:
+        # a recomputed forward gathers every unit first, the backward frees them in reverse
+        return [gather(k) for k in gathered] + [release(k) for k in released]
     out = []
     for k in (range(len(units)) if direction == ACT else reversed(range(len(units)))):
         if k in gathered:
-            out.append(UnitGather(ranks, tuple(units[k]), ins.stage, ins.microbatch, direction, k))
+            out.append(gather(k))
         if k in released:
-            out.append(UnitRelease(tuple(units[k]), ins.stage, ins.microbatch, direction, k))
+            out.append(release(k))
     return out

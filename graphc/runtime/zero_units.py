@@ -110,6 +110,10 @@ class UnitGatherer:
         for k in sorted(self.releases):
             if self._whole(k):
                 self._release(k)
+        if self.prefetch_late:       # the step's last backward: a whole copy would be stale after
+            for k in self.units:     # the step (one the backward gathered beyond the plan)
+                if not self.shards[k][0].released:
+                    self._release(k)
 
     @contextmanager
     def recomputing_forward(self):

@@ -209,6 +209,7 @@ class Runtime:
         if units is not None:
             units.reached = self.grad_sync.finish_flying
             self.grad_sync.scattered = units.scattered
+            self.grad_sync.in_flight = 1
         if units is not None and self._steps_per_unit():
             self.grad_sync.step_now = lambda ins: self.zero.step_reduced(self.optimizer, ins)
         # each peer's receives in plan order, and the peers sent to: fixed by the plan

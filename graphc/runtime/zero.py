@@ -291,7 +291,8 @@ class ZeroShards:
             packed = params[0].grad.view(d, width)
             params[0].grad = None
             out = torch.empty(width, dtype=packed.dtype, device=packed.device)
-            return _reduce_scatter(out, packed, shards[0].ranks, flat=False), out, packed
+            # stage 3 reduces inside the backward, where scratch is the peak: the lean form
+            return _reduce_scatter(out, packed, shards[0].ranks, flat=self.stage != 3), out, packed
         packed = keep
         if packed is None or packed.shape != (d, width) or packed.dtype != dtype \
                 or packed.device != first.device:
@@ -631,11 +632,11 @@ class ZeroGradSync(GradSync):
         sync.packed: Dict[int, torch.Tensor] = {}
         sync.step_now = None   # (ReduceScatter) -> None: steps a bucket once reduced (NOTE: ZeRO units)
         sync.scattered = None  # (ReduceScatter) -> None: a bucket's gradients are final, launched
+        # at most this many reduce-scatters in flight (None: any); launching one more finishes
+        # the oldest, so its packed bucket (its gradients' size) is freed inside the backward
+        sync.in_flight = None
         return sync
 
-    # stages 2 and 3: at most this many reduce-scatters in flight; launching one more finishes
-    # the oldest, so its packed bucket (the whole gradient's size) is freed inside the backward
-    IN_FLIGHT = 1
 
     def _launch(self, i: int) -> None:
         ins = self.scatters.get(i)
@@ -648,9 +649,9 @@ class ZeroGradSync(GradSync):
         self.next = i + 1
         if self.scattered is not None:
             self.scattered(ins)
-        if self.shards.stage >= 2:
+        if self.in_flight is not None:
             flying = sorted(j for j in self.works if j in self.scatters)
-            for j in flying[:-self.IN_FLIGHT]:
+            for j in flying[:-self.in_flight]:
                 self._finish(j)
 
     def finish_flying(self) -> None:

@@ -256,3 +256,14 @@ def test_unit_gathers_are_counted_and_simulated():
     assert gathered == 2 * sum(per_unit.values()) + 2 * (sum(per_unit.values()) - per_unit["model.fc1.weight"])
     assert step_bytes(whole.plan)["ALL_GATHER"] == sum(per_unit.values())
     assert simulate([g.plan for g in run.graphs], CostModel.uniform(1)).step_time > 0
+
+
+def test_enable_zero_refuses_units_below_stage_3_and_bad_options():
+    graph = graphc.Graph.__new__(UnitGraph)
+    graphc.Graph.__init__(graph)
+    with pytest.raises(graphc.GraphcError, match="unit_bytes gathers stage 3"):
+        graph.config.enable_zero(True, stage=2, unit_bytes=2**20)
+    with pytest.raises(graphc.GraphcError, match="gather_per must be one of"):
+        graph.config.enable_zero(True, stage=3, unit_bytes=2**20, gather_per="layer")
+    graph.config.enable_zero(True, stage=3, unit_bytes=2**20, reshard_after_forward={0: False, 1: True})
+    assert graph.config.zero_reshard_after_forward == ((0, False), (1, True))

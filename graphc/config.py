@@ -338,8 +338,9 @@ class GraphConfig:
                    use with the next one prefetched, freed after its last use in the forward
                    (`reshard_after_forward`), regathered for the backward in reverse order
                    and freed once its backward is done; each unit's gradient is reduce-
-                   scattered as soon as it is final. The plan lists each UNIT_GATHER and
-                   UNIT_RELEASE after the compute that runs it, and its zero note the choices.
+                   scattered as soon as it is final. The plan lists each unit's gather and
+                   release after the compute that runs it (`0F1.GATHER u2`), and its
+                   zero note the choices.
         Bytes moved per step at stages 1 and 2 equal data parallel's (a reduce-scatter and an
         all-gather move what one all-reduce does); at stage 3 (c+1)/2 of it for c gathers of a
         stage's parameters per step (1 once per step; 2m+1 per compute of m micro-batches'

@@ -3,8 +3,8 @@
 Invariant: on a training plan at ZeRO stage 3 whose rank holds one stage, computed by Forward
 and Backward instructions over one data-parallel group, the whole-stage ALL_GATHER and RELEASE
 are gone; the stage's sharded parameters are cut into units (consecutive modules, in order of
-first use, each closed once it reaches `unit_bytes`); each compute is followed by the
-UNIT_GATHERs and UNIT_RELEASEs it runs, in the order it runs them; the stage program calls
+first use, each closed once it reaches `unit_bytes`); each compute is followed by the unit
+gathers and releases it runs (`0F1.GATHER u2`), in the order it runs them; the stage program calls
 zero_unit_begin(k) before unit k's first use and zero_unit_end(k) after its last (views
 followed); the stage's REDUCE_SCATTERs are one per unit, in backward order. Any other stage-3
 plan keeps insert_zero_sync's whole-stage gathers (the plan's zero note says which).
@@ -253,7 +253,7 @@ def _rewrite(plan: ExecutionPlan, stage: int, ranks: Tuple[int, ...], placed: "P
 
 
 def _listed(ins, events: Tuple[list, list], ranks, units) -> list:
-    """The UNIT_GATHERs and UNIT_RELEASEs a compute runs, in the order it runs them."""
+    """The unit gathers and releases a compute runs, in the order it runs them."""
     gathered, released = events
     direction = ACT if isinstance(ins, Forward) else GRAD
     gather = lambda k: UnitGather(ranks, tuple(units[k]), ins.stage, ins.microbatch, direction, k)  # noqa: E731

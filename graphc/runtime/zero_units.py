@@ -8,27 +8,37 @@ into units (a module, or consecutive modules up to unit_bytes, in order of first
 insert_zero_units) and places them statically:
 - in the stage program: zero_unit_begin(k) before unit k's first op and zero_unit_end(k) after
   its last (through views of its parameters), fx nodes (graphc/ops/zero_units.py);
-- in the plan: after each Forward and Backward, the UNIT_GATHERs and UNIT_RELEASEs it runs,
-  in its order (a forward in unit order, a backward in reverse), from a walk over the
-  rank's computes (insert_zero_units.unit_events): a unit not whole is gathered; a forward
-  releases each unit after its last use when reshard-after-forward is on (the default);
-  a backward releases each unit once done, or, when gathered once per step, only in the
-  step's last backward. The stage's REDUCE_SCATTERs are one per unit in backward order, so
-  GradSync launches each as soon as its unit's gradients are final.
-At run time the UnitGatherer of the stage does what the running compute lists:
+- in the plan: after each Forward and Backward, the unit gathers and releases it runs (`0F1.GATHER u2`, `0B1.RELEASE u2`),
+  in its order, from a walk over the rank's computes (insert_zero_units.unit_events): a
+  forward gathers in unit order what is not whole and, with reshard-after-forward on (the
+  default), frees each unit after its last use; a backward gathers in reverse order the
+  units autograd keeps for it (not a unit whose readers are linear in it with inputs
+  needing no gradient: the first layer on the batch) and frees each once done, or, gathered
+  once per step, only in the step's last backward, which frees every unit (after the step a
+  whole copy would be stale); a recomputed (checkpointed) micro-batch's backward gathers
+  every unit in forward order. The stage's REDUCE_SCATTERs are one per unit in backward
+  order, so GradSync launches each as soon as its unit's gradients are final.
+At run time the stage's UnitGatherer does what the running compute lists:
 - forward: begin(k) waits for unit k's gather (launched ahead) and launches the next listed
   one (prefetch: it runs while unit k computes); end(k) frees unit k if listed. Freeing is
   storage.resize_(0) (NOTE: ZeRO stage 3), so the tensors autograd saved stay valid;
 - backward: what a unit's backward reads of its parameters are the tensors autograd saved,
   so the forward's saved-tensor hook marks those of unit k (by storage) and the unpack hook
-  makes unit k whole before the backward kernel reads it (waiting for its gather, launched
-  ahead), launches the next listed gather (the unit before), and frees the listed units
-  after k that the backward already read (their kernels have run: autograd walks the units
-  in reverse). The end of the backward frees whatever it lists and is still whole. The
-  saved tensors themselves say when a unit is needed, so a unit read out of the plan's
-  order is gathered then (correct, only later than planned);
+  makes unit k whole before the backward kernel reads it. Reaching unit k frees the units
+  after it that the backward has read (their kernels have run) and finishes the reduce-
+  scatter in flight (at most one: its gradient and scratch are freed before unit k's
+  gradient exists). When a unit's gradient is final (its reduce-scatter launched) the unit
+  is freed at once, the step's last backward launches the gather of the unit before it then
+  (not earlier, beside the unit's own gradient), and, with no clipping or loss scaling
+  reading the whole step's gradients, its shards step at once on their reduced gradient,
+  which is then dropped (each parameter steps once on its own gradient, as in NOTE: ZeRO
+  step overlap). The saved tensors say when a unit is needed, so a unit read out of the
+  plan's order is gathered then: correct, only later than planned;
 - a checkpointed micro-batch's recompute, in its backward, makes each unit whole at
-  begin(k) and keeps it for the backward.
+  begin(k) and keeps it for the backward;
+- on gloo a unit of one parameter with even rows is gathered into the parameter itself (a
+  broadcast per rank's rows) and reduced from its gradient itself (a reduce per rank's
+  rows): gloo's all-gather and reduce-scatter hold a scratch copy of the whole tensor.
 A rank holding several chunks, a zero-bubble split backward, or several data-parallel groups
 in one stage keeps the whole-stage gathers (the plan's zero note says which).
 """
@@ -169,6 +179,10 @@ class UnitGatherer:
             self._release(k)
         if self.prefetch_late:
             self._prefetch_after(k)
+            if self.reached is not None and not any(j < k for j in self.listed):
+                # no unit before this one is read by the backward, so none will say the backward
+                # reached it: the reduce-scatter finishes now, not beside the rest's gradients
+                self.reached()
 
     # -- gathers and releases ----------------------------------------------------------
     def _in_flight(self, k: int) -> bool:

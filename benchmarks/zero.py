@@ -1,15 +1,18 @@
 """graphc ZeRO (config.enable_zero) against torch DDP and FSDP2, side by side in one run.
 
-    python benchmarks/zero.py [--iters 30] [--batch 64] [--width 1024] [--bucket-mib 4]   # 2 gloo ranks
+    python benchmarks/zero.py [--iters 30] [--batch 64] [--width 1024] [--layers 8] [--bucket-mib 4]   # 2 gloo ranks
 
 The same MLP (a ZeRO-sized stack of square Linear layers), the same per-rank batch and Adam
 on 2 ranks over gloo. Each iteration runs one step of every contender, in an order that
 rotates, so all see the same machine load:
   graphc data parallel (replicated, all-reduce), graphc ZeRO stage 2, graphc ZeRO stage 3
-  (parameters held as shards between uses), torch DistributedDataParallel,
+  (parameters held as shards between uses; the whole stage gathered once per step), graphc
+  ZeRO stage 3 per unit (zero3u: unit_bytes=1, a unit per Linear; NOTE: ZeRO units),
+  torch DistributedDataParallel,
   torch.distributed.fsdp.fully_shard (FSDP2: ZeRO-3, one unit per Linear and the root).
-Prints per-step medians (ms), the ratios graphc ZeRO-2 / DDP (target <= 1.05) and graphc
-ZeRO-3 / FSDP2 (target <= 1.0), and memory per rank:
+Prints per-step medians (ms), the ratios graphc ZeRO-2 / DDP (target <= 1.05), graphc
+ZeRO-3 / FSDP2 (target <= 1.0) and per-unit ZeRO-3 / FSDP2 (step <= 1.0, high-water = held +
+peak <= 0.9), and memory per rank:
   held   bytes resident once a contender is built and has stepped twice (its parameters,
          optimizer state and whatever buffers it keeps between steps: RSS growth, measured
          one contender after another with glibc's mmap threshold fixed so that freed

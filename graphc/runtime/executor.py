@@ -224,8 +224,9 @@ class StageExecutor:
                 for n, b in self._buffers.items():
                     b.copy_(saved.buffers[n])
         recomputing = nullcontext() if self.units is None else self.units.recomputing_forward()
+        saving = nullcontext() if self.units is None else self._saving(_identity)
         try:
-            with torch.enable_grad(), drawing(*self.draw, mb), recomputing, self._saving(_identity):
+            with torch.enable_grad(), drawing(*self.draw, mb), recomputing, saving:
                 out = self.program.module(*saved.inputs)
         finally:
             if current is not None:

@@ -52,6 +52,7 @@ from .passes.insert_grad_modes import insert_grad_modes
 from .passes.insert_grad_sync import DEFAULT_BUCKET_BYTES, insert_grad_sync
 from .passes.insert_tie_sync import insert_tie_sync
 from .passes.insert_zero_sync import insert_zero_sync
+from .passes.insert_zero_units import UnitOptions, insert_zero_units
 from .passes.warn_replicated_stages import warn_replicated_stages
 from .passes.list_collectives import list_collectives
 from .passes.localize_ops import localize_ops
@@ -107,6 +108,7 @@ class CompileSpec:
     amp_dtype: Optional[torch.dtype] = None  # enable_amp: build() under autocast to this dtype
     zero_stage: int = 0                # enable_zero: 0 off, 1, 2 or 3 (NOTE: ZeRO, runtime/zero.py)
     zero_shard_min_size: int = 1024    # parameters with fewer elements stay replicated
+    zero_units: UnitOptions = UnitOptions()  # stage 3 gathered per unit (NOTE: ZeRO units)
     grad_reduce_dtype: Optional[torch.dtype] = None  # gradient buckets' dtype (None: the grads')
     param_dtype: Optional[torch.dtype] = None  # set_param_dtype: parameters stored in it, float32 masters
 
@@ -294,6 +296,8 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     # under ZeRO, sharded parameters' gradients reduce-scattered instead, gathered after the step
     plans = _step(run, "insert_zero_sync", insert_zero_sync, plans, gm, spec.zero_stage,
                   spec.zero_shard_min_size, spec.gradient_bucket_bytes)
+    # stage 3 with units: each unit gathered and freed inside the computes, where it is used
+    plans = _step(run, "insert_zero_units", insert_zero_units, plans, programs, spec.zero_units)
     # a parameter held by several stages (tied): its gradients summed over them, after grad sync
     plans = _step(run, "insert_tie_sync", insert_tie_sync, plans, programs, stages, grad_dtype)
     # clipping by the global grad norm (one scalar all-reduce), once gradients are final

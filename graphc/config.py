@@ -79,6 +79,9 @@ class GraphConfig:
         self.amp_dtype: Optional[torch.dtype] = None
         self.zero_stage = 0                 # enable_zero: 0 (off), 1, 2, 3 (See NOTE: ZeRO)
         self.zero_shard_min_size = 1024
+        self.zero_unit_bytes = 0            # stage 3 per unit (See NOTE: ZeRO units), 0: whole stage
+        self.zero_reshard_after_forward = ((-1, True),)   # per stage ((stage, bool), ...), -1: all
+        self.zero_gather_per_step = ((-1, False),)
         self.grad_reduce_dtype: Optional[torch.dtype] = None   # None: each gradient's own dtype
         self.param_dtype: Optional[torch.dtype] = None  # set_param_dtype (None: the model's own)
         self.layout = None                  # load_layout: a graphc.auto.Layout (NOTE: Auto layouts)
@@ -326,7 +329,8 @@ class GraphConfig:
                               "self.config.set_param_dtype(torch.bfloat16).")
         self.param_dtype = None if dtype == torch.float32 else dtype
 
-    def enable_zero(self, enabled: bool = True, stage: int = 2, shard_min_size: int = 1024) -> None:
+    def enable_zero(self, enabled: bool = True, stage: int = 2, shard_min_size: int = 1024,
+                    unit_bytes: int = 0, reshard_after_forward=True, gather_per="microbatch") -> None:
         """Sharded data parallelism (ZeRO; OneFlow's name and arguments).
 
         On every stage whose parameters are replicated over a data-parallel mesh axis (their
@@ -343,7 +347,16 @@ class GraphConfig:
                    while the compute before runs) and freed after (See NOTE: ZeRO stage 3).
                    A rank holding one stage gathers once per step; one holding several chunks
                    per compute. graph.state_dict(), load_state_dict() and full_state_dict()
-                   gather them for the call.
+                   gather them for the call. With `unit_bytes` the stage is gathered unit
+                   by unit inside its forward and backward (See NOTE: ZeRO units in
+                   graphc/runtime/zero_units.py): a unit is a module's parameters, or
+                   consecutive modules' up to unit_bytes, gathered just before its first
+                   use with the next one prefetched, freed after its last use in the forward
+                   (`reshard_after_forward`), regathered for the backward in reverse order
+                   and freed once its backward is done; each unit's gradient is reduce-
+                   scattered as soon as it is final. The plan lists each unit's gather and
+                   release after the compute that runs it (`0F1.GATHER u2`), and its
+                   zero note the choices.
         Bytes moved per step at stages 1 and 2 equal data parallel's (a reduce-scatter and an
         all-gather move what one all-reduce does); at stage 3 (c+1)/2 of it for c gathers of a
         stage's parameters per step (1 once per step; 2m+1 per compute of m micro-batches'
@@ -356,6 +369,15 @@ class GraphConfig:
             stage: 1, 2 or 3.
             shard_min_size: parameters with fewer elements (of their local component) stay
                 replicated.
+            unit_bytes: stage 3: gather per unit of about this many bytes (0: the whole
+                stage once per step). A rank holding several chunks, or running a zero-bubble
+                schedule, keeps the whole-stage gathers.
+            reshard_after_forward: stage 3 units: free each unit after its forward (True,
+                FSDP's default) or keep it whole to its backward (False: fewer gathers, a
+                higher peak); a bool, or {stage id: bool}.
+            gather_per: stage 3 units: "microbatch" (each micro-batch's backward frees the
+                units it used) or "step" (units stay whole across the micro-batches' backwards
+                until the step's last); a string, or {stage id: string}.
 
         Example:
             self.config.enable_zero(True, stage=2)   # in the Graph's __init__
@@ -369,8 +391,19 @@ class GraphConfig:
         if not isinstance(shard_min_size, int) or isinstance(shard_min_size, bool) or shard_min_size < 1:
             raise GraphcError(f"enable_zero: shard_min_size must be an int >= 1 (elements), found "
                               f"{shard_min_size!r}. Fix: e.g. shard_min_size=1024.")
+        if not isinstance(unit_bytes, int) or isinstance(unit_bytes, bool) or unit_bytes < 0:
+            raise GraphcError(f"enable_zero: unit_bytes must be an int >= 0 (bytes; 0: the whole "
+                              f"stage), found {unit_bytes!r}. Fix: e.g. unit_bytes=2**22.")
+        if unit_bytes and stage != 3:
+            raise GraphcError(f"enable_zero: unit_bytes gathers stage 3's parameters per unit, but "
+                              f"stage={stage}. Fix: enable_zero(True, stage=3, unit_bytes=...).")
         self.zero_stage = stage if enabled else 0
         self.zero_shard_min_size = shard_min_size
+        self.zero_unit_bytes = unit_bytes
+        self.zero_reshard_after_forward = _per_stage(reshard_after_forward, (True, False),
+                                                     "reshard_after_forward")
+        self.zero_gather_per_step = tuple(
+            (s, v == "step") for s, v in _per_stage(gather_per, ("microbatch", "step"), "gather_per"))
 
     def set_cuda_graphs(self, enabled: bool = True) -> None:
         """Captures each step's compute in a CUDA graph and replays it (NOTE: CUDA graphs).
@@ -417,3 +450,13 @@ class GraphConfig:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise GraphcError(f"recv window must be an int >= 1, found {n!r}")
         self.recv_window = n
+
+def _per_stage(value, choices, what: str):
+    """enable_zero's per-stage option: one value for every stage (stage -1) or {stage: value},
+    as ((stage, value), ...)."""
+    chosen = value.items() if isinstance(value, dict) else [(-1, value)]
+    for stage, v in chosen:
+        if v not in choices or isinstance(stage, bool) or not isinstance(stage, int):
+            raise GraphcError(f"enable_zero: {what} must be one of {list(choices)} or a dict "
+                              f"{{stage id: value}}, found {value!r}. Fix: e.g. {what}={choices[0]!r}.")
+    return tuple((s, v) for s, v in chosen)

@@ -14,6 +14,7 @@ import torch
 
 from .compiler import CompileSpec, ModuleSpec
 from .errors import GraphcError
+from .passes.insert_zero_units import UnitOptions
 from .global_tensor import declared_layout
 from .sbp.declared import DeclaredLayouts
 
@@ -37,7 +38,9 @@ def compile_spec(graph):
         gradient_bucket_bytes=cfg.gradient_bucket_bytes, grad_clip_norm=cfg.grad_clip_norm,
         activation_checkpointing=cfg.activation_checkpointing, whole_inputs=cfg.whole_inputs,
         amp_dtype=cfg.amp_dtype, zero_stage=cfg.zero_stage,
-        zero_shard_min_size=cfg.zero_shard_min_size, grad_reduce_dtype=cfg.grad_reduce_dtype,
+        zero_shard_min_size=cfg.zero_shard_min_size,
+        zero_units=UnitOptions(cfg.zero_unit_bytes, cfg.zero_reshard_after_forward, cfg.zero_gather_per_step),
+        grad_reduce_dtype=cfg.grad_reduce_dtype,
         param_dtype=checked_param_dtype(graph))
 
 

@@ -475,6 +475,86 @@ class ReleaseParams(Instruction):
 
 
 @dataclass(frozen=True)
+class UnitGather(AllGather):
+    """ZeRO stage 3 per unit: every rank's rows of one unit's parameters, gathered inside the
+    compute it is listed after (`stage`, `microbatch`, `direction`), just before the unit's
+    first use there; the next unit's is launched while it computes (See NOTE: ZeRO units in
+    graphc/runtime/zero_units.py). Printed `0F1.GATHER u2 ranks=[0, 1] [...]`."""
+
+    op: ClassVar[str] = "unit_gather"
+    word: ClassVar[str] = "GATHER"
+    stage: int = 0
+    microbatch: int = 0
+    direction: str = ACT
+    unit: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.stage}{self.direction}{self.microbatch}.{self.word}"
+
+    def __str__(self) -> str:
+        return (f"{self.label} u{self.unit} ranks={list(self.ranks)} "
+                f"[{' '.join(map(str, self.tensors))}]")
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "stage": self.stage, "microbatch": self.microbatch,
+                "direction": self.direction, "unit": self.unit}
+
+    @classmethod
+    def reads_json(cls, d: dict) -> bool:
+        return d["op"] == cls.op
+
+    @classmethod
+    def _from_text(cls, m: re.Match) -> "UnitGather":
+        return cls(_ints(m.group(5)), _specs(m.group(6)), int(m.group(1)), int(m.group(3)),
+                   m.group(2), int(m.group(4)))
+
+    @classmethod
+    def _from_json(cls, d: dict) -> "UnitGather":
+        return cls(tuple(d["ranks"]), _specs_from_json(d), d["stage"], d["microbatch"],
+                   d["direction"], d["unit"])
+
+
+UnitGather.TEXT = re.compile(r"(\d+)([FB])(\d+)\.GATHER u(\d+) ranks=\[([\d, ]*)\] \[(.*)\]")
+
+
+@dataclass(frozen=True)
+class UnitRelease(ReleaseParams):
+    """ZeRO stage 3 per unit: one unit's whole copies freed inside the compute it is listed
+    after, after the unit's last use there (See NOTE: ZeRO units in
+    graphc/runtime/zero_units.py). Printed `0F1.RELEASE u2 [...]`."""
+
+    op: ClassVar[str] = "unit_release"
+    TEXT: ClassVar[re.Pattern] = re.compile(r"(\d+)([FB])(\d+)\.RELEASE u(\d+) \[(.*)\]")
+    stage: int = 0
+    microbatch: int = 0
+    direction: str = ACT
+    unit: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.stage}{self.direction}{self.microbatch}.{self.word}"
+
+    def __str__(self) -> str:
+        return f"{self.label} u{self.unit} [{' '.join(map(str, self.tensors))}]"
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "stage": self.stage, "microbatch": self.microbatch,
+                "direction": self.direction, "unit": self.unit}
+
+    @classmethod
+    def _from_text(cls, m: re.Match) -> "UnitRelease":
+        return cls(_specs(m.group(5)), int(m.group(1)), int(m.group(3)), m.group(2), int(m.group(4)))
+
+    @classmethod
+    def _from_json(cls, d: dict) -> "UnitRelease":
+        return cls(_specs_from_json(d), d["stage"], d["microbatch"], d["direction"], d["unit"])
+
+
+UNIT_EVENTS = (UnitGather, UnitRelease)   # listed after a compute, run inside it
+
+
+@dataclass(frozen=True)
 class OptimizerStep(Instruction):
     op: ClassVar[str] = "optimizer_step"
     span_kind: ClassVar[str] = "optimizer"
@@ -562,7 +642,7 @@ STAGE_COMPUTES = (Forward, Backward, BackwardInput, BackwardWeight)
 COMPUTE = STAGE_COMPUTES + (OverlapFB,)
 # every instruction class, the most frequent first (the order parse_instruction tries them)
 INSTRUCTIONS = COMPUTE + (Send, Recv, Collective, AllReduce, TieAllReduce, ClipGradNorm,
-                          OptimizerStep, ReduceScatter, AllGather, ReleaseParams)
+                          OptimizerStep, ReduceScatter, AllGather, ReleaseParams, UnitGather, UnitRelease)
 
 
 def _uncaptured(pattern: str) -> str:

@@ -29,7 +29,7 @@ from ..errors import RankFailedError
 from ..log import warn_user
 from ..meta import META_SBP
 from ..placement import Broadcast
-from ..plan.instructions import (ACT, COMPUTE, AllGather, AllReduce, BackwardInput, BackwardWeight,
+from ..plan.instructions import (ACT, COMPUTE, GRAD, UNIT_EVENTS, AllGather, AllReduce, BackwardInput, BackwardWeight,
                                  ClipGradNorm, Collective, Forward, OptimizerStep, OverlapFB, Recv,
                                  ReleaseParams, Send)
 from ..ops.conversions import all_reduce_sum
@@ -42,6 +42,7 @@ from .executor import StageExecutor
 from .grad_hooks import UserGradHooks
 from .stopped_ranks import explain_stopped_peers
 from .zero import ZeroGradSync, ZeroShards, released_in, whole_parameters
+from .zero_units import UnitGatherer
 
 
 @dataclass
@@ -133,7 +134,7 @@ def range_names(instructions) -> List[Optional[str]]:
     backward (and shows there as the process group's own range)."""
     names, bucket = [], 0
     for ins in instructions:
-        if isinstance(ins, Collective):
+        if isinstance(ins, (Collective,) + UNIT_EVENTS):   # (unit events: inside their compute)
             names.append(None)
         elif type(ins) is AllReduce:
             names.append(f"ALL_REDUCE bucket {bucket} ranks={list(ins.ranks)}")
@@ -222,6 +223,16 @@ class Runtime:
         self.warned_whole = False
         self.not_gathered = self._gathered_elsewhere()
         self.prefetch = _prefetches(plan.instructions) if self.zero is not None and self.zero.stage == 3 else {}
+        # ... or, gathered per unit, the gathers and releases inside its computes (NOTE: ZeRO units)
+        units = UnitGatherer.from_plan(plan, self.zero)
+        for ex in self.executors.values():
+            ex.units = units
+        if units is not None:
+            units.reached = self.grad_sync.finish_flying
+            self.grad_sync.scattered = units.scattered
+            self.grad_sync.in_flight = 1
+        if units is not None and self._steps_per_unit():
+            self.grad_sync.step_now = lambda ins: self.zero.step_reduced(self.optimizer, ins)
         # each peer's receives in plan order, and the peers sent to: fixed by the plan
         self.recv_queues: Dict[int, List[Recv]] = defaultdict(list)
         for ins in plan.instructions:
@@ -287,6 +298,13 @@ class Runtime:
             out = self._run(user_inputs)
         torch.cuda.current_stream().wait_stream(self.stream)
         return out
+
+    def _steps_per_unit(self) -> bool:
+        """Whether each unit's shards may step as soon as their gradient is reduced: nothing
+        reads the whole step's gradients first (clipping's norm, loss scaling's inf check)
+        (NOTE: ZeRO units)."""
+        return (self.optimizer is not None and self.grad_scaler is None
+                and not any(isinstance(ins, ClipGradNorm) for ins in self.plan.instructions))
 
     def _warn_whole(self, n: int) -> None:
         if not self.warned_whole:
@@ -433,6 +451,8 @@ class Runtime:
                 self.grad_hooks.run()
                 self._unscale()
                 self._clip_grad_norm(ins)
+            elif isinstance(ins, UNIT_EVENTS):
+                pass                 # run inside the compute listed before (NOTE: ZeRO units)
             elif isinstance(ins, AllGather):
                 self.zero.gather(ins)
             elif isinstance(ins, ReleaseParams):
@@ -446,7 +466,8 @@ class Runtime:
         s, mb = ins.stage, ins.microbatch
         ex = self.executors[s]
         if isinstance(ins, Forward):
-            outs = ex.forward(mb, values.pop((s, mb)))
+            with ex.computing(ACT, mb):   # its unit gathers and releases (NOTE: ZeRO units)
+                outs = ex.forward(mb, values.pop((s, mb)))
             produced[(s, mb, ACT)] = outs
             if self.captured is not None:
                 self.captured.append((str(ins), s, mb, {n: v.detach().clone() for n, v in outs.items()}))
@@ -459,7 +480,8 @@ class Runtime:
             ex.backward_weight(mb)
             return
         run = ex.backward_input if isinstance(ins, BackwardInput) else ex.backward
-        got = run(mb, grads.pop((s, mb), []))
+        with ex.computing(GRAD, mb):
+            got = run(mb, grads.pop((s, mb), []))
         produced[(s, mb, "B")] = got
         produced.pop((s, mb, ACT), None)
         for a, names in self.local_grads[s]:
@@ -557,6 +579,8 @@ def _prefetches(instructions) -> Dict[int, List[AllGather]]:
     for i, ins in enumerate(instructions):
         if isinstance(ins, COMPUTE):
             last_compute, released_since = i, set()
+        elif isinstance(ins, UNIT_EVENTS):
+            continue
         elif isinstance(ins, ReleaseParams):
             released_since |= {t.name for t in ins.tensors}
         elif isinstance(ins, AllGather) and not released_since & {t.name for t in ins.tensors}:

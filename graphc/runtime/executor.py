@@ -69,6 +69,7 @@ class StageExecutor:
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._state = list(module.parameters()) + list(module.buffers())
         self._buffers = dict(module.named_buffers())
+        self.units = None   # ZeRO stage 3 gathered per unit: a UnitGatherer (NOTE: ZeRO units)
 
     # -- forward ---------------------------------------------------------------------
     def forward(self, mb: int, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -95,9 +96,9 @@ class StageExecutor:
                            versions)
         else:
             seen: Dict[int, int] = {}
-            counting = torch.autograd.graph.saved_tensors_hooks(self._counter(seen), _identity) \
-                if self.count_bytes else nullcontext()
-            with torch.enable_grad(), drawing(*self.draw, mb), counting:
+            count = self._counter(seen) if self.count_bytes else _identity
+            saving = self._saving(count) if self.count_bytes or self.units is not None else nullcontext()
+            with torch.enable_grad(), drawing(*self.draw, mb), saving:
                 out = prog.module(*args)
             outs = dict(zip(prog.outputs, out))
             saved = _Saved(leaves, outs, nbytes=sum(seen.values()))
@@ -106,6 +107,23 @@ class StageExecutor:
         self.max_live = max(self.max_live, len(self.saved))
         self.max_live_bytes = max(self.max_live_bytes, self.live_bytes)
         return outs
+
+    def _saving(self, count):
+        """Autograd's saved tensors counted (`count`) and, gathering per unit, those of a
+        unit's parameters marked so that the backward makes the unit whole before reading
+        them (NOTE: ZeRO units)."""
+        if self.units is None:
+            return torch.autograd.graph.saved_tensors_hooks(count, _identity)
+        units = self.units
+
+        def pack(t):
+            marked = units.pack(t)
+            return marked if marked is not t else count(t)
+        return torch.autograd.graph.saved_tensors_hooks(pack, units.unpack)
+
+    def computing(self, direction: str, mb: int):
+        """The block of one compute: with units, their gathers and releases listed for it."""
+        return nullcontext() if self.units is None else self.units.computing(direction, mb)
 
     @property
     def _fixed(self) -> set:
@@ -218,8 +236,10 @@ class StageExecutor:
                     if b._version != saved.versions[n]:
                         b.copy_(saved.buffers[n])
             versions = {n: b._version for n, b in self._buffers.items()}
+        recomputing = nullcontext() if self.units is None else self.units.recomputing_forward()
+        saving = nullcontext() if self.units is None else self._saving(_identity)
         try:
-            with torch.enable_grad(), drawing(*self.draw, mb):
+            with torch.enable_grad(), drawing(*self.draw, mb), recomputing, saving:
                 out = self.program.module(*saved.inputs)
         finally:
             if current is not None:

@@ -202,6 +202,7 @@ class ZeroShards:
         self.rank, self.stage, self.by_name = rank, stage, shards
         self.after_step = after_step                  # the ALL_GATHERs after the step (stages 1, 2)
         self.gathering: Dict[AllGather, tuple] = {}   # launched: (work, packed, this rank's rows)
+        self.max_whole_bytes = 0   # stage 3: the most bytes of whole parameters held at once
 
     @staticmethod
     def from_plan(plan, programs, optimizer, masters=None) -> Optional["ZeroShards"]:
@@ -285,6 +286,13 @@ class ZeroShards:
         width = sum(s.part_numel for s in shards)
         first = next((p.grad for p in params if p.grad is not None), params[0])
         dtype = getattr(torch, ins.tensors[0].dtype)   # summed in (NOTE: Gradient reduce dtype)
+        if keep is None and _in_place(shards, params[0].grad, dtype):
+            # one tensor, even rows: its gradient is the packed bucket already (no copy)
+            packed = params[0].grad.view(d, width)
+            params[0].grad = None
+            out = torch.empty(width, dtype=packed.dtype, device=packed.device)
+            # stage 3 reduces inside the backward, where scratch is the peak: the lean form
+            return _reduce_scatter(out, packed, shards[0].ranks, flat=self.stage != 3), out, packed
         packed = keep
         if packed is None or packed.shape != (d, width) or packed.dtype != dtype \
                 or packed.device != first.device:
@@ -332,11 +340,28 @@ class ZeroShards:
             for p, g in zip(params, grads):
                 p.grad = g
 
+    def step_reduced(self, optimizer, ins: ReduceScatter) -> None:
+        """The bucket's shards step now, on their reduced gradients, which are then dropped
+        (gathered per unit, without clipping or loss scaling: See NOTE: ZeRO units); the
+        step's OPTIMIZER_STEP skips them (no gradient)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params]
+        mine = {id(self.by_name[t.name].shard) for t in ins.tensors}
+        now = {i for i, p in enumerate(params) if id(p) in mine}
+        try:
+            _step_on(optimizer, params, grads, now)
+        finally:
+            for i, (p, g) in enumerate(zip(params, grads)):
+                p.grad = None if i in now else g
+
     def launch_gather(self, ins: AllGather) -> None:
         """Starts gathering every rank's rows of the bucket's parameters (after the optimizer
         stepped on them); gather() waits for it."""
         shards = [self.by_name[t.name] for t in ins.tensors]
         ref = shards[0].param
+        if self.stage == 3 and all(_in_place([s], s.param, s.param.dtype) for s in shards):
+            self.gathering[ins] = _launch_into(shards)
+            return
         self.gathering[ins] = _launch_rows(shards, ref.dtype, ref.device)
 
     def gather(self, ins: AllGather) -> None:
@@ -346,6 +371,12 @@ class ZeroShards:
         if ins not in self.gathering:
             self.launch_gather(ins)
         work, packed, _ = self.gathering.pop(ins)
+        if isinstance(work, list):   # gathered into the parameters themselves (_launch_into)
+            for w in work:
+                if w is not None:
+                    w.wait()
+            self._note_whole()
+            return
         if work is not None:
             work.wait()
         at = 0
@@ -353,6 +384,16 @@ class ZeroShards:
             s.materialize()
             s.unpack(packed[:, at:at + s.part_numel])
             at += s.part_numel
+        self._note_whole()
+
+    def _note_whole(self) -> None:
+        if self.stage == 3:
+            self.max_whole_bytes = max(self.max_whole_bytes, self.whole_bytes())
+
+    def whole_bytes(self) -> int:
+        """Stage 3: the bytes of the whole parameters held now (gathered, not yet released)."""
+        whole = {id(s.param): s.param for s in self.by_name.values() if s.owns and not s.released}
+        return sum(p.numel() * p.element_size() for p in whole.values())
 
     def release(self, ins: ReleaseParams) -> None:
         """Stage 3: the whole copies of the named parameters freed (See NOTE: ZeRO stage 3)."""
@@ -438,6 +479,35 @@ def _launch_rows(shards: List[Shard], dtype: torch.dtype, device) -> tuple:
     return _all_gather(packed, mine, shards[0].ranks), packed, mine
 
 
+def _in_place(shards: List[Shard], t: Optional[torch.Tensor], dtype: torch.dtype) -> bool:
+    """Whether a bucket's collective can run on `t` itself: one tensor, contiguous, in the
+    bucket's dtype, whose rows every rank holds alike (no padding), so [d, rows/d * row]
+    is its own layout."""
+    if len(shards) != 1 or t is None or t.dtype != dtype or not t.is_contiguous():
+        return False
+    s = shards[0]
+    return s.rows == s.chunk and s.param.shape[0] == s.chunk * len(s.ranks)
+
+
+def _launch_into(shards: List[Shard]) -> tuple:
+    """Stage 3: starts gathering every rank's rows of each shard straight into its whole
+    parameter (its storage given back first): no packed copy. ([works], None, None)."""
+    works = []
+    w = world.current()
+    by_broadcast = isinstance(w, world.TorchWorld) and len(shards[0].ranks) > 1 and w.is_gloo(shards[0].ranks)
+    for s in shards:
+        s.materialize()
+        blocks = s.param.data.view(len(s.ranks), -1)
+        if not by_broadcast:
+            works.append(_all_gather(blocks, s.shard.data.reshape(-1), s.ranks))
+            continue
+        # gloo: one broadcast per rank's rows, straight into them (its all-gather would hold a
+        # scratch copy of the whole parameter)
+        blocks[s.ranks.index(w.rank)].copy_(s.shard.data.reshape(-1))
+        works.extend(w.broadcast_from(blocks[k], r, s.ranks, async_op=True) for k, r in enumerate(s.ranks))
+    return works, None, None
+
+
 def _gather_rows(s: Shard, into: torch.Tensor) -> None:
     """Every rank's rows of `s` (its shard's, in `into`'s dtype) written into `into`."""
     work, packed, _ = _launch_rows([s], into.dtype, into.device)
@@ -499,18 +569,40 @@ def _made_shards(optimizer) -> Dict[int, torch.nn.Parameter]:
     return made
 
 
-def _reduce_scatter(out: torch.Tensor, packed: torch.Tensor, ranks: Tuple[int, ...]):
-    """Rank k's `out` = the sum over `ranks` of their `packed[k]`. In the torch world the flat
-    form, asynchronous (it overlaps the rest of the backward); a local world's list form
-    returns when done."""
+def _reduce_scatter(out: torch.Tensor, packed: torch.Tensor, ranks: Tuple[int, ...], flat: bool = True):
+    """Rank k's `out` = the sum over `ranks` of their `packed[k]`. In the torch world
+    asynchronous (it overlaps the rest of the backward), the flat form unless `flat` is False:
+    the list form is slower on gloo but holds half the flat one's scratch (a unit's gradient,
+    reduced inside the backward: NOTE: ZeRO units); a local world's list form returns when
+    done."""
     w = world.current()
     if len(ranks) == 1:
         out.copy_(packed[0])
         return None
+    if isinstance(w, world.TorchWorld) and not flat and w.is_gloo(ranks):
+        # one reduce per rank's rows, in place in `packed` (gloo's reduce-scatter holds
+        # scratch of the whole bucket, its reduce of one rank's rows)
+        works = [w.reduce_to(row, r, ranks, async_op=True) for row, r in zip(packed.unbind(0), ranks)]
+        return _Reduced(works, out, packed[ranks.index(w.rank)])
+    if isinstance(w, world.TorchWorld) and not flat:
+        return w.reduce_scatter(out, list(packed.unbind(0)), ranks, async_op=True)
     if isinstance(w, world.TorchWorld):
         return w.reduce_scatter_from(out, packed.view(-1), ranks, async_op=True)
     w.reduce_scatter(out, list(packed.unbind(0)), ranks)
     return None
+
+
+class _Reduced:
+    """The works of a reduce-scatter done as one reduce per rank: wait() waits for them and
+    copies this rank's sum into `out`."""
+
+    def __init__(self, works: list, out: torch.Tensor, mine: torch.Tensor):
+        self.works, self.out, self.mine = works, out, mine
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.out.copy_(self.mine)
 
 
 def _all_gather(packed: torch.Tensor, mine: torch.Tensor, ranks: Tuple[int, ...]):
@@ -538,7 +630,13 @@ class ZeroGradSync(GradSync):
         sync.shards = shards
         sync.scatters = {i: ins for ins, i in sync.index.items() if isinstance(ins, ReduceScatter)}
         sync.packed: Dict[int, torch.Tensor] = {}
+        sync.step_now = None   # (ReduceScatter) -> None: steps a bucket once reduced (NOTE: ZeRO units)
+        sync.scattered = None  # (ReduceScatter) -> None: a bucket's gradients are final, launched
+        # at most this many reduce-scatters in flight (None: any); launching one more finishes
+        # the oldest, so its packed bucket (its gradients' size) is freed inside the backward
+        sync.in_flight = None
         return sync
+
 
     def _launch(self, i: int) -> None:
         ins = self.scatters.get(i)
@@ -547,8 +645,20 @@ class ZeroGradSync(GradSync):
         work, out, packed = self.shards.scatter(ins, self.buckets[i][1], self.packed.get(i))
         if self.shards.stage == 1:   # kept between steps, as DDP's buckets
             self.packed[i] = packed
-        self.works[i] = (work, out)
+        self.works[i] = (work, out, packed)   # packed: alive until the work is done
         self.next = i + 1
+        if self.scattered is not None:
+            self.scattered(ins)
+        if self.in_flight is not None:
+            flying = sorted(j for j in self.works if j in self.scatters)
+            for j in flying[:-self.in_flight]:
+                self._finish(j)
+
+    def finish_flying(self) -> None:
+        """Finishes every reduce-scatter launched (gathered per unit: when the backward reaches
+        the next unit, before its gradient exists; NOTE: ZeRO units)."""
+        for j in sorted(j for j in self.works if j in self.scatters):
+            self._finish(j)
 
     def wait(self, ins) -> None:
         if not isinstance(ins, ReduceScatter):
@@ -556,7 +666,15 @@ class ZeroGradSync(GradSync):
         i = self.index[ins]
         while self.next <= i:
             self._launch(self.next)
-        work, out = self.works.pop(i)
+        if i in self.works:          # (else finished already, inside the backward)
+            self._finish(i)
+        if not self.works:
+            self.armed = False
+
+    def _finish(self, i: int) -> None:
+        """Waits for bucket i's reduce-scatter; this rank's sum becomes its shards' gradients."""
+        ins = self.scatters[i]
+        work, out, _ = self.works.pop(i)
         if work is not None:
             work.wait()
         kept = self.packed.get(i)
@@ -567,5 +685,5 @@ class ZeroGradSync(GradSync):
             row.copy_(out)
             out = row
         self.shards.take_grads(ins, out)
-        if not self.works:
-            self.armed = False
+        if self.step_now is not None:
+            self.step_now(ins)

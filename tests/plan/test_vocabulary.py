@@ -7,7 +7,7 @@ from graphc.plan.instructions import (INSTRUCTIONS, STAGE_COMPUTES, AllReduce, B
                                       BackwardInput, BackwardWeight, ClipGradNorm, Collective,
                                       Forward, OptimizerStep, OverlapFB, Recv, Send, TensorSpec,
                                       TieAllReduce, instruction_from_json, parse_instruction,
-                                      AllGather, ReduceScatter, ReleaseParams)
+                                      AllGather, ReduceScatter, ReleaseParams, UnitGather, UnitRelease)
 from graphc.runtime.trace import COMPUTE_KINDS, KINDS
 
 H = TensorSpec("h", (4, 8), "float64")
@@ -17,7 +17,8 @@ SAMPLES = [Forward(1, 3), Backward(1, 3), BackwardInput(0, 2), BackwardWeight(0,
            Collective("all_gather", 1, 0, "F", (0, 1), "box_1", "S(0)", "B", 128, "fallback: x"),
            AllReduce((0, 1), (H,)), TieAllReduce((0, 3), (H,), ("lm_head.weight",)),
            ClipGradNorm((0, 1), (TensorSpec("grad_norm_sq", (), "float64"),), 0.5, ("w",)),
-           OptimizerStep(), ReduceScatter((0, 1), (H,)), AllGather((0, 1), (H,)), ReleaseParams((H,))]
+           OptimizerStep(), ReduceScatter((0, 1), (H,)), AllGather((0, 1), (H,)), ReleaseParams((H,)),
+           UnitGather((0, 1), (H,), 1, 2, "B", 3), UnitRelease((H,), 1, 2, "F", 3)]
 
 
 def test_one_sample_of_every_class():

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from ..errors import GraphcError
 from ..log import get_logger
-from ..meta import (META_BATCHED, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
+from ..meta import (META_BATCHED, META_BOXING, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
                     SbpSignature, is_backward)
 from ..placement import Broadcast, PartialSum, Split, normalize_sbp
 from ..sbp.cost import COLLECTIVE, boxing_cost, conversion_cost, tensor_bytes
@@ -59,13 +59,27 @@ def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence,
 
 def gathering_fallbacks(gm: fx.GraphModule) -> List[fx.Node]:
     """The ops without an SBP rule whose split or partial inputs are gathered to whole values
-    on a stage of several ranks: the slow path _warn_fallbacks names."""
+    on a stage of several ranks: the slow path _warn_fallbacks names. Read on the annotated
+    graph or after insert_boxing (an input then arrives through its conversions: their
+    sources are what was gathered)."""
     def gathers(node: fx.Node) -> bool:
         sig = node.meta.get(META_SBP)
         return sig is not None and sig.fallback and len(flat(sig.mesh)) > 1 and any(
-            META_SBP in a.meta and not all(isinstance(s, Broadcast) for s in a.meta[META_SBP].out)
-            for a in node.all_input_nodes)
+            not all(isinstance(s, Broadcast) for s in layout) for a in node.all_input_nodes
+            for layout in _layouts_before_boxing(a))
     return [node for node in gm.graph.nodes if gathers(node)]
+
+
+def _layouts_before_boxing(a: fx.Node) -> List[tuple]:
+    """The layouts value `a` had on its way to its reader: its own, or through a chain of
+    conversion boxes (META_BOXING) each box's source layout and the first value's."""
+    layouts = []
+    while META_BOXING in a.meta:
+        layouts.append(a.meta[META_BOXING].src)
+        a = a.args[0]
+    if META_SBP in a.meta:
+        layouts.append(a.meta[META_SBP].out)
+    return layouts
 
 
 def _warn_fallbacks(gm: fx.GraphModule) -> None:

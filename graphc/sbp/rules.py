@@ -375,13 +375,18 @@ def permutation(node: fx.Node, nd: int) -> List[int]:
 
 
 def cat(ctx: RuleCtx) -> List[Candidate]:
-    tensors = [t for t in ctx.node.args[0]]
+    """cat(tensors, dim): a split of another dim stays; P -> P. A 1-D empty tensor, which cat
+    skips (HF's DynamicCache starts as torch.tensor([]) and cats the keys onto it), is read
+    whole in every signature."""
     nd = len(ctx.out.shape)
+    skipped = [t for t in ctx.node.args[0] if nd > 1 and ctx.meta(t) is not None and tuple(ctx.meta(t).shape) == (0,)]
+    tensors = [t for t in ctx.node.args[0] if t not in skipped]
+    whole = {t: B for t in skipped}
     dim = (ctx.arg(1, "dim", 0)) % nd
-    cands: List[Candidate] = [({t: P for t in tensors}, P)]
+    cands: List[Candidate] = [({**{t: P for t in tensors}, **whole}, P)]
     for d in range(nd):
         if d != dim and ctx.splits(ctx.out.shape[d]):
-            cands.append(({t: S(d) for t in tensors}, S(d)))
+            cands.append(({**{t: S(d) for t in tensors}, **whole}, S(d)))
     return cands
 
 

@@ -41,18 +41,41 @@ def _mixtral():
         experts_implementation="batched_mm"))
 
 
-MAKE = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral}
+def _phi3():
+    # Phi-3-mini's attention: as many key/value heads as query heads, one fused qkv_proj
+    # sliced by position, one gate_up_proj chunked
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=32, pad_token_id=0, eos_token_id=0, bos_token_id=0))
+
+
+MAKE = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "phi3": _phi3}
+# Megatron's pairs: the Linears declared column-parallel (weight split(0)), then row-parallel (split(1))
+MEGATRON = {"phi3": ({"qkv_proj", "gate_up_proj"}, {"o_proj", "down_proj"})}
+
+
+def megatron(model, kind):
+    """Declares each Linear of MEGATRON[kind] split, on ranks 0-1."""
+    column, row = MEGATRON[kind]
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in column or leaf in row:
+            graphc.to_global(mod.weight, placement=P01, sbp=graphc.sbp.split(0 if leaf in column else 1))
+            if leaf in column and mod.bias is not None:
+                graphc.to_global(mod.bias, placement=P01, sbp=graphc.sbp.split(0))
 
 
 class HubGraph(graphc.Graph):
     """A hub model trained on its own loss: `model(input_ids=ids, labels=labels).loss`."""
 
-    def __init__(self, model, layout: str, accumulation: int = 2):
+    def __init__(self, model, layout: str, kind: str, accumulation: int = 2):
         super().__init__()
         self.model = model
-        if layout == "dp2":
+        if layout in ("dp2", "tp2"):
             self.model.config.set_stage(0, P01)
-        elif layout != "one":
+        if layout == "tp2":
+            megatron(model, kind)
+        elif layout not in ("one", "dp2"):
             raise ValueError(layout)
         self.config.set_gradient_accumulation_steps(accumulation)
         self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -85,10 +108,16 @@ def _eager(kind, data):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def collectives(graph):
+    """The collectives of rank 0's plan for its first micro-batch."""
+    from graphc.plan.instructions import Collective
+    return [i for i in graph.compiled.plans[0].instructions if isinstance(i, Collective) and i.microbatch == 0]
+
+
 def _check(kind, layout):
     data = _batches()
     graphs = []
-    losses, state = train(layout, lambda layout: HubGraph(_model(kind), layout), data, graphs=graphs)
+    losses, state = train(layout, lambda layout: HubGraph(_model(kind), layout, kind), data, graphs=graphs)
     want_losses, want_state = _eager(kind, data)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0)
     for k, v in want_state.items():
@@ -102,3 +131,14 @@ def test_moe_router_keeps_the_batch_split_on_data_2(kind):
     expert ids (See NOTE: Routing keeps the batch split): each rank routes its own rows."""
     graphs = _check(kind, "dp2")
     assert fallbacks(graphs[0]) == []
+
+
+def test_phi3_fused_qkv_sliced_by_position_splits_by_heads_on_tensor_2():
+    """qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:] of a column-parallel qkv_proj
+    (See NOTE: fused pieces): each rank computes its heads of q, k and v, with Megatron's
+    collectives, one all-reduce per attention and per MLP forward and one each backward: 8
+    for 2 layers per micro-batch (with 4 layers 16, where the plan had 32 before: q, k and v
+    each gathered or reduced)."""
+    graphs = _check("phi3", "tp2")
+    assert fallbacks(graphs[0]) == []
+    assert len(collectives(graphs[0])) == 8, [str(c) for c in collectives(graphs[0])]

@@ -377,12 +377,14 @@ def _whole_cone(starts: List[fx.Node], axis: int) -> Optional[List[fx.Node]]:
     Whole values with a summed gradient)."""
     cone, todo = [], list(starts)
     members = set(starts)
+    stage = starts[0].meta.get(META_STAGE)
     while todo:
         v = todo.pop()
         for u in v.users:
             sig = u.meta.get(META_SBP)
             need = sig.needs(v.name) if sig is not None else None
-            if need is None or sig.fallback or isinstance(need[axis], PartialSum):
+            if need is None or sig.fallback or isinstance(need[axis], PartialSum) \
+                    or u.meta.get(META_STAGE) != stage:   # another stage's mesh: its own axes
                 return None
             if isinstance(need[axis], Split) or sharded_use(u, v, axis):
                 continue

@@ -35,15 +35,16 @@ def _kept_splits(ctx: RuleCtx, x, dims_out) -> List[Candidate]:
 
 
 def along(ctx: RuleCtx) -> List[Candidate]:
-    """topk/sort/kthvalue/cumsum-like ops along `dim` (default -1): every other dim is
-    independent rows, so a split there stays split (topk's values and indices alike, as
-    the tuple's items: see passthrough). Not linear (which entries win depends on all)."""
+    """topk/sort/argsort/cumsum/cumprod along `dim` (default -1; the output keeps the input's
+    rank): every other dim is independent rows, so a split there stays split (topk's values
+    and indices alike, as the tuple's items: see passthrough). No partial form (which
+    entries win depends on the whole value)."""
     x = ctx.node.args[0]
     nd = _ndim(ctx, x)
     if nd is None:
         return []
     default = 0 if _name(ctx.node) in ("cumsum", "cumprod") else -1
-    dim = ctx.arg(2 if _name(ctx.node) in ("topk", "kthvalue") else 1, "dim", default)
+    dim = ctx.arg(2 if _name(ctx.node) == "topk" else 1, "dim", default)
     if not isinstance(dim, int):
         return None
     dim %= max(nd, 1)
@@ -157,7 +158,7 @@ def _name(node: fx.Node) -> str:
 
 
 ROUTING_OPS = {
-    along: (torch.topk, "topk", torch.sort, "sort", torch.kthvalue, "kthvalue", torch.argsort, "argsort",
+    along: (torch.topk, "topk", torch.sort, "sort", torch.argsort, "argsort",
             torch.cumsum, "cumsum", torch.cumprod, "cumprod"),
     repeat_interleave: (torch.repeat_interleave, "repeat_interleave"),
     unsqueeze: (torch.unsqueeze, "unsqueeze"),

@@ -25,10 +25,9 @@ from . import compiler
 from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
 from .guards import (MISSING, Guard, GuardSet, difference, fingerprint, global_guards, hook_guards,
-                     record_reads, requires_grad_guard, structure_of)
+                     record_reads, requires_grad_guard, settle_own_writes, structure_of)
 from .log import get_logger, warn_user
 from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
-from .own_writes import settle_own_writes
 from .passes.trace_build import forward_replaced
 from .placement import Layout
 from .placement import placement as Placement
@@ -398,7 +397,7 @@ def named_placements(spec: compiler.CompileSpec, specs: Sequence[InputSpec]) -> 
     named = [(f"module '{name}'", c.placement) for name, c in spec.modules.items()
              if c.placement is not None]
     for key, t in spec.root.state_dict(keep_vars=True).items():
-        layout = declared_layout(t)
+        layout = spec.declared.of(key) or declared_layout(t)
         named += [(f"parameter or buffer '{key}'", layout.placement)] if layout else []
     named += [(f"input {i}", s.placement) for i, s in enumerate(specs) if s.placement is not None]
     return named

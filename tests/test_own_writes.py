@@ -1,5 +1,5 @@
 """A value build() writes on its first trace (See NOTE: Writes of the first call,
-graphc/own_writes.py): Hugging Face's classification heads set `config.problem_type` from
+graphc/guards/own_writes.py): Hugging Face's classification heads set `config.problem_type` from
 the labels on their first call, which made every such model compile a second plan at its
 second call. Where build() traced with the value it left makes the same graph, the plan
 serves it (no recompile); where it makes another graph, a warning says so and the next call

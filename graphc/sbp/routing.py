@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from .context import Candidate, RuleCtx
-from .layout import B, P, S
+from .layout import B, P, S, chunk_sizes
 
 
 def _ndim(ctx: RuleCtx, a) -> Optional[int]:
@@ -83,7 +83,9 @@ def unsqueeze(ctx: RuleCtx) -> List[Candidate]:
 
 def squeeze(ctx: RuleCtx) -> List[Candidate]:
     """x.squeeze(dim) / x.squeeze(): dims of 1 go (never split); the others keep their
-    splits, renumbered. Linear: P -> P."""
+    splits, renumbered. A dim the squeeze names (every dim without one) stays split only
+    where no rank's shard has 1 entry, which its local squeeze would take away. Linear:
+    P -> P."""
     x = ctx.node.args[0]
     shape = ctx.meta(x).shape if ctx.meta(x) is not None else None
     dim = ctx.arg(1, "dim")
@@ -94,7 +96,8 @@ def squeeze(ctx: RuleCtx) -> List[Candidate]:
     gone = {d for d in named if shape[d] == 1}
     dims_out, j = [], 0
     for d in range(nd):
-        dims_out.append(None if d in gone else j)
+        shard_of_one = d in named and 1 in chunk_sizes(shape[d], ctx.n)
+        dims_out.append(None if d in gone or shard_of_one else j)
         j += d not in gone
     return [({x: P}, P)] + _kept_splits(ctx, x, dims_out)
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, List
 
-from .guards import MISSING, Guard, GuardSet, difference, fingerprint
-from .log import get_logger, warn_user
+from ..log import get_logger, warn_user
+from .values import MISSING, Guard, GuardSet, difference, fingerprint
 
 _log = get_logger("compile")
 

@@ -63,8 +63,12 @@ def _now(guard: Guard) -> Guard:
 
 
 def _changes(written: List[Guard]) -> str:
-    parts = []
-    for g in written[:3]:
-        path, was, now = difference(g.expected, fingerprint(g.read())) if g.same is MISSING else ("", "an object", "another")
-        parts.append(f"{g.where}{path} from {was} to {now}")
-    return ", ".join(parts) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
+    """The values the trace wrote, in words: 'model.config.problem_type from None to ...'."""
+    return ", ".join(_change(g) for g in written[:3]) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
+
+
+def _change(guard: Guard) -> str:
+    if guard.same is not MISSING:   # a guard on identity: another object sits there
+        return f"{guard.where} to another object"
+    path, was, now = difference(guard.expected, fingerprint(guard.read()))
+    return f"{guard.where}{path} from {was} to {now}"

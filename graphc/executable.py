@@ -25,7 +25,7 @@ from . import compiler
 from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
 from .guards import (MISSING, Guard, GuardSet, difference, fingerprint, global_guards, hook_guards,
-                     record_reads, requires_grad_guard, structure_of)
+                     record_reads, requires_grad_guard, settle_own_writes, structure_of)
 from .log import get_logger, warn_user
 from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .passes.trace_build import forward_replaced
@@ -181,19 +181,26 @@ class Executable:
         before = global_guards()  # the modes the caller set, before tracing changes any
         with record_reads(spec.root) as reads, _as_traced(spec, tree):
             compiled = compiler.compile(spec, [s.example() for s in specs], world, [s.layout for s in specs])
-        compiled.guards = GuardSet(tuple(before + structure_of(spec.root) + hook_guards(spec.root)
-                                         + [requires_grad_guard(spec.root)] + reads.guards()))
+        guards = GuardSet(tuple(before + structure_of(spec.root) + hook_guards(spec.root)
+                                + [requires_grad_guard(spec.root)] + reads.guards()))
+        compiled.guards = settle_own_writes(spec.name, guards, compiled.trace,   # NOTE: Writes of the first call
+                                            lambda: cls._retraced(spec, specs, world, tree))
         check_input_placements(compiled, specs)
         return cls(compiled)
+
+    @staticmethod
+    def _retraced(spec: compiler.CompileSpec, specs: Sequence[InputSpec], world: int,
+                  tree: Optional[InputTree]):
+        """build() traced again for these inputs, as compile traced it (its TraceText)."""
+        with _as_traced(spec, tree):
+            return compiler.retrace(spec, [s.example() for s in specs], world, [s.layout for s in specs])
 
     def retrace(self, spec: compiler.CompileSpec, specs: Sequence[InputSpec], tree: Optional[InputTree],
                 name: str) -> None:
         """GRAPHC_RETRACE=1 (NOTE: Retrace check): build() traced again for this call, under the
         contexts it was compiled in; a graph other than the plan's is a GraphcError naming the
         first node that differs, the value a guard should have seen."""
-        world = len(self.compiled.plans)
-        with _as_traced(spec, tree):
-            now = compiler.retrace(spec, [s.example() for s in specs], world, [s.layout for s in specs])
+        now = self._retraced(spec, specs, len(self.compiled.plans), tree)
         found = self.compiled.trace.first_difference(now) if self.compiled.trace is not None else None
         if found is not None:
             where, was, new = found

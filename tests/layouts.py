@@ -31,6 +31,7 @@ import graphc
 from graphc.check_step import _first_scalar
 from graphc.passes.infer_sbp import gathering_fallbacks
 from graphc.runtime.local_world import LocalWorld
+from graphc.tools.replicated import replicated_compute
 from helpers import assert_close
 
 LAYOUTS = ("one", "pp2", "dp2", "tp2", "pp2xdp2", "zero3")
@@ -191,6 +192,18 @@ def eager(model, data: Sequence[tuple], make_opt=sgd,
 
 
 def fallbacks(graph) -> List[str]:
-    """The ops of a graph's plan without an SBP rule that gather split or partial inputs to
-    run whole on a stage of several ranks (the slow path infer_sbp warns of)."""
-    return [n.name for n in gathering_fallbacks(graph.compiled.gm)]
+    """The ops of a graph's plan (a Graph called, or a CompiledGraph) without an SBP rule that
+    gather split or partial inputs to run whole on a stage of several ranks (the slow path
+    infer_sbp warns of)."""
+    return [n.name for n in gathering_fallbacks(_compiled(graph).gm)]
+
+
+def replicated(graph) -> Dict[int, float]:
+    """Per stage of several ranks of a graph's plan (a Graph called, or a CompiledGraph), the
+    share of its ops that runs whole on every rank after a gathering fallback (See NOTE:
+    Replicated compute)."""
+    return {stage: share.fraction for stage, share in replicated_compute(_compiled(graph)).items()}
+
+
+def _compiled(graph):
+    return graph.compiled if isinstance(graph, graphc.Graph) else graph

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from layouts import SquaredError, assert_same, batches, eager, fallbacks, train
+from layouts import SquaredError, assert_same, batches, eager, fallbacks, replicated, train
 
 
 @torch.fx.wrap
@@ -67,7 +67,7 @@ def _run(make_model, layout, acc=2, eval_mode=False):
 def test_a_wrapped_function_keeps_the_batch_split(p, eval_mode):
     got, graphs = _run(lambda: DropPathBlock(p), "dp2", eval_mode=eval_mode)
     assert_same(got, _eager(lambda: DropPathBlock(p), eval_mode), "dp2")
-    assert fallbacks(graphs[0]) == []
+    assert fallbacks(graphs[0]) == [] and replicated(graphs[0]) == {0: 0.0}
 
 
 def test_its_random_mask_is_drawn_every_step_as_in_eager():

@@ -165,6 +165,7 @@ _RUN = {
     "all_gather": lambda x, s, d, e, group, k, n: _all_gather(x, s, group, n, e),
     "all_to_all": lambda x, s, d, e, group, k, n: _all_to_all(x, s, d, group, n, k, e),
     "slice": lambda x, s, d, e, group, k, n: _slice(x, d, k, n),
+    "slice_summed_grad": lambda x, s, d, e, group, k, n: _slice(x, d, k, n),
     "to_partial": lambda x, s, d, e, group, k, n: x.clone() if k == 0 else torch.zeros_like(x),
     "split_partial": lambda x, s, d, e, group, k, n: _pad(x, s, k, n, e),
     "grad_all_reduce": lambda x, s, d, e, group, k, n: x.view_as(x),

@@ -5,8 +5,8 @@ Conv1d/2d/3d (zero padding), BatchNorm, GroupNorm, pooling or Flatten module; ea
 its torch.nn.functional form reading its parameters and buffers through get_attr nodes,
 so SBP rules see them as ordinary inputs. A Linear whose weight is declared split(1)
 (row-parallel) becomes `linear(x, w) + b`, so its partial product takes the bias once; a
-column-parallel Linear cut into equal pieces becomes one linear per piece (See NOTE:
-fused pieces); a BatchNorm with batch statistics becomes sum, statistics, normalise and
+column-parallel Linear cut into equal pieces (split, chunk or slices) becomes one linear
+per piece (See NOTE: fused pieces, fused_linear.py); a BatchNorm with batch statistics becomes sum, statistics, normalise and
 running update (See NOTE: synchronised batch norm, sbp/local_ops.py); a MultiheadAttention
 becomes q/k/v projections, heads, scaled_dot_product_attention and out_proj, so heads split
 as Megatron's (See NOTE: MultiheadAttention by heads, decompose_attention.py). Other modules
@@ -25,12 +25,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..meta import META_STAGE, META_TENSOR, TensorMeta
-from ..placement import Broadcast, Split
+from ..placement import Split
 from ..sbp import local_ops
 from ..sbp.declared import declared_in
-from ..sbp.layout import flat, mesh_shape
+from ..sbp.layout import flat
 from .decompose_attention import multihead_attention
-from .module_nodes import attr, call, copy_meta, param_pieces
+from .fused_linear import fused_linear
+from .module_nodes import attr, call
 
 # elementwise modules: their functional and its keyword arguments from the module, so a
 # split value stays split through them (MobileNetV2's ReLU6 gathered the batch before)
@@ -55,7 +56,7 @@ def decompose_modules(gm: fx.GraphModule, meshes) -> fx.GraphModule:
         mod = gm.get_submodule(node.target)
         with gm.graph.inserting_before(node):
             mesh = meshes[node.meta[META_STAGE]]
-            new = _fused_linear(gm, node, mod, mesh) or multihead_attention(gm, node, mod, mesh) or \
+            new = fused_linear(gm, node, mod, mesh) or multihead_attention(gm, node, mod, mesh) or \
                 _functional(gm, node, mod)
         if new is not None:
             node.replace_all_uses_with(new)
@@ -150,89 +151,3 @@ def _batch_norm(gm, node: fx.Node, mod: nn.Module) -> fx.Node:
         update = call(gm, node, local_ops.batch_norm_update_, buffers + [stats, count, mod.momentum])
         update.meta[META_TENSOR] = None
     return y
-
-
-# NOTE: fused pieces
-# nanoGPT computes q, k, v with one Linear(C, 3C) and cuts its output:
-# `q, k, v = c_attn(x).split(C, dim=2)`. Declared column-parallel (weight split(0)), a plain
-# contiguous shard would give rank 0 all of q and half of k, and no rank a whole head. So,
-# as Megatron stores its fused QKV weight, graphc stores such a weight (and a split bias) in
-# pieces: rank r holds shard r of each of the k pieces, concatenated (META_PIECES = (k, 0) on
-# its get_attr node). The Linear becomes one linear per piece on `torch.chunk(w, k, 0)`,
-# whose local form is the chunk of the local shard, so every piece comes out split(-1) with
-# no communication. The layout is used only when the Linear is called once, its output is
-# used by nothing but that cut into equal pieces along the last dim, each divisible by the
-# ranks, and no other module holds its weight. state.py shards and gathers it piece by
-# piece, so full_state_dict() and the user's module see the usual layout; graph.state_dict()
-# holds the pieced local component (as Megatron's checkpoints do).
-
-
-def _fused_linear(gm, node: fx.Node, mod: nn.Module, mesh: tuple):
-    """A column-parallel Linear whose output is only cut into equal pieces: one linear per
-    piece of the weight (See NOTE: fused pieces). None when the pattern does not hold."""
-    k = _pieces(gm, node, mod, mesh)
-    if k is None:
-        return None
-    x = node.args[0]
-    cut = next(iter(node.users))
-    ws = param_pieces(gm, node, "weight", mod.weight, k)
-    bs = param_pieces(gm, node, "bias", mod.bias, k) if mod.bias is not None else [None] * k
-    outs = []
-    for i, piece in enumerate(sorted(cut.users, key=lambda u: u.args[1])):
-        outs.append(copy_meta(node, gm.graph.call_function(
-            F.linear, (x, ws[i]) + ((bs[i],) if bs[i] is not None else ())), piece.meta[META_TENSOR]))
-        piece.replace_all_uses_with(outs[-1])
-    for piece in list(cut.users):
-        gm.graph.erase_node(piece)
-    gm.graph.erase_node(cut)
-    return outs[0]  # the module's node is left without users and erased by the caller
-
-
-def _pieces(gm, node: fx.Node, mod: nn.Module, mesh: tuple):
-    """k if `node` calls a Linear with weight split(0) on one mesh axis (bias alike or whole),
-    once, and its output is only cut into k equal pieces along the last dim, each divisible
-    by the axis' ranks, then unpacked; else None."""
-    if type(mod) is not nn.Linear or len(node.args) != 1 or node.kwargs:
-        return None
-    declared = declared_in(gm)
-    layout = declared.of(f"{node.target}.weight")
-    axes = [a for a, s in enumerate(layout[1]) if isinstance(s, Split)] if layout else []
-    if len(axes) != 1 or layout[1][axes[0]].dim != 0:
-        return None
-    bias = declared.of(f"{node.target}.bias") if mod.bias is not None else None
-    if bias and bias[1] not in (layout[1], tuple(Broadcast() for _ in layout[1])):
-        return None
-    n = mesh_shape(mesh)[axes[0]]
-    calls = [u for u in gm.graph.nodes if u.op == "call_module" and u.target == node.target]
-    holders = [q for _, q in gm.named_parameters(remove_duplicate=False) if q is mod.weight]
-    if len(calls) != 1 or len(holders) != 1 or len(node.users) != 1:
-        return None
-    cut = next(iter(node.users))
-    k = _equal_cut(cut, node, mod.out_features)
-    if k is None or k < 2 or (mod.out_features // k) % n:
-        return None
-    pieces = list(cut.users)
-    if sorted(u.args[1] if u.target is operator.getitem and isinstance(u.args[1], int) else -1
-              for u in pieces) != list(range(k)):
-        return None
-    return k
-
-
-def _equal_cut(cut: fx.Node, src: fx.Node, size: int):
-    """k if `cut` is src.split(size/k, dim=-1) (or a list of k equal sizes) or src.chunk(k, -1)."""
-    name = cut.target if isinstance(cut.target, str) else getattr(cut.target, "__name__", "")
-    if cut.op not in ("call_method", "call_function") or name not in ("split", "chunk") or \
-            not cut.args or cut.args[0] is not src or len(cut.args) < 2:
-        return None
-    ndim = len(src.meta[META_TENSOR].shape)
-    dim = cut.args[2] if len(cut.args) > 2 else cut.kwargs.get("dim", 0)
-    if not isinstance(dim, int) or dim % ndim != ndim - 1:
-        return None
-    arg = cut.args[1]
-    if name == "chunk":
-        return arg if isinstance(arg, int) and size % arg == 0 else None
-    if isinstance(arg, int):
-        return size // arg if size % arg == 0 else None
-    if isinstance(arg, (list, tuple)) and len(set(arg)) == 1 and sum(arg) == size:
-        return len(arg)
-    return None

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from ..errors import GraphcError
 from ..log import get_logger
-from ..meta import (META_BATCHED, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
+from ..meta import (META_BATCHED, META_BOXING, META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR,
                     SbpSignature, is_backward)
 from ..placement import Broadcast, PartialSum, Split, normalize_sbp
 from ..sbp.cost import COLLECTIVE, boxing_cost, conversion_cost, tensor_bytes
@@ -59,13 +59,27 @@ def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence,
 
 def gathering_fallbacks(gm: fx.GraphModule) -> List[fx.Node]:
     """The ops without an SBP rule whose split or partial inputs are gathered to whole values
-    on a stage of several ranks: the slow path _warn_fallbacks names."""
+    on a stage of several ranks: the slow path _warn_fallbacks names. Read on the annotated
+    graph or after insert_boxing (an input then arrives through its conversions: their
+    sources are what was gathered)."""
     def gathers(node: fx.Node) -> bool:
         sig = node.meta.get(META_SBP)
         return sig is not None and sig.fallback and len(flat(sig.mesh)) > 1 and any(
-            META_SBP in a.meta and not all(isinstance(s, Broadcast) for s in a.meta[META_SBP].out)
-            for a in node.all_input_nodes)
+            not all(isinstance(s, Broadcast) for s in layout) for a in node.all_input_nodes
+            for layout in _layouts_before_boxing(a))
     return [node for node in gm.graph.nodes if gathers(node)]
+
+
+def _layouts_before_boxing(a: fx.Node) -> List[tuple]:
+    """The layouts value `a` had on its way to its reader: its own, or through a chain of
+    conversion boxes (META_BOXING) each box's source layout and the first value's."""
+    layouts = []
+    while META_BOXING in a.meta:
+        layouts.append(a.meta[META_BOXING].src)
+        a = a.args[0]
+    if META_SBP in a.meta:
+        layouts.append(a.meta[META_SBP].out)
+    return layouts
 
 
 def _warn_fallbacks(gm: fx.GraphModule) -> None:
@@ -317,15 +331,82 @@ def _mark_grad_partial(gm: fx.GraphModule) -> None:
         if node.op == "get_attr" and META_SBP in node.meta:
             reads.setdefault((id(_fetch(gm, str(node.target))), node.meta[META_STAGE]), []).append(node)
     for nodes in reads.values():
-        axes = []
+        axes, cones = [], {}
         for axis, s in enumerate(nodes[0].meta[META_SBP].out):
-            users = [(u, v) for n in nodes for v in _piece_views(n) for u in v.users
-                     if META_SBP in u.meta]
-            if (isinstance(s, Broadcast) and users and all(sharded_use(u, n, axis) for u, n in users)):
+            views = [v for n in nodes for v in _piece_views(n)]
+            users = [(u, v) for v in views for u in v.users if META_SBP in u.meta]
+            if not isinstance(s, Broadcast) or not users:
+                continue
+            if all(sharded_use(u, v, axis) for u, v in users):
                 axes.append(axis)
+                continue
+            cone = _whole_cone(views, axis)   # NOTE: Whole values with a summed gradient
+            if cone:
+                axes.append(axis)
+                for c in cone:
+                    cones.setdefault(c, []).append(axis)
         for node in nodes:
             for view in [node] + _piece_views(node):
                 view.meta[META_GRAD_PARTIAL] = tuple(axes)
+        for c, c_axes in cones.items():
+            c.meta[META_GRAD_PARTIAL] = tuple(c_axes)
+
+
+# NOTE: Whole values with a summed gradient
+# A broadcast parameter read by sharded ops has a partial_sum gradient, all-reduced once a
+# step with the data-parallel buckets. One read first by ops that keep it whole (T5's
+# relative position bias: a lookup of its table, a permute, the mask added) and only then by
+# sharded ops (the heads of tensor parallel: the bias sliced to each rank's heads; a split
+# batch added to it) is the same case one step later: every gradient that reaches those
+# whole ops is a rank's addend (a slice's gradient zero-padded, B -> S read as the local
+# `slice_summed_grad`; a sharded op's gradient of its whole input), and backward is linear
+# in the gradient, so the parameter's gradient is partial_sum too. The whole ops between
+# (the cone) carry META_GRAD_PARTIAL: insert_boxing gives them no grad_all_reduce and slices
+# them with that box, and the parameter is synchronised after backward. Before, each slice
+# all-gathered its gradient every micro-batch (T5 on tensor 2: one all-gather per attention
+# stack), each whole input of a sharded op all-reduced its own. A cone must end only in such
+# reads (not in an output, a partial read or backward()), read no other value that needs a
+# gradient, and stay small (CONE_LIMIT ops: the residual stream of a tensor-parallel model
+# is whole and reaches the loss; it is no cone).
+CONE_LIMIT = 32
+
+
+def _whole_cone(starts: List[fx.Node], axis: int) -> Optional[List[fx.Node]]:
+    """The ops computing whole values on `axis` from `starts` (a parameter's reads), when every
+    other reader of them reads sharded or converts them to a split; else None (See NOTE:
+    Whole values with a summed gradient)."""
+    cone, todo = [], list(starts)
+    members = set(starts)
+    stage = starts[0].meta.get(META_STAGE)
+    while todo:
+        v = todo.pop()
+        for u in v.users:
+            sig = u.meta.get(META_SBP)
+            need = sig.needs(v.name) if sig is not None else None
+            if need is None or sig.fallback or isinstance(need[axis], PartialSum) \
+                    or u.meta.get(META_STAGE) != stage:   # another stage's mesh: its own axes
+                return None
+            if isinstance(need[axis], Split) or sharded_use(u, v, axis):
+                continue
+            if not _whole_step(u, axis, members):
+                return None
+            if u not in members:
+                members.add(u)
+                cone.append(u)
+                todo.append(u)
+            if len(cone) > CONE_LIMIT:
+                return None
+    return cone
+
+
+def _whole_step(u: fx.Node, axis: int, members: set) -> bool:
+    """Does op u compute a whole value from the cone, reading nothing else that needs a gradient?"""
+    sig, meta = u.meta[META_SBP], u.meta.get(META_TENSOR)
+    if u.op not in ("call_function", "call_method") or meta is None or not meta.requires_grad \
+            or not isinstance(sig.out[axis], Broadcast) or is_backward(u):
+        return False
+    return all(a in members or not (a.meta.get(META_TENSOR) and a.meta[META_TENSOR].requires_grad)
+               for a in u.all_input_nodes)
 
 
 def _piece_views(param: fx.Node) -> List[fx.Node]:

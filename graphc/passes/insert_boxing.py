@@ -93,7 +93,10 @@ def _convert(gm, a: fx.Node, need: tuple, consumer: fx.Node) -> fx.Node:
     for axis in _conversion_order(cur, need):
         s, d = cur[axis], need[axis]
         after = cur[:axis] + (d,) + cur[axis + 1:]
-        value = _box_node(gm, value, consumer, mesh, axis, kind_of(s, d), cur, after)
+        kind = kind_of(s, d)
+        if kind == "slice" and axis in a.meta.get(META_GRAD_PARTIAL, ()):
+            kind = "slice_summed_grad"   # NOTE: Whole values with a summed gradient (infer_sbp)
+        value = _box_node(gm, value, consumer, mesh, axis, kind, cur, after)
         cur = after
     return value
 

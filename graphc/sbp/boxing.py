@@ -17,6 +17,8 @@ on every rank. It runs with the split dims swapped (src <-> dst).
     all_gather      S -> B               all_gather    slice (local)
     all_to_all      S(i) -> S(j)         all_to_all    all_to_all S(j) -> S(i)
     slice           B -> S               (local)       all_gather
+    slice_summed_grad B -> S             (local)       split_partial (a gradient summed later:
+                                                       NOTE: Whole values with a summed gradient)
     to_partial      B -> P, rank 0 keeps (local)       identity
     split_partial   S -> P, zero-pad     (local)       slice (local)
     grad_all_reduce B -> B, identity     (none)        all_reduce (the B input of a sharded op)
@@ -66,6 +68,7 @@ BOXINGS: Dict[str, Boxing] = {b.kind: b for b in (
     Boxing("all_to_all", "S(i) -> S(j)", "all_to_all", "all_to_all",
            lambda n: (n - 1) / (n * n), lambda n: (n - 1) / n),
     Boxing("slice", "B -> S", None, "all_gather", _nothing, _local),
+    Boxing("slice_summed_grad", "B -> S", None, "split_partial", _nothing, _local),
     Boxing("to_partial", "B -> P", None, None, _nothing, _local),
     Boxing("split_partial", "S -> P", None, "slice", _nothing, _local),
     Boxing("grad_all_reduce", "B -> B", None, "all_reduce", _nothing, _nothing),

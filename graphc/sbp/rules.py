@@ -11,51 +11,16 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..meta import META_PIECES, META_SBP, META_TENSOR, TensorMeta
-from . import local_ops
+from ..meta import META_PIECES, META_SBP, META_TENSOR
+from . import local_ops, routing
+from .context import Candidate, RuleCtx  # noqa: F401 (rules and their callers read them here)
 from .layout import B, P, S, chunk_sizes
-
-Candidate = Tuple[Dict[fx.Node, object], object]
-
-
-@dataclass
-class RuleCtx:
-    node: fx.Node
-    n: int                          # ranks on this mesh axis
-    prod: Dict[fx.Node, object]     # each input's producer SBP on this axis
-
-    def meta(self, a) -> Optional[TensorMeta]:
-        return a.meta.get(META_TENSOR) if isinstance(a, fx.Node) else None
-
-    @property
-    def out(self) -> Optional[TensorMeta]:
-        return self.node.meta.get(META_TENSOR)
-
-    def arg(self, i: int, name: str, default=None):
-        if len(self.node.args) > i:
-            return self.node.args[i]
-        return self.node.kwargs.get(name, default)
-
-    def tensors(self) -> List[fx.Node]:
-        args = list(self.node.args) + list(self.node.kwargs.values())
-        return [a for a in args if self.meta(a) is not None]
-
-    def splits(self, size: int) -> bool:
-        """Can a dim of `size` be split on this axis? Shards may differ in size (See NOTE:
-        Uneven splits, docs/sbp.md), so any dim of at least n."""
-        return size >= self.n
-
-    def divisible(self, size: int) -> bool:
-        """Equal shards: for local forms that need them (a reshape merging or cutting a split
-        dim, grouped-query heads, a parameter stored in pieces)."""
-        return size % self.n == 0 and size >= self.n
 
 
 # -- elementwise ----------------------------------------------------------------------
@@ -410,13 +375,18 @@ def permutation(node: fx.Node, nd: int) -> List[int]:
 
 
 def cat(ctx: RuleCtx) -> List[Candidate]:
-    tensors = [t for t in ctx.node.args[0]]
+    """cat(tensors, dim): a split of another dim stays; P -> P. A 1-D empty tensor, which cat
+    skips (HF's DynamicCache starts as torch.tensor([]) and cats the keys onto it), is read
+    whole in every signature."""
     nd = len(ctx.out.shape)
+    skipped = [t for t in ctx.node.args[0] if nd > 1 and ctx.meta(t) is not None and tuple(ctx.meta(t).shape) == (0,)]
+    tensors = [t for t in ctx.node.args[0] if t not in skipped]
+    whole = {t: B for t in skipped}
     dim = (ctx.arg(1, "dim", 0)) % nd
-    cands: List[Candidate] = [({t: P for t in tensors}, P)]
+    cands: List[Candidate] = [({**{t: P for t in tensors}, **whole}, P)]
     for d in range(nd):
         if d != dim and ctx.splits(ctx.out.shape[d]):
-            cands.append(({t: S(d) for t in tensors}, S(d)))
+            cands.append(({**{t: S(d) for t in tensors}, **whole}, S(d)))
     return cands
 
 
@@ -560,10 +530,13 @@ def _index_map(index, nd: int):
 
 def index(ctx: RuleCtx) -> List[Candidate]:
     """x[basic index]: a dim taken whole (`:`) keeps its split; indexing is linear (P->P).
-    Tensor or list indices (advanced indexing) have no rule."""
-    x = ctx.node.args[0]
+    One integer tensor as the index is a lookup (routing.index_by_tensor); other tensor or
+    list indices (advanced indexing) have no rule."""
+    x, items = ctx.node.args[0], ctx.node.args[1]
     mx = ctx.meta(x)
-    dims = _index_map(ctx.node.args[1], len(mx.shape)) if mx is not None else None
+    if isinstance(items, fx.Node):   # one index tensor: a lookup (See NOTE: Routing keeps the batch split)
+        return routing.index_by_tensor(ctx, x, items)
+    dims = _index_map(items, len(mx.shape)) if mx is not None else None
     if dims is None:
         return None
     cands: List[Candidate] = [({x: P}, P)]
@@ -763,11 +736,12 @@ _register(elementwise, "masked_fill", "masked_fill_", torch.masked_fill, torch.w
 _register(triangular, torch.tril, torch.triu, "tril", "triu")
 _register(expand, "expand", torch.broadcast_to, "broadcast_to")
 _register(set_item, local_ops.set_item)
+_register(index, "__getitem__")   # a whole tensor indexed by a traced one: table[ids]
 _register(flip, torch.flip, "flip")
 _register(pad, F.pad)
 _register(filled_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like)
 _register(created_from, "new_zeros", "new_ones", "new_full", "new_empty")
-_register(cast, "float", "double", "half", "bfloat16", "to", "type", "type_as")
+_register(cast, "float", "double", "half", "bfloat16", "to", "type", "type_as", "long", "int", "short", "bool", "byte")
 _register(metadata, "size", "dim", "numel", "nelement", "ndimension", "get_device")
 _register(conv, F.conv1d, F.conv2d, F.conv3d)
 _register(_pool(1, False), F.max_pool1d, F.adaptive_max_pool1d)
@@ -780,6 +754,8 @@ _register(batch_norm_sum, local_ops.batch_norm_sum)
 _register(batch_norm_stats, local_ops.batch_norm_stats)
 _register(batch_norm_apply, local_ops.batch_norm_apply)
 _register(replicated, local_ops.batch_norm_update_, local_ops.batch_norm_deferred_update_)
+for _rule, _targets in routing.ROUTING_OPS.items():
+    _register(_rule, *_targets)
 _METADATA_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad")
 
 

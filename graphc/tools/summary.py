@@ -6,7 +6,9 @@ ranks a collective joins). So one listing per stage, plus what varies, describes
 thousand-rank job. For each stage the summary gives its ranks, whether they all run one
 instruction sequence (else the variants and their ranks), the count of each kind of
 instruction in one step, the bytes sent and received per step and the peers' stages,
-the collectives by kind and group size, and which rank<r>.txt files were written.
+the collectives by kind and group size, on a stage of several ranks how much of it runs
+replicated after an op without an SBP rule (See NOTE: Replicated compute, replicated.py),
+and which rank<r>.txt files were written.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from collections import Counter
 from typing import Dict, List, Sequence
 
 from ..plan.instructions import INSTRUCTIONS, AllReduce, Collective, Instruction, Recv, Send
+from .replicated import replicated_compute
 from .rows import ranges
 
 
@@ -34,13 +37,16 @@ def stage_summary(name: str, compiled, written: Sequence[int] = ()) -> str:
              "groups unless variants are listed"]
     labels: Dict[int, str] = {}           # id(instruction) -> label: objects are shared
     seen = set()
+    replicated = replicated_compute(compiled)
     for info in stages:
         ranks = list(info.ranks)
         if tuple(ranks) in seen:          # a rank holding several stages (chunks): once
             continue
         seen.add(tuple(ranks))
         held = [s.stage_id for s in stages if tuple(s.ranks) == tuple(ranks)]
-        lines += _stage_lines(held, ranks, plans, labels, set(written))
+        block = _stage_lines(held, ranks, plans, labels, set(written))
+        block[-1:-1] = [f"  {replicated[s]}" for s in held if s in replicated]  # before "plans written"
+        lines += block
     idle = [p.rank for p in plans if not p.local_stages]
     if idle:
         lines.append(f"idle: ranks {ranges(idle)} hold no stage")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import graphc
-from layouts import assert_same, fallbacks, train
+from layouts import assert_same, fallbacks, replicated, train
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,3 +52,4 @@ def test_t5_with_labels_alone_under_accumulation(layout):
     graphs = []
     assert_same(train(layout, lambda layout: T5Graph(_make(), layout), batches, graphs=graphs), want, layout)
     assert fallbacks(graphs[0]) == []   # new_zeros of a split batch gathered it first
+    assert all(share == 0.0 for share in replicated(graphs[0]).values())

@@ -72,11 +72,11 @@ class MLP(nn.Module):
 
 
 class NestedNet(MLP):
-    """cumsum has no SBP rule: on a batch split by both mesh axes its input is gathered,
+    """logcumsumexp has no SBP rule: on a batch split by both mesh axes its input is gathered,
     innermost axis first (axis 1 cuts each of axis 0's shards)."""
 
     def forward(self, x):
-        return self.fc2(torch.cumsum(torch.relu(self.fc1(x)), 1) / 16)
+        return self.fc2(torch.logcumsumexp(torch.relu(self.fc1(x)), 1) / 16)
 
 
 class TrainGraph(graphc.Graph):

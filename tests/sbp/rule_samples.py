@@ -306,6 +306,47 @@ SAMPLES += [Sample(F.group_norm, _group_norm, lambda ts, s: ((ts[0], 2, ts[1], t
 SAMPLES += [Sample(operator.getitem, THREE_D, first_and((slice(None), 0, None, Ellipsis)), "basic"),
             Sample(operator.getitem, THREE_D, first_and((Ellipsis, slice(1, None))), "slice")]
 
+
+# routing and indexing (graphc/sbp/routing.py, See NOTE: Routing keeps the batch split)
+def _ints(high, *shape):
+    return torch.randint(0, high, shape)
+
+
+def _gather(rng):
+    a, b, c, k = dims(rng, 4)
+    return randn(a, b, c), _ints(c, a, b, k)
+
+
+def _index_add(rng):
+    a, b, c, k = dims(rng, 4)
+    return randn(a, b, c), _ints(c, k), randn(a, b, k)
+
+
+def _lookup(rng):
+    rows, c, a, b = dims(rng, 4)
+    return randn(rows, c), _ints(rows, a, b)
+
+
+def _with_a_one(rng):
+    return (randn(rng.randint(1, 4), 1, rng.randint(1, 4)),)
+
+
+SAMPLES += [Sample(k, THREE_D, first_and(1)) for k in (torch.topk, "topk")]
+SAMPLES += [Sample(torch.topk, THREE_D, first_and(1, 0), "dim 0")]
+SAMPLES += [Sample(k, THREE_D, first_and(-1)) for k in (torch.sort, "sort", torch.argsort, "argsort")]
+SAMPLES += [Sample(k, THREE_D, first_and(1)) for k in (torch.cumsum, "cumsum", torch.cumprod, "cumprod")]
+SAMPLES += [Sample(k, THREE_D, first_and(2, 0)) for k in (torch.repeat_interleave, "repeat_interleave")]
+SAMPLES += [Sample("repeat_interleave", THREE_D, first_and(3, 2), "dim 2")]
+SAMPLES += [Sample(k, THREE_D, first_and(1)) for k in (torch.unsqueeze, "unsqueeze")]
+SAMPLES += [Sample(k, _with_a_one, first_and(1)) for k in (torch.squeeze, "squeeze")]
+SAMPLES += [Sample("squeeze", _with_a_one, label="every 1")]
+SAMPLES += [Sample(F.one_hot, lambda rng: (_ints(4, *dims(rng, 2)),), first_and(4))]
+SAMPLES += [Sample(k, _gather, lambda ts, s: ((ts[0], 2, ts[1]), {})) for k in (torch.gather, "gather")]
+SAMPLES += [Sample(k, _index_add, lambda ts, s: ((ts[0], 2, ts[1], ts[2]), {})) for k in (torch.index_add, "index_add")]
+SAMPLES += [Sample("__getitem__", _lookup), Sample(operator.getitem, _lookup, label="index tensor")]
+SAMPLES += [Sample(k, ANY_RANK) for k in ("long", "int", "short", "bool")]
+SAMPLES += [Sample("byte", lambda rng: (randn(*_rank(rng)).abs() * 10,))]
+
 NOT_SAMPLED = {
     # in-place running-statistics updates graphc inserts; their rule claims nothing sharded
     local_ops.batch_norm_update_: "replicated: claims no sharded signature",

@@ -40,8 +40,12 @@ def test_basic_indexing_keeps_whole_dims_split_and_advanced_indexing_falls_back(
     assert sigs["getitem"].out == (Split(0),) and not sigs["getitem"].fallback
     sigs = _sigs(lambda x: x[1:3])  # a slice of the split dim: a conversion first, no fallback
     assert not sigs["getitem"].fallback and sigs["getitem"].out != (Split(0),)
-    sigs = _sigs(lambda x: x[torch.tensor([0, 2])])
+    sigs = _sigs(lambda x: x[torch.tensor([0, 2]), torch.tensor([1, 1])])  # two index tensors
     assert sigs["getitem"].fallback
+    # one index tensor is a lookup (sbp/routing.py): the split rows read as each rank's
+    # addend of the whole, the result partial, no fallback
+    sigs = _sigs(lambda x: x[torch.tensor([0, 2])])
+    assert not sigs["getitem"].fallback and sigs["getitem"].out == (PartialSum(),)
 
 
 def test_casts_masks_and_softmax_keep_the_split():

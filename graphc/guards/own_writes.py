@@ -1,0 +1,74 @@
+"""Values a trace wrote itself: a library that sets its own setting on its first call.
+
+NOTE: Writes of the first call
+A guard records the value a trace read first. Hugging Face's classification heads read
+`config.problem_type` and, while it is None, set it from the labels on the first call
+(`self.config.problem_type = "single_label_classification"`): the trace reads None and
+leaves "single_label_classification", so every guard on the config failed at the second
+call and compiled a second plan, for nothing. After compile, a guard that no longer holds
+though nothing but the trace ran since names such a write. build() is then traced once more
+with the values the trace left, as every later call sees them: the same graph (TraceText,
+NOTE: Retrace check) means the plan serves them too, and those guards take the values now
+(one more trace, only when a trace wrote what it read). Another graph keeps the guards as
+they were, so the next call compiles its own plan, as eager would compute another thing;
+a warning says which value build() changed and why a plan follows.
+Not covered: with gradient accumulation compile traces the whole batch first and the plan's
+micro-batch after it, so the plan is already the graph of the value the first trace wrote;
+where that graph differs from the old value's, the first call differs from eager's (the
+check would compare the two traces of compile; not done yet).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List
+
+from ..log import get_logger, warn_user
+from .values import MISSING, Guard, GuardSet, difference, fingerprint
+
+_log = get_logger("compile")
+
+
+def settle_own_writes(name: str, guards: GuardSet, traced, retrace: Callable[[], object]) -> GuardSet:
+    """`guards` with the values the compile's own trace wrote re-recorded when build() traced
+    again on them gives the same graph (See NOTE: Writes of the first call).
+
+    Args:
+        name: the Graph's class name, for the warning.
+        guards: the guards compile recorded (values as the trace first read them).
+        traced: the compiled graph's TraceText.
+        retrace: traces build() again as compile did and returns its TraceText.
+    """
+    written = [g for g in guards.guards if not g.holds()]
+    if not written or traced is None:
+        return guards
+    after = [fingerprint(g.read()) for g in written]
+    found = traced.first_difference(retrace())
+    if found is not None or after != [fingerprint(g.read()) for g in written]:
+        warn_user(f"{name}.build() changed {_changes(written)} while it was traced (a library setting "
+                  "its own value on its first call), and build() traced with the new value makes "
+                  "another graph: the next call compiles a plan for it. Fix: set the value before "
+                  "the first call.")
+        return guards
+    _log.info("%s: build() set %s on its first call; the plan serves the new value", name, _changes(written))
+    settled = {id(g): _now(g) for g in written}
+    return GuardSet(tuple(settled.get(id(g), g) for g in guards.guards))
+
+
+def _now(guard: Guard) -> Guard:
+    """The guard expecting the value it reads now."""
+    value = guard.read()
+    if guard.same is not MISSING:
+        return dataclasses.replace(guard, same=value, expected=("id", id(value)))
+    return dataclasses.replace(guard, expected=fingerprint(value))
+
+
+def _changes(written: List[Guard]) -> str:
+    """The values the trace wrote, in words: 'model.config.problem_type from None to ...'."""
+    return ", ".join(_change(g) for g in written[:3]) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
+
+
+def _change(guard: Guard) -> str:
+    if guard.same is not MISSING:   # a guard on identity: another object sits there
+        return f"{guard.where} to another object"
+    path, was, now = difference(guard.expected, fingerprint(guard.read()))
+    return f"{guard.where}{path} from {was} to {now}"

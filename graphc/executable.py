@@ -31,7 +31,7 @@ from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .passes.trace_build import forward_replaced
 from .placement import Layout
 from .placement import placement as Placement
-from .ops.conversions import compiled_groups, create_groups
+from .ops.conversions import compiled_groups, create_groups, from_every_rank
 from .runtime.actors import Runtime
 from .runtime.comm import P2P
 from .runtime.dist_env import device_for
@@ -174,12 +174,14 @@ class Executable:
 
     @classmethod
     def compile(cls, spec: compiler.CompileSpec, specs: Sequence[InputSpec], world: int,
-                tree: Optional[InputTree] = None) -> "Executable":
+                tree: Optional[InputTree] = None, ranks: Optional[Sequence[int]] = None) -> "Executable":
         """compiler.compile for these inputs' global shapes and layouts, with the guards of
-        every Python value the compile read (NOTE: Guards)."""
+        every Python value the compile read (NOTE: Guards). ranks: whose plans to lower (a
+        rank its own: NOTE: Plans of some ranks); None: every rank's (graphc plan)."""
         before = global_guards()  # the modes the caller set, before tracing changes any
         with record_reads(spec.root) as reads, _as_traced(spec, tree):
-            compiled = compiler.compile(spec, [s.example() for s in specs], world, [s.layout for s in specs])
+            compiled = compiler.compile(spec, [s.example() for s in specs], world, [s.layout for s in specs],
+                                        ranks)
         compiled.guards = GuardSet(tuple(before + structure_of(spec.root) + hook_guards(spec.root)
                                          + [requires_grad_guard(spec.root)] + reads.guards()))
         check_input_placements(compiled, specs)
@@ -190,7 +192,7 @@ class Executable:
         """GRAPHC_RETRACE=1 (NOTE: Retrace check): build() traced again for this call, under the
         contexts it was compiled in; a graph other than the plan's is a GraphcError naming the
         first node that differs, the value a guard should have seen."""
-        world = len(self.compiled.plans)
+        world = self.compiled.world_size
         with _as_traced(spec, tree):
             now = compiler.retrace(spec, [s.example() for s in specs], world, [s.layout for s in specs])
         found = self.compiled.trace.first_difference(now) if self.compiled.trace is not None else None
@@ -213,8 +215,8 @@ class Executable:
         runtime. `masters`: the float32 masters of set_param_dtype (NOTE: Master parameters)."""
         plan = self.compiled.plan_for(rank)
         programs = {s: self.compiled.programs[s] for s in plan.local_stages}
-        p2p = P2P(rank, self.compiled.plans)
-        create_groups(compiled_groups(self.compiled))
+        p2p = P2P(rank, self.compiled.plans, self.compiled.whole_world)
+        create_groups(from_every_rank(compiled_groups(self.compiled), self.compiled.whole_world))
         self.tracer = Tracer.from_config(config, rank)
         self.runtime = Runtime(plan, programs, p2p, self.device(rank), optimizer, lr_scheduler,
                                config.recv_window, self.tracer.record, grad_scaler, masters)

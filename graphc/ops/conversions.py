@@ -66,8 +66,18 @@ def my_group(groups: tuple) -> Tuple[Tuple[int, ...], int, int]:
     raise RuntimeError(f"internal: rank {rank} is in none of the groups {groups}")
 
 
+def from_every_rank(groups: List[Tuple[int, ...]], whole_world: bool) -> List[Tuple[int, ...]]:
+    """Every rank's groups, when each rank compiled only its own plan (NOTE: Plans of some
+    ranks): a torch world creates every group on every rank, in one order, so the ranks
+    exchange theirs. A local world needs no groups."""
+    torch_world = world.torch_world()
+    if whole_world or torch_world is None:
+        return groups
+    return sorted({tuple(g) for mine in torch_world.all_gather_object(sorted(set(groups))) for g in mine})
+
+
 def compiled_groups(compiled) -> List[Tuple[int, ...]]:
-    """Every rank group a compiled graph's programs and plans communicate in."""
+    """Every rank group a compiled graph's programs and the plans it holds communicate in."""
     found = []
     for prog in compiled.programs:
         modules = [prog.module] + ([prog.prologue.module] if prog.prologue is not None else [])

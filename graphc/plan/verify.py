@@ -19,7 +19,7 @@ A failure raises PlanError naming the rank and instruction, with the plan listin
 from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PlanError
 from .instructions import (STAGE_COMPUTES, AllReduce, Backward, BackwardInput, BackwardWeight,
@@ -32,14 +32,36 @@ from .plan import ExecutionPlan
 COLLECTIVES = (AllReduce, Collective)
 
 
-def verify_plans(plans: Sequence[ExecutionPlan]) -> None:
-    """Raises PlanError if the plans cannot run together to completion."""
+def verify_plans(plans: Sequence[ExecutionPlan], world_size: Optional[int] = None) -> None:
+    """Raises PlanError if the plans cannot run together to completion.
+
+    world_size: the job's ranks, when `plans` are only some of them (a rank's own compile,
+    NOTE: Plans of some ranks): then each plan's compute order is checked (4) and its peers
+    lie in the world; pairing (1, 2) is checked at startup between the ranks themselves
+    (NOTE: Plan digests, runtime/agreement.py), and deadlock freedom (3) by `graphc plan`.
+    """
     by_rank = {p.rank: p for p in plans}
     for plan in plans:
         _check_compute_order(plan)
+    if world_size is not None and len(by_rank) < world_size:
+        for plan in plans:
+            _check_peers_in_world(plan, world_size)
+        return
     pairs = _pair_p2p(by_rank)
     groups = _pair_collectives(by_rank)
     _check_acyclic(by_rank, pairs, groups)
+
+
+def _check_peers_in_world(plan: ExecutionPlan, world_size: int) -> None:
+    for i, ins in enumerate(plan.instructions):
+        peers = [ins.peer] if isinstance(ins, (Send, Recv)) else \
+            list(ins.ranks) if isinstance(ins, COLLECTIVES) else []
+        outside = [r for r in peers if not 0 <= r < world_size]
+        if outside:
+            _fail(plan, i, f"rank(s) {outside} are outside the world of {world_size} ranks")
+        if isinstance(ins, COLLECTIVES) and plan.rank not in ins.ranks:
+            _fail(plan, i, f"rank {plan.rank} issues a collective over ranks {list(ins.ranks)} "
+                  "that it is not part of")
 
 
 def _fail(plan: ExecutionPlan, index: int, why: str) -> None:
@@ -140,7 +162,7 @@ def _same_transfer(s: Send, r: Recv) -> bool:
             and s.stage == r.peer_stage and s.peer_stage == r.stage)
 
 
-def _signature(ins: Instruction) -> tuple:
+def signature(ins: Instruction) -> tuple:
     """What must agree on every rank of a collective's group for the ranks to pair up.
 
     A boxing Collective's `nbytes` is what this rank sends, which may differ by rank (an
@@ -184,7 +206,7 @@ def _pair_collectives(by_rank) -> List[List[Tuple[int, int]]]:
     """
     hubs = []
     for group, seqs in sorted(_collective_queues(by_rank).items()):
-        sigs = {r: [_signature(ins) for _, ins in seqs[r]] for r in group}
+        sigs = {r: [signature(ins) for _, ins in seqs[r]] for r in group}
         for k in range(max(len(s) for s in sigs.values())):
             if len({s[k] if k < len(s) else None for s in sigs.values()}) > 1:
                 _explain_mismatch(by_rank, group, seqs, sigs, k)
@@ -229,7 +251,7 @@ def _difference(ins: Instruction, other: Instruction, rank: int, other_rank: int
     if type(ins) is not type(other):
         return ""
     if isinstance(ins, Collective):
-        if ins.dtype != other.dtype and _signature(ins)[:-1] == _signature(other)[:-1]:
+        if ins.dtype != other.dtype and signature(ins)[:-1] == signature(other)[:-1]:
             return (f": dtype {ins.dtype or '?'} on rank {rank}, {other.dtype or '?'} on rank "
                     f"{other_rank}; every member of a collective must send the same dtype")
         return ""

@@ -181,7 +181,7 @@ class Executable:
         before = global_guards()  # the modes the caller set, before tracing changes any
         with record_reads(spec.root) as reads, _as_traced(spec, tree):
             compiled = compiler.compile(spec, [s.example() for s in specs], world, [s.layout for s in specs],
-                                        ranks)
+                                        ranks=ranks)
         compiled.guards = GuardSet(tuple(before + structure_of(spec.root) + hook_guards(spec.root)
                                          + [requires_grad_guard(spec.root)] + reads.guards()))
         check_input_placements(compiled, specs)

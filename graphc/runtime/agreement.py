@@ -129,8 +129,8 @@ def _check_plan_digests(store, prefix: str, everyone: Dict[int, Dict[str, Any]],
     odd_seq, ref_seq = (json.loads(store.get(k)) for k in keys)
     raise GraphcError(
         f"rank {plan.rank}: the ranks' plans do not pair up: {explain(key, odd, ref, odd_seq, ref_seq)}. "
-        f"Rank {odd} would wait on (or send to) rank {ref} for another instruction and the job "
-        "would hang. Every rank compiled the same program (equal compile keys), so a plan was "
+        f"Ranks {odd} and {ref} would pair different instructions there, and the job would hang "
+        "or exchange mismatched buffers. Every rank compiled the same program (equal compile keys), so a plan was "
         "changed after compiling, or graphc lowered it wrongly. Fix: run `graphc plan` on the "
         "script with this world size, which verifies every rank's plan together, and report "
         "what it says to graphc.")

@@ -6,7 +6,9 @@ setting or schedule, a checkpoint of another step, or a model initialised with a
 seed would otherwise train on mismatched buffers or wait out GRAPHC_TIMEOUT and die in a
 raw gloo error that blames a healthy rank. After compiling (and loading a checkpoint),
 every rank writes a small fingerprint of what it is about to run to the c10d store and
-reads everyone's: one exchange, O(world) store requests, before any collective. A rank
+reads everyone's: one exchange, O(world) store requests, before any collective. The facts
+name the compiled program by its compile key (NOTE: Plan cache) and carry this rank's plan
+digests, which only its peers compare (See NOTE: Plan digests, graphc/plan/digests.py). A rank
 that never arrives (it did not call the graph, or called another one) is named after
 GRAPHC_TIMEOUT. Replicated parameters are compared by checksum among the ranks that hold
 them: they must start equal, as DDP requires (graphc refuses rather than broadcasts, so

@@ -101,61 +101,83 @@ def _replicas_fed(mine: Tuple[int, ...], theirs: Tuple[int, ...], rank: int) -> 
 def _with_p2p(order, programs, stages, rank) -> List[Instruction]:
     """Each compute instruction wrapped in its receives and sends. A value between two chunks
     of this rank (stages on the same ranks) is handed over in memory: no transfer is listed."""
+    transfers = _Transfers(programs, stages, rank)
     out: List[Instruction] = []
     for ins in order:
         if isinstance(ins, OverlapFB):
             f, b = ins.forward, ins.backward
-            out += _recvs(f, programs, stages, rank) + _recvs(b, programs, stages, rank)
+            out += transfers.around(f, True) + transfers.around(b, True)
             out.append(ins)
-            out += _sends(f, programs, stages, rank) + _sends(b, programs, stages, rank)
+            out += transfers.around(f, False) + transfers.around(b, False)
         else:
-            out += _recvs(ins, programs, stages, rank) + [ins] + _sends(ins, programs, stages, rank)
+            out += transfers.around(ins, True) + [ins] + transfers.around(ins, False)
     return out
+
+
+class _Transfers:
+    """One rank's receives before, and sends after, each compute. They differ between the
+    micro-batches of a (compute kind, stage) only in its number, so each one's peers and
+    payloads are worked out once (10^5 times fewer at thousands of ranks)."""
+
+    def __init__(self, programs, stages, rank: int):
+        self.programs, self.stages, self.rank = programs, stages, rank
+        self.worked_out: Dict[tuple, list] = {}
+
+    def around(self, ins, before: bool) -> List[Instruction]:
+        """The receives before `ins` (before=True) or the sends after it."""
+        if not isinstance(ins, (Forward, Backward, BackwardInput)):
+            return []
+        key = (isinstance(ins, Forward), ins.stage, before)
+        if key not in self.worked_out:
+            find = _recvs if before else _sends
+            self.worked_out[key] = find(key[0], ins.stage, self.programs, self.stages, self.rank)
+        return [kind(ins.stage, ins.microbatch, peer, direction, other, payload)
+                for kind, peer, direction, other, payload in self.worked_out[key]]
 
 
 def _local(stages, rank: int, other: int) -> bool:
     return rank in stages[other].ranks
 
 
-def _recvs(ins, programs, stages, rank) -> List[Instruction]:
-    if not isinstance(ins, (Forward, Backward, BackwardInput)):
-        return []
-    s, mb, prog = ins.stage, ins.microbatch, programs[ins.stage]
-    out: List[Instruction] = []
-    if isinstance(ins, Forward):
+def _recvs(forward: bool, s: int, programs, stages, rank) -> List[tuple]:
+    """(Recv, peer, direction, peer stage, payload) of what stage s receives before its
+    forward (or backward) on this rank."""
+    prog = programs[s]
+    out: List[tuple] = []
+    if forward:
         for a, specs in sorted(prog.recv_from.items()):
             if not _local(stages, rank, a):
                 for src, got in _by_peer(prog, specs, s, rank, (_source(stages, rank, s, a),),
                                          receiving=True, grad=False):
-                    out.append(Recv(s, mb, src, ACT, a, got))
+                    out.append((Recv, src, ACT, a, got))
         return out
     for b, specs in sorted(prog.send_to.items()):
         grads = prog.grad_specs(specs)
         if grads and not _local(stages, rank, b):
             for src, got in _by_peer(prog, grads, b, rank, (_source(stages, rank, s, b),),
                                      receiving=True, grad=True):
-                out.append(Recv(s, mb, src, GRAD, b, got))
+                out.append((Recv, src, GRAD, b, got))
     return out
 
 
-def _sends(ins, programs, stages, rank) -> List[Instruction]:
-    if not isinstance(ins, (Forward, Backward, BackwardInput)):
-        return []
-    s, mb, prog = ins.stage, ins.microbatch, programs[ins.stage]
-    out: List[Instruction] = []
-    if isinstance(ins, Forward):
+def _sends(forward: bool, s: int, programs, stages, rank) -> List[tuple]:
+    """(Send, peer, direction, peer stage, payload) of what stage s sends after its forward
+    (or backward) on this rank."""
+    prog = programs[s]
+    out: List[tuple] = []
+    if forward:
         for b, specs in sorted(prog.send_to.items()):
             if not _local(stages, rank, b):
                 for peer, sent in _by_peer(prog, specs, b, rank, _targets(stages, rank, s, b),
                                            receiving=False, grad=False):
-                    out.append(Send(s, mb, peer, ACT, b, sent))
+                    out.append((Send, peer, ACT, b, sent))
         return out
     for a, specs in sorted(prog.recv_from.items()):
         grads = prog.grad_specs(specs)
         if grads and not _local(stages, rank, a):
             for peer, sent in _by_peer(prog, grads, s, rank, _targets(stages, rank, s, a),
                                        receiving=False, grad=True):
-                out.append(Send(s, mb, peer, GRAD, a, sent))
+                out.append((Send, peer, GRAD, a, sent))
     return out
 
 

@@ -206,12 +206,20 @@ def _pair_collectives(by_rank) -> List[List[Tuple[int, int]]]:
     """
     hubs = []
     for group, seqs in sorted(_collective_queues(by_rank).items()):
-        sigs = {r: [signature(ins) for _, ins in seqs[r]] for r in group}
-        for k in range(max(len(s) for s in sigs.values())):
-            if len({s[k] if k < len(s) else None for s in sigs.values()}) > 1:
-                _explain_mismatch(by_rank, group, seqs, sigs, k)
-            hubs.append([(r, seqs[r][k][0]) for r in group])
+        if not _same_objects(seqs, group):   # list_collectives gives a group's members one object each
+            sigs = {r: [signature(ins) for _, ins in seqs[r]] for r in group}
+            for k in range(max(len(s) for s in sigs.values())):
+                if len({s[k] if k < len(s) else None for s in sigs.values()}) > 1:
+                    _explain_mismatch(by_rank, group, seqs, sigs, k)
+        hubs += [[(r, seqs[r][k][0]) for r in group] for k in range(len(seqs[group[0]]))]
     return hubs
+
+
+def _same_objects(seqs, group) -> bool:
+    """Whether every member lists the very same instruction objects (then they agree)."""
+    first = [ins for _, ins in seqs[group[0]]]
+    return all(len(seqs[r]) == len(first) and all(a is b for (_, a), b in zip(seqs[r], first))
+               for r in group[1:])
 
 
 def _explain_mismatch(by_rank, group, seqs, sigs, k: int) -> None:

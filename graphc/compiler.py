@@ -332,9 +332,10 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
 def _plans(run: _Compilation, spec: CompileSpec, key: CompileKey, gm, programs, stages, meshes,
            declared, training: bool, world_size: int, ranks) -> List[ExecutionPlan]:
     """The plans of `ranks` from GRAPHC_PLAN_CACHE when an entry has this key (NOTE: Plan
-    cache), else lowered (and then kept there)."""
+    cache), else lowered (and then kept there). A whole world's plans (graphc plan) are
+    not kept: millions of instructions, compiled once by a tool."""
     chosen = list(range(world_size)) if ranks is None else sorted(set(ranks))
-    folder = plan_cache.cache_dir()
+    folder = plan_cache.cache_dir() if ranks is not None else None
     path = plan_cache.entry_path(folder, spec.name, f"{dict(key.parts)['inputs']} {world_size} {chosen}") \
         if folder else None
     plans = _step(run, "load_cached_plans", plan_cache.load_plans, path, key, chosen) if path else None

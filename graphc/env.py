@@ -146,8 +146,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "plan mode: also simulate the step with these costs", _text),
     Variable("GRAPHC_PLAN_RANKS", "", "ranks such as 0,7,-1", "plan mode: the ranks whose plan "
              "files are written (unset: all)", _text),
-    Variable("GRAPHC_PLAN_CACHE", "", "a folder", "keep each compile's plans there, keyed by "
-             "its inputs, so a restart does not lower them again; a stale or unreadable entry "
+    Variable("GRAPHC_PLAN_CACHE", "", "a folder", "keep each rank's compiled plans there, keyed "
+             "by its inputs, so a restart does not lower them again; a stale or unreadable entry "
              "is ignored with a warning (graphc/plan_cache.py, NOTE: Plan cache)", _text),
 )}
 

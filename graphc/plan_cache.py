@@ -4,7 +4,8 @@ NOTE: Plan cache
 A restart (a preempted job, a new process after a crash) compiles the same program again.
 Tracing and the passes up to the stage programs are cheap and stay; lowering the plans,
 the plan passes and their verification grow with the ranks a process lowers, and are what
-GRAPHC_PLAN_CACHE=DIR keeps: one JSON file per (graph, inputs, world, lowered ranks), holding
+GRAPHC_PLAN_CACHE=DIR keeps for a rank's own compile (a whole world's, `graphc plan`'s, is
+not kept): one JSON file per (graph, inputs, world, lowered ranks), holding
 the plans and the CompileKey they came from. The key hashes every input of the compile:
 build()'s trace, the annotated graph (shapes, layouts and stages of every node: parameters
 included), the stage programs, the Graph's settings, the inputs' shapes and layouts, the

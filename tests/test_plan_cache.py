@@ -80,3 +80,10 @@ def test_an_unreadable_entry_is_ignored_with_a_warning(cache, damage):
 def test_off_by_default(tmp_path, monkeypatch):
     monkeypatch.delenv("GRAPHC_PLAN_CACHE", raising=False)
     assert "load_cached_plans" not in _steps(_compile())
+
+
+def test_a_whole_worlds_plans_are_not_kept(cache):
+    graph = SquaredError(Pair(), "pp2xdp2")
+    specs = input_specs(feed("pp2xdp2", batches(1))(0, 0))
+    whole = compiler.compile(graph, [s.example() for s in specs], 4, [s.layout for s in specs])
+    assert "store_cached_plans" not in _steps(whole) and os.listdir(cache) == []

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from . import compiler
+from . import compiler, env
 from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
 from .guards import (MISSING, Guard, GuardSet, difference, fingerprint, global_guards, hook_guards,
@@ -158,6 +158,12 @@ def _as_traced(spec: compiler.CompileSpec, tree: Optional[InputTree]):
     the parameters in the dtype they will be stored in (NOTE: Master parameters)."""
     with traced_tree(spec.root, tree), stored_in(spec.root, spec.param_dtype):
         yield
+
+
+def plans_lowered(rank: int) -> Optional[List[int]]:
+    """The ranks whose plans a running rank compiles: its own (NOTE: Plans of some ranks), or
+    with GRAPHC_VERIFY_PLANS=world every rank's, verified together as `graphc plan` does."""
+    return None if env.read("GRAPHC_VERIFY_PLANS") == "world" else [rank]
 
 
 def signature(specs: Sequence[InputSpec]) -> tuple:

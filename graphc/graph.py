@@ -18,7 +18,7 @@ from .config import GraphConfig, compile_spec
 from .dcp import dcp_state_dict, unprefixed
 from .errors import GraphcError
 from .executable import (Executable, ExecutableCache, check_cuda_available, check_same_stages, flatten_call,
-                         named_placements, signature)
+                         named_placements, plans_lowered, signature)
 from .optim_check import check_optimizer
 from .plan.plan import ExecutionPlan
 from .runtime.dist_env import ensure_process_group, timeout_seconds
@@ -209,7 +209,7 @@ class Graph:
         rank, world = ensure_process_group(device_types or {"cpu"})
         # a model another graph holds as ZeRO stage 3 shards is traced and agreed on whole
         with whole_parameters(self._root.parameters()):
-            exe = Executable.compile(spec, specs, world, tree, ranks=[rank])   # its own plan only
+            exe = Executable.compile(spec, specs, world, tree, ranks=plans_lowered(rank))
             object.__setattr__(self, "_rank", rank)
             self._start(exe, new_state=True)
         self._cache.add((signature(specs), tree), exe)
@@ -233,7 +233,7 @@ class Graph:
         if exe is None:
             with self._traceable():
                 exe = Executable.compile(self._compile_spec(), specs, self._compiled.world_size, tree,
-                                         ranks=[self._rank])
+                                         ranks=plans_lowered(self._rank))
             check_same_stages(self._compiled, exe.compiled)
             self._state.adopt(exe.compiled, exe.device(self._rank))
             self._state.compiled = exe.compiled

@@ -51,3 +51,13 @@ def test_ranks_compiling_their_own_plans_train_as_eager():
     assert_same(got, eager(_seeded_pair(), data), "pp2xdp2")
     for rank, graph in enumerate(graphs):
         assert [p.rank for p in graph.compiled.plans] == [rank] and graph.compiled.world_size == 4
+
+
+def test_every_rank_may_verify_the_whole_world(monkeypatch):
+    monkeypatch.setenv("GRAPHC_VERIFY_PLANS", "world")   # the old startup: every rank's plans, verified
+    data = batches(1)
+    graphs = []
+    got = train("pp2", lambda layout: SquaredError(_seeded_pair(), layout), data, graphs=graphs)
+    assert_same(got, eager(_seeded_pair(), data), "pp2")
+    assert all(g.compiled.whole_world and len(g.compiled.plans) == 2 for g in graphs)
+    assert [r.name for r in graphs[0].compiled.history].count("verify_plans") == 1

@@ -22,7 +22,7 @@ from collections import Counter, defaultdict, deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PlanError
-from .instructions import (STAGE_COMPUTES, AllReduce, Backward, BackwardInput, BackwardWeight,
+from .instructions import (COMPUTE, STAGE_COMPUTES, AllReduce, Backward, BackwardInput, BackwardWeight,
                            Collective, Forward, Instruction, OverlapFB, Recv, Send)
 from .plan import ExecutionPlan
 
@@ -41,8 +41,12 @@ def verify_plans(plans: Sequence[ExecutionPlan], world_size: Optional[int] = Non
     (NOTE: Plan digests, runtime/agreement.py), and deadlock freedom (3) by `graphc plan`.
     """
     by_rank = {p.rank: p for p in plans}
+    checked = set()   # ranks of one pipeline position list the very same compute objects
     for plan in plans:
-        _check_compute_order(plan)
+        computes = (plan.training, plan.schedule, *(id(i) for i in plan.instructions if isinstance(i, COMPUTE)))
+        if computes not in checked:
+            _check_compute_order(plan)
+            checked.add(computes)
     if world_size is not None and len(by_rank) < world_size:
         for plan in plans:
             _check_peers_in_world(plan, world_size)
@@ -304,7 +308,8 @@ class _Walk:
             for r, i in members:
                 self.hub_at[r][i] = k
         self.arrived = [0] * len(hubs)
-        self.woken_by: Dict[Tuple[int, int], List[int]] = defaultdict(list)  # send -> recv ranks
+        # sender -> its send's index -> the ranks whose recv waits on it
+        self.woken_by: Dict[int, Dict[int, List[int]]] = {r: {} for r in by_rank}
 
     def run(self) -> None:
         ready = deque(self.by_rank)
@@ -315,20 +320,25 @@ class _Walk:
         """Moves rank r on until it must wait; returns the ranks its progress frees."""
         freed: List[int] = []
         n, sends, hub_at, pc = len(self.by_rank[r].instructions), self.send_for[r], self.hub_at[r], self.pc
-        while pc[r] < n:
-            i = pc[r]
+        waiting = self.woken_by[r]   # no other rank moves while this one does: pc[r] is written on leaving
+        i = pc[r]
+        while i < n:
             send = sends.get(i)
             if send is not None and pc[send[0]] <= send[1]:
-                self.woken_by[send].append(r)
+                self.woken_by[send[0]].setdefault(send[1], []).append(r)
+                pc[r] = i
                 return freed
             k = hub_at.get(i)
             if k is not None and self.arrived[k] < len(self.hubs[k]):
                 self.arrived[k] += 1
                 if self.arrived[k] < len(self.hubs[k]):
+                    pc[r] = i
                     return freed
                 freed += [m for m, _ in self.hubs[k] if m != r]   # the last member opens it
-            pc[r] = i + 1
-            freed += self.woken_by.pop((r, i), ())
+            if waiting and i in waiting:
+                freed += waiting.pop(i)
+            i += 1
+        pc[r] = i
         return freed
 
     def _waits_on(self, r: int) -> Tuple[int, int, object]:

@@ -145,6 +145,9 @@ def step_facts(compiled, config, steps: Optional[int], rank: Optional[int] = Non
              "gradient accumulation steps": config.gradient_accumulation_steps,
              "pipeline schedule": config.pipeline_schedule,
              "compile key": compiled.key.digest if compiled.key is not None else None,
+             # GRAPHC_VERIFY_PLANS: a rank holding its own plan exchanges groups and channels
+             # with the others at start (collectives), one holding every plan does not
+             "plans compiled": "every rank's" if compiled.whole_world else "its own",
              "checkpoint step": steps}
     if rank is not None:
         facts[PLAN_DIGESTS] = plan_digests(compiled.plan_for(rank))

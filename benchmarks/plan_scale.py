@@ -331,7 +331,9 @@ def main(argv=None) -> int:
                   f"chart {r.get('chart', float('nan')):.2f} s, simulate {r.get('simulate', float('nan')):.2f} s, "
                   f"peak {r['peak_mib']:.0f} MiB", flush=True)
     print(rank_table(records) if args.rank_compile else table(records))
-    print(_verdict(records, args.rank_compile))
+    verdict = _verdict(records, args.rank_compile)
+    if verdict:
+        print(verdict)
     return 0
 
 

@@ -87,7 +87,7 @@ class ModuleSpec:
 
 @dataclass(frozen=True)
 class CompileSpec:
-    """Everything compile() reads of a Graph, taken when it compiles (config.compile_spec):
+    """Everything compile() reads of a Graph, taken when it compiles (graph_spec.compile_spec):
     the module traced for build(), the Graph's options and per-module settings, and the
     layouts to_global declared for its parameters and buffers.
 
@@ -233,7 +233,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     """Compiles the spec's build() for a world of `world_size`: the stage programs of every
     stage, the plans of `ranks`.
 
-    spec: a CompileSpec, or a Graph (its _compile_spec(), config.compile_spec, is taken here).
+    spec: a CompileSpec, or a Graph (its _compile_spec(), graph_spec.compile_spec, is taken here).
     input_layouts: per input, None (broadcast) or the Layout of a GlobalTensor input (a
     (placement, sbp) pair is read as one).
     ranks: whose plans to lower and verify; None: every rank's (graphc plan). A rank lowers

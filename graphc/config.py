@@ -1,15 +1,13 @@
 """Per-module and per-graph configuration, set by the user in Graph.__init__."""
 from __future__ import annotations
 
-import inspect
-
 from typing import Optional
 
 import torch
 
 from .errors import GraphcError
-from .passes.insert_grad_sync import DEFAULT_BUCKET_BYTES
 from .placement import placement as Placement
+from .plan.plan import CHECKPOINT_MODES, DEFAULT_BUCKET_BYTES
 
 
 _REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -81,6 +79,7 @@ class GraphConfig:
         self.zero_shard_min_size = 1024
         self.grad_reduce_dtype: Optional[torch.dtype] = None   # None: each gradient's own dtype
         self.param_dtype: Optional[torch.dtype] = None  # set_param_dtype (None: the model's own)
+        self.layout = None                  # load_layout: a graphc.auto.Layout (NOTE: Auto layouts)
 
     def _check_open(self, what: str) -> None:
         if self._graph._compiled is not None:
@@ -176,13 +175,28 @@ class GraphConfig:
         Example:
             self.config.set_activation_checkpointing("except_last")   # in the Graph's __init__
         """
-        from .plan.plan import CHECKPOINT_MODES
         self._check_open("set_activation_checkpointing")
         if mode not in CHECKPOINT_MODES:
             raise GraphcError(f"set_activation_checkpointing: mode must be one of "
                               f"{list(CHECKPOINT_MODES)}, found {mode!r}. For one module, use "
                               "module.config.set_activation_checkpointing(True).")
         self.activation_checkpointing = mode
+
+    def load_layout(self, layout) -> None:
+        """Trains on a whole parallel layout: the `layout.json` that `graphc plan --auto`
+        wrote (a path), or a graphc.auto.Layout. It places the model's layers on pipeline
+        stages, splits their Megatron pairs over tensor-parallel ranks and the batch over
+        data-parallel ranks, and sets the schedule, micro-batches, ZeRO stage and
+        checkpointing; set_stage and to_global declarations of the model are replaced. Pass
+        the whole batch on every rank as plain tensors: each rank takes its rows (See NOTE:
+        Auto layouts in graphc/auto/layout.py).
+
+        Example:
+            self.config.load_layout("plans/layout.json")
+        """
+        from .auto.layout import Layout
+        self._check_open("load_layout")
+        self.layout = layout if isinstance(layout, Layout) else Layout.load(layout)
 
     def set_whole_inputs(self, *names: str) -> None:
         """build() arguments passed whole to every micro-batch under gradient accumulation.
@@ -361,65 +375,3 @@ class GraphConfig:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise GraphcError(f"recv window must be an int >= 1, found {n!r}")
         self.recv_window = n
-
-
-def compile_spec(graph):
-    """What compiler.compile reads of a Graph, taken now (NOTE in compiler.CompileSpec): the
-    traced root, the options and per-module settings, and a snapshot of what to_global
-    declared for its parameters and buffers, by every name each has (a tied weight under
-    each)."""
-    from .compiler import CompileSpec, ModuleSpec
-    from .global_tensor import declared_layout
-    from .sbp.declared import DeclaredLayouts
-    root, cfg = graph._root, graph.config
-    named = (list(root.named_parameters(remove_duplicate=False))
-             + list(root.named_buffers(remove_duplicate=False)))
-    declared = DeclaredLayouts({name: layout for name, t in named for layout in [declared_layout(t)] if layout})
-    modules = {name: ModuleSpec(c.stage_id, c.placement, c.activation_checkpointing)
-               for name, c in graph._module_configs.items()}
-    return CompileSpec(
-        name=type(graph).__name__, source_file=_source_file(type(graph)), root=root,
-        modules=modules, declared=declared,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        pipeline_schedule=cfg.pipeline_schedule, deferred_batch_norm=cfg.deferred_batch_norm,
-        gradient_bucket_bytes=cfg.gradient_bucket_bytes, grad_clip_norm=cfg.grad_clip_norm,
-        activation_checkpointing=cfg.activation_checkpointing, whole_inputs=cfg.whole_inputs,
-        amp_dtype=cfg.amp_dtype, zero_stage=cfg.zero_stage,
-        zero_shard_min_size=cfg.zero_shard_min_size, grad_reduce_dtype=cfg.grad_reduce_dtype,
-        param_dtype=checked_param_dtype(graph))
-
-
-def checked_param_dtype(graph) -> Optional[torch.dtype]:
-    """config.set_param_dtype's dtype, once what it needs is known (the first compile)."""
-    cfg = graph.config
-    if cfg.param_dtype is None:
-        return None
-    if cfg.zero_stage == 3:
-        raise GraphcError(
-            f"{type(graph).__name__}: config.set_param_dtype({cfg.param_dtype}) and "
-            "config.enable_zero(stage=3) together are not available yet (stage 3 frees the "
-            "parameters between uses; with set_param_dtype only stages 1 and 2 shard the float32 "
-            "masters). Fix: self.config.enable_zero(True, stage=2), or drop set_param_dtype.")
-    if graph._optimizer is None:
-        raise GraphcError(
-            f"{type(graph).__name__}: config.set_param_dtype keeps the float32 master copy in "
-            "the optimizer, but the graph has none. Fix: call self.add_optimizer(...) in "
-            "__init__, or cast the model yourself (model.to(torch.bfloat16)) for inference.")
-    if graph._compiled is None:
-        odd = sorted({str(p.dtype) for p in graph._root.parameters()
-                      if p.is_floating_point() and p.dtype != torch.float32})
-        if odd:
-            raise GraphcError(
-                f"{type(graph).__name__}: config.set_param_dtype needs float32 parameters (they "
-                f"become the masters), found {odd}. Fix: build the model in float32 "
-                "(model.float()) and let set_param_dtype store it in the low dtype.")
-    return cfg.param_dtype
-
-
-def _source_file(cls: type):
-    """The file defining the Graph class, for error messages pointing into it (None when
-    Python knows none: a built-in, or a class typed at the interpreter)."""
-    try:
-        return inspect.getsourcefile(cls)
-    except (TypeError, OSError):
-        return None

@@ -398,7 +398,7 @@ def named_placements(spec: compiler.CompileSpec, specs: Sequence[InputSpec]) -> 
     named = [(f"module '{name}'", c.placement) for name, c in spec.modules.items()
              if c.placement is not None]
     for key, t in spec.root.state_dict(keep_vars=True).items():
-        layout = declared_layout(t)
+        layout = spec.declared.of(key) or declared_layout(t)
         named += [(f"parameter or buffer '{key}'", layout.placement)] if layout else []
     named += [(f"input {i}", s.placement) for i, s in enumerate(specs) if s.placement is not None]
     return named

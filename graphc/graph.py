@@ -1,11 +1,14 @@
 """graphc.Graph: the user's entry point (see README.md, "The API by example")."""
 from __future__ import annotations
 
+import inspect
+import os
 from contextlib import contextmanager
 from typing import Any, Dict, List
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from . import check_mode, compiler, env, plan_mode, world
 from .amp import checked_scaler
@@ -14,11 +17,14 @@ from .build_root import BuildRoot
 from .check_mode import CheckDone
 from .check_step import FirstStepCheck, optimizer_groups, warn_if_random
 from .checked_steps import StepChecker
-from .config import GraphConfig, compile_spec
+from .auto.layout import apply_layout, batch_layouts, input_stages
+from .config import GraphConfig
 from .dcp import dcp_state_dict, unprefixed
 from .errors import GraphcError
-from .executable import (Executable, ExecutableCache, check_cuda_available, check_same_stages, flatten_call,
-                         named_placements, plans_lowered, signature)
+from .executable import (Executable, ExecutableCache, _as_traced, check_cuda_available, check_same_stages,
+                         flatten_call, named_placements, plans_lowered, signature)
+from .global_tensor import GlobalTensor, to_global
+from .graph_spec import compile_spec
 from .optim_check import check_optimizer
 from .plan.plan import ExecutionPlan
 from .runtime.dist_env import ensure_process_group, timeout_seconds
@@ -73,6 +79,7 @@ class Graph:
         object.__setattr__(self, "_base_seed", 0)  # rank 0's torch.initial_seed(), agreed at compile
         object.__setattr__(self, "_forward_calls", 0)
         object.__setattr__(self, "_checker", None)  # check mode's eager comparison (NOTE: Checked steps)
+        object.__setattr__(self, "_input_layouts", None)  # under load_layout: each input's (NOTE: Auto layouts)
         # this graph's name in rank agreement: class and creation order, the same on every rank
         # (per process: each rank of a local world counts its own, NOTE: Local world)
         counter = (type(self).__name__, getattr(world.current(), "process_key", None))
@@ -127,15 +134,18 @@ class Graph:
 
     # -- compile and run -------------------------------------------------------------
     def _compile_spec(self) -> compiler.CompileSpec:
-        return compile_spec(self)  # what compiler.compile reads of this Graph, taken now
+        spec = compile_spec(self)  # what compiler.compile reads of this Graph, taken now
+        layout = self.config.layout   # load_layout, or what graphc plan --auto chose
+        return spec if layout is None else apply_layout(spec, layout)
 
     def compile(self, *inputs) -> ExecutionPlan:
         """Compiles for these example inputs without running a step; returns this rank's plan."""
         if self._compiled is None:
-            self._compile(*flatten_call(inputs, type(self).build))
+            self._compile(*flatten_call(self._laid_out(inputs), type(self).build))
         return self.plan
 
     def __call__(self, *inputs):
+        inputs = self._laid_out(inputs)  # under load_layout: this rank's rows (NOTE: Auto layouts)
         specs, tree = flatten_call(inputs, type(self).build)  # NOTE: Input trees
         check = None
         checking = check_mode.active()  # graphc check: every call against eager (NOTE: Checked steps)
@@ -198,6 +208,12 @@ class Graph:
 
     def _compile(self, specs, tree=None) -> None:
         mode = plan_mode.active()
+        if mode is not None and mode.auto is not None and self.config.layout is None:
+            # graphc plan --auto: the tools search a layout, compile it; written as any plan
+            self.config.layout, compiled = mode.auto(self, compile_spec(self), specs, tree, mode)
+            mode.write_graph(self, compiled)
+            self._cache.add((signature(specs), tree), Executable(compiled))
+            return
         if mode is not None:  # graphc plan: compile for N ranks here, write, no process group
             exe = Executable.compile(self._compile_spec(), specs, mode.nproc, tree)
             mode.write_graph(self, exe.compiled)  # the tools' writer (See NOTE: Plan-mode writer)
@@ -244,6 +260,31 @@ class Graph:
                 exe.retrace(self._compile_spec(), specs, tree, type(self).__name__)
         self._cache.use(key, exe)
         self._state.compiled = exe.compiled
+
+    def _laid_out(self, inputs):
+        """Under config.load_layout with data parallelism, plain tensor inputs (the whole batch
+        on every rank) become this rank's rows as GlobalTensors on the stage that reads each
+        (NOTE: Auto layouts); inputs the user made global, or no layout, are left alone."""
+        layout = self.config.layout
+        if layout is None or layout.dp == 1:
+            return inputs
+        leaves, treedef = pytree.tree_flatten(tuple(inputs), is_leaf=lambda x: isinstance(x, GlobalTensor))
+        if any(isinstance(x, GlobalTensor) for x in leaves):
+            return inputs
+        if self._input_layouts is None:
+            specs, tree = flatten_call(inputs, type(self).build)
+            names = tree.names if tree is not None else \
+                [p for p in list(inspect.signature(type(self).build).parameters)[1:]]
+            first = leaves[0].shape[0] if leaves and leaves[0].dim() else None
+            batched = [t.dim() > 0 and t.shape[0] == first and name not in self.config.whole_inputs
+                       for t, name in zip(leaves, names)]
+            spec = compile_spec(self)
+            with _as_traced(spec, tree):
+                stages = input_stages(spec, [s.example() for s in specs], layout)
+            object.__setattr__(self, "_input_layouts", batch_layouts(layout, leaves, batched, stages))
+        # before the first compile makes the process group, torchrun's RANK names this rank
+        rank = world.rank() if world.current() is not None else int(os.environ.get("RANK", "0"))
+        return tuple(pytree.tree_unflatten(_local_rows(layout, rank, leaves, self._input_layouts), treedef))
 
     @contextmanager
     def _traceable(self):
@@ -347,3 +388,17 @@ class Graph:
         parts = [f"{name} (compiled){notes}"] + [str(p) for p in self._compiled.programs] + [str(self.plan)]
         return "\n\n".join(parts)
 
+
+def _local_rows(layout, rank: int, inputs, laid) -> list:
+    """This rank's call arguments under a loaded layout (`laid`: batch_layouts'): each split
+    input cut to the rows of the rank's data-parallel coordinate and made a GlobalTensor on its
+    placement (a rank outside it passes the first coordinate's rows: they are not read)."""
+    out = []
+    for t, where in zip(inputs, laid):
+        if where is None:
+            out.append(t)
+            continue
+        ranks = list(where.placement.flat_ranks)
+        row = ranks.index(rank) // layout.tp if rank in ranks else 0
+        out.append(to_global(t.chunk(layout.dp)[row], placement=where.placement, sbp=where.sbp))
+    return out

@@ -50,6 +50,9 @@ class PlanMode:
     written: List[str] = field(default_factory=list)   # one output folder per graph
     # (graph, compiled, folder, mode) -> files written; None: the one named WRITER
     write: Optional[Callable] = None
+    # graphc plan --auto: (graph, spec, specs, tree, mode) -> (Layout, CompiledGraph), the
+    # tools' search (NOTE: Layout search), installed by the CLI as the writer is; None: off
+    auto: Optional[Callable] = None
 
     def folder_for(self, graph) -> str:
         k = len(self.written)
@@ -84,14 +87,16 @@ def active() -> Optional[PlanMode]:
 
 @contextmanager
 def plan_mode(nproc: int, out: str, simulate: Optional[str] = None, chart: bool = True,
-              ranks: Optional[str] = None, write: Optional[Callable] = None):
+              ranks: Optional[str] = None, write: Optional[Callable] = None,
+              auto: Optional[Callable] = None):
     """Within the block, compiling a Graph writes its plans instead of preparing to train.
 
     write: what writes a compiled graph's files, called as write(graph, compiled, folder,
     mode); by default graphc/tools/dump.write_all (See NOTE: Plan-mode writer).
     """
     global _ACTIVE
-    previous, _ACTIVE = _ACTIVE, PlanMode(_nproc(nproc), out, simulate, chart, ranks, write=write)
+    previous, _ACTIVE = _ACTIVE, PlanMode(_nproc(nproc), out, simulate, chart, ranks, write=write,
+                                          auto=auto)
     try:
         yield _ACTIVE
     finally:

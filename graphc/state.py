@@ -13,6 +13,7 @@ from . import world
 from .dcp import DCP_FORMAT, class_name, load_dcp_state_dict, load_into
 from .errors import GraphcError
 from .global_tensor import declared_layout
+from .sbp.declared import declared_in
 from .placement import Split
 from .runtime.agreement import check_agreement, fingerprint_tensor, step_facts
 from .runtime.dist_env import timeout_seconds
@@ -211,9 +212,10 @@ class GraphState:
         pieces = stored_pieces(self.compiled.gm)
         self.pieces = {k: pieces[id(tensors[k])] for k in self.owner if id(tensors[k]) in pieces}
         whole: Dict[int, tuple] = {}  # id -> global shape: the names of a tied one shard it once
+        declared = declared_in(self.compiled.gm)   # what the compile read (a loaded layout's too)
         for k in self.owner:
             t = tensors[k]
-            layout = declared_layout(t)
+            layout = declared.of(k) or declared_layout(t)
             if layout is None or not any(isinstance(s, Split) for s in layout.sbp):
                 continue
             mesh = self.compiled.meshes[self.owner[k]]

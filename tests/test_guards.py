@@ -180,6 +180,26 @@ def test_recompile_is_logged_with_its_reason(capsys):
     assert "recompiling TrainGraph: model.tau changed (compiled for 1.0, now 3.0)" in capsys.readouterr().err
 
 
+def test_guards_print_the_values_each_plan_was_compiled_under():
+    """graph.compiled.guards prints one check a line, as thunder prints a prologue: the plan
+    for tau = 1.0 and the one compiled after tau became 3.0 each state their own value."""
+    torch.manual_seed(0)
+    model = BNNet()
+    graph = TrainGraph(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data(0)
+    graph(x, y)
+    first = str(graph.compiled.guards).splitlines()
+    assert first[0] == f"# {len(graph.compiled.guards)} guards: the plan runs while every line holds (NOTE: Guards)"
+    assert {"model.tau == 1.0", "self.cfg == Cfg(aux_weight=0.0)", "model.bn.training == True",
+            "torch.get_default_dtype() == torch.float64"} <= set(first)
+    assert any(line.startswith("model.l2 is <Linear at 0x") for line in first)
+    model.tau = 3.0
+    graph(x, y)
+    second = graph.compiled.guards.text().splitlines()
+    assert "model.tau == 3.0" in second and "model.tau == 1.0" not in second
+    assert [g for g in second if not g.startswith("model.tau")] == [g for g in first if not g.startswith("model.tau")]
+
+
 def test_cached_plans_are_reused_not_recompiled():
     torch.manual_seed(0)
     model = BNNet()

@@ -4,7 +4,9 @@
 
 Value types (placement, errors, meta, sbp/, rows/, ...) import nothing above them, passes
 never import the runtime, the functions stage programs call (graphc/ops/) import neither,
-the plan IR imports none of them (it is data), and nothing the API needs imports graphc/tools. Each module's
+the plan IR imports none of them (it is data), and nothing the API needs imports graphc/tools.
+Within the API layer the modules are ordered (API_ORDER): an import up that order, the
+start of any circle among them, is a named failure. Each module's
 imports are read with `ast` (function-level imports included), so no module is executed.
 Plan mode finds the tools' writer by name, not by an import (See NOTE: Plan-mode writer,
 graphc/plan_mode.py): test_plan_mode_writer_is_the_tools_write_all keeps that name true.
@@ -38,6 +40,10 @@ LAYER_OF = {
     "graphc.executable": "api",
     "graphc.check_step": "api", "graphc.optim_check": "api", "graphc.testing": "api",  # the Graph's checks of a step, optimizer
     "graphc.tools": "tools",
+    # a layout as a value and its CompileSpec (config.load_layout) below the API; the search
+    # (compile, simulate, memory model) above the tools, run by graphc plan --auto
+    "graphc.auto.layout": "api", "graphc.auto": "entry",
+    "graphc.tools.plan_cli": "entry",   # `graphc plan`'s command line (it installs --auto's search)
     "graphc.cli": "entry", "graphc.__main__": "entry",
 }
 
@@ -54,6 +60,29 @@ MAY_IMPORT = {
     "tools": {"value", "plan", "ops", "runtime", "passes", "compiler", "tools"},
     "entry": {"value", "plan", "ops", "runtime", "passes", "compiler", "api", "tools", "entry"},
 }
+
+# The API layer's modules in order, lowest first (issue 36): each may import only those
+# before it (and the layers below), so a circle among them contains an upward import and
+# fails by name, as block.py -> config.py -> global_tensor.py -> block.py did.
+API_ORDER = [
+    "graphc.auto.layout",     # a whole parallel layout as a value and the CompileSpec it gives
+    "graphc.config",          # the Graph's and each module's settings (values, no compiler)
+    "graphc.amp",             # GradScaler checks
+    "graphc.block",           # ModuleBlock: a module wrapped with its config
+    "graphc.global_tensor",   # to_global on tensors and modules; the declared layouts
+    "graphc.dcp",             # checkpoint state in DCP form
+    "graphc.checkpoint",      # graphc.save / graphc.load
+    "graphc.state",           # a graph's parameters and optimizer state across plans
+    "graphc.build_root",      # the traced root module
+    "graphc.optim_check",     # the optimizer step against eager
+    "graphc.check_step",      # the first step against eager (the eager twin)
+    "graphc.checked_steps",   # every step against eager
+    "graphc.executable",      # one compiled specialisation: compile, start, call
+    "graphc.testing",         # local worlds for tests and `graphc check`
+    "graphc.graph_spec",      # what the compiler reads of a Graph (compile_spec)
+    "graphc.graph",           # the user's Graph
+    "graphc",                 # the package's public names
+]
 
 # Wrong-way imports that remain, each with what would remove it (issue 13). Keys are
 # (importing module, imported module); a listed import that is gone fails the test, so the
@@ -100,7 +129,8 @@ def _is_module(name: str) -> bool:
 
 
 def wrong_way(module: str, source: str, where: str, is_package: bool = False):
-    """'file:line: a imports b (layer x may not import layer y)' for each wrong-way import."""
+    """'file:line: a imports b (layer x may not import layer y)' for each wrong-way import,
+    and 'a imports b (API order: b comes after a)' for an upward import in the API layer."""
     out = []
     for line, target in graphc_imports(module, source, is_package):
         if target == "graphc":   # `from graphc import __version__` and the like
@@ -108,7 +138,27 @@ def wrong_way(module: str, source: str, where: str, is_package: bool = False):
         if layer(target) not in MAY_IMPORT[layer(module)]:
             out.append((f"{where}:{line}: {module} imports {target} ({layer(module)} may not "
                         f"import {layer(target)})", (module, target)))
+        elif _api_upward(module, target):
+            out.append((f"{where}:{line}: {module} imports {target} (API order: "
+                        f"{api_module(target)} comes after {api_module(module)}; test_layers.API_ORDER)",
+                        (module, target)))
     return out
+
+
+def api_module(module: str):
+    """The API_ORDER entry `module` belongs to (itself, or the package it is in); None for
+    an API module without a place (test_api_order_names_every_api_module_once names it)."""
+    within = [m for m in API_ORDER if module == m or (m != "graphc" and module.startswith(m + "."))]
+    return max(within, key=len, default=None)   # "graphc" is the package module alone
+
+
+def _api_upward(module: str, target: str) -> bool:
+    if layer(module) != "api" or layer(target) != "api":
+        return False
+    here, there = api_module(module), api_module(target)
+    if here is None or there is None or here == there:
+        return False
+    return API_ORDER.index(there) > API_ORDER.index(here)
 
 
 def all_modules():
@@ -160,6 +210,25 @@ def test_a_wrong_way_import_is_reported_with_file_and_line(module, source, culpr
     assert (module, culprit) not in ALLOWED   # so the whole-package test would fail on it
 
 
+def test_api_order_names_every_api_module_once():
+    api = {module for _, module in all_modules() if layer(module) == "api"}
+    unplaced = sorted(m for m in api if api_module(m) is None)
+    assert unplaced == [], f"give each a place in test_layers.API_ORDER (or a layer in LAYER_OF): {unplaced}"
+    assert len(API_ORDER) == len(set(API_ORDER)) and set(API_ORDER) <= api
+
+
+@pytest.mark.parametrize("module, source, culprit", [
+    ("graphc.config", "def compile_spec(graph):\n    from .global_tensor import declared_layout\n",
+     "graphc.global_tensor"),        # the circle block -> config -> global_tensor -> block
+    ("graphc.block", "from .graph import Graph\n", "graphc.graph"),
+    ("graphc.check_step", "from .checked_steps import StepChecker\n", "graphc.checked_steps"),
+])
+def test_an_upward_import_in_the_api_layer_is_named(module, source, culprit):
+    found = wrong_way(module, source, "synthetic.py")
+    assert [key for _, key in found] == [(module, culprit)]
+    assert "API order" in found[0][0] and found[0][0].startswith("synthetic.py:")
+
+
 def test_right_way_imports_pass():
     assert not wrong_way("graphc.passes.insert_boxing", "from ..ops.conversions import box\n", "x.py")
     assert not wrong_way("graphc.runtime.executor", "from ..ops.random_ops import drawing\n", "x.py")
@@ -175,7 +244,7 @@ def test_right_way_imports_pass():
 # that they are built from values (issue 20: an Executable is built from an InputSpec and a
 # CompileSpec, never from the Graph).
 BUILT_FROM_VALUES = {"graphc.executable", "graphc.check_step", "graphc.optim_check"}
-GRAPH_SIDE = {"graphc.graph", "graphc.config"}
+GRAPH_SIDE = {"graphc.graph", "graphc.config", "graphc.graph_spec"}
 
 
 def graph_side_imports(module: str, source: str, where: str):
@@ -210,7 +279,7 @@ def test_executable_reaches_down_to_compiler_runtime_and_plan_only():
     assert not wrong_way("graphc.executable", ok, "x.py")
     assert not graph_side_imports("graphc.executable", ok, "x.py")
     assert graph_side_imports("graphc.executable", "from .graph import Graph\n", "x.py")
-    assert graph_side_imports("graphc.check_step", "def f():\n    from .config import compile_spec\n", "x.py")
+    assert graph_side_imports("graphc.check_step", "def f():\n    from .graph_spec import compile_spec\n", "x.py")
 
 
 def test_plan_mode_writer_is_the_tools_write_all():

@@ -140,7 +140,7 @@ def test_param_dtype_plan_reduces_in_float32():
     """Data parallel on 2 ranks (compiled here, no process group): the gradient buckets are
     float32 (the masters'), unless set_grad_reduce_dtype asks for bf16; compiling leaves the
     parameters float32 (they are cast when the graph takes them)."""
-    from graphc.config import compile_spec
+    from graphc.graph_spec import compile_spec
     from graphc.executable import Executable, input_specs
     where = graphc.placement("cpu", [0, 1])
     x, y = _batches()[0]

@@ -98,6 +98,12 @@ class Guard:
             return self.read() is self.same
         return fingerprint(self.read()) == self.expected
 
+    def text(self) -> str:
+        """The guard as one check: `model.tau == 1.0`, `model.l2 is <Linear at 0x...>`."""
+        if self.same is not MISSING:
+            return f"{self.where} is {describe(self.same)}"
+        return f"{self.where} == {shown(self.expected)}"
+
 
 @dataclass
 class GuardSet:
@@ -114,6 +120,46 @@ class GuardSet:
 
     def __len__(self) -> int:
         return len(self.guards)
+
+    def text(self) -> str:
+        """The values the plan was compiled under, one check a line in the order every call
+        checks them, as thunder prints a trace's prologue (NOTE: Guards). `graphc plan`
+        writes it as guards.txt; `print(graph.compiled.guards)` shows the current plan's.
+
+        Example:
+            # 9 guards: the plan runs while every line holds (NOTE: Guards)
+            torch.is_grad_enabled() == True
+            model.tau == 1.0
+        """
+        head = f"# {len(self.guards)} guards: the plan runs while every line holds (NOTE: Guards)"
+        return "\n".join([head] + [g.text() for g in self.guards])
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def shown(fp: Any) -> str:
+    """A fingerprint as the value it stands for: plain values by repr, containers and small
+    objects by their items, what compares by identity as `<object at 0x...>`."""
+    if not (isinstance(fp, tuple) and len(fp) >= 2):
+        return repr(fp)
+    kind, value = fp[0], fp[1]
+    if kind == "id":
+        return f"<object at {value:#x}>"
+    if kind is float and value == "nan":
+        return "nan"
+    if kind in _PLAIN or (isinstance(kind, type) and issubclass(kind, enum.Enum)):
+        return repr(value)
+    if kind is functools.partial:
+        return f"partial(<function at {value:#x}>, *{shown(fp[2])}, **{shown(fp[3])})"
+    if issubclass(kind, (tuple, list)):
+        items = ", ".join(shown(v) for v in value)
+        return f"[{items}]" if issubclass(kind, list) else f"({items}{',' if len(value) == 1 else ''})"
+    if issubclass(kind, (set, frozenset)):
+        return "{" + ", ".join(sorted(shown(v) for v in value)) + "}"
+    if issubclass(kind, dict):
+        return "{" + ", ".join(f"{shown(k)}: {shown(v)}" for k, v in value) + "}"
+    return f"{kind.__name__}(" + ", ".join(f"{k}={shown(v)}" for k, v in value) + ")"
 
 
 # NOTE: Compiled guard check

@@ -25,14 +25,15 @@ from ..plan.instructions import AllReduce
 from ..sbp.boxing import BOXINGS
 from ..sbp.layout import chunk_range, chunk_sizes
 
+# NOTE: Rank groups in code
+# fx prints a call's arguments into the program's Python one value at a time, and a box
+# names every group of its mesh axis: thousands of ints at thousands of ranks, printed again
+# at every recompile and history record (most of a rank's compile at 8192 ranks). A tuple
+# with `_fields` is printed as its class called with the tuple's builtin repr, written at C
+# speed; the program then reads `RankGroups((0, 1), (2, 3))`, equal to the plain tuple.
 class RankGroups(tuple):
     """Every rank group along one mesh axis, as a stage program's `box` call takes them: a
-    tuple of rank tuples. NOTE: Rank groups in code. fx prints a call's arguments into the
-    program's Python one value at a time, and a box names every group of its mesh axis:
-    thousands of ints at thousands of ranks, printed again at every recompile and history
-    record (most of a rank's compile at 8192 ranks). A tuple with `_fields` is printed as
-    its class called with the tuple's builtin repr, written at C speed; the program then
-    reads `RankGroups((0, 1), (2, 3))`, equal to the plain tuple."""
+    tuple of rank tuples (See NOTE: Rank groups in code)."""
 
     _fields = ()   # what fx reads to print a value as `Class(*items)` (its NamedTuple path)
 

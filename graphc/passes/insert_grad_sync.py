@@ -22,10 +22,9 @@ import torch.fx as fx
 
 from ..meta import META_GRAD_PARTIAL, META_SBP, META_TENSOR
 from ..plan.instructions import AllReduce, OptimizerStep, TensorSpec
-from ..plan.plan import ExecutionPlan
+from ..plan.plan import DEFAULT_BUCKET_BYTES, ExecutionPlan
 from ..sbp.layout import axis_groups, flat, local_shape
 
-DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
 FIRST_BUCKET_BYTES = 2 ** 20  # small, so the first all-reduce starts early in the backward
 
 

@@ -9,6 +9,12 @@ compiling changes nothing the user owns (BatchNorm's running statistics and coun
 Each node runs in the grad mode build() traced it in (META_GRAD_ENABLED), so a value
 computed under torch.no_grad() does not require grad.
 Requires: trace_build.
+
+NOTE: Planning meta models
+A model built under `with torch.device("meta"):` has shapes and no memory, so `graphc plan`
+(and `--auto`) can plan one far larger than the machine: its parameters are read as fakes
+on the CPU (fake_of), so ops mixing them with the CPU inputs run; the simulator and the
+memory model read only shapes. Such a graph cannot train (no values): plan mode only.
 """
 from __future__ import annotations
 
@@ -78,10 +84,11 @@ class _Fakes:
 
     def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode):
         self.gm, self.mode = gm, mode
+        self.from_meta = {}
 
     def of(self, value):
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
-            return self.mode.from_tensor(value, static_shapes=True)
+            return fake_of(self.mode, value, self.from_meta)
         return value
 
     def attr(self, target: str):
@@ -92,6 +99,18 @@ class _Fakes:
 
     def call_module(self, target: str, args, kwargs):
         return run_module_on_fakes(self.gm.get_submodule(target), args, kwargs, self.of)
+
+
+def fake_of(mode: FakeTensorMode, value: torch.Tensor, from_meta: dict) -> torch.Tensor:
+    """A fake of a real tensor; of a meta one (a model built under torch.device("meta") to
+    plan it without its memory: NOTE: Planning meta models) a fake on the CPU, one per
+    tensor so ties stay tied."""
+    if not value.is_meta:
+        return mode.from_tensor(value, static_shapes=True)
+    if id(value) not in from_meta:
+        from_meta[id(value)] = (value, mode.fake_tensor_converter.from_meta_and_device(
+            mode, value, torch.device("cpu")))
+    return from_meta[id(value)][1]
 
 
 def _run_node(interp: fx.Interpreter, node: fx.Node, env, fakes: _Fakes):

@@ -14,6 +14,10 @@ PLAN_FORMAT = "graphc.plan/1"
 CHECKPOINT_MODES = ("always", "except_last", "never")
 NO_CHECKPOINTING = "never"
 
+# Gradient buckets of data-parallel all-reduces (insert_grad_sync), the default of
+# config.set_gradient_bucket_size and CompileSpec.gradient_bucket_bytes: PyTorch DDP's 25 MiB.
+DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
+
 
 def checkpointed_microbatches(mode: str, num_microbatches: int) -> frozenset:
     """The micro-batches whose forward is recomputed in their backward (torchgpipe's Pipe `checkpoint`):

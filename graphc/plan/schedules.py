@@ -7,8 +7,9 @@ instructions pipeline rank `rank` (0..p-1) computes, in order, naming global sta
 rank for gpipe and 1f1b, stage s on rank s mod p for the interleaved ones (interleaved_1f1b,
 looped_bfs, zero_bubble), stages s and 2p-1-s on rank s for the V ones (zbv, dualpipev).
 Each schedule is a `Schedule` record in SCHEDULES: its name, its order function, its
-LayoutFamily (the layout and the stage count it needs) and its own check of the
-micro-batches, so a new schedule touches this file only. `check_schedule` applies the
+LayoutFamily (the layout and the stage count it needs), its own check of the
+micro-batches and what describes it, so a new schedule touches this file only (See NOTE:
+Schedule registry). `check_schedule` applies the
 checks and `peak_live` walks an order for the activations it keeps; docs/schedules.md
 compares them.
 Communication is added later by lowering (`passes/lower_plan.py`).
@@ -340,6 +341,7 @@ class LayoutFamily:
     num_stages: Callable[[int], Optional[int]]      # p -> the stages it needs; None: a multiple of p
     check: Callable[[str, int, int], None]          # (where, p, n): refuses a stage count
     needs: Callable[[str, int, int], str]           # (schedule, p, n): the layout, for an error
+    holds: str                                      # what rank r holds, for docs/schedules.md
 
 
 def _one_stage_check(where: str, p: int, n: int) -> None:
@@ -387,11 +389,11 @@ def _round_robin(p: int, n: int) -> List[List[int]]:
 
 # one stage per rank (gpipe, 1f1b); stage s on rank s mod p (interleaved); s and 2p-1-s (V)
 ONE_STAGE_LAYOUT = LayoutFamily("one stage per rank", _round_robin, lambda p: p,
-                                _one_stage_check, _one_stage_needs)
+                                _one_stage_check, _one_stage_needs, "stage r")
 INTERLEAVED_LAYOUT = LayoutFamily("interleaved", _round_robin, lambda p: None,
-                                  _interleaved_check, _interleaved_needs)
+                                  _interleaved_check, _interleaved_needs, "stages r, r+p, ...")
 V_LAYOUT = LayoutFamily("V", lambda p, n: [sorted((r, 2 * p - 1 - r)) for r in range(p)],
-                        lambda p: 2 * p, _v_check, _v_needs)
+                        lambda p: 2 * p, _v_check, _v_needs, "stages r, 2p-1-r")
 
 
 def _equal_rounds(where: str, p: int, m: int) -> None:
@@ -415,32 +417,110 @@ def _rounds_fit(num_ranks: int, num_microbatches: int) -> bool:
     return num_microbatches % max(1, num_microbatches // num_ranks) == 0
 
 
+# NOTE: Schedule registry
+# SCHEDULES is the one list of pipeline schedules. Everything that goes over "every
+# schedule" reads it when it runs, not a copy: config.set_pipeline_schedule, the compiler,
+# the bubble table (tools/bubbles.py), the docs' tables of schedules and of bubbles
+# (tools/schedule_table.py, bubbles.markdown, checked against docs/schedules.md), the equivalence sweep (tests/local/sweep.py) and the plan
+# tests. So a new schedule is one record here (or one `register_schedule` call in its own
+# file), and every check picks it up. What a record cannot compute it states: the torch
+# class with the same order (None where torch has none: no test may assume one), the
+# preconditions and the peak-live formula as text for the docs, the paper's bubble where
+# there is one.
+
+
 @dataclass(frozen=True)
 class Schedule:
     """A pipeline schedule: its name (config.set_pipeline_schedule), each pipeline rank's
     compute order, the layout family of its stages, and what else it needs of the
-    micro-batches (`check(where, p, m)`, after the family's check of the stages)."""
+    micro-batches (`check(where, p, m)`, after the family's check of the stages).
+
+    The rest describes it (See NOTE: Schedule registry): `torch_class`, the
+    torch.distributed.pipelining schedule with the same order (get_schedule_class's name,
+    None if torch has none); `needs` and `peak`, the preconditions and rank r's peak live
+    chunk-micro-batches as docs/schedules.md prints them; `textbook`, the bubble over the
+    ideal step the literature gives, (p, v, m) -> fraction, where it gives one (its
+    docstring is the formula the docs print).
+    """
 
     name: str
     order: ComputeOrder
     family: LayoutFamily
     check: Optional[Callable[[str, int, int], None]] = None
+    torch_class: Optional[str] = None
+    needs: str = ""
+    peak: str = ""
+    textbook: Optional[Callable[[int, int, int], float]] = None
+
+
+def _one_chunk_bubble(p: int, v: int, m: int) -> float:
+    """(p-1)/m"""
+    return (p - 1) / m
+
+
+def _interleaved_bubble(p: int, v: int, m: int) -> float:
+    """(p-1)/(v m)"""
+    return (p - 1) / (v * m)
 
 
 SCHEDULES: Dict[str, Schedule] = {s.name: s for s in (
-    Schedule("1f1b", one_f_one_b, ONE_STAGE_LAYOUT),
-    Schedule("dualpipev", dualpipev, V_LAYOUT, _microbatch_per_stage),
-    Schedule("gpipe", gpipe, ONE_STAGE_LAYOUT),
-    Schedule("interleaved_1f1b", interleaved_1f1b, INTERLEAVED_LAYOUT, _equal_rounds),
-    Schedule("looped_bfs", looped_bfs, INTERLEAVED_LAYOUT),
-    Schedule("zbv", zbv, V_LAYOUT),
-    Schedule("zero_bubble", zero_bubble, INTERLEAVED_LAYOUT, _equal_rounds),
+    Schedule("1f1b", one_f_one_b, ONE_STAGE_LAYOUT, torch_class="1F1B",
+             needs="n = p (any m; torch needs m >= p)", peak="min(p - r, m)",
+             textbook=_one_chunk_bubble),
+    Schedule("dualpipev", dualpipev, V_LAYOUT, _microbatch_per_stage, torch_class="DualPipeV",
+             needs="n = 2p, m >= 2p", peak="2p + 1"),
+    Schedule("gpipe", gpipe, ONE_STAGE_LAYOUT, torch_class="GPipe", needs="n = p", peak="m",
+             textbook=_one_chunk_bubble),
+    Schedule("interleaved_1f1b", interleaved_1f1b, INTERLEAVED_LAYOUT, _equal_rounds,
+             torch_class="Interleaved1F1B",
+             needs="n a multiple of p; m split into max(1, m // p) equal rounds",
+             peak="min((v-1)k + 2(p-r) - 1, v m)", textbook=_interleaved_bubble),
+    Schedule("looped_bfs", looped_bfs, INTERLEAVED_LAYOUT, torch_class="LoopedBFS",
+             needs="n a multiple of p", peak="v m"),
+    Schedule("zbv", zbv, V_LAYOUT, torch_class="ZBVZeroBubble", needs="n = 2p (any m)",
+             peak="2p once m >= 2p-1"),
+    Schedule("zero_bubble", zero_bubble, INTERLEAVED_LAYOUT, _equal_rounds,
+             torch_class="InterleavedZeroBubble", needs="as `interleaved_1f1b`",
+             peak="min((v-1)k + p, v m)"),
 )}
 
-# the schedules of each layout family, by name
+# the schedules of each layout family, by name, as built in (registered ones: `family`)
 ONE_STAGE = tuple(s.name for s in SCHEDULES.values() if s.family is ONE_STAGE_LAYOUT)
 INTERLEAVED = tuple(s.name for s in SCHEDULES.values() if s.family is INTERLEAVED_LAYOUT)
 V_SHAPED = tuple(s.name for s in SCHEDULES.values() if s.family is V_LAYOUT)
+
+
+def register_schedule(schedule: Schedule) -> Schedule:
+    """Adds `schedule` to SCHEDULES (See NOTE: Schedule registry); returns it.
+
+    Example:
+        register_schedule(Schedule("my_gpipe", my_order, ONE_STAGE_LAYOUT, needs="n = p"))
+    """
+    if schedule.name in SCHEDULES:
+        raise GraphcError(f"a pipeline schedule named {schedule.name!r} is already registered; "
+                          "Fix: give the new one another name")
+    SCHEDULES[schedule.name] = schedule
+    return schedule
+
+
+def unregister_schedule(name: str) -> None:
+    """Removes a schedule `register_schedule` added (tests register toys and take them out)."""
+    del SCHEDULES[name]
+
+
+def stage_count(schedule: str, num_ranks: int, chunks: int = 2) -> int:
+    """The stages a chain needs to run `schedule` on `num_ranks` pipeline ranks: what its
+    layout family fixes (p, or 2p for a V), else `chunks` per rank."""
+    return SCHEDULES[schedule].family.num_stages(num_ranks) or chunks * num_ranks
+
+
+def accepts(schedule: str, num_ranks: int, num_stages: int, num_microbatches: int) -> bool:
+    """Whether check_schedule lets `schedule` order p ranks, n stages, m micro-batches."""
+    try:
+        check_schedule(schedule, num_ranks, num_stages, num_microbatches)
+    except GraphcError:
+        return False
+    return True
 
 
 def layout(schedule: str, num_ranks: int, num_stages: int) -> List[List[int]]:

@@ -199,20 +199,26 @@ class StageExecutor:
     def _recompute(self, mb: int, saved: _Saved) -> None:
         """The forward of a checkpointed micro-batch again, recording (NOTE: Activation
         checkpointing): same inputs, same buffers, same random draw."""
-        current = None
+        current = versions = None
         if saved.buffers:
             current = {n: b.clone() for n, b in self._buffers.items()}
-            with torch.no_grad():
+            with torch.no_grad():   # (an unchanged one is left alone: see below)
                 for n, b in self._buffers.items():
-                    b.copy_(saved.buffers[n])
+                    if not torch.equal(b, saved.buffers[n]):
+                        b.copy_(saved.buffers[n])
+            versions = {n: b._version for n, b in self._buffers.items()}
         try:
             with torch.enable_grad(), drawing(*self.draw, mb):
                 out = self.program.module(*saved.inputs)
         finally:
             if current is not None:
+                # only what the forward wrote (running statistics) goes back: a buffer it read
+                # and autograd saved (a constant of positions an embedding looks up) must keep
+                # its version, or the backward would refuse it as modified in place
                 with torch.no_grad():
                     for n, b in self._buffers.items():
-                        b.copy_(current[n])
+                        if b._version != versions[n]:
+                            b.copy_(current[n])
         saved.outs = dict(zip(self.program.outputs, out))
         saved.inputs = saved.buffers = None
 

@@ -10,7 +10,10 @@ NOTE: Failure propagation
     to stderr and exits the process non-zero (os._exit: the main thread may be blocked
     in a collective that will never complete).
   - A rank that dies without raising (SIGKILL, OOM kill) cannot write the key. Its
-    ring predecessor (See NOTE: Watchdog cost
+    ring predecessor notices within a second (NOTE: Liveness) and writes the key for it
+    (See NOTE: Watchdog cost).
+
+NOTE: Watchdog cost
 The store is one process (rank 0's TCPStore), so the watchdogs' requests must grow with
 the world, not its square. Each rank, per second: 10 checks of FAILED_KEY (the 0.1 s
 poll that bounds how fast failure news spreads), and until it has connected to the rank

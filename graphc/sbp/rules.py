@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..meta import META_PIECES, META_SBP, META_TENSOR, TensorMeta
 from . import local_ops
-from .layout import B, P, S
+from .layout import B, P, S, chunk_sizes
 
 Candidate = Tuple[Dict[fx.Node, object], object]
 
@@ -626,9 +626,17 @@ def conv(ctx: RuleCtx) -> List[Candidate]:
         cands.append((with_bias({x: S(0), w: B}, B), S(0)))
     if groups == 1 and ctx.splits(out.shape[c]):
         cands.append((with_bias({x: B, w: S(0)}, S(0)), S(c)))
-    if groups == 1 and not has_bias and ctx.splits(mx.shape[c]):
+    if groups == 1 and not has_bias and fills(ctx, mx.shape[c]):
         cands.append(({x: S(c), w: S(1)}, P))
     return cands
+
+
+def fills(ctx: RuleCtx, size: int) -> bool:
+    """A split of a dim of `size` with a non-empty shard on every rank: torch.chunk's cut
+    leaves the last ranks nothing when n > 2 (4 over 3: 2, 2, 0), which ops over channels
+    refuse (pooling, batch norm) or get wrong (a conv summing 0 input channels gives 0
+    output channels). Found by tests/sbp/test_rule_table.py (See NOTE: SBP rule check)."""
+    return ctx.splits(size) and min(chunk_sizes(size, ctx.n)) > 0
 
 
 def _pool(spatial: int, linear: bool):
@@ -638,8 +646,9 @@ def _pool(spatial: int, linear: bool):
         x, out = ctx.node.args[0], ctx.out
         if out is None:  # return_indices: a tuple
             return []
-        keep = len(out.shape) - spatial
-        cands = [c for c in _split_candidates(ctx) if c[1].dim < keep]
+        keep = len(out.shape) - spatial   # the channel dim is keep - 1: no empty shard
+        cands = [c for c in _split_candidates(ctx) if c[1].dim < keep - 1
+                 or (c[1].dim == keep - 1 and fills(ctx, out.shape[keep - 1]))]
         return cands + ([({x: P}, P)] if linear else [])
     return pool
 
@@ -661,7 +670,8 @@ def _channel_split(ctx: RuleCtx, x, per_channel, out_dim_ok) -> List[Candidate]:
         if not ctx.splits(size):
             continue
         if d == 1:
-            cands.append(({x: S(1), **{t: S(0) for t in per_channel}}, S(1)))
+            if fills(ctx, size):
+                cands.append(({x: S(1), **{t: S(0) for t in per_channel}}, S(1)))
         elif out_dim_ok(d):
             cands.append(({x: S(d), **{t: B for t in per_channel}}, S(d)))
     return cands

@@ -20,7 +20,7 @@ from ..passes.lower_plan import lower_plan
 from ..plan.instructions import TensorSpec
 from ..plan.plan import StageInfo
 from ..plan.program import StageProgram
-from ..plan.schedules import INTERLEAVED, ONE_STAGE, SCHEDULES, V_SHAPED, layout
+from ..plan.schedules import SCHEDULES, layout, stage_count
 from .cost_model import CostModel
 from .simulate import simulate
 
@@ -45,7 +45,7 @@ class Bubble:
 
 def chain_plans(schedule: str, p: int, v: int, m: int):
     """Plans of n = v p chained stages laid out as `schedule` lays them out."""
-    n = 2 * p if schedule in V_SHAPED else v * p
+    n = stage_count(schedule, p, v)
     rank_of = {s: r for r, held in enumerate(layout(schedule, p, n)) for s in held}
     programs = [StageProgram(s, None, [], [], {}, {s - 1: [SPEC]} if s else {},
                              {s + 1: [SPEC]} if s < n - 1 else {}, {"h": True}) for s in range(n)]
@@ -65,8 +65,9 @@ def bubble(schedule: str, p: int, v: int, m: int, backward: float = 1.0) -> Bubb
 
 def table(p: int = 4, v: int = 2, microbatches: Sequence[int] = (8, 16),
           backward: float = 1.0) -> List[Bubble]:
-    return [bubble(name, p, v if name in INTERLEAVED else 1, m, backward)
-            for m in microbatches for name in SCHEDULES]
+    """Every registered schedule (See NOTE: Schedule registry) at each micro-batch count, v
+    chunks where its layout takes them."""
+    return [bubble(name, p, v, m, backward) for m in microbatches for name in SCHEDULES]
 
 
 def render(rows: Sequence[Bubble]) -> str:
@@ -79,14 +80,25 @@ def render(rows: Sequence[Bubble]) -> str:
     return "\n".join(lines)
 
 
+SETTINGS = ((8, 1.0, "m = 8, F = B, I = W"), (8, 2.0, "m = 8, F = I = W"), (16, 2.0, "m = 16, F = I = W"))
+
+
+def markdown(p: int = 4, v: int = 2) -> str:
+    """docs/schedules.md's bubble table: each registered schedule's bubble over the ideal step
+    at SETTINGS, and the formula its record's `textbook` gives (See NOTE: Schedule registry)."""
+    lines = ["| schedule | " + " | ".join(label for _, _, label in SETTINGS) + " | paper |",
+             "|---|" + "---|" * len(SETTINGS) + "---|"]
+    for name in sorted(SCHEDULES):
+        cells = [f"{bubble(name, p, v, m, backward).over_ideal:.3f}" for m, backward, _ in SETTINGS]
+        formula = SCHEDULES[name].textbook
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {formula.__doc__ if formula else ''} |")
+    return "\n".join(lines)
+
+
 def textbook(b: Bubble) -> str:
     """The bubble over ideal the literature gives (any B / F), or '' where it gives none."""
-    p, v, m = b.ranks, b.chunks, b.microbatches
-    if b.schedule in ONE_STAGE:
-        return f"{(p - 1) / m:.3f}"
-    if b.schedule == "interleaved_1f1b":
-        return f"{(p - 1) / (v * m):.3f}"
-    return ""
+    formula = SCHEDULES[b.schedule].textbook
+    return "" if formula is None else f"{formula(b.ranks, b.chunks, b.microbatches):.3f}"
 
 
 def main(argv=None) -> int:
@@ -96,7 +108,11 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--backward", type=float, default=1.0,
                     help="B / F: 1 (F = B, I = W = F/2, default) or 2 (F = I = W)")
+    ap.add_argument("--markdown", action="store_true", help="docs/schedules.md's table instead")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.ranks, args.chunks))
+        return 0
     print(render(table(args.ranks, args.chunks, args.microbatches, args.backward)))
     return 0
 

@@ -23,9 +23,9 @@ from ..errors import GraphcError
 from ..runtime.trace import timeline_to_chrome
 from .chart import INSTALL_HINT, charts_available, draw_timeline
 from .cost_model import CostModel
-from .costs import device_costs, measure_costs
+from .costs import DEVICES, device_costs, measure_costs
 from .rows import fold_ranks, ranges, row_label
-from .simulate import model_inputs, simulate
+from .simulate import fit_report, model_inputs, simulate
 from .summary import stage_summary
 
 ALL_RANKS_BELOW = 64    # worlds this small get every rank's plan file by default
@@ -41,6 +41,8 @@ def write_all(graph, compiled, folder: str, mode) -> List[str]:
     written += write_programs(compiled, folder)
     written.append(_write(os.path.join(folder, "passes.txt"),
                           "\n\n".join(r.text for r in compiled.history)))
+    # the values the plan was compiled under, as every call checks them (NOTE: Guards)
+    written.append(_write(os.path.join(folder, "guards.txt"), compiled.guards.text()))
     if mode.chart and not charts_available():
         mode.chart = False          # said once, for every graph the script compiles
         print(f"graphc plan: matplotlib is not installed, so no schedule charts are drawn "
@@ -167,6 +169,9 @@ def write_simulation(graph, compiled, folder: str, how: str, chart: bool = True)
                       cores=os.cpu_count() if how == "measure" else None, model=model)
     name = type(graph).__name__
     table = f"# {name}: simulated step, costs {costs.source}\n{result.table()}"
+    if how in DEVICES:          # will it fit: each rank's predicted peak against the device
+        peaks = {r.rank: r.memory for r in result.ranks if r.memory is not None}
+        table += "\n" + fit_report(peaks, int(DEVICES[how].memory_gib * 2 ** 30), how, compiled.plans[0])
     print(table, flush=True)
     title = (f"{name}: {result.steps} simulated steps ({costs.source})\nsteady-state step "
              f"{result.step_time * 1e3:.3f} ms, first step {result.first_step_time * 1e3:.3f} ms, "

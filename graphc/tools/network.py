@@ -54,15 +54,16 @@ class DevicePreset:
     net_gbps: float = 50.0      # network bandwidth per GPU between nodes, GB/s
     net_latency_us: float = 10.0
     fp32_tflops: float = 67.0   # float32 TFLOP/s (no TF32): every other dtype's ops
+    memory_gib: float = 80.0    # device memory, GiB (what a rank's peak must fit in)
 
 
 DEVICES: Dict[str, DevicePreset] = {
     "h100": DevicePreset("h100", tflops=989, hbm_gbps=3350, link_gbps=450, latency_us=5,
-                         net_gbps=50),
+                         net_gbps=50, memory_gib=80),
     "h200": DevicePreset("h200", tflops=989, hbm_gbps=4800, link_gbps=450, latency_us=5,
-                         net_gbps=50),
+                         net_gbps=50, memory_gib=141),
     "a100": DevicePreset("a100", tflops=312, hbm_gbps=2039, link_gbps=300, latency_us=5,
-                         net_gbps=25, fp32_tflops=19.5),
+                         net_gbps=25, fp32_tflops=19.5, memory_gib=80),
 }
 
 

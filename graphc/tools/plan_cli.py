@@ -17,9 +17,12 @@ from ..errors import GraphcError
 
 # graphc plan's options -> whether each takes a value (for splitting them from the script's)
 OPTIONS = {"--nproc": True, "--out": True, "--simulate": None, "--no-chart": False,
-           "--ranks": True}
+           "--ranks": True, "--auto": False}
+# --auto's own options: graphc's only when --auto is given (a script may take a --device too)
+AUTO_OPTIONS = {"--device": True, "--memory": True, "--budget-s": True}
 USAGE = ("graphc plan SCRIPT [SCRIPT_ARGS...] --nproc N --out DIR "
-         "[--simulate [measure|h100|h200|a100]] [--ranks 0,7,-1|all] [--no-chart] [-- SCRIPT_ARGS]")
+         "[--simulate [measure|h100|h200|a100]] [--ranks 0,7,-1|all] [--no-chart] "
+         "[--auto [--device h100] [--memory GIB] [--budget-s S]] [-- SCRIPT_ARGS]")
 
 
 def add_parser(sub) -> None:
@@ -35,7 +38,8 @@ def split_argv(argv: List[str], options=None) -> Tuple[List[str], str, List[str]
     """(graphc options, script, script args) from what follows `graphc plan` (or another
     command running a script: `options` maps its options to whether each takes a value,
     None for an optional value; default OPTIONS)."""
-    options = OPTIONS if options is None else options
+    if options is None:
+        options = dict(OPTIONS, **(AUTO_OPTIONS if "--auto" in argv else {}))
     mine, script, theirs = [], None, []
     i = 0
     while i < len(argv):
@@ -75,6 +79,15 @@ def parse(argv: List[str]) -> argparse.Namespace:
                    help="whose rank<r>.json/.txt to write: a list like 0,7,-1 (negative: from "
                         "the end) or 'all'; default all below 64 ranks, else the first and last "
                         "rank of each stage (stages.txt summarises every stage)")
+    p.add_argument("--auto", action="store_true",
+                   help="search the layout (stages, tensor, data parallelism, ZeRO, schedule, "
+                        "micro-batches, checkpointing) that the simulator finds fastest and that "
+                        "fits; writes DIR/layout.json and DIR/auto.md (NOTE: Layout search)")
+    p.add_argument("--device", default="h100", help="--auto: the device preset (h100, h200, a100)")
+    p.add_argument("--memory", type=float, default=None,
+                   help="--auto: GiB per rank a layout must fit (default: the device's memory)")
+    p.add_argument("--budget-s", type=float, default=60.0,
+                   help="--auto: seconds for compiling and simulating candidates (default 60)")
     args = p.parse_args(mine)
     if script is None:
         p.error("missing SCRIPT: graphc plan train.py --nproc 4 --out plans")
@@ -84,12 +97,16 @@ def parse(argv: List[str]) -> argparse.Namespace:
 
 def run_plan_command(args: argparse.Namespace) -> int:
     """`graphc plan`, from parse()'s namespace (cli.main sends `plan` argv here directly)."""
+    auto = None
+    if args.auto:
+        from ..auto.search import plan_mode_search
+        auto = plan_mode_search(args.device, args.memory, args.budget_s)
     return run_plan(args.script, args.script_args, args.nproc, args.out, args.simulate,
-                    not args.no_chart, args.ranks)
+                    not args.no_chart, args.ranks, auto)
 
 
 def run_plan(script: str, script_args: List[str], nproc: int, out: str,
-             simulate: str = None, chart: bool = True, ranks: str = None) -> int:
+             simulate: str = None, chart: bool = True, ranks: str = None, auto=None) -> int:
     """Runs `script` in plan mode; returns 0 once at least one graph's plans are written."""
     from .costs import DEVICES
     from ..plan_mode import PlanModeExit, plan_mode
@@ -108,7 +125,7 @@ def run_plan(script: str, script_args: List[str], nproc: int, out: str,
         os.environ.setdefault(k, str(v))
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        with plan_mode(nproc, out, simulate, chart, ranks, write=write_all) as mode:
+        with plan_mode(nproc, out, simulate, chart, ranks, write=write_all, auto=auto) as mode:
             try:
                 runpy.run_path(script, run_name="__main__")
             except PlanModeExit as stop:

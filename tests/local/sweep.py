@@ -21,15 +21,23 @@ import torch.nn as nn
 
 import graphc
 import graphc.testing
+from graphc.plan.schedules import SCHEDULES, accepts, stage_count
 from graphc.plan.schedules import layout as schedule_layout
 from conv_models import ConvNet
 from models import SkipNet, make_batches
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
-CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "zero_bubble": 2,
-          "zbv": 2, "dualpipev": 2}
-SCHEDULES = tuple(CHUNKS)
 STEPS = 2
+
+
+def schedules() -> List[str]:
+    """Every registered schedule, read when the sweep is built (See NOTE: Schedule registry)."""
+    return sorted(SCHEDULES)
+
+
+def chunks(schedule: str) -> int:
+    """Stages per pipeline rank the sweep gives `schedule`: two where its layout takes several."""
+    return stage_count(schedule, 1)
 
 
 @dataclass(frozen=True)
@@ -60,11 +68,7 @@ class Config:
 def _valid(c: Config) -> bool:
     if c.pp == 1:
         return c.schedule == "1f1b"
-    if c.schedule == "dualpipev" and c.acc < 2 * c.pp:
-        return False
-    if c.schedule in ("interleaved_1f1b", "zero_bubble") and c.acc > 1 and c.acc % c.pp and c.acc >= 2 * c.pp:
-        return False
-    return True
+    return accepts(c.schedule, c.pp, c.pp * chunks(c.schedule), c.acc)
 
 
 def configurations() -> List[Config]:
@@ -74,13 +78,13 @@ def configurations() -> List[Config]:
         for dp in (1, 2, 4):
             if pp * dp == 1 or pp * dp > 16:
                 continue
-            for schedule in SCHEDULES:
+            for schedule in schedules():
                 for acc in (1, 2, 4) if pp < 8 else (8, 16):
                     c = Config("skip", pp, dp, 1, schedule, acc)
                     if _valid(c):
                         out.append(c)
     for pp in (2, 4):                                          # SkipNet with activation checkpointing
-        for schedule in SCHEDULES:
+        for schedule in schedules():
             for acc in (2, 4, 8):
                 for ckpt in (("always", "except_last") if pp == 2 else ("always",)):
                     c = Config("skip", pp, 1, 1, schedule, acc, ckpt)
@@ -169,7 +173,7 @@ def _split_over_data(c: Config, batches: list, readers: List[int]):
 
 
 def _skip(c: Config):
-    stages = c.pp * CHUNKS[c.schedule] if c.pp > 1 else 2
+    stages = c.pp * chunks(c.schedule) if c.pp > 1 else 2
 
     def make():
         torch.manual_seed(0)

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 import graphc
-from graphc.config import compile_spec
+from graphc.graph_spec import compile_spec
 from graphc import compiler
 from graphc.errors import GraphcError
 from graphc.meta import META_STAGE, META_STAGE_WHY, META_TENSOR

@@ -140,7 +140,7 @@ def test_plan_gathers_bf16_parameters_and_scatters_float32_gradients():
     """Compiled here for 2 ranks (no process group): the ALL_GATHER after the step moves the
     bf16 parameters (half the bytes of float32), the REDUCE_SCATTER the masters' float32
     gradients (bf16 with set_grad_reduce_dtype)."""
-    from graphc.config import compile_spec
+    from graphc.graph_spec import compile_spec
     from graphc.executable import Executable, input_specs
     x, y = _batches()[0]
     for reduce, want in ((None, "float32"), (torch.bfloat16, "bfloat16")):

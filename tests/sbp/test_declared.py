@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import graphc
-from graphc.config import compile_spec
+from graphc.graph_spec import compile_spec
 from graphc import compiler, global_tensor, sbp
 from graphc.placement import Broadcast, Layout, Split
 from graphc.sbp.declared import META_DECLARED, DeclaredLayouts

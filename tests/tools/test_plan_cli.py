@@ -52,6 +52,9 @@ def check_files(folder, n, stages, chart=True):
     for s in range(stages):
         with open(os.path.join(folder, f"stage{s}.py")) as f:
             assert "def forward(self" in f.read()
+    with open(os.path.join(folder, "guards.txt")) as f:   # the values it was compiled under
+        guards = f.read().splitlines()
+    assert guards[0].startswith("# ") and "torch.is_grad_enabled() == True" in guards
     if not chart:
         return
     with open(os.path.join(folder, "schedule.png"), "rb") as f:

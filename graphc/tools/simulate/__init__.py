@@ -30,6 +30,7 @@ The package, by concern:
   * engine.py: the event engine (links, collectives, the worklist of ranks, the times);
   * memory.py: memory accounting (live micro-batches, peak activation bytes);
   * model_state.py: model-state bytes per rank (parameters, gradients, optimizer state);
+  * peak.py: the step's predicted peak memory per rank and the instruction holding it;
   * folding.py: rank folding (classes of ranks that share one timeline);
   * result.py: what a simulation returns (SimResult, RankSummary, SimTimeline);
   * codes.py: the op tuples the engine runs, one per instruction, and their codes.
@@ -50,11 +51,12 @@ from ..cost_model import CostModel
 from .engine import _Simulation
 from .memory import activation_peak, stage_input_bytes
 from .model_state import ModelInputs, ModelState, ParamSpec, model_inputs, model_state
+from .peak import MemoryPeak, fit_report, memory_peak, memory_peaks
 from .result import RankSummary, SimResult, SimTimeline
 
 __all__ = ["simulate", "SimResult", "RankSummary", "SimTimeline", "Span", "Timeline",
            "activation_peak", "stage_input_bytes", "ModelInputs", "ModelState", "ParamSpec",
-           "model_inputs", "model_state"]
+           "model_inputs", "model_state", "MemoryPeak", "fit_report", "memory_peak", "memory_peaks"]
 
 
 def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
@@ -82,5 +84,6 @@ def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
         by_rank = {p.rank: p for p in plans}
         for r in result.ranks:
             r.model_state = model_state(by_rank[r.rank], model.params.get(r.rank, ()))
+            r.memory = memory_peak(by_rank[r.rank], model.params.get(r.rank, ()), costs)
         result.model_note = model.optimizer
     return result

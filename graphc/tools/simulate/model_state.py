@@ -119,6 +119,7 @@ def _gradient_buffers(plan: ExecutionPlan, by_name: Dict[str, ParamSpec], stage:
             grads += part * ((d if same else d + 1) if stage == 1 else 1)
         elif type(ins) in (AllReduce, TieAllReduce):
             names = ins.params if isinstance(ins, TieAllReduce) else [t.name for t in ins.tensors]
+            names = [n for n in names if n in by_name]   # a tie names its other stages' names too
             grads += sum(t.nbytes for t in ins.tensors)
             wide = by_name[names[0]].dtype if names else None
             if wide is not None and ins.tensors and ins.tensors[0].dtype != wide:

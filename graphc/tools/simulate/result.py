@@ -9,6 +9,7 @@ from typing import Dict, Iterator, List, Optional
 from ...plan.plan import ExecutionPlan
 from ...runtime.trace import Span, Timeline
 from .model_state import ModelState
+from .peak import MemoryPeak
 
 
 @dataclass
@@ -21,6 +22,7 @@ class RankSummary:
     peak_live_microbatches: int
     peak_activation_bytes: int
     model_state: Optional[ModelState] = None   # with simulate(..., model=...)
+    memory: Optional["MemoryPeak"] = None      # with simulate(..., model=...): the step's peak
 
 
 @dataclass
@@ -49,7 +51,8 @@ class SimResult:
         head = (f"{'rank':>4}  {'stages':>6}  {'compute ' + unit:>12}  {'finish ' + unit:>12}  "
                 f"{'bubble':>7}  {'live mb':>7}  {'peak act MiB':>12}")
         if model:
-            head += f"  {'params MiB':>10}  {'grads MiB':>10}  {'optim MiB':>10}  {'model MiB':>10}"
+            head += (f"  {'params MiB':>10}  {'grads MiB':>10}  {'optim MiB':>10}  {'model MiB':>10}"
+                     f"  {'peak MiB':>10}  peak at")
         rows = [head]
         for r in self.ranks:
             row = (f"{r.rank:>4}  {','.join(map(str, r.stages)) or '-':>6}  "
@@ -58,6 +61,8 @@ class SimResult:
             m = r.model_state
             if m is not None:
                 row += "".join(f"  {b / 2**20:>10.3f}" for b in (m.params, m.grads, m.optimizer, m.total))
+            if r.memory is not None:
+                row += f"  {r.memory.peak / 2**20:>10.3f}  {r.memory.at}"
             rows.append(row)
         what = (f"steady-state step time (period over {self.steps} steps; first step "
                 f"{self.first_step_time * scale:.3f} {unit})" if self.steps > 1 else "step time")
@@ -65,7 +70,9 @@ class SimResult:
                     f"{self.bubble_fraction:.1%}")
         if model:
             rows.append("model state per rank: parameters held between steps, gradient buffers "
-                        f"at the optimizer step, optimizer state ({self.model_note})")
+                        f"at the optimizer step, optimizer state ({self.model_note}); peak: the "
+                        "step's predicted highest bytes and the instruction holding it "
+                        "(NOTE: Peak memory model)")
         return "\n".join(rows)
 
 

@@ -1,0 +1,319 @@
+"""`search`: the layout for N ranks that the simulator says is fastest among those that fit.
+
+NOTE: Layout search
+The search runs in two rounds, both deterministic (every rank of a job finds the same):
+  1. Estimate every candidate on paper, from one compile of the model on one rank (its
+     forward seconds on the device preset, saved-activation bytes, parameter bytes and the
+     optimizer's state count): pipeline degree x tensor degree x data degree = N (tensor
+     parallel only where each layer has Megatron pairs that divide), the schedule (GPipe,
+     1F1B, and with 2 stages per rank interleaved 1F1B and ZB-V), the micro-batches (p, 2p,
+     4p; 1, 2, 4 without a pipeline), ZeRO 0-3 with data parallelism, checkpointing off or
+     on. The step is the schedule's textbook makespan over the compute plus the gradient
+     all-reduce and tensor parallelism's all-reduces (NOTE: Auto estimate); the memory is
+     the model state as ZeRO lays it out plus the activations of the micro-batches in flight.
+  2. Compile the best `top` estimates that fit for N ranks (apply_layout), run the
+     simulator on the device preset (every rank's plan, every collective) and the memory
+     model (NOTE: Peak memory model) on each: the winner is the fastest whose every rank
+     fits. Its plans are verified by the compile like any plan.
+A budget in seconds bounds round 2 (each compile costs ~1 s on a small model); a progress
+line goes to stderr per candidate. A model that fits no candidate is refused, naming the
+smallest memory the estimates found enough.
+
+NOTE: Auto estimate
+With F the forward seconds of one micro-batch on one stage (the one-rank forward over data
+x micro-batches x stages, and over tensor degree where the layers have pairs), u = 3F (4F
+checkpointed) a stage's forward and backward, and W = chunks x u a rank's work per
+micro-batch: GPipe and 1F1B take m W + (p - 1) W, interleaved 1F1B m W + (p - 1) u, ZB-V
+m W + (p - 1) u / 2; data parallelism adds half a ring all-reduce of the rank's gradients
+(the other half overlaps the backward), tensor parallelism four ring all-reduces per layer
+and micro-batch of one activation (the saved bytes of a layer over 8).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import List, Optional, Sequence, Tuple
+
+from ..errors import GraphcError
+from .layout import (Layout, apply_layout, batch_layouts, input_stages, layer_list, megatron_pairs,
+                     with_layers)
+
+SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
+
+
+@dataclass
+class ModelFacts:
+    """What the estimates read, from one compile on one rank."""
+
+    forward_s: float            # the whole batch's forward on the device, one rank
+    activation_bytes: int       # its saved activations
+    param_bytes: int
+    states: int                 # optimizer state tensors per parameter
+    layers: int
+    tp_degrees: Tuple[int, ...]   # tensor degrees whose Megatron pairs divide every layer
+    rows: int                   # the batch's rows
+    link_bytes_per_s: float
+    latency_s: float
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    est_step: float
+    est_memory: int
+    step: Optional[float] = None         # simulated (round 2)
+    peak: Optional[int] = None           # the memory model's highest rank
+    peak_rank: Optional[int] = None
+    note: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.note == ""
+
+
+@dataclass
+class AutoResult:
+    best: Candidate
+    compiled: object                     # the winner's CompiledGraph
+    tried: List[Candidate] = field(default_factory=list)    # compiled and simulated
+    unfit: List[Candidate] = field(default_factory=list)    # estimated not to fit
+    considered: int = 0
+    seconds: float = 0.0
+    device: str = "h100"
+    memory: int = 0
+
+    def report(self) -> str:
+        """auto.md: the winner, the candidates simulated, and what did not fit."""
+        mib = 2 ** 20
+        lines = [f"# Automatic layout: {self.best.layout.describe()}", "",
+                 f"{self.considered} candidates estimated, {len(self.tried)} compiled and simulated "
+                 f"on {self.device} with {self.memory / 2**20:.1f} MiB per rank, in {self.seconds:.1f} s "
+                 "(NOTE: Layout search in graphc/auto/search.py).", "",
+                 "| layout | estimated step ms | simulated step ms | peak MiB (rank) | |",
+                 "|---|---|---|---|---|"]
+        for c in sorted(self.tried, key=lambda c: (not c.fits, c.step if c.step is not None else 1e30)):
+            mark = "**winner**" if c is self.best else c.note
+            step = f"{c.step * 1e3:.3f}" if c.step is not None else "-"
+            peak = f"{c.peak / mib:.1f} ({c.peak_rank})" if c.peak is not None else "-"
+            lines.append(f"| {c.layout.describe()} | {c.est_step * 1e3:.3f} | {step} | {peak} | {mark} |")
+        won = [c for c in self.tried if c.fits and c is not self.best and c.step is not None]
+        if won:
+            runner = min(won, key=lambda c: c.step)
+            lines += ["", f"The winner's simulated step is {runner.step / self.best.step:.2f}x faster "
+                      f"than the runner-up ({runner.layout.describe()})."]
+        if self.unfit:
+            lines += ["", f"{len(self.unfit)} candidates were estimated not to fit, e.g.:"]
+            for c in sorted(self.unfit, key=lambda c: c.est_step)[:5]:
+                lines.append(f"- {c.layout.describe()}: about {c.est_memory / mib:.1f} MiB per rank")
+        return "\n".join(lines) + "\n"
+
+
+def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
+           optimizer=None, device: str = "h100", memory: Optional[int] = None,
+           budget_s: float = 60.0, top: int = 8, progress: bool = True) -> AutoResult:
+    """The fastest layout of `spec` on `nproc` ranks of `device` that fits `memory` bytes per
+    rank (None: the device's memory) (See NOTE: Layout search).
+
+    batched: per input, whether it is split over the data-parallel ranks (its dim 0 the batch)."""
+    from ..tools.costs import DEVICES
+    if device not in DEVICES:
+        raise GraphcError(f"graphc plan --auto: unknown device {device!r}; choose one of {sorted(DEVICES)}")
+    capacity = int(memory if memory is not None else DEVICES[device].memory_gib * 2 ** 30)
+    t0 = time.perf_counter()
+    facts = model_facts(spec, example_inputs, optimizer, device)
+    candidates = [Candidate(lay, *estimate(lay, facts)) for lay in enumerate_layouts(facts, nproc, spec.root)]
+    fitting = [c for c in candidates if c.est_memory <= capacity]
+    unfit = [c for c in candidates if c.est_memory > capacity]
+    if not fitting:
+        least = min(c.est_memory for c in candidates) if candidates else 0
+        raise GraphcError(f"{spec.name}: no layout on {nproc} ranks fits {capacity / 2**30:.2f} GiB per "
+                          f"rank (the smallest estimate is {least / 2**30:.2f} GiB). Fix: more ranks, a "
+                          f"device with more memory (--memory {least / 2**30 * 1.1:.1f}), or a smaller batch")
+    fitting.sort(key=lambda c: (c.est_step, c.est_memory, c.layout.describe()))
+    tried: List[Candidate] = []
+    best, best_compiled = None, None
+    for c in _diverse(fitting, top):
+        if tried and time.perf_counter() - t0 > budget_s:
+            _say(progress, f"graphc auto: budget of {budget_s:.0f} s spent after {len(tried)} candidates")
+            break
+        compiled = _simulate(c, spec, example_inputs, nproc, batched, optimizer, device, capacity)
+        tried.append(c)
+        _say(progress, f"graphc auto: [{len(tried)}/{min(top, len(fitting))}] {c.layout.describe():<36} "
+                       f"step {c.step * 1e3 if c.step is not None else float('nan'):8.3f} ms  "
+                       f"peak {(c.peak or 0) / 2**20:9.1f} MiB  {c.note}")
+        if c.fits and c.step is not None and (best is None or c.step < best.step):
+            best, best_compiled = c, compiled
+    if best is None:
+        raise GraphcError(f"{spec.name}: none of the {len(tried)} layouts compiled fits "
+                          f"{capacity / 2**30:.2f} GiB per rank by the memory model: "
+                          + "; ".join(f"{c.layout.describe()}: {c.note}" for c in tried[:4]))
+    return AutoResult(best, best_compiled, tried, unfit, len(candidates), time.perf_counter() - t0,
+                      device, capacity)
+
+
+def _say(progress: bool, line: str) -> None:
+    if progress:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _diverse(cands: List[Candidate], top: int) -> List[Candidate]:
+    """The `top` to compile: the best estimate of each (pp, tp, dp, schedule) first, best
+    first, then the next best of any kind (the estimates rank kinds less surely than the
+    settings within one)."""
+    firsts, rest, kinds = [], [], set()
+    for c in cands:
+        kind = (c.layout.pp, c.layout.tp, c.layout.dp, c.layout.schedule)
+        (rest if kind in kinds else firsts).append(c)
+        kinds.add(kind)
+    return (firsts + rest)[:top]
+
+
+def _simulate(c: Candidate, spec, inputs, nproc, batched, optimizer, device, capacity):
+    """Round 2 for one candidate: compile, simulate, memory model; fills step / peak / note."""
+    from ..compiler import compile as compile_graph
+    from ..tools.costs import device_costs
+    from ..tools.simulate import model_inputs, simulate
+    import warnings
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            laid = batch_layouts(c.layout, inputs, batched, _stages_read(spec, inputs, c.layout))
+            compiled = compile_graph(apply_layout(spec, c.layout), inputs, nproc, laid)
+    except GraphcError as exc:
+        c.note = f"refused: {str(exc).splitlines()[0][:120]}"
+        return None
+    result = simulate(compiled.plans, device_costs(compiled, device), model=model_inputs(compiled, optimizer))
+    worst = max((r for r in result.ranks if r.memory is not None), key=lambda r: r.memory.peak)
+    c.step, c.peak, c.peak_rank = result.step_time, worst.memory.peak, worst.rank
+    if c.peak > capacity:
+        c.note = f"does not fit: rank {worst.rank} needs {c.peak / 2**20:.1f} MiB"
+    return compiled
+
+
+_READ_AT: dict = {}
+
+
+def _stages_read(spec, inputs, layout: Layout):
+    """input_stages, once per stage cut and schedule (its placement of stages)."""
+    key = (id(spec.root), layout.pp, layout.schedule if layout.chunks > 1 else "", layout.boundaries)
+    if key not in _READ_AT:
+        _READ_AT[key] = input_stages(spec, inputs, layout)
+    return _READ_AT[key]
+
+
+def model_facts(spec, inputs, optimizer, device: str) -> ModelFacts:
+    """One compile on one rank: the estimates' inputs."""
+    from ..compiler import compile as compile_graph
+    from ..tools.costs import DEVICES, device_costs
+    from ..tools.simulate import model_inputs
+    one = replace(spec, modules={}, declared=type(spec.declared)({}), gradient_accumulation_steps=1,
+                  zero_stage=0, activation_checkpointing="never")
+    compiled = compile_graph(one, inputs, 1)
+    costs = device_costs(compiled, device)
+    params = model_inputs(compiled, optimizer).params[0]
+    states = max((p.states for p in params if p.trained), default=2)
+    _, layers = layer_list(spec.root)
+    degrees = tuple(t for t in (2, 4, 8) if layers and all(megatron_pairs(l, t)[0] for l in layers))
+    rows = next((t.shape[0] for t in inputs if hasattr(t, "shape") and len(t.shape) > 0), 1)
+    dev = DEVICES[device]
+    return ModelFacts(sum(costs.forward.values()), sum(costs.activation_bytes.values()),
+                      sum(p.nbytes for p in params), states, len(layers), degrees, rows,
+                      dev.link_gbps * 1e9, dev.latency_us * 1e-6)
+
+
+def enumerate_layouts(facts: ModelFacts, nproc: int, root) -> List[Layout]:
+    """Every candidate layout on nproc ranks (See NOTE: Layout search)."""
+    out = []
+    for pp in _divisors(nproc):
+        for tp in _divisors(nproc // pp):
+            dp = nproc // pp // tp
+            if tp > 1 and tp not in facts.tp_degrees or facts.rows % dp:
+                continue
+            for schedule in (SCHEDULE_CHOICES if pp > 1 else ("1f1b",)):
+                chunks = 2 if schedule in ("interleaved_1f1b", "zbv") else 1
+                if pp * chunks > facts.layers or (pp == 1 and chunks > 1):
+                    continue
+                for m in ((pp, 2 * pp, 4 * pp) if pp > 1 else (1, 2, 4)):
+                    if (facts.rows // dp) % m:
+                        continue
+                    for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+                        for ckpt in ("never", "always"):
+                            out.append(with_layers(Layout(pp, tp, dp, schedule, m, zero, ckpt), root))
+    return out
+
+
+def estimate(lay: Layout, f: ModelFacts) -> Tuple[float, int]:
+    """(step seconds, bytes per rank) on paper (See NOTE: Auto estimate)."""
+    tp_split = lay.tp if lay.tp in f.tp_degrees else 1
+    F = f.forward_s / (lay.dp * lay.microbatches * lay.stages * tp_split)
+    u = (4 if lay.checkpointing == "always" else 3) * F
+    W = lay.chunks * u
+    m, p = lay.microbatches, lay.pp
+    bubble = {"interleaved_1f1b": (p - 1) * u, "zbv": (p - 1) * u / 2}.get(lay.schedule, (p - 1) * W)
+    step = m * W + (bubble if p > 1 else 0)
+    if p > 1:     # a send and a receive per stage boundary, micro-batch and direction
+        step += 2 * (m + p - 1) * lay.chunks * f.latency_s
+    grads = f.param_bytes / (p * tp_split)
+    if lay.dp > 1:
+        ring = 2 * (lay.dp - 1) / lay.dp * grads / f.link_bytes_per_s + 2 * (lay.dp - 1) * f.latency_s
+        step += ring / 2 * (1.5 if lay.zero == 3 else 1.0)
+    if tp_split > 1:
+        msg = f.activation_bytes / max(f.layers, 1) / (lay.dp * m) / 8
+        one = 2 * (tp_split - 1) / tp_split * msg / f.link_bytes_per_s + 2 * (tp_split - 1) * f.latency_s
+        step += 4 * (f.layers / p) * m * one
+    return step, memory_estimate(lay, f)
+
+
+def memory_estimate(lay: Layout, f: ModelFacts) -> int:
+    tp_split = lay.tp if lay.tp in f.tp_degrees else 1
+    whole = f.param_bytes / (lay.pp * tp_split)
+    d = lay.dp
+    params = whole / d if lay.zero == 3 else whole
+    grads = whole / d if lay.zero >= 2 else whole
+    optim = f.states * (whole / d if lay.zero >= 1 else whole)
+    per_mb = f.activation_bytes / (lay.dp * lay.microbatches * lay.stages * tp_split)
+    if lay.pp == 1:
+        inflight = 1                                  # accumulation: one micro-batch at a time
+    else:
+        inflight = lay.microbatches if lay.schedule == "gpipe" else min(lay.pp, lay.microbatches)
+    held = per_mb * lay.chunks * inflight
+    if lay.checkpointing == "always":
+        held = per_mb * lay.chunks + inflight * per_mb / max(f.layers / lay.stages, 1) / 4
+    transient = whole if lay.zero == 3 else 0         # a stage gathered whole at stage 3
+    return int(params + grads + optim + held + transient)
+
+
+def _divisors(n: int) -> List[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def plan_mode_search(device: str = "h100", memory_gib: Optional[float] = None, budget_s: float = 60.0):
+    """What `graphc plan --auto` installs in plan mode (PlanMode.auto): for the graph the
+    script compiles, search, write DIR/layout.json and DIR/auto.md, and return (the chosen
+    Layout, its CompiledGraph) for the plan files."""
+    import inspect
+    import os
+    from ..executable import _as_traced
+
+    def run(graph, spec, specs, tree, mode):
+        examples = [s.example() for s in specs]
+        names = tree.names if tree is not None else list(inspect.signature(type(graph).build).parameters)[1:]
+        first = examples[0].shape[0] if examples and examples[0].dim() else None
+        batched = [t.dim() > 0 and t.shape[0] == first and n not in spec.whole_inputs
+                   for t, n in zip(examples, names)]
+        memory = None if memory_gib is None else int(memory_gib * 2 ** 30)
+        with _as_traced(spec, tree):
+            result = search(spec, examples, mode.nproc, batched, graph._optimizer, device, memory, budget_s)
+        folder = mode.folder_for(graph)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "layout.json"), "w") as f:
+            f.write(result.best.layout.to_json())
+        with open(os.path.join(folder, "auto.md"), "w") as f:
+            f.write(result.report())
+        print(f"graphc plan --auto: {type(graph).__name__}: {result.best.layout.describe()} "
+              f"(simulated step {result.best.step * 1e3:.3f} ms on {device}, peak "
+              f"{result.best.peak / 2**20:.1f} MiB); wrote {folder}/layout.json and auto.md; "
+              f"train with self.config.load_layout('{os.path.join(folder, 'layout.json')}')", flush=True)
+        return result.best.layout, result.compiled
+    return run

@@ -28,10 +28,11 @@ import torch
 import torch.fx as fx
 
 from . import env
+from .errors import GraphcError
 from .guards import GuardSet
 from .history import PassRecord, record
 from .log import get_logger
-from .meta import is_backward
+from .meta import META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR, is_backward
 from .passes.annotate_stages import annotate_stages
 from .passes.check_layout import check_layout
 from .passes.check_row_groups import check_row_groups
@@ -71,6 +72,8 @@ from .placement import Layout
 from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
 from .plan.verify import verify_plans
+from . import plan_cache
+from .plan_cache import CompileKey
 from .sbp.declared import META_DECLARED, DeclaredLayouts
 
 
@@ -128,12 +131,31 @@ class CompiledGraph:
     meshes: List[tuple] = field(default_factory=list)  # per stage: placement ranks (2-D nested)
     guards: GuardSet = field(default_factory=GuardSet)  # the Python values it was built from (NOTE: Guards)
     trace: Optional["TraceText"] = None  # build()'s traced graph as text (NOTE: Retrace check)
+    world_size: int = 0                # the ranks of the job; `plans` may hold only some of them
+    key: Optional["CompileKey"] = None  # what the plans were compiled from (NOTE: Plan cache)
+
+    def __post_init__(self):
+        self.world_size = self.world_size or len(self.plans)
+
+    @property
+    def whole_world(self) -> bool:
+        """Whether `plans` holds every rank's plan (graphc plan), not only some (a rank's own)."""
+        return len(self.plans) == self.world_size
 
     def plan_for(self, rank: int) -> ExecutionPlan:
-        return self.plans[rank]
+        plans = self.plans
+        if rank < len(plans) and plans[rank].rank == rank:   # the whole world's, by rank
+            return plans[rank]
+        plan = next((p for p in plans if p.rank == rank), None)
+        if plan is None:
+            raise GraphcError(f"internal: rank {rank}'s plan was not compiled here (this compile "
+                              f"lowered ranks {[p.rank for p in plans][:8]} of {self.world_size})")
+        return plan
 
 
 _log = get_logger("compile")
+# what compile_key reads of each node: its shape and dtype, layout, stage, gradient sync
+_ANNOTATIONS = (META_TENSOR, META_SBP, META_STAGE, META_GRAD_PARTIAL)
 
 
 def debug_level() -> int:
@@ -209,12 +231,16 @@ def retrace(spec: CompileSpec, example_inputs: Sequence[torch.Tensor], world_siz
 
 
 def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
-            input_layouts: Sequence = ()) -> CompiledGraph:
-    """Compiles the spec's build() for every rank of a world of `world_size`.
+            input_layouts: Sequence = (), ranks: Optional[Sequence[int]] = None) -> CompiledGraph:
+    """Compiles the spec's build() for a world of `world_size`: the stage programs of every
+    stage, the plans of `ranks`.
 
     spec: a CompileSpec, or a Graph (its _compile_spec(), graph_spec.compile_spec, is taken here).
     input_layouts: per input, None (broadcast) or the Layout of a GlobalTensor input (a
     (placement, sbp) pair is read as one).
+    ranks: whose plans to lower and verify; None: every rank's (graphc plan). A rank lowers
+    its own (NOTE: Plans of some ranks, passes/lower_plan.py), and agrees with its peers at
+    startup (NOTE: Plan digests, runtime/agreement.py).
     """
     if not isinstance(spec, CompileSpec):
         spec = spec._compile_spec()
@@ -284,10 +310,51 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     programs = _step(run, "insert_checkpoints", insert_checkpoints, programs,
                      checkpointed if training else set())
 
-    # ** schedule and lower: every rank's execution plan
+    # ** schedule and lower: the plans of `ranks` (every rank's by default), or the cached ones
+    key = _step(run, "compile_key", compile_key, spec, trace, gm, programs, example_inputs,
+                input_layouts, world_size)
+    plans = _plans(run, spec, key, gm, programs, stages, meshes, declared, training, world_size, ranks)
+    if "stages" in plans[0].notes:  # found from placements: said once
+        _log.info("%s: %s", spec.name, plans[0].notes["stages"])
+
+    input_meta = [(tuple(t.shape), t.dtype) for t in example_inputs]
+    compiled = CompiledGraph(gm, stages, programs, plans, training, m, input_meta, run.history, meshes,
+                             trace=trace, world_size=world_size, key=key)
+    if debug_level() >= 1:
+        total = sum(r.seconds for r in run.history)
+        _log.info("compiled %s: %d stage(s), %d micro-batch(es), schedule=%s, %s, %.0f ms",
+                  spec.name, len(stages), m, spec.pipeline_schedule,
+                  "training" if training else "inference", total * 1e3)
+    if debug_level() >= 3:
+        for plan in plans:
+            _log.debug("%s", plan)
+    return compiled
+
+
+def _plans(run: _Compilation, spec: CompileSpec, key: CompileKey, gm, programs, stages, meshes,
+           declared, training: bool, world_size: int, ranks) -> List[ExecutionPlan]:
+    """The plans of `ranks` from GRAPHC_PLAN_CACHE when an entry has this key (NOTE: Plan
+    cache), else lowered (and then kept there). A whole world's plans (graphc plan) are
+    not kept: millions of instructions, compiled once by a tool."""
+    chosen = list(range(world_size)) if ranks is None else sorted(set(ranks))
+    folder = plan_cache.cache_dir() if ranks is not None else None
+    path = plan_cache.entry_path(folder, spec.name, f"{dict(key.parts)['inputs']} {world_size} {chosen}") \
+        if folder else None
+    plans = _step(run, "load_cached_plans", plan_cache.load_plans, path, key, chosen) if path else None
+    if plans is None:
+        plans = _lower(run, spec, gm, programs, stages, meshes, declared, training, world_size, ranks)
+        if path:
+            _step(run, "store_cached_plans", plan_cache.store_plans, path, key, plans)
+    return plans
+
+
+def _lower(run: _Compilation, spec: CompileSpec, gm, programs, stages, meshes, declared,
+           training: bool, world_size: int, ranks) -> List[ExecutionPlan]:
+    """compile()'s last phase: the schedule lowered to the plans of `ranks`, then verified."""
+    m = spec.gradient_accumulation_steps
     # the schedule's compute order, with point-to-point sends and receives around it
     plans = _step(run, "lower_plan", lower_plan, programs, stages, spec.pipeline_schedule, m,
-                  training, world_size, spec.activation_checkpointing)
+                  training, world_size, spec.activation_checkpointing, ranks)
     # all-reduce of partial_sum gradients (data parallel), bucketed, before the step
     # (under set_param_dtype gradients are held by the float32 masters: NOTE: Master parameters)
     grad_dtype = torch.float32 if spec.param_dtype is not None else None
@@ -306,21 +373,23 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     # each conversion's collectives listed where its compute issues them (SBP, ranks, bytes)
     plans = _step(run, "list_collectives", list_collectives, plans, programs)
     # all plans together pair up and are free of deadlock, with every instruction in place
-    _step(run, "verify_plans", verify_plans, plans)
-    # the stages nobody wrote down (found from placements), kept on every rank's plan ...
-    plans = _step(run, "note_stages", note_stages, plans, gm, world_size)
-    if "stages" in plans[0].notes:  # ... and said once
-        _log.info("%s: %s", spec.name, plans[0].notes["stages"])
+    _step(run, "verify_plans", verify_plans, plans, world_size)
+    # the stages nobody wrote down (found from placements), kept on every rank's plan
+    return _step(run, "note_stages", note_stages, plans, gm, world_size)
 
-    input_meta = [(tuple(t.shape), t.dtype) for t in example_inputs]
-    compiled = CompiledGraph(gm, stages, programs, plans, training, m, input_meta, run.history, meshes)
-    compiled.trace = trace
-    if debug_level() >= 1:
-        total = sum(r.seconds for r in run.history)
-        _log.info("compiled %s: %d stage(s), %d micro-batch(es), schedule=%s, %s, %.0f ms",
-                  spec.name, len(stages), m, spec.pipeline_schedule,
-                  "training" if training else "inference", total * 1e3)
-    if debug_level() >= 3:
-        for plan in plans:
-            _log.debug("%s", plan)
-    return compiled
+
+def compile_key(spec: CompileSpec, trace: "TraceText", gm: fx.GraphModule, programs, example_inputs,
+                input_layouts, world_size: int) -> CompileKey:
+    """Everything the plans are made of, hashed by part (NOTE: Plan cache)."""
+    settings = {f: getattr(spec, f) for f in spec.__dataclass_fields__ if f not in ("root", "source_file")}
+    annotated = "\n".join(f"{n.name} {n.op} {n.target} " + " ".join(
+        f"{k}={n.meta[k]}" for k in _ANNOTATIONS if k in n.meta) for n in gm.graph.nodes)
+    return CompileKey.of({
+        "build() trace": "\n".join(trace.lines),
+        "annotated graph": annotated,
+        "stage programs": "\n".join(str(p) for p in programs),
+        "settings": repr(settings),
+        "inputs": repr([(tuple(t.shape), t.dtype, str(layout)) for t, layout in zip(example_inputs, input_layouts)]),
+        "world": str(world_size),
+        "graphc and torch": plan_cache.graphc_sources(),
+    })

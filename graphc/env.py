@@ -146,6 +146,13 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "plan mode: also simulate the step with these costs", _text),
     Variable("GRAPHC_PLAN_RANKS", "", "ranks such as 0,7,-1", "plan mode: the ranks whose plan "
              "files are written (unset: all)", _text),
+    _choice("GRAPHC_VERIFY_PLANS", "rank", ("rank", "world"), "rank: each rank its own plan",
+            "which plans a running rank compiles and verifies: its own, its peers checked at "
+            "startup by digests (NOTE: Plan digests), or every rank's, verified together as "
+            "graphc plan does (slow at thousands of ranks)"),
+    Variable("GRAPHC_PLAN_CACHE", "", "a folder", "keep each rank's compiled plans there, keyed "
+             "by its inputs, so a restart does not lower them again; a stale or unreadable entry "
+             "is ignored with a warning (graphc/plan_cache.py, NOTE: Plan cache)", _text),
 )}
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from . import compiler
+from . import compiler, env
 from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
 from .guards import (MISSING, Guard, GuardSet, difference, fingerprint, global_guards, hook_guards,
@@ -31,7 +31,7 @@ from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .passes.trace_build import forward_replaced
 from .placement import Layout
 from .placement import placement as Placement
-from .ops.conversions import compiled_groups, create_groups
+from .ops.conversions import compiled_groups, create_groups, from_every_rank
 from .runtime.actors import Runtime
 from .runtime.comm import P2P
 from .runtime.cuda_graphs import capture_blockers
@@ -161,6 +161,12 @@ def _as_traced(spec: compiler.CompileSpec, tree: Optional[InputTree]):
         yield
 
 
+def plans_lowered(rank: int) -> Optional[List[int]]:
+    """The ranks whose plans a running rank compiles: its own (NOTE: Plans of some ranks), or
+    with GRAPHC_VERIFY_PLANS=world every rank's, verified together as `graphc plan` does."""
+    return None if env.read("GRAPHC_VERIFY_PLANS") == "world" else [rank]
+
+
 def signature(specs: Sequence[InputSpec]) -> tuple:
     return tuple(s.key for s in specs)
 
@@ -175,12 +181,14 @@ class Executable:
 
     @classmethod
     def compile(cls, spec: compiler.CompileSpec, specs: Sequence[InputSpec], world: int,
-                tree: Optional[InputTree] = None) -> "Executable":
+                tree: Optional[InputTree] = None, ranks: Optional[Sequence[int]] = None) -> "Executable":
         """compiler.compile for these inputs' global shapes and layouts, with the guards of
-        every Python value the compile read (NOTE: Guards)."""
+        every Python value the compile read (NOTE: Guards). ranks: whose plans to lower (a
+        rank its own: NOTE: Plans of some ranks); None: every rank's (graphc plan)."""
         before = global_guards()  # the modes the caller set, before tracing changes any
         with record_reads(spec.root) as reads, _as_traced(spec, tree):
-            compiled = compiler.compile(spec, [s.example() for s in specs], world, [s.layout for s in specs])
+            compiled = compiler.compile(spec, [s.example() for s in specs], world, [s.layout for s in specs],
+                                        ranks=ranks)
         guards = GuardSet(tuple(before + structure_of(spec.root) + hook_guards(spec.root)
                                 + [requires_grad_guard(spec.root)] + reads.guards()))
         compiled.guards = settle_own_writes(spec.name, guards, compiled.trace,   # NOTE: Writes of the first call
@@ -200,7 +208,7 @@ class Executable:
         """GRAPHC_RETRACE=1 (NOTE: Retrace check): build() traced again for this call, under the
         contexts it was compiled in; a graph other than the plan's is a GraphcError naming the
         first node that differs, the value a guard should have seen."""
-        now = self._retraced(spec, specs, len(self.compiled.plans), tree)
+        now = self._retraced(spec, specs, self.compiled.world_size, tree)
         found = self.compiled.trace.first_difference(now) if self.compiled.trace is not None else None
         if found is not None:
             where, was, new = found
@@ -223,8 +231,8 @@ class Executable:
         programs = {s: self.compiled.programs[s] for s in plan.local_stages}
         if config.cuda_graphs:   # before any group is created: every rank refuses alike
             check_capturable(type(config._graph).__name__, self.compiled, optimizer is not None, grad_scaler)
-        p2p = P2P(rank, self.compiled.plans)
-        create_groups(compiled_groups(self.compiled))
+        p2p = P2P(rank, self.compiled.plans, self.compiled.whole_world)
+        create_groups(from_every_rank(compiled_groups(self.compiled), self.compiled.whole_world))
         self.tracer = Tracer.from_config(config, rank)
         self.runtime = Runtime(plan, programs, p2p, self.device(rank), optimizer, lr_scheduler,
                                config.recv_window, self.tracer.record, grad_scaler, masters,

@@ -22,7 +22,7 @@ from .config import GraphConfig
 from .dcp import dcp_state_dict, unprefixed
 from .errors import GraphcError
 from .executable import (Executable, ExecutableCache, _as_traced, check_cuda_available, check_same_stages,
-                         flatten_call, named_placements, signature)
+                         flatten_call, named_placements, plans_lowered, signature)
 from .global_tensor import GlobalTensor, to_global
 from .graph_spec import compile_spec
 from .optim_check import check_optimizer
@@ -225,7 +225,7 @@ class Graph:
         rank, world = ensure_process_group(device_types or {"cpu"})
         # a model another graph holds as ZeRO stage 3 shards is traced and agreed on whole
         with whole_parameters(self._root.parameters()):
-            exe = Executable.compile(spec, specs, world, tree)
+            exe = Executable.compile(spec, specs, world, tree, ranks=plans_lowered(rank))
             object.__setattr__(self, "_rank", rank)
             self._start(exe, new_state=True)
         self._cache.add((signature(specs), tree), exe)
@@ -248,7 +248,8 @@ class Graph:
         exe, failures = self._cache.lookup(key)
         if exe is None:
             with self._traceable():
-                exe = Executable.compile(self._compile_spec(), specs, len(self._compiled.plans), tree)
+                exe = Executable.compile(self._compile_spec(), specs, self._compiled.world_size, tree,
+                                         ranks=plans_lowered(self._rank))
             check_same_stages(self._compiled, exe.compiled)
             self._state.adopt(exe.compiled, exe.device(self._rank))
             self._state.compiled = exe.compiled

@@ -14,6 +14,7 @@ stamps its traces, and shows the step's result in the form a reader needs:
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any, List
 
@@ -82,7 +83,7 @@ def annotated_code(gm: fx.GraphModule) -> str:
     placeholders' annotations follow the `def` line, one a line."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out = []
-    for line in gm.graph.python_code("self").src.strip().splitlines():
+    for line in _python_code(gm.graph).strip().splitlines():
         line = _DELETES.sub("", line)
         m = _ASSIGN.match(line)
         note = node_note(nodes[m.group(2)]) if m and m.group(2) in nodes else ""
@@ -91,6 +92,31 @@ def annotated_code(gm: fx.GraphModule) -> str:
             out += [f"    # {n.name}: {node_note(n)}" for n in gm.graph.nodes
                     if n.op == "placeholder" and node_note(n)]
     return "\n".join(out)
+
+
+# NOTE: History code cache
+# Every step's record prints its graphs' code, and fx writes code in Python, argument by
+# argument: a boxing node's rank groups (every group of a mesh axis) cost most of a compile
+# at thousands of ranks, printed again after each of ~20 steps for the graph and each of its
+# stage programs, most of which a step left as they were (it annotated node.meta, which the
+# notes beside the code print fresh). So a graph's code is kept with what it was written
+# from: each node's name, op, target, arguments (fx's containers are immutable, so a change
+# is a new object), type and the meta fx prints; equal (compared by identity first) means
+# the same code.
+_CODE: "weakref.WeakKeyDictionary[fx.Graph, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _python_code(graph: fx.Graph) -> str:
+    """graph.python_code("self").src, from the cache when nothing it is written from changed."""
+    written_from = (graph._codegen,) + tuple(
+        (n, n.name, n.op, n.target, n.args, n.kwargs, n.type, n.meta.get("stack_trace"), n.meta.get("custom"))
+        for n in graph.nodes)
+    kept = _CODE.get(graph)
+    if kept is not None and kept[0] == written_from:
+        return kept[1]
+    src = graph.python_code("self").src
+    _CODE[graph] = (written_from, src)
+    return src
 
 
 def node_note(node: fx.Node) -> str:

@@ -2,6 +2,7 @@
 Layout: the two together."""
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
@@ -50,7 +51,7 @@ class placement:
         object.__setattr__(self, "type", type)
         object.__setattr__(self, "ranks", _freeze_ranks(ranks))
 
-    @property
+    @functools.cached_property   # read per node by several passes; a placement never changes
     def flat_ranks(self) -> Tuple[int, ...]:
         """All ranks in mesh order."""
         return flat(self.ranks)

@@ -122,7 +122,7 @@ class GraphState:
     def agree(self, compiled, config, what: str, tag: str, with_parameters: bool) -> None:
         """Every rank runs the same plans from equal replicas (See NOTE: Rank agreement):
         the step facts, and (the first time) this rank's replicated parameters."""
-        facts = step_facts(compiled, config, self.steps)
+        facts = step_facts(compiled, config, self.steps, self.rank)
         holders: Dict[str, List[int]] = {}
         if with_parameters:
             tensors = self.root.state_dict(keep_vars=True)
@@ -132,7 +132,7 @@ class GraphState:
                     continue
                 facts["param:" + key] = fingerprint_tensor(tensors[key])
                 holders[key] = sorted({r for s in self.holders[key] for r in compiled.stages[s].ranks})
-        check_agreement(facts, holders, what, tag, timeout_seconds())
+        check_agreement(facts, holders, what, tag, timeout_seconds(), plan=compiled.plan_for(self.rank))
 
     def load(self, sd: Dict[str, Any], strict: bool = True) -> None:
         """Loads a graph.state_dict(); every check runs before anything changes."""

@@ -25,6 +25,25 @@ from ..plan.instructions import AllReduce
 from ..sbp.boxing import BOXINGS
 from ..sbp.layout import chunk_range, chunk_sizes
 
+# NOTE: Rank groups in code
+# fx prints a call's arguments into the program's Python one value at a time, and a box
+# names every group of its mesh axis: thousands of ints at thousands of ranks, printed again
+# at every recompile and history record (most of a rank's compile at 8192 ranks). A tuple
+# with `_fields` is printed as its class called with the tuple's builtin repr, written at C
+# speed; the program then reads `RankGroups((0, 1), (2, 3))`, equal to the plain tuple.
+class RankGroups(tuple):
+    """Every rank group along one mesh axis, as a stage program's `box` call takes them: a
+    tuple of rank tuples (See NOTE: Rank groups in code)."""
+
+    _fields = ()   # what fx reads to print a value as `Class(*items)` (its NamedTuple path)
+
+    def __new__(cls, *groups):
+        return super().__new__(cls, tuple(tuple(g) for g in groups))
+
+    def __reduce__(self):
+        return (RankGroups, tuple(self))
+
+
 def create_groups(rank_sets: Iterable[Sequence[int]]) -> None:
     """Creates a process group per rank set; collective over the world, deterministic order
     (a local world needs none: See NOTE: Worlds in graphc/runtime/world.py)."""
@@ -66,8 +85,18 @@ def my_group(groups: tuple) -> Tuple[Tuple[int, ...], int, int]:
     raise RuntimeError(f"internal: rank {rank} is in none of the groups {groups}")
 
 
+def from_every_rank(groups: List[Tuple[int, ...]], whole_world: bool) -> List[Tuple[int, ...]]:
+    """Every rank's groups, when each rank compiled only its own plan (NOTE: Plans of some
+    ranks): a torch world creates every group on every rank, in one order, so the ranks
+    exchange theirs. A local world needs no groups."""
+    torch_world = world.torch_world()
+    if whole_world or torch_world is None:
+        return groups
+    return sorted({tuple(g) for mine in torch_world.all_gather_object(sorted(set(groups))) for g in mine})
+
+
 def compiled_groups(compiled) -> List[Tuple[int, ...]]:
-    """Every rank group a compiled graph's programs and plans communicate in."""
+    """Every rank group a compiled graph's programs and the plans it holds communicate in."""
     found = []
     for prog in compiled.programs:
         modules = [prog.module] + ([prog.prologue.module] if prog.prologue is not None else [])

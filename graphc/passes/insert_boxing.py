@@ -20,7 +20,7 @@ import torch.fx as fx
 from ..meta import (META_ARRIVAL, META_BOXING, META_GRAD_PARTIAL, META_ROWS, META_SBP, META_STAGE,
                     META_TENSOR, BoxingInfo, SbpSignature)
 from ..placement import PartialSum, Split
-from ..ops.conversions import box
+from ..ops.conversions import RankGroups, box
 from ..sbp.boxing import BOXINGS, backward_collective, kind_of
 from ..sbp.cost import moved_bytes, tensor_bytes
 from ..sbp.layout import B, axis_groups, is_even, mesh_shape, same_shape, split_extent
@@ -142,7 +142,7 @@ def _box_node(gm, value: fx.Node, consumer: fx.Node, mesh: tuple, axis: int, kin
     the consumer itself)."""
     n = mesh_shape(mesh)[axis]
     meta = value.meta[META_TENSOR]
-    groups = axis_groups(mesh, axis)
+    groups = RankGroups(*axis_groups(mesh, axis))   # See NOTE: Rank groups in code
     src_dim = src[axis].dim if isinstance(src[axis], Split) else -1
     dst_dim = dst[axis].dim if isinstance(dst[axis], Split) else -1
     args = (value, kind, groups, src_dim, dst_dim)

@@ -66,17 +66,17 @@ def _ties(programs: Sequence[StageProgram], stages: Sequence[StageInfo],
           grad_dtype: Optional[torch.dtype] = None) -> Dict[Tuple[int, ...], List[Tuple[Tuple[TensorSpec, ...], Dict[int, str]]]]:
     """holding stages -> [(spec per replica under the parameter's first name, stage -> its
     local name)]."""
-    first: Dict[int, Tuple[Tuple[TensorSpec, ...], Dict[int, str]]] = {}
+    first: Dict[int, Tuple[tuple, Dict[int, str]]] = {}   # parameter -> (its first reader, stage -> name)
     for prog in programs:
         for name, p in prog.module.named_parameters():
             if not p.requires_grad:
                 continue
-            spec, local = first.setdefault(id(p), (_spec(prog, name, p, stages[prog.stage].ranks, grad_dtype), {}))
+            reader, local = first.setdefault(id(p), ((prog, name, p), {}))
             local.setdefault(prog.stage, name)
     out: Dict[Tuple[int, ...], List[Tuple[Tuple[TensorSpec, ...], Dict[int, str]]]] = defaultdict(list)
-    for spec, local in first.values():
-        if len(local) > 1:
-            out[tuple(sorted(local))].append((spec, local))
+    for (prog, name, p), local in first.values():
+        if len(local) > 1:   # tied: its specs (one per replica, a stage's ranks many) made only then
+            out[tuple(sorted(local))].append((_spec(prog, name, p, stages[prog.stage].ranks, grad_dtype), local))
     return dict(out)
 
 

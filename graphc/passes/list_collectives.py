@@ -29,14 +29,27 @@ def list_collectives(plans: Sequence[ExecutionPlan], programs: Sequence[StagePro
     conversions = {(prog.stage, fwd): _conversions(prog, fwd) for prog in programs for fwd in (True, False)}
     shared: Dict[tuple, Collective] = {}
     for plan in plans:
+        mine: Dict[tuple, list] = {}   # (stage, forward) -> its conversions with this rank's group
         out: List[Instruction] = []
         for ins in plan.instructions:
             out.append(ins)
             if isinstance(ins, (Forward, Backward)):
-                out += _collectives(conversions[(ins.stage, isinstance(ins, Forward))], ins,
-                                    plan.rank, shared)
+                key = (ins.stage, isinstance(ins, Forward))
+                if key not in mine:
+                    mine[key] = _with_group(conversions[key], plan.rank)
+                out += _collectives(mine[key], ins, shared)
         plan.instructions[:] = out
     return list(plans)
+
+
+def _with_group(conversions: List["_Conversion"], rank: int) -> List[tuple]:
+    """(conversion, this rank's group) for the conversions this rank takes part in."""
+    found = []
+    for c in conversions:
+        group = next((g for g in c.groups if rank in g), ())
+        if group:
+            found.append((c, group))
+    return found
 
 
 @dataclass(frozen=True)
@@ -70,13 +83,10 @@ def _conversions(prog: StageProgram, forward: bool) -> List[_Conversion]:
     return found
 
 
-def _collectives(conversions: List[_Conversion], ins, rank: int, shared: dict) -> List[Collective]:
+def _collectives(conversions: List[tuple], ins, shared: dict) -> List[Collective]:
     forward = isinstance(ins, Forward)
     found = []
-    for c in conversions:
-        group = next((g for g in c.groups if rank in g), ())
-        if not group:
-            continue
+    for c, group in conversions:
         key = (ins, c.node, group)
         if key not in shared:
             shared[key] = Collective(c.kind, ins.stage, ins.microbatch, ACT if forward else GRAD,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..plan.instructions import (ACT, GRAD, Backward, BackwardInput, Forward, Instruction,
                                  OptimizerStep, OverlapFB, Recv, Send, TensorSpec)
@@ -26,28 +26,59 @@ from ..plan.schedules import compute_order, pipeline_ranks
 
 def lower_plan(programs: Sequence[StageProgram], stages: Sequence[StageInfo], schedule: str,
                num_microbatches: int, training: bool, world_size: int,
-               checkpointing: str = NO_CHECKPOINTING) -> List[ExecutionPlan]:
-    position = pipeline_ranks(stages, schedule, training)
-    p = max(position) + 1
-    pp_rank_of = {r: position[s.stage_id] for s in stages for r in s.ranks}
-    plans = []
-    orders: Dict[int, List[Instruction]] = {}   # ranks of one pipeline position share these
-    for rank in range(world_size):
+               checkpointing: str = NO_CHECKPOINTING,
+               ranks: Optional[Sequence[int]] = None) -> List[ExecutionPlan]:
+    """The plans of `ranks` (None: every rank of the world), in rank order. See NOTE: Plans
+    of some ranks."""
+    chosen = range(world_size) if ranks is None else sorted(set(ranks))
+    listing = _Listing(programs, stages, schedule, num_microbatches, training)
+    listed = {rank: listing.instructions(rank) for rank in chosen}
+    # a send's place follows its receiver's order, so the receivers' lists are made too
+    receivers = {ins.peer for instrs in listed.values() for ins in instrs if isinstance(ins, Send)}
+    heard = {**{q: listing.instructions(q) for q in sorted(receivers - set(listed))}, **listed}
+    wanted = _receive_orders(heard)
+    checkpointing = checkpointing if training else NO_CHECKPOINTING
+    return [ExecutionPlan(rank, world_size, _in_receive_order(rank, listed[rank], wanted),
+                          num_microbatches, schedule, tuple(stages), training, checkpointing=checkpointing)
+            for rank in chosen]
+
+
+# NOTE: Plans of some ranks
+# A rank runs one plan, so it lowers one (graphc/compiler.py: compile's `ranks`): its compute
+# order and transfers come from the stage programs and the schedule alone, except where its
+# sends go in a channel, which follows the order its receiver posts the receives in
+# (_in_receive_order). So lowering a set of ranks also lists the instructions of the ranks they
+# send to, and keeps only its own. A rank's plan lowered alone is the plan the whole world's
+# lowering gives it (tests/passes/test_lower_plan.py checks it for every layout family); what
+# its peers must agree with is checked at startup (NOTE: Plan digests, runtime/agreement.py).
+class _Listing:
+    """Each rank's compute order with its receives and sends, before sends are reordered;
+    ranks of one pipeline position share one compute order."""
+
+    def __init__(self, programs, stages, schedule: str, num_microbatches: int, training: bool):
+        self.programs, self.stages, self.schedule = programs, stages, schedule
+        self.m, self.training = num_microbatches, training
+        self.position = pipeline_ranks(stages, schedule, training)
+        self.pp_rank_of = {r: self.position[s.stage_id] for s in stages for r in s.ranks}
+        self.orders: Dict[int, List[Instruction]] = {}
+
+    def instructions(self, rank: int) -> List[Instruction]:
         instrs: List[Instruction] = []
-        if rank in pp_rank_of:
-            pos = pp_rank_of[rank]
-            if pos not in orders and not training:  # each chunk's forwards, chunks in stage order
-                orders[pos] = [Forward(s, i) for s, g in enumerate(position) if g == pos
-                               for i in range(num_microbatches)]
-            if pos not in orders:
-                orders[pos] = compute_order(schedule, pos, p, len(stages), num_microbatches, training)
-            instrs = _with_p2p(orders[pos], programs, stages, rank)
-        if training:
+        if rank in self.pp_rank_of:
+            instrs = _with_p2p(self._order(self.pp_rank_of[rank]), self.programs, self.stages, rank)
+        if self.training:
             instrs.append(OptimizerStep())
-        plans.append(ExecutionPlan(rank, world_size, instrs, num_microbatches, schedule,
-                                   tuple(stages), training,
-                                   checkpointing=checkpointing if training else NO_CHECKPOINTING))
-    return _in_receive_order(plans)
+        return instrs
+
+    def _order(self, pos: int) -> List[Instruction]:
+        if pos not in self.orders:
+            if self.training:
+                self.orders[pos] = compute_order(self.schedule, pos, max(self.position) + 1,
+                                                 len(self.stages), self.m, True)
+            else:  # each chunk's forwards, chunks in stage order
+                self.orders[pos] = [Forward(s, i) for s, g in enumerate(self.position) if g == pos
+                                    for i in range(self.m)]
+        return self.orders[pos]
 
 
 def _source(stages: Sequence[StageInfo], rank: int, mine: int, other: int) -> int:
@@ -70,61 +101,83 @@ def _replicas_fed(mine: Tuple[int, ...], theirs: Tuple[int, ...], rank: int) -> 
 def _with_p2p(order, programs, stages, rank) -> List[Instruction]:
     """Each compute instruction wrapped in its receives and sends. A value between two chunks
     of this rank (stages on the same ranks) is handed over in memory: no transfer is listed."""
+    transfers = _Transfers(programs, stages, rank)
     out: List[Instruction] = []
     for ins in order:
         if isinstance(ins, OverlapFB):
             f, b = ins.forward, ins.backward
-            out += _recvs(f, programs, stages, rank) + _recvs(b, programs, stages, rank)
+            out += transfers.around(f, True) + transfers.around(b, True)
             out.append(ins)
-            out += _sends(f, programs, stages, rank) + _sends(b, programs, stages, rank)
+            out += transfers.around(f, False) + transfers.around(b, False)
         else:
-            out += _recvs(ins, programs, stages, rank) + [ins] + _sends(ins, programs, stages, rank)
+            out += transfers.around(ins, True) + [ins] + transfers.around(ins, False)
     return out
+
+
+class _Transfers:
+    """One rank's receives before, and sends after, each compute. They differ between the
+    micro-batches of a (compute kind, stage) only in its number, so each one's peers and
+    payloads are worked out once (10^5 times fewer at thousands of ranks)."""
+
+    def __init__(self, programs, stages, rank: int):
+        self.programs, self.stages, self.rank = programs, stages, rank
+        self.worked_out: Dict[tuple, list] = {}
+
+    def around(self, ins, before: bool) -> List[Instruction]:
+        """The receives before `ins` (before=True) or the sends after it."""
+        if not isinstance(ins, (Forward, Backward, BackwardInput)):
+            return []
+        key = (isinstance(ins, Forward), ins.stage, before)
+        if key not in self.worked_out:
+            find = _recvs if before else _sends
+            self.worked_out[key] = find(key[0], ins.stage, self.programs, self.stages, self.rank)
+        return [kind(ins.stage, ins.microbatch, peer, direction, other, payload)
+                for kind, peer, direction, other, payload in self.worked_out[key]]
 
 
 def _local(stages, rank: int, other: int) -> bool:
     return rank in stages[other].ranks
 
 
-def _recvs(ins, programs, stages, rank) -> List[Instruction]:
-    if not isinstance(ins, (Forward, Backward, BackwardInput)):
-        return []
-    s, mb, prog = ins.stage, ins.microbatch, programs[ins.stage]
-    out: List[Instruction] = []
-    if isinstance(ins, Forward):
+def _recvs(forward: bool, s: int, programs, stages, rank) -> List[tuple]:
+    """(Recv, peer, direction, peer stage, payload) of what stage s receives before its
+    forward (or backward) on this rank."""
+    prog = programs[s]
+    out: List[tuple] = []
+    if forward:
         for a, specs in sorted(prog.recv_from.items()):
             if not _local(stages, rank, a):
                 for src, got in _by_peer(prog, specs, s, rank, (_source(stages, rank, s, a),),
                                          receiving=True, grad=False):
-                    out.append(Recv(s, mb, src, ACT, a, got))
+                    out.append((Recv, src, ACT, a, got))
         return out
     for b, specs in sorted(prog.send_to.items()):
         grads = prog.grad_specs(specs)
         if grads and not _local(stages, rank, b):
             for src, got in _by_peer(prog, grads, b, rank, (_source(stages, rank, s, b),),
                                      receiving=True, grad=True):
-                out.append(Recv(s, mb, src, GRAD, b, got))
+                out.append((Recv, src, GRAD, b, got))
     return out
 
 
-def _sends(ins, programs, stages, rank) -> List[Instruction]:
-    if not isinstance(ins, (Forward, Backward, BackwardInput)):
-        return []
-    s, mb, prog = ins.stage, ins.microbatch, programs[ins.stage]
-    out: List[Instruction] = []
-    if isinstance(ins, Forward):
+def _sends(forward: bool, s: int, programs, stages, rank) -> List[tuple]:
+    """(Send, peer, direction, peer stage, payload) of what stage s sends after its forward
+    (or backward) on this rank."""
+    prog = programs[s]
+    out: List[tuple] = []
+    if forward:
         for b, specs in sorted(prog.send_to.items()):
             if not _local(stages, rank, b):
                 for peer, sent in _by_peer(prog, specs, b, rank, _targets(stages, rank, s, b),
                                            receiving=False, grad=False):
-                    out.append(Send(s, mb, peer, ACT, b, sent))
+                    out.append((Send, peer, ACT, b, sent))
         return out
     for a, specs in sorted(prog.recv_from.items()):
         grads = prog.grad_specs(specs)
         if grads and not _local(stages, rank, a):
             for peer, sent in _by_peer(prog, grads, s, rank, _targets(stages, rank, s, a),
                                        receiving=False, grad=True):
-                out.append(Send(s, mb, peer, GRAD, a, sent))
+                out.append((Send, peer, GRAD, a, sent))
     return out
 
 
@@ -152,7 +205,18 @@ def _by_peer(prog, specs, receiver: int, rank: int, replicas, receiving: bool,
     return [(peer, tuple(payload[peer])) for peer in sorted(payload)]
 
 
-def _in_receive_order(plans: List[ExecutionPlan]) -> List[ExecutionPlan]:
+def _receive_orders(listed: Dict[int, List[Instruction]]) -> Dict[Tuple[int, int], List[tuple]]:
+    """(src, dst) -> the transfers dst receives from src, in the order it posts them."""
+    wanted: Dict[Tuple[int, int], List[tuple]] = defaultdict(list)
+    for rank, instrs in listed.items():
+        for ins in instrs:
+            if isinstance(ins, Recv):
+                wanted[(ins.peer, rank)].append((ins.peer_stage, ins.stage, ins.direction, ins.microbatch))
+    return wanted
+
+
+def _in_receive_order(rank: int, instrs: List[Instruction],
+                      wanted: Dict[Tuple[int, int], List[tuple]]) -> List[Instruction]:
     """Moves sends later where needed so that each channel (src -> dst) carries its transfers
     in the order dst receives them: transports are FIFO per channel (shared-memory rings,
     NCCL). With one stage per rank the orders agree already; with several chunks per rank
@@ -162,28 +226,21 @@ def _in_receive_order(plans: List[ExecutionPlan]) -> List[ExecutionPlan]:
     Sends never block compute (send actors), so this only delays them; verify_plans proves
     the result deadlock-free.
     """
-    wanted: Dict[Tuple[int, int], List[tuple]] = defaultdict(list)
-    for plan in plans:
-        for ins in plan.instructions:
-            if isinstance(ins, Recv):
-                wanted[(ins.peer, plan.rank)].append((ins.peer_stage, ins.stage, ins.direction, ins.microbatch))
-    for plan in plans:
-        out: List[Instruction] = []
-        pending: Dict[Tuple[int, int], Dict[tuple, Send]] = defaultdict(dict)
-        nxt: Dict[Tuple[int, int], int] = defaultdict(int)
-        for ins in plan.instructions:
-            if not isinstance(ins, Send):
-                if isinstance(ins, OptimizerStep):  # nothing may stay behind (verify flags a mismatch)
-                    out += [s for q in pending.values() for s in q.values()]
-                    pending.clear()
-                out.append(ins)
-                continue
-            ch = (plan.rank, ins.peer)
-            pending[ch][(ins.stage, ins.peer_stage, ins.direction, ins.microbatch)] = ins
-            order = wanted.get(ch, [])
-            while nxt[ch] < len(order) and order[nxt[ch]] in pending[ch]:
-                out.append(pending[ch].pop(order[nxt[ch]]))
-                nxt[ch] += 1
-        out += [s for q in pending.values() for s in q.values()]
-        plan.instructions[:] = out
-    return plans
+    out: List[Instruction] = []
+    pending: Dict[Tuple[int, int], Dict[tuple, Send]] = defaultdict(dict)
+    nxt: Dict[Tuple[int, int], int] = defaultdict(int)
+    for ins in instrs:
+        if not isinstance(ins, Send):
+            if isinstance(ins, OptimizerStep):  # nothing may stay behind (verify flags a mismatch)
+                out += [s for q in pending.values() for s in q.values()]
+                pending.clear()
+            out.append(ins)
+            continue
+        ch = (rank, ins.peer)
+        pending[ch][(ins.stage, ins.peer_stage, ins.direction, ins.microbatch)] = ins
+        order = wanted.get(ch, [])
+        while nxt[ch] < len(order) and order[nxt[ch]] in pending[ch]:
+            out.append(pending[ch].pop(order[nxt[ch]]))
+            nxt[ch] += 1
+    out += [s for q in pending.values() for s in q.values()]
+    return out

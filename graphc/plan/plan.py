@@ -141,11 +141,16 @@ def _fmt_ranks(ranks: Tuple[int, ...]) -> str:
     return ",".join(out)
 
 
+def parse_ranks(text: str) -> Tuple[int, ...]:
+    """_fmt_ranks's text back: '0..3,8,10' -> (0, 1, 2, 3, 8, 10)."""
+    flat: List[int] = []
+    for item in filter(None, text.split(",")):
+        a, _, b = item.partition("..")
+        flat += range(int(a), int(b) + 1) if b else [int(a)]
+    return tuple(flat)
+
+
 def _parse_stage(text: str) -> StageInfo:
     stage, rest = text.split("=", 1)
     device, ranks = rest[:-1].split("[", 1)
-    flat: List[int] = []
-    for item in filter(None, ranks.split(",")):
-        a, _, b = item.partition("..")
-        flat += range(int(a), int(b) + 1) if b else [int(a)]
-    return StageInfo(int(stage), tuple(flat), device)
+    return StageInfo(int(stage), parse_ranks(ranks), device)

@@ -63,6 +63,8 @@ class StageProgram:
     def specs_of(self, specs, producer: int) -> Tuple[TensorSpec, ...]:
         """`specs` as rank `producer` (the replica that computes the values) holds them: a
         value split unevenly has its own shape there, and so does its gradient."""
+        if not self.uneven:
+            return tuple(specs)
         return tuple(replace(s, shape=self.uneven[s.name][producer]) if s.name in self.uneven
                      else s for s in specs)
 

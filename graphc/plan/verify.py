@@ -19,10 +19,10 @@ A failure raises PlanError naming the rank and instruction, with the plan listin
 from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PlanError
-from .instructions import (STAGE_COMPUTES, AllReduce, Backward, BackwardInput, BackwardWeight,
+from .instructions import (COMPUTE, STAGE_COMPUTES, AllReduce, Backward, BackwardInput, BackwardWeight,
                            Collective, Forward, Instruction, OverlapFB, Recv, Send)
 from .plan import ExecutionPlan
 
@@ -32,14 +32,40 @@ from .plan import ExecutionPlan
 COLLECTIVES = (AllReduce, Collective)
 
 
-def verify_plans(plans: Sequence[ExecutionPlan]) -> None:
-    """Raises PlanError if the plans cannot run together to completion."""
+def verify_plans(plans: Sequence[ExecutionPlan], world_size: Optional[int] = None) -> None:
+    """Raises PlanError if the plans cannot run together to completion.
+
+    world_size: the job's ranks, when `plans` are only some of them (a rank's own compile,
+    NOTE: Plans of some ranks): then each plan's compute order is checked (4) and its peers
+    lie in the world; pairing (1, 2) is checked at startup between the ranks themselves
+    (NOTE: Plan digests, runtime/agreement.py), and deadlock freedom (3) by `graphc plan`.
+    """
     by_rank = {p.rank: p for p in plans}
+    checked = set()   # ranks of one pipeline position list the very same compute objects
     for plan in plans:
-        _check_compute_order(plan)
+        computes = (plan.training, plan.schedule, *(id(i) for i in plan.instructions if isinstance(i, COMPUTE)))
+        if computes not in checked:
+            _check_compute_order(plan)
+            checked.add(computes)
+    if world_size is not None and len(by_rank) < world_size:
+        for plan in plans:
+            _check_peers_in_world(plan, world_size)
+        return
     pairs = _pair_p2p(by_rank)
     groups = _pair_collectives(by_rank)
     _check_acyclic(by_rank, pairs, groups)
+
+
+def _check_peers_in_world(plan: ExecutionPlan, world_size: int) -> None:
+    for i, ins in enumerate(plan.instructions):
+        peers = [ins.peer] if isinstance(ins, (Send, Recv)) else \
+            list(ins.ranks) if isinstance(ins, COLLECTIVES) else []
+        outside = [r for r in peers if not 0 <= r < world_size]
+        if outside:
+            _fail(plan, i, f"rank(s) {outside} are outside the world of {world_size} ranks")
+        if isinstance(ins, COLLECTIVES) and plan.rank not in ins.ranks:
+            _fail(plan, i, f"rank {plan.rank} issues a collective over ranks {list(ins.ranks)} "
+                  "that it is not part of")
 
 
 def _fail(plan: ExecutionPlan, index: int, why: str) -> None:
@@ -140,7 +166,7 @@ def _same_transfer(s: Send, r: Recv) -> bool:
             and s.stage == r.peer_stage and s.peer_stage == r.stage)
 
 
-def _signature(ins: Instruction) -> tuple:
+def signature(ins: Instruction) -> tuple:
     """What must agree on every rank of a collective's group for the ranks to pair up.
 
     A boxing Collective's `nbytes` is what this rank sends, which may differ by rank (an
@@ -184,12 +210,20 @@ def _pair_collectives(by_rank) -> List[List[Tuple[int, int]]]:
     """
     hubs = []
     for group, seqs in sorted(_collective_queues(by_rank).items()):
-        sigs = {r: [_signature(ins) for _, ins in seqs[r]] for r in group}
-        for k in range(max(len(s) for s in sigs.values())):
-            if len({s[k] if k < len(s) else None for s in sigs.values()}) > 1:
-                _explain_mismatch(by_rank, group, seqs, sigs, k)
-            hubs.append([(r, seqs[r][k][0]) for r in group])
+        if not _same_objects(seqs, group):   # list_collectives gives a group's members one object each
+            sigs = {r: [signature(ins) for _, ins in seqs[r]] for r in group}
+            for k in range(max(len(s) for s in sigs.values())):
+                if len({s[k] if k < len(s) else None for s in sigs.values()}) > 1:
+                    _explain_mismatch(by_rank, group, seqs, sigs, k)
+        hubs += [[(r, seqs[r][k][0]) for r in group] for k in range(len(seqs[group[0]]))]
     return hubs
+
+
+def _same_objects(seqs, group) -> bool:
+    """Whether every member lists the very same instruction objects (then they agree)."""
+    first = [ins for _, ins in seqs[group[0]]]
+    return all(len(seqs[r]) == len(first) and all(a is b for (_, a), b in zip(seqs[r], first))
+               for r in group[1:])
 
 
 def _explain_mismatch(by_rank, group, seqs, sigs, k: int) -> None:
@@ -229,7 +263,7 @@ def _difference(ins: Instruction, other: Instruction, rank: int, other_rank: int
     if type(ins) is not type(other):
         return ""
     if isinstance(ins, Collective):
-        if ins.dtype != other.dtype and _signature(ins)[:-1] == _signature(other)[:-1]:
+        if ins.dtype != other.dtype and signature(ins)[:-1] == signature(other)[:-1]:
             return (f": dtype {ins.dtype or '?'} on rank {rank}, {other.dtype or '?'} on rank "
                     f"{other_rank}; every member of a collective must send the same dtype")
         return ""
@@ -274,7 +308,8 @@ class _Walk:
             for r, i in members:
                 self.hub_at[r][i] = k
         self.arrived = [0] * len(hubs)
-        self.woken_by: Dict[Tuple[int, int], List[int]] = defaultdict(list)  # send -> recv ranks
+        # sender -> its send's index -> the ranks whose recv waits on it
+        self.woken_by: Dict[int, Dict[int, List[int]]] = {r: {} for r in by_rank}
 
     def run(self) -> None:
         ready = deque(self.by_rank)
@@ -285,20 +320,25 @@ class _Walk:
         """Moves rank r on until it must wait; returns the ranks its progress frees."""
         freed: List[int] = []
         n, sends, hub_at, pc = len(self.by_rank[r].instructions), self.send_for[r], self.hub_at[r], self.pc
-        while pc[r] < n:
-            i = pc[r]
+        waiting = self.woken_by[r]   # no other rank moves while this one does: pc[r] is written on leaving
+        i = pc[r]
+        while i < n:
             send = sends.get(i)
             if send is not None and pc[send[0]] <= send[1]:
-                self.woken_by[send].append(r)
+                self.woken_by[send[0]].setdefault(send[1], []).append(r)
+                pc[r] = i
                 return freed
             k = hub_at.get(i)
             if k is not None and self.arrived[k] < len(self.hubs[k]):
                 self.arrived[k] += 1
                 if self.arrived[k] < len(self.hubs[k]):
+                    pc[r] = i
                     return freed
                 freed += [m for m, _ in self.hubs[k] if m != r]   # the last member opens it
-            pc[r] = i + 1
-            freed += self.woken_by.pop((r, i), ())
+            if waiting and i in waiting:
+                freed += waiting.pop(i)
+            i += 1
+        pc[r] = i
         return freed
 
     def _waits_on(self, r: int) -> Tuple[int, int, object]:

@@ -6,7 +6,9 @@ setting or schedule, a checkpoint of another step, or a model initialised with a
 seed would otherwise train on mismatched buffers or wait out GRAPHC_TIMEOUT and die in a
 raw gloo error that blames a healthy rank. After compiling (and loading a checkpoint),
 every rank writes a small fingerprint of what it is about to run to the c10d store and
-reads everyone's: one exchange, O(world) store requests, before any collective. A rank
+reads everyone's: one exchange, O(world) store requests, before any collective. The facts
+name the compiled program by its compile key (NOTE: Plan cache) and carry this rank's plan
+digests, which only its peers compare (See NOTE: Plan digests, graphc/plan/digests.py). A rank
 that never arrives (it did not call the graph, or called another one) is named after
 GRAPHC_TIMEOUT. Replicated parameters are compared by checksum among the ranks that hold
 them: they must start equal, as DDP requires (graphc refuses rather than broadcasts, so
@@ -24,6 +26,7 @@ import torch
 
 from .. import world as world_of_ranks
 from ..errors import GraphcError
+from ..plan.digests import explain, first_disagreement, plan_digests, plan_sequences
 
 
 
@@ -36,7 +39,7 @@ def fingerprint_tensor(t: torch.Tensor) -> str:
 
 
 def check_agreement(facts: Dict[str, Any], holders: Dict[str, List[int]], what: str,
-                    tag: str, timeout: float, store=None) -> None:
+                    tag: str, timeout: float, store=None, plan=None) -> None:
     """Exchanges `facts` (JSON values) between all ranks; raises GraphcError on any mismatch.
 
     facts: name -> value every rank must agree on; entries named "param:<key>" are compared
@@ -44,6 +47,8 @@ def check_agreement(facts: Dict[str, Any], holders: Dict[str, List[int]], what: 
     tag: names this exchange the same way on every rank (the graph, by class and creation
     order, and its compile count), so a rank that skipped a graph is found, not paired with
     the next exchange.
+    plan: this rank's plan, whose PLAN_DIGESTS fact (plan_digests) its peers' must match
+    (See NOTE: Plan digests, graphc/plan/digests.py).
     """
     everyone = world_of_ranks.multi()
     if everyone is None:
@@ -54,6 +59,8 @@ def check_agreement(facts: Dict[str, Any], holders: Dict[str, List[int]], what: 
     store.set(prefix + str(rank), json.dumps(facts, sort_keys=True, default=str))
     everyone = _gather(store, prefix, world, timeout, what)
     problems = _mismatches(everyone, holders)
+    if not problems and plan is not None:
+        _check_plan_digests(store, prefix, everyone, plan, timeout, what)
     if problems:
         raise GraphcError(
             f"rank {rank}: the ranks disagree on {what}:\n  " + "\n  ".join(problems[:8]) +
@@ -90,7 +97,7 @@ def wait_for_ranks(store, keys: List[str], timeout: float, what: str) -> None:
 
 def _mismatches(everyone: Dict[int, Dict[str, Any]], holders: Dict[str, List[int]]) -> List[str]:
     problems = []
-    names = sorted({n for facts in everyone.values() for n in facts})
+    names = sorted({n for facts in everyone.values() for n in facts} - {PLAN_DIGESTS})
     for name in names:
         ranks = holders.get(name[len("param:"):], []) if name.startswith("param:") else sorted(everyone)
         values: Dict[str, List[int]] = {}
@@ -105,18 +112,43 @@ def _mismatches(everyone: Dict[int, Dict[str, Any]], holders: Dict[str, List[int
     return problems
 
 
-def plan_hash(plans) -> str:
-    """One hash of every rank's plan text: equal iff the ranks compiled the same plans."""
-    h = hashlib.sha1()
-    for p in plans:
-        h.update(str(p).encode())
-    return h.hexdigest()[:16]
+PLAN_DIGESTS = "plan digests"   # the fact that differs by rank, compared among peers only
 
 
-def step_facts(compiled, config, steps: Optional[int]) -> Dict[str, Any]:
-    """What every rank must agree on for a compiled graph."""
-    return {"input shapes and dtypes": [[list(s), str(d)] for s, d in compiled.input_meta],
-            "gradient accumulation steps": config.gradient_accumulation_steps,
-            "pipeline schedule": config.pipeline_schedule,
-            "plan hash": plan_hash(compiled.plans),
-            "checkpoint step": steps}
+def _check_plan_digests(store, prefix: str, everyone: Dict[int, Dict[str, Any]], plan, timeout: float,
+                        what: str) -> None:
+    """Every group's members and every channel's ends have equal digests (See NOTE: Plan
+    digests), else the same GraphcError on every rank, naming the two ranks that differ and
+    the first instruction where they part (their sequences of that key, published by them)."""
+    found = first_disagreement({r: facts.get(PLAN_DIGESTS, {}) for r, facts in everyone.items()})
+    if found is None:
+        return
+    key, odd, ref = found
+    if plan.rank in (odd, ref):
+        store.set(f"{prefix}detail/{plan.rank}", json.dumps(plan_sequences(plan).get(key, [])))
+    keys = [f"{prefix}detail/{odd}", f"{prefix}detail/{ref}"]
+    wait_for_ranks(store, keys, timeout, f"{what} (the plans' detail)")
+    odd_seq, ref_seq = (json.loads(store.get(k)) for k in keys)
+    raise GraphcError(
+        f"rank {plan.rank}: the ranks' plans do not pair up: {explain(key, odd, ref, odd_seq, ref_seq)}. "
+        f"Ranks {odd} and {ref} would pair different instructions there, and the job would hang "
+        "or exchange mismatched buffers. Every rank compiled the same program (equal compile keys), so a plan was "
+        "changed after compiling, or graphc lowered it wrongly. Fix: run `graphc plan` on the "
+        "script with this world size, which verifies every rank's plan together, and report "
+        "what it says to graphc.")
+
+
+def step_facts(compiled, config, steps: Optional[int], rank: Optional[int] = None) -> Dict[str, Any]:
+    """What every rank must agree on for a compiled graph; with `rank`, also its plan's
+    digests, which its peers' must match (See NOTE: Plan digests)."""
+    facts = {"input shapes and dtypes": [[list(s), str(d)] for s, d in compiled.input_meta],
+             "gradient accumulation steps": config.gradient_accumulation_steps,
+             "pipeline schedule": config.pipeline_schedule,
+             "compile key": compiled.key.digest if compiled.key is not None else None,
+             # GRAPHC_VERIFY_PLANS: a rank holding its own plan exchanges groups and channels
+             # with the others at start (collectives), one holding every plan does not
+             "plans compiled": "every rank's" if compiled.whole_world else "its own",
+             "checkpoint step": steps}
+    if rank is not None:
+        facts[PLAN_DIGESTS] = plan_digests(compiled.plan_for(rank))
+    return facts

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .. import env, world
 from ..errors import GraphcError
-from ..plan.instructions import Send
+from ..plan.instructions import Recv, Send
 from ..plan.plan import ExecutionPlan
 from . import host, shm
 from .dist_env import timeout_seconds
@@ -36,7 +36,10 @@ def shm_max_bytes() -> int:
 class P2P:
     """Issues this rank's point-to-point transfers over each channel's transport."""
 
-    def __init__(self, rank: int, plans: Sequence[ExecutionPlan]):
+    def __init__(self, rank: int, plans: Sequence[ExecutionPlan], whole_world: bool = True):
+        """plans: every rank's (whole_world), or only some, this rank's among them (NOTE:
+        Plans of some ranks): then the ranks exchange their channels, which every rank must
+        know alike to choose each one's transport alike."""
         self.rank = rank
         self.groups: Dict[Tuple[int, int], object] = {}
         self.shm = None
@@ -47,9 +50,12 @@ class P2P:
             return
         if world.torch_world() is None:
             self.local = everyone
-            self.pairs = sorted(pair for pair in _channel_specs(plans) if rank in pair)
+            self.pairs = _own_pairs(rank, plans)
             return
         specs = _channel_specs(plans)
+        if not whole_world:
+            specs = {pair: spec for part in world.torch_world().all_gather_object(specs)
+                     for pair, spec in part.items()}
         self.pairs = sorted(pair for pair in specs if rank in pair)
         cuda_pairs = [pair for pair, (_, _, dev) in specs.items() if dev == "cuda"]
         for src, dst in sorted(cuda_pairs):  # new_group is collective: every rank, same order
@@ -83,6 +89,13 @@ class P2P:
         out.update({pair: "shm" for pair in (self.shm.channels if self.shm else {})})
         out.update({pair: "nccl" for pair in self.groups})
         return out
+
+
+def _own_pairs(rank: int, plans: Iterable[ExecutionPlan]) -> list:
+    """The channels this rank sends or receives on, from its own plan."""
+    mine = next(p for p in plans if p.rank == rank)
+    return sorted({(rank, i.peer) if isinstance(i, Send) else (i.peer, rank)
+                   for i in mine.instructions if isinstance(i, (Send, Recv))})
 
 
 def _channel_specs(plans: Iterable[ExecutionPlan]) -> Dict[Tuple[int, int], Tuple[int, int, str]]:

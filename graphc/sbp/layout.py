@@ -49,12 +49,15 @@ def coord(mesh: tuple, rank: int) -> Tuple[int, ...]:
 def stage_meshes(stages, placements: Iterable) -> List[tuple]:
     """One mesh per stage: the ranks of the first 2-D placement naming exactly the stage's
     ranks (set_stage, to_global on parameters or inputs), else the stage's flat ranks."""
-    placements = [p for p in placements if p is not None]
+    # each distinct 2-D placement once, with its ranks sorted (thousands of parameters share a few)
+    grids = [(p, sorted(p.flat_ranks)) for p in dict.fromkeys(p for p in placements if p is not None)
+             if p.ndim == 2]
     meshes = []
     for st in stages:
         mesh = tuple(st.ranks)
-        for p in placements:
-            if p.ndim == 2 and sorted(p.flat_ranks) == sorted(st.ranks):
+        ranks = sorted(st.ranks)
+        for p, its_ranks in grids:
+            if its_ranks == ranks:
                 if isinstance(mesh[0], tuple) and mesh != p.ranks:
                     raise GraphcError(
                         f"stage {st.stage_id} is given two 2-D meshes, {mesh} and {p.ranks}; "

@@ -1,0 +1,78 @@
+"""Plan digests (NOTE: Plan digests): what a rank's peers must agree with, compared as
+digests; the first disagreement names both ranks and the instruction where they part."""
+import dataclasses
+import os
+import sys
+
+import pytest
+
+from graphc import compiler
+from graphc.executable import input_specs
+from graphc.plan.digests import explain, first_disagreement, plan_digests, plan_sequences
+from graphc.plan.instructions import AllReduce, Recv, Send
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))
+import plan_scale  # noqa: E402
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """Every rank's plan of the MLP on pipeline 2 x data 2 x tensor 2, 2 micro-batches."""
+    for k, v in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 8), ("LOCAL_WORLD_SIZE", 8)):
+        monkeypatch.setenv(k, str(v))
+    graph, inputs = plan_scale.mlp_graph(2, 2, 2, 2)
+    specs = input_specs(inputs)
+    return compiler.compile(graph, [s.example() for s in specs], 8, [s.layout for s in specs]).plans
+
+
+def _digests(plans):
+    return {p.rank: plan_digests(p) for p in plans}
+
+
+def _replaced(plan, index, ins):
+    return dataclasses.replace(plan, instructions=plan.instructions[:index] + [ins] + plan.instructions[index + 1:])
+
+
+def test_the_compiled_world_agrees(plans):
+    digests = _digests(plans)
+    assert first_disagreement(digests) is None
+    # rank 5 (stage 1) shares its tensor group [4, 5] and its data group [5, 7], and a
+    # channel each way with rank 1 (stage 0, the same data and tensor index)
+    keys = set(digests[5])
+    assert {"collectives over 4,5", "collectives over 5,7", "transfers 1->5", "transfers 5->1"} <= keys
+    assert digests[5]["transfers 1->5"] == digests[1]["transfers 1->5"]
+
+
+def test_a_changed_gradient_bucket_names_both_ranks_and_the_instruction(plans):
+    odd = plans[7]
+    i, bucket = next((i, ins) for i, ins in enumerate(odd.instructions) if isinstance(ins, AllReduce))
+    shrunk = dataclasses.replace(bucket.tensors[0], shape=(1,) + bucket.tensors[0].shape[1:])
+    plans[7] = _replaced(odd, i, dataclasses.replace(bucket, tensors=(shrunk,) + bucket.tensors[1:]))
+    key, bad, ref = first_disagreement(_digests(plans))
+    assert key == "collectives over 5,7" and {bad, ref} == {5, 7}   # two members: either is the odd one
+    text = explain(key, bad, ref, plan_sequences(plans[bad])[key], plan_sequences(plans[ref])[key])
+    assert f"instruction #{i} of its plan" in text and str(plans[7].instructions[i]) in text
+
+
+def test_a_missing_receive_names_the_channel(plans):
+    receiver = plans[5]
+    i = next(i for i, ins in enumerate(receiver.instructions) if isinstance(ins, Recv))
+    plans[5] = dataclasses.replace(receiver, instructions=receiver.instructions[:i] + receiver.instructions[i + 1:])
+    key, bad, ref = first_disagreement(_digests(plans))
+    assert key == f"transfers {receiver.instructions[i].peer}->5" and {bad, ref} == {1, 5}
+    text = explain(key, bad, ref, plan_sequences(plans[bad])[key], plan_sequences(plans[ref])[key])
+    assert text.startswith(f"transfer #0 of the {key}: ")
+    assert str(next(ins for ins in plans[1].instructions if isinstance(ins, Send) and ins.peer == 5)) in text
+
+
+def test_a_rank_without_a_groups_collectives_is_found(plans):
+    plans[4] = dataclasses.replace(plans[4], instructions=[ins for ins in plans[4].instructions
+                                                            if not (isinstance(ins, AllReduce) and ins.ranks == (4, 6))])
+    key, bad, ref = first_disagreement(_digests(plans))
+    assert key == "collectives over 4,6" and {bad, ref} == {4, 6}
+    seqs = {r: plan_sequences(plans[r])[key] for r in (4, 6)}
+    k = len(seqs[4])   # rank 4 still lists the group's boxing collectives, then nothing
+    assert [e[2] for e in seqs[4]] == [e[2] for e in seqs[6][:k]]
+    text = explain(key, bad, ref, seqs[bad], seqs[ref])
+    assert f"rank 4 lists no #{k} there ({k} in all)" in text and seqs[6][k][1] in text

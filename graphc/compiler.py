@@ -133,6 +133,9 @@ class CompiledGraph:
     trace: Optional["TraceText"] = None  # build()'s traced graph as text (NOTE: Retrace check)
     world_size: int = 0                # the ranks of the job; `plans` may hold only some of them
     key: Optional["CompileKey"] = None  # what the plans were compiled from (NOTE: Plan cache)
+    # with accumulation, where the whole batch's trace (traced first) and the plan's micro-batch
+    # trace run other ops: both, op by op (NOTE: Writes of the first call); else None
+    traces_differ: Optional[tuple] = None
 
     def __post_init__(self):
         self.world_size = self.world_size or len(self.plans)
@@ -209,6 +212,7 @@ def _declare_and_trace(run: _Compilation, spec, example_inputs, world_size: int,
     if m > 1:  # inputs whose dim 0 is the batch size are split (NOTE: Batch split) ...
         whole = _step(run, "trace_build (whole batch)", trace_build, spec.root, example_inputs, 1,
                       None, spec.name, spec.source_file, traced_autocast(stages, spec.amp_dtype))
+        run.whole_ops = op_sequence(whole)
         split = _step(run, "split_inputs", split_inputs, input_names(whole), example_inputs,
                       spec.whole_inputs, spec.name)
         # ... which the data flow on build() for the whole batch confirms, or refuses
@@ -220,7 +224,16 @@ def _declare_and_trace(run: _Compilation, spec, example_inputs, world_size: int,
     # the graph every later pass annotates, traced for one micro-batch's shapes
     gm = _step(run, "trace_build", trace_build, spec.root, example_inputs, m, batched,
                spec.name, spec.source_file, traced_autocast(stages, spec.amp_dtype))
+    if m > 1 and run.whole_ops != op_sequence(gm):
+        run.traces_differ = (run.whole_ops, op_sequence(gm))
     return stages, stage_of_module, declared, gm
+
+
+def op_sequence(gm: fx.GraphModule) -> tuple:
+    """A traced graph's ops in order, without shapes: (op, target) per node, to compare two
+    traces of build() on different batch sizes."""
+    return tuple((n.op, n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target)))
+                 for n in gm.graph.nodes)
 
 
 def retrace(spec: CompileSpec, example_inputs: Sequence[torch.Tensor], world_size: int,
@@ -319,7 +332,8 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
 
     input_meta = [(tuple(t.shape), t.dtype) for t in example_inputs]
     compiled = CompiledGraph(gm, stages, programs, plans, training, m, input_meta, run.history, meshes,
-                             trace=trace, world_size=world_size, key=key)
+                             trace=trace, world_size=world_size, key=key,
+                             traces_differ=getattr(run, "traces_differ", None))
     if debug_level() >= 1:
         total = sum(r.seconds for r in run.history)
         _log.info("compiled %s: %d stage(s), %d micro-batch(es), schedule=%s, %s, %.0f ms",

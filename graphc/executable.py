@@ -24,8 +24,8 @@ from torch.utils import _pytree as pytree
 from . import compiler, env
 from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
-from .guards import (MISSING, Guard, GuardSet, difference, fingerprint, global_guards, hook_guards,
-                     record_reads, requires_grad_guard, settle_own_writes, structure_of)
+from .guards import (MISSING, Guard, GuardSet, difference, fingerprint, first_call_differs, global_guards,
+                     hook_guards, record_reads, requires_grad_guard, settle_own_writes, structure_of)
 from .log import get_logger, warn_user
 from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .passes.trace_build import forward_replaced
@@ -191,6 +191,8 @@ class Executable:
                                         ranks=ranks)
         guards = GuardSet(tuple(before + structure_of(spec.root) + hook_guards(spec.root)
                                 + [requires_grad_guard(spec.root)] + reads.guards()))
+        if compiled.traces_differ is not None:   # NOTE: Writes of the first call
+            first_call_differs(spec.name, guards, *compiled.traces_differ)
         compiled.guards = settle_own_writes(spec.name, guards, compiled.trace,   # NOTE: Writes of the first call
                                             lambda: cls._retraced(spec, specs, world, tree))
         check_input_placements(compiled, specs)

@@ -46,14 +46,14 @@ class ScaledPair(Pair):
         return super().forward(x) * self.settings.scale
 
 
-def _train(make_model):
-    """Accumulation 1: with more, compile traces the whole batch before the micro-batch, and the
+def _train(make_model, accumulation=1):
+    """Accumulation > 1: compile traces the whole batch before the micro-batch, and the
     micro-batch's trace already sees the value the first one wrote."""
     graphs = []
 
     def make(layout):
         torch.manual_seed(0)
-        return SquaredError(make_model(), layout, accumulation=1)
+        return SquaredError(make_model(), layout, accumulation=accumulation)
     got = train("one", make, batches(), graphs=graphs)
     torch.manual_seed(0)
     return got, eager(make_model(), batches()), graphs[0]
@@ -70,6 +70,21 @@ def test_a_setting_written_on_the_first_call_that_changes_the_graph_is_said_and_
         got, want, graph = _train(ScaledPair)
     assert_same(got, want, "one")
     assert len(graph.recompiles) == 1 and "model.settings" in graph.recompiles[0]
+
+
+def test_under_accumulation_a_write_that_keeps_the_graph_trains_as_eager():
+    got, want, graph = _train(LabelledPair, accumulation=2)
+    assert_same(got, want, "one")
+    assert graph.recompiles == []
+
+
+def test_under_accumulation_a_write_that_changes_the_plans_graph_is_refused():
+    """The whole batch's trace writes scale = 2.0, the micro-batch's trace then scales: the
+    plan would scale at the first call, where eager does not (it was 1.789 against 1.583)."""
+    from graphc.errors import GraphcError
+    with pytest.raises(GraphcError, match=r"changed model.settings.scale from None to 2.0 while it was "
+                                          r"traced for the whole batch.*Fix: set the value before the first call"):
+        _train(ScaledPair, accumulation=2)
 
 
 def test_hugging_face_classification_compiles_once():

@@ -12,20 +12,44 @@ NOTE: Retrace check) means the plan serves them too, and those guards take the v
 (one more trace, only when a trace wrote what it read). Another graph keeps the guards as
 they were, so the next call compiles its own plan, as eager would compute another thing;
 a warning says which value build() changed and why a plan follows.
-Not covered: with gradient accumulation compile traces the whole batch first and the plan's
-micro-batch after it, so the plan is already the graph of the value the first trace wrote;
-where that graph differs from the old value's, the first call differs from eager's (the
-check would compare the two traces of compile; not done yet).
+With gradient accumulation compile traces the whole batch first and the plan's micro-batch
+after it, so the plan is already the graph of the value the first trace wrote. Where the
+two traces' ops differ (CompiledGraph.whole_ops against the plan's) and the trace wrote a
+value it read, the first call would run the new value's graph where eager runs the old
+one's: refused, naming the value (first_call_differs).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable, List
 
+from ..errors import GraphcError
 from ..log import get_logger, warn_user
 from .values import MISSING, Guard, GuardSet, difference, fingerprint
 
 _log = get_logger("compile")
+
+
+def first_call_differs(name: str, guards: GuardSet, whole_ops, plan_ops) -> None:
+    """Refuses a plan whose graph a value written by the whole batch's trace changed (See
+    NOTE: Writes of the first call): eager's first call runs the graph before the write."""
+    if whole_ops is None or whole_ops == plan_ops:
+        return
+    written = [g for g in guards.guards if not g.holds()]
+    if not written:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(whole_ops, plan_ops)) if a != b), min(len(whole_ops), len(plan_ops)))
+    raise GraphcError(
+        f"{name}.build() changed {_changes(written)} while it was traced for the whole batch, and "
+        f"traced again for a micro-batch it took another path (op {at}: "
+        f"{_op(whole_ops, at)} before the change, {_op(plan_ops, at)} after): under gradient "
+        "accumulation the plan would run the changed graph at the first call, where eager runs "
+        "the first. Fix: set the value before the first call (as the library would set it), or "
+        "call with set_gradient_accumulation_steps(1) once.")
+
+
+def _op(ops, i: int) -> str:
+    return f"{ops[i][0]} {ops[i][1]}" if i < len(ops) else "the end"
 
 
 def settle_own_writes(name: str, guards: GuardSet, traced, retrace: Callable[[], object]) -> GuardSet:

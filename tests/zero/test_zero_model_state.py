@@ -20,8 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphc
-from graphc.tools.cost_model import CostModel
-from graphc.tools.simulate import model_inputs, simulate
+from graphc.tools.simulate import model_inputs, model_state
 from helpers import run_world
 
 D_IN, HIDDEN, ODD, BATCH = 32, 128, 33, 16
@@ -90,9 +89,8 @@ def _measure(rank, world):
         measured = (_storages([*model.parameters(), *shards]), _storages(grads),
                     sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                         if torch.is_tensor(v) and v.dim()))
-        compiled = graph.compiled
-        sim = simulate(compiled.plans, CostModel.uniform(len(compiled.stages)),
-                       model=model_inputs(compiled, opt)).ranks[rank].model_state
+        compiled = graph.compiled   # a running rank holds its own plan (NOTE: Plans of some ranks)
+        sim = model_state(graph.plan, model_inputs(compiled, opt).params[rank])
         out[zero] = {"measured": measured, "simulated": (sim.params, sim.grads, sim.optimizer)}
     return out
 

@@ -38,7 +38,7 @@ def compile_spec(graph):
         activation_checkpointing=cfg.activation_checkpointing, whole_inputs=cfg.whole_inputs,
         amp_dtype=cfg.amp_dtype, zero_stage=cfg.zero_stage,
         zero_shard_min_size=cfg.zero_shard_min_size, grad_reduce_dtype=cfg.grad_reduce_dtype,
-        param_dtype=checked_param_dtype(graph))
+        param_dtype=checked_param_dtype(graph), sequence_parallel=cfg.sequence_parallel)
 
 
 def checked_param_dtype(graph) -> Optional[torch.dtype]:

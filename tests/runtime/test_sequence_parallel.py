@@ -25,9 +25,9 @@ BATCH, T, D_IN, CLASSES = 4, 8, 8, 5
 P01 = graphc.placement("cpu", [0, 1])
 
 
-def _batches(batch=BATCH):
+def _batches(batch=BATCH, t=T):
     g = torch.Generator().manual_seed(5)
-    return [(torch.randn(batch, T, D_IN, generator=g), torch.randint(0, CLASSES, (batch, T), generator=g))
+    return [(torch.randn(batch, t, D_IN, generator=g), torch.randint(0, CLASSES, (batch, t), generator=g))
             for _ in range(STEPS)]
 
 
@@ -95,6 +95,21 @@ def test_sequence_parallel_tp2_matches_eager():
         saved_plain, saved_seq = res[False][2], res[True][2]
         whole = BATCH * T * 16 * 8
         assert saved_plain - saved_seq >= 5 * whole // 2, (rank, saved_seq, saved_plain)
+
+
+def test_sequence_parallel_uneven_sequence_matches_eager():
+    """A sequence of 7 on 2 ranks: shards of 4 and 3 positions (NOTE: Uneven splits)."""
+    def train(rank):
+        graph = _graph(2, True)
+        losses, state = graphc_train(graph, _batches(t=7))
+        return losses, state, {i.kind for i in graph.plan.instructions if isinstance(i, Collective)}
+    results = LocalWorld(2).run(train)
+    torch.manual_seed(0)
+    ref_losses, ref_state = eager_train(BlockStack(layers=2), OPTIMIZERS["sgd_momentum"], None,
+                                        token_loss, _batches(t=7), STEPS)
+    for rank, (losses, state, kinds) in enumerate(results):
+        assert_same_as_eager(losses, state, ref_losses, ref_state, f"tp2 sp T=7 rank {rank}")
+        assert {"reduce_scatter", "all_gather"} <= kinds, kinds
 
 
 def _train_2d(rank):

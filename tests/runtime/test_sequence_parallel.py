@@ -97,6 +97,7 @@ def test_sequence_parallel_tp2_matches_eager():
         assert saved_plain - saved_seq >= 5 * whole // 2, (rank, saved_seq, saved_plain)
 
 
+@pytest.mark.slow   # CI time: tp2 in test_sequence_parallel_tp2_matches_eager
 def test_sequence_parallel_uneven_sequence_matches_eager():
     """A sequence of 7 on 2 ranks: shards of 4 and 3 positions (NOTE: Uneven splits)."""
     def train(rank):

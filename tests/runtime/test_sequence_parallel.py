@@ -3,11 +3,15 @@
 Plan level (one process, a world of 2): on a nanoGPT block stack with Megatron's
 column/row-parallel Linears, each layer's all-reduces become reduce-scatter/all-gather
 pairs moving the same bytes, and nothing falls back to broadcast.
-Numerics (local world, every rank a thread): tp2, and data x tensor on a 2x2 mesh, train
-like eager PyTorch on the whole batch, float64, tolerance 1e-10 (the oracle of
-helpers.py); the activations a rank saves for backward shrink against the same run
-without sequence parallelism.
+Numerics (local world, every rank a thread): tp2 (and an uneven sequence), data x tensor
+on a 2x2 mesh, pipeline x tensor, and examples/hf_llama.py's Llama on tp2 train like
+eager PyTorch on the whole batch, float64, tolerance 1e-10 (the oracle of helpers.py);
+the activations a rank saves for backward shrink against the same run without sequence
+parallelism.
 """
+import os
+import sys
+
 import pytest
 import torch
 
@@ -19,6 +23,8 @@ from graphc.runtime.local_world import LocalWorld
 from gpt_block_models import BlockStack, TokenLossGraph, megatron, token_loss
 from helpers import assert_same_as_eager, compile_graph, eager_train, feed_split, graphc_train
 from models import OPTIMIZERS
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 
 STEPS = 2
 BATCH, T, D_IN, CLASSES = 4, 8, 8, 5
@@ -185,3 +191,37 @@ def test_sequence_parallel_pipeline_x_tensor_matches_eager():
         assert_same_as_eager(losses if rank >= 2 else ref_losses, state, ref_losses, ref_state,
                              f"pp2 x tp2 sp rank {rank}")
         assert {"reduce_scatter", "all_gather"} <= set(kinds), (rank, kinds)
+
+
+def _llama_tp2(sequence_parallel: bool):
+    """examples/hf_llama.py's LlamaForCausalLM on tp2 (as it comes: padded rows, labels=),
+    every step checked against eager at 1e-10 (graphc.testing.local_world)."""
+    pytest.importorskip("transformers")
+    import hf_llama
+    from gpt import Layout
+    args = type("Args", (), dict(seed=0, embd=32, layers=2, heads=4, block=12))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (4, 12), generator=g)
+    mask = (torch.arange(12)[None] < torch.randint(2, 13, (4,), generator=g)[:, None]).long()
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    def make():
+        model = hf_llama.make_model(64, args)
+        graph = hf_llama.LlamaGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), Layout(1, 2, 1), 1)
+        graph.config.enable_sequence_parallel(sequence_parallel)
+        return graph
+    return graphc.testing.local_world(make, lambda rank, step: (batch,), 2, steps=2, check=True)
+
+
+@pytest.mark.slow   # CI time: the block stack in test_sequence_parallel_tp2_matches_eager
+def test_sequence_parallel_hf_llama_tp2_matches_eager():
+    runs = {sp: _llama_tp2(sp) for sp in (False, True)}
+    for sp, run in runs.items():
+        assert run.ok, run.text()
+    counts = {sp: sorted((i.direction, i.kind) for i in run.graphs[0].plan.instructions
+                         if isinstance(i, Collective)) for sp, run in runs.items()}
+    # 2 layers: 4 all-reduces each way become 4 reduce-scatters and 4 all-gathers each way
+    assert counts[False] == [("B", "all_reduce")] * 4 + [("F", "all_reduce")] * 4, counts[False]
+    layers = [c for c in counts[True] if c[1] != "all_reduce"]
+    assert layers == sorted([("F", "reduce_scatter"), ("F", "all_gather"),
+                             ("B", "reduce_scatter"), ("B", "all_gather")] * 4), counts[True]

@@ -286,7 +286,7 @@ def _cost(cand, prod: Dict[fx.Node, object], n: int, paid=frozenset()) -> float:
         if meta is None or (a, r) in paid:
             continue
         cost = conversion_cost(prod[a], r, tensor_bytes(meta), n, meta.requires_grad)
-        if cost and is_parameter(a) and not isinstance(prod[a], Broadcast):
+        if cost and _is_parameter(a) and not isinstance(prod[a], Broadcast):
             cost *= 1 + DECLARED_PENALTY
         total += cost
     return total
@@ -294,10 +294,10 @@ def _cost(cand, prod: Dict[fx.Node, object], n: int, paid=frozenset()) -> float:
 
 def _keeps_parameters(cand, prod: Dict[fx.Node, object]) -> bool:
     """Does the candidate read every parameter in the layout it has?"""
-    return all(r == prod[a] for a, r in cand[0].items() if is_parameter(a))
+    return all(r == prod[a] for a, r in cand[0].items() if _is_parameter(a))
 
 
-def is_parameter(a: fx.Node) -> bool:
+def _is_parameter(a: fx.Node) -> bool:
     """A parameter as ops read it: its get_attr node, or a piece of one stored in pieces
     (a fused c_attn's q, k and v: See NOTE: fused pieces)."""
     if a.op == "get_attr":

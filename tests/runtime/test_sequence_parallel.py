@@ -21,7 +21,8 @@ from graphc.meta import META_SBP
 from graphc.plan.instructions import AllReduce, Collective
 from graphc.runtime.local_world import LocalWorld
 from gpt_block_models import BlockStack, TokenLossGraph, megatron, token_loss
-from helpers import assert_same_as_eager, compile_graph, eager_train, feed_split, graphc_train
+from helpers import (assert_same_as_eager, compile_graph, eager_train, feed_split, global_input,
+                     graphc_train)
 from models import OPTIMIZERS
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
@@ -225,3 +226,18 @@ def test_sequence_parallel_hf_llama_tp2_matches_eager():
     layers = [c for c in counts[True] if c[1] != "all_reduce"]
     assert layers == sorted([("F", "reduce_scatter"), ("F", "all_gather"),
                              ("B", "reduce_scatter"), ("B", "all_gather")] * 4), counts[True]
+
+
+def test_sequence_parallel_leaves_data_parallel_alone():
+    """Without a split parameter there is no tensor axis: the switch changes no layout."""
+    x, y = _batches()[0]
+
+    def layouts(sp: bool):
+        torch.manual_seed(0)
+        model = BlockStack(layers=1)
+        graph = TokenLossGraph(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        graph.model.config.set_stage(0, P01)
+        graph.config.enable_sequence_parallel(sp)
+        cg = compile_graph(graph, [global_input(x, P01, sbp.split(0), 0), global_input(y, P01, sbp.split(0), 0)], 2)
+        return [(n.name, n.meta[META_SBP].out) for n in cg.gm.graph.nodes if META_SBP in n.meta]
+    assert layouts(True) == layouts(False)

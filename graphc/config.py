@@ -66,6 +66,8 @@ class GraphConfig:
         self.gradient_accumulation_steps = 1
         self.pipeline_schedule = "1f1b"
         self.recv_window = 2
+        self.cuda_graphs = False            # set_cuda_graphs (NOTE: CUDA graphs, runtime/cuda_graphs.py)
+        self.memory_stats = False           # set_memory_stats: graph.last_stats.max_live_bytes
         self.gradient_bucket_bytes = DEFAULT_BUCKET_BYTES
         self.trace_path: Optional[str] = None
         self.trace_steps = 5
@@ -370,6 +372,46 @@ class GraphConfig:
                               f"{shard_min_size!r}. Fix: e.g. shard_min_size=1024.")
         self.zero_stage = stage if enabled else 0
         self.zero_shard_min_size = shard_min_size
+
+    def set_cuda_graphs(self, enabled: bool = True) -> None:
+        """Captures each step's compute in a CUDA graph and replays it (NOTE: CUDA graphs).
+
+        The first call runs uncaptured (warm-up), the second captures the rank's forwards and
+        backwards of every stage and micro-batch and replays them; the optimizer step runs
+        after, uncaptured. The numbers are the uncaptured step's, bit for bit. A graph that
+        cannot be captured is a GraphcError at its first call naming why: placements on the
+        CPU, several ranks (transfers and collectives), random ops such as dropout, a
+        GradScaler, or training without an optimizer.
+
+        Args:
+            enabled: True to capture; False (the default) runs every step uncaptured.
+
+        Example:
+            model.to("cuda")
+            self.config.set_cuda_graphs(True)
+        """
+        self._check_open("set_cuda_graphs")
+        if not isinstance(enabled, bool):
+            raise GraphcError(f"set_cuda_graphs expects True or False, found {enabled!r}")
+        self.cuda_graphs = enabled
+
+    def set_memory_stats(self, enabled: bool = True) -> None:
+        """Counts the bytes of activations each stage keeps for its backward, per step.
+
+        graph.last_stats.max_live_bytes then holds each local stage's peak over the step
+        (every tensor autograd saves, counted once by storage, until its backward frees it;
+        a checkpointed micro-batch's kept inputs). Off by default: counting runs a Python hook
+        on every saved tensor (~2% of a step); max_live_bytes is then empty. The number of
+        live micro-batches (max_live_activations) is counted either way.
+
+        Example:
+            self.config.set_memory_stats(True)
+            ...; graph(x, y); print(graph.last_stats.max_live_bytes)   # {0: 1048576}
+        """
+        self._check_open("set_memory_stats")
+        if not isinstance(enabled, bool):
+            raise GraphcError(f"set_memory_stats expects True or False, found {enabled!r}")
+        self.memory_stats = enabled
 
     def enable_sequence_parallel(self, enabled: bool = True) -> None:
         """Sequence parallelism with tensor parallelism (Megatron's `sequence_parallel`).

@@ -34,6 +34,7 @@ from .placement import placement as Placement
 from .ops.conversions import compiled_groups, create_groups
 from .runtime.actors import Runtime
 from .runtime.comm import P2P
+from .runtime.cuda_graphs import capture_blockers
 from .runtime.dist_env import device_for
 from .runtime.master_params import stored_in
 from .runtime.trace import Tracer
@@ -213,11 +214,14 @@ class Executable:
         runtime. `masters`: the float32 masters of set_param_dtype (NOTE: Master parameters)."""
         plan = self.compiled.plan_for(rank)
         programs = {s: self.compiled.programs[s] for s in plan.local_stages}
+        if config.cuda_graphs:   # before any group is created: every rank refuses alike
+            check_capturable(type(config._graph).__name__, self.compiled, optimizer is not None, grad_scaler)
         p2p = P2P(rank, self.compiled.plans)
         create_groups(compiled_groups(self.compiled))
         self.tracer = Tracer.from_config(config, rank)
         self.runtime = Runtime(plan, programs, p2p, self.device(rank), optimizer, lr_scheduler,
-                               config.recv_window, self.tracer.record, grad_scaler, masters)
+                               config.recv_window, self.tracer.record, grad_scaler, masters,
+                               cuda_graphs=config.cuda_graphs, memory_stats=config.memory_stats)
 
     def check(self) -> Optional[Guard]:
         """The first guard that no longer holds (None: this executable may run)."""
@@ -367,6 +371,17 @@ def check_same_stages(old: compiler.CompiledGraph, new: compiler.CompiledGraph) 
             f"({[tuple(s.ranks) for s in old.stages]} -> {[tuple(s.ranks) for s in new.stages]}); "
             "the parameters already live on the first plan's ranks. Fix: set stages with set_stage "
             "so they do not depend on shapes, or build a second Graph.")
+
+
+def check_capturable(name: str, compiled: compiler.CompiledGraph, has_optimizer: bool, grad_scaler) -> None:
+    """config.set_cuda_graphs(True) on a graph whose steps can be captured (NOTE: CUDA graphs)."""
+    why = capture_blockers(compiled.plans, compiled.stages, compiled.programs, has_optimizer, grad_scaler)
+    if why:
+        lines = "\n".join(f"  - {w}" for w in why)
+        raise GraphcError(f"{name}: config.set_cuda_graphs(True) cannot capture this graph's "
+                          f"step:\n{lines}\nCUDA graphs replay a fixed sequence of CUDA kernels; "
+                          "anything the host decides or reads during a step cannot be replayed "
+                          "(NOTE: CUDA graphs, graphc/runtime/cuda_graphs.py).")
 
 
 def check_input_placements(compiled: compiler.CompiledGraph, specs: Sequence[InputSpec]) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
 
 from ..errors import GraphcError
 from ..guards import frames_unobserved
@@ -35,6 +35,25 @@ _SHAPE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "e
 # the same questions asked as torch functions (torch.is_floating_point(mask) in torch's own
 # mask handling, F._canonical_mask)
 _SHAPE_FUNCTIONS = frozenset({torch.is_floating_point, torch.is_complex, torch.numel})
+
+
+def cpu_fake(mode: FakeTensorMode, t: torch.Tensor, memo: Dict[int, tuple]) -> torch.Tensor:
+    """The fake a trace uses for real tensor t: on the CPU, whatever device t is on.
+
+    build() is traced on CPU stand-ins of its inputs (NOTE: CUDA placement,
+    runtime/device.py), so a model already on its GPU (or on the meta device) must be traced
+    on CPU fakes of its parameters and buffers too, or every op mixing the two fails. The
+    same real tensor (a tied weight) gives the same fake (`memo`, as from_tensor's own)."""
+    if t.device.type == "cpu" or isinstance(t, FakeTensor):
+        return mode.from_tensor(t, static_shapes=True)
+    found = memo.get(id(t))
+    if found is None:
+        with mode:
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) \
+                else fake.requires_grad_(t.requires_grad)
+        found = memo[id(t)] = (t, fake)   # t kept alive: its id is not reused while the memo lives
+    return found[1]
 
 
 class ShapeProxy(fx.Proxy):
@@ -95,6 +114,7 @@ class BuildTracer(fx.Tracer):
         self.proxy_buffer_attributes = True  # buffers updated in forward are recorded, not run once
         self.trace_root = root
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.stand_ins: Dict[int, tuple] = {}   # cpu_fake's memo: id(real) -> (real, its fake)
         self.examples: List[Any] = []
         self.examples_used: List[fx.Node] = []
         self.failed: Dict[str, str] = {}  # node name -> why its value is unknown
@@ -169,7 +189,7 @@ class BuildTracer(fx.Tracer):
     def fake_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """The fake of a real tensor; the same real tensor (a tied weight) gives the same fake."""
         with self.untraced():
-            return self.fake_mode.from_tensor(t, static_shapes=True)
+            return cpu_fake(self.fake_mode, t, self.stand_ins)
 
     @contextlib.contextmanager
     def untraced(self):

@@ -13,7 +13,8 @@ Requires: trace_build.
 NOTE: Planning meta models
 A model built under `with torch.device("meta"):` has shapes and no memory, so `graphc plan`
 (and `--auto`) can plan one far larger than the machine: its parameters are read as fakes
-on the CPU (fake_of), so ops mixing them with the CPU inputs run; the simulator and the
+on the CPU (build_tracer.cpu_fake, as a model already on its GPU: NOTE: CUDA placement), so
+ops mixing them with the CPU inputs run; the simulator and the
 memory model read only shapes. Such a graph cannot train (no values): plan mode only.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..errors import GraphcError
 from ..meta import META_AUTOCAST, META_BATCHED, META_GRAD_ENABLED, META_TENSOR, TensorMeta, is_backward
-from .build_tracer import run_module_on_fakes
+from .build_tracer import cpu_fake, run_module_on_fakes
 from .trace_build import microbatch_shape
 
 
@@ -84,11 +85,11 @@ class _Fakes:
 
     def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode):
         self.gm, self.mode = gm, mode
-        self.from_meta = {}
+        self.stand_ins: dict = {}   # cpu_fake's memo
 
     def of(self, value):
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
-            return fake_of(self.mode, value, self.from_meta)
+            return cpu_fake(self.mode, value, self.stand_ins)   # on the CPU (NOTE: CUDA placement)
         return value
 
     def attr(self, target: str):
@@ -99,18 +100,6 @@ class _Fakes:
 
     def call_module(self, target: str, args, kwargs):
         return run_module_on_fakes(self.gm.get_submodule(target), args, kwargs, self.of)
-
-
-def fake_of(mode: FakeTensorMode, value: torch.Tensor, from_meta: dict) -> torch.Tensor:
-    """A fake of a real tensor; of a meta one (a model built under torch.device("meta") to
-    plan it without its memory: NOTE: Planning meta models) a fake on the CPU, one per
-    tensor so ties stay tied."""
-    if not value.is_meta:
-        return mode.from_tensor(value, static_shapes=True)
-    if id(value) not in from_meta:
-        from_meta[id(value)] = (value, mode.fake_tensor_converter.from_meta_and_device(
-            mode, value, torch.device("cpu")))
-    return from_meta[id(value)][1]
 
 
 def _run_node(interp: fx.Interpreter, node: fx.Node, env, fakes: _Fakes):

@@ -66,7 +66,7 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
     with _traced_root(root, len(example_inputs), outputs), patched_calls(tracer, source_file), \
             traced_checkpoints(tracer):  # torch.utils.checkpoint traces as its function
         try:
-            with torch.autocast(*autocast) if autocast else contextlib.nullcontext(), \
+            with _autocast_regions(autocast), \
                     traced_tensors(tracer), traced_frames(), traced_wraps(tracer):  # NOTE: Tensors outside the trace
                 g = tracer.trace(root)   # what its frames read is guarded (NOTE: Frame reads)
         except GraphcError:
@@ -88,6 +88,26 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
     if "tree" in outputs:
         gm.meta[META_OUTPUT_TREE] = outputs["tree"]
     return gm
+
+
+@contextmanager
+def _autocast_regions(autocast: Optional[tuple]):
+    """config.enable_amp's region around the trace. A cuda region is entered with a cpu region
+    of the same dtype beside it: build() is traced on CPU stand-ins (NOTE: CUDA placement),
+    which a cuda region alone does not cast, so every traced dtype was float32 and a plan of
+    several ranks listed float32 transfers that the GPU then sends in bf16. CPU autocast casts
+    the stand-ins as CUDA's casts the GPU's values for the ops that matter to a plan (linear,
+    matmul, attention); the programs then set both regions, and on the GPU the cpu one casts
+    nothing."""
+    if not autocast:
+        yield
+        return
+    device, dtype = autocast
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast(device, dtype))
+        if device == "cuda":
+            stack.enter_context(torch.autocast("cpu", dtype))
+        yield
 
 
 def _input_names(root: torch.nn.Module, n: int) -> List[str]:

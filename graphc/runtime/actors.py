@@ -36,6 +36,8 @@ from ..ops.conversions import all_reduce_sum
 from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
 from .collectives import GradSync
+from .cuda_graphs import StepGraph, compute_prefix
+from .device import place_programs
 from .executor import StageExecutor
 from .grad_hooks import UserGradHooks
 from .stopped_ranks import explain_stopped_peers
@@ -44,13 +46,29 @@ from .zero import ZeroGradSync, ZeroShards, released_in, whole_parameters
 
 @dataclass
 class StepStats:
-    """What one step did: peak live activations per stage (micro-batches and bytes), wall time,
-    optional timeline."""
+    """What one step did: peak live activations per stage (micro-batches, and bytes with
+    config.set_memory_stats), wall time, optional timeline."""
 
     max_live_activations: Dict[int, int] = field(default_factory=dict)
     max_live_bytes: Dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
     events: List[Tuple[str, float, float]] = field(default_factory=list)
+
+
+@dataclass
+class _StepValues:
+    """What one step's instructions hand each other: the actors, each (stage, micro-batch)'s
+    inputs and received gradients, what each compute produced, build()'s results, and values
+    being received in pieces ([tensor, elements to come])."""
+
+    recv_actors: Dict[int, "RecvActor"]
+    send_actors: Dict[int, "SendActor"]
+    stats: StepStats
+    values: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = field(default_factory=dict)
+    grads: Dict[Tuple[int, int], List[Tuple[str, torch.Tensor]]] = field(default_factory=lambda: defaultdict(list))
+    produced: Dict[Tuple[int, int, str], Dict[str, torch.Tensor]] = field(default_factory=dict)
+    results: Dict[str, List[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
+    assembling: Dict[tuple, list] = field(default_factory=dict)
 
 
 class RecvActor:
@@ -175,7 +193,7 @@ class Runtime:
 
     def __init__(self, plan: ExecutionPlan, programs: Dict[int, StageProgram], p2p, device,
                  optimizer=None, lr_scheduler=None, window: int = 2, trace: bool = False,
-                 grad_scaler=None, masters=None):
+                 grad_scaler=None, masters=None, cuda_graphs: bool = False, memory_stats: bool = False):
         self.plan, self.p2p, self.device = plan, p2p, device
         self.masters = masters   # set_param_dtype's float32 masters (NOTE: Master parameters)
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
@@ -188,8 +206,11 @@ class Runtime:
         self.captured: Optional[list] = None
         m = plan.num_microbatches
         ckpt = checkpointed_microbatches(plan.checkpointing, m)
+        place_programs(programs.values(), device)   # constants traced on the CPU (NOTE: CUDA placement)
         self.executors: Dict[int, StageExecutor] = {
-            s: StageExecutor(prog, plan.training, prog.loss_weight(m), ckpt) for s, prog in programs.items()}
+            s: StageExecutor(prog, plan.training, prog.loss_weight(m), ckpt, memory_stats)
+            for s, prog in programs.items()}
+        self.memory_stats = memory_stats   # config.set_memory_stats: StepStats.max_live_bytes
         # ZeRO's shards (See NOTE: ZeRO in zero.py): the optimizer holds them from here on
         self.zero = (ZeroShards.from_plan(plan, list(programs.values()), optimizer, masters)
                      if plan.training else None)
@@ -208,6 +229,9 @@ class Runtime:
                 self.recv_queues[ins.peer].append(ins)
         self.send_peers = sorted({ins.peer for ins in plan.instructions if isinstance(ins, Send)})
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # config.set_cuda_graphs: the step's compute captured and replayed (NOTE: CUDA graphs;
+        # Executable.start refused what cannot be captured)
+        self.step_graph = self._step_graph() if cuda_graphs and self.stream is not None else None
         self.range_names = range_names(plan.instructions)
         # values between this rank's own chunks: (from stage, to stage, names)
         self.local_acts = {s: [(b, [t.name for t in specs]) for b, specs in sorted(prog.send_to.items())
@@ -215,6 +239,15 @@ class Runtime:
         self.local_grads = {s: [(a, [t.name for t in prog.grad_specs(specs)])
                                 for a, specs in sorted(prog.recv_from.items()) if a in programs]
                             for s, prog in programs.items()}
+
+    def _step_graph(self) -> StepGraph:
+        programs = [ex.program for ex in self.executors.values()]
+        state = {id(t): t for prog in programs for t in list(prog.module.parameters()) + list(prog.module.buffers())}
+        # every tensor whose .grad the backward may write: parameters, and set_param_dtype's masters
+        holders = list(_local_parameters(programs).values()) + list(self._grad_holders().values()) \
+            if self.plan.training else []
+        return StepGraph(self.stream, list(state.values()), list({id(h): h for h in holders}.values()),
+                         list(self.executors.values()))
 
     @property
     def executor(self) -> Optional[StageExecutor]:
@@ -242,8 +275,14 @@ class Runtime:
             raise stopped from exc
 
     def _on_stream(self, user_inputs):
+        """The step on the rank's compute stream, ordered after everything the caller's stream
+        has queued: its inputs and parameters written there (a batch copied in, a
+        load_state_dict), and its reads of the last step's outputs, whose memory this step's
+        allocations on the compute stream may reuse once the caller dropped them. The caller's
+        stream then waits for the step, so the outputs are ready to read there."""
         if self.stream is None:
             return self._run(user_inputs)
+        self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             out = self._run(user_inputs)
         torch.cuda.current_stream().wait_stream(self.stream)
@@ -326,11 +365,7 @@ class Runtime:
         recv_actors, send_actors = self._actors()
         for actor in recv_actors.values():
             actor.pump()
-        values = self._microbatches(user_inputs)
-        grads: Dict[Tuple[int, int], List[Tuple[str, torch.Tensor]]] = defaultdict(list)
-        produced: Dict[Tuple[int, int, str], Dict[str, torch.Tensor]] = {}
-        results: Dict[str, List[torch.Tensor]] = defaultdict(list)
-        assembling: Dict[tuple, list] = {}   # values being received in pieces: [tensor, elements to come]
+        step = _StepValues(recv_actors, send_actors, stats)
         if self.plan.training and self.optimizer is not None:
             self._own_grads()
         if self.grad_scaler is not None and self.plan.training:  # NOTE: Loss scaling (graphc/amp.py)
@@ -342,51 +377,70 @@ class Runtime:
             self.grad_sync.start_step()
         if self.zero is not None:
             self.zero.refresh()
+        first = 0
+        if self.step_graph is not None and self.captured is None:   # NOTE: CUDA graphs
+            first = compute_prefix(self.plan)
+            step.results.update(self.step_graph.run(user_inputs, lambda inputs: self._computes(inputs, step, first)))
+        else:
+            step.values = self._microbatches(user_inputs)
         profiling = torch.autograd.profiler._is_profiler_enabled  # checked once per step: cheap
-        for i, (ins, range_name) in enumerate(zip(self.plan.instructions, self.range_names)):
-            t0 = time.perf_counter() if self.trace else 0.0
-            for gather in self.prefetch.get(i, ()):
-                self.zero.launch_gather(gather)
-            with record_function(range_name) if profiling and range_name else _NO_RANGE:
-                if isinstance(ins, Recv):
-                    got = _assemble(ins, recv_actors[ins.peer].take(ins), assembling)
-                    if ins.direction == ACT:
-                        values[(ins.stage, ins.microbatch)].update(got)
-                    else:
-                        grads[(ins.stage, ins.microbatch)].extend(got.items())
-                elif isinstance(ins, Send):
-                    key = (ins.stage, ins.microbatch, ACT if ins.direction == ACT else "B")
-                    send_actors[ins.peer].post(ins, produced[key])
-                elif isinstance(ins, OverlapFB):  # on one stream: the forward, then the backward
-                    self._compute(ins.forward, values, grads, produced, results)
-                    self._compute(ins.backward, values, grads, produced, results)
-                elif isinstance(ins, COMPUTE):
-                    self._compute(ins, values, grads, produced, results)
-                elif isinstance(ins, OptimizerStep):
-                    for actor in send_actors.values():
-                        actor.drain()
-                    self.grad_hooks.run()  # gradients are final: where eager's hooks have run
-                    self._optimizer_step()
-                elif isinstance(ins, ClipGradNorm):
-                    self.grad_hooks.run()
-                    self._unscale()
-                    self._clip_grad_norm(ins)
-                elif isinstance(ins, AllGather):
-                    self.zero.gather(ins)
-                elif isinstance(ins, ReleaseParams):
-                    self.zero.release(ins)
-                elif isinstance(ins, AllReduce):
-                    self.grad_sync.wait(ins)
-            if self.trace:
-                stats.events.append((str(ins), t0, time.perf_counter()))
+        for i in range(first, len(self.plan.instructions)):
+            self._execute(i, step, profiling)
         for actor in send_actors.values():
             actor.drain()
         for s, ex in self.executors.items():
             stats.max_live_activations[s] = ex.max_live
-            stats.max_live_bytes[s] = ex.max_live_bytes
+            if self.memory_stats:
+                stats.max_live_bytes[s] = ex.max_live_bytes
             ex.max_live = ex.max_live_bytes = 0
         stats.seconds = time.perf_counter() - start
-        return dict(results), stats
+        return dict(step.results), stats
+
+    def _computes(self, user_inputs, step: "_StepValues", n: int) -> Dict[str, List[torch.Tensor]]:
+        """The plan's first n instructions, all compute: what a CUDA graph captures."""
+        step.values = self._microbatches(user_inputs)
+        for i in range(n):
+            self._execute(i, step, False)
+        return dict(step.results)
+
+    def _execute(self, i: int, step: "_StepValues", profiling: bool) -> None:
+        """Runs instruction i of the plan."""
+        ins, range_name = self.plan.instructions[i], self.range_names[i]
+        t0 = time.perf_counter() if self.trace else 0.0
+        for gather in self.prefetch.get(i, ()):
+            self.zero.launch_gather(gather)
+        with record_function(range_name) if profiling and range_name else _NO_RANGE:
+            if isinstance(ins, Recv):
+                got = _assemble(ins, step.recv_actors[ins.peer].take(ins), step.assembling)
+                if ins.direction == ACT:
+                    step.values[(ins.stage, ins.microbatch)].update(got)
+                else:
+                    step.grads[(ins.stage, ins.microbatch)].extend(got.items())
+            elif isinstance(ins, Send):
+                key = (ins.stage, ins.microbatch, ACT if ins.direction == ACT else "B")
+                step.send_actors[ins.peer].post(ins, step.produced[key])
+            elif isinstance(ins, OverlapFB):  # on one stream: the forward, then the backward
+                self._compute(ins.forward, step.values, step.grads, step.produced, step.results)
+                self._compute(ins.backward, step.values, step.grads, step.produced, step.results)
+            elif isinstance(ins, COMPUTE):
+                self._compute(ins, step.values, step.grads, step.produced, step.results)
+            elif isinstance(ins, OptimizerStep):
+                for actor in step.send_actors.values():
+                    actor.drain()
+                self.grad_hooks.run()  # gradients are final: where eager's hooks have run
+                self._optimizer_step()
+            elif isinstance(ins, ClipGradNorm):
+                self.grad_hooks.run()
+                self._unscale()
+                self._clip_grad_norm(ins)
+            elif isinstance(ins, AllGather):
+                self.zero.gather(ins)
+            elif isinstance(ins, ReleaseParams):
+                self.zero.release(ins)
+            elif isinstance(ins, AllReduce):
+                self.grad_sync.wait(ins)
+        if self.trace:
+            step.stats.events.append((str(ins), t0, time.perf_counter()))
 
     def _compute(self, ins, values, grads, produced, results) -> None:
         s, mb = ins.stage, ins.microbatch
@@ -454,7 +508,9 @@ class Runtime:
         if self.grad_scaler is None or self.found_inf is not None:
             return
         inv = self.grad_scaler.inverse()
-        found = torch.zeros((), dtype=torch.float32)
+        # on the rank's device: NCCL reduces a GPU tensor; a CPU one (a rank without gradients)
+        # would go to gloo while the others' go to NCCL, and the MAX would never meet
+        found = torch.zeros((), dtype=torch.float32, device=self.device)
         params = self._grad_holders()
         for p in {id(p): p for p in params.values()}.values():
             if p.grad is not None:

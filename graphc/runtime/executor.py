@@ -19,12 +19,15 @@ forward (then puts back their current values: a recompute updates no running sta
 twice) and inside the same random draw (ops/random_ops.py: masks are a pure function of
 step and micro-batch), so every value, and therefore every gradient, is the forward's.
 
-Live activation bytes: every tensor autograd saves during a forward is counted once (by
-storage) against its micro-batch until that micro-batch's backward frees it; a
-checkpointed micro-batch counts its kept inputs. `max_live_bytes` is the step's peak.
+Live activation bytes (only with `count_bytes`: config.set_memory_stats, since counting
+runs a Python hook on every tensor autograd saves, ~2% of a step): every tensor autograd
+saves during a forward is counted once (by storage) against its micro-batch until that
+micro-batch's backward frees it; a checkpointed micro-batch counts its kept inputs.
+`max_live_bytes` is the step's peak.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -38,10 +41,11 @@ from .weight_grads import WeightGroups
 class _Saved:
     """What a micro-batch keeps between its forward and its backward."""
 
-    __slots__ = ("leaves", "outs", "inputs", "buffers", "nbytes", "roots", "grads", "weights")
+    __slots__ = ("leaves", "outs", "inputs", "buffers", "versions", "nbytes", "roots", "grads", "weights")
 
-    def __init__(self, leaves, outs, inputs=None, buffers=None, nbytes=0):
+    def __init__(self, leaves, outs, inputs=None, buffers=None, nbytes=0, versions=None):
         self.leaves, self.outs, self.inputs, self.buffers = leaves, outs, inputs, buffers
+        self.versions = versions   # each buffer's version when `buffers` copied it
         self.nbytes = nbytes
         self.roots: Optional[list] = None   # set by backward_input for backward_weight
         self.grads: Optional[list] = None
@@ -50,8 +54,9 @@ class _Saved:
 
 class StageExecutor:
     def __init__(self, program: StageProgram, training: bool, loss_scale: float,
-                 checkpointed=frozenset()):
+                 checkpointed=frozenset(), count_bytes: bool = True):
         self.program = program
+        self.count_bytes = count_bytes   # live activation bytes (see the module's docstring)
         self.training = training
         self.loss_scale = loss_scale
         self.checkpointed = frozenset(checkpointed)  # micro-batches whose forward is recomputed
@@ -82,14 +87,17 @@ class StageExecutor:
                 return dict(zip(prog.outputs, prog.module(*args)))
         if mb in self.checkpointed:
             buffers = {n: b.clone() for n, b in self._buffers.items()} if self._buffers else None
+            versions = {n: b._version for n, b in self._buffers.items()}
             with torch.no_grad(), drawing(*self.draw, mb):
                 out = prog.module(*args)
             outs = dict(zip(prog.outputs, out))
-            saved = _Saved(leaves, outs, args, buffers, self._bytes_of(args))
+            saved = _Saved(leaves, outs, args, buffers, self._bytes_of(args) if self.count_bytes else 0,
+                           versions)
         else:
             seen: Dict[int, int] = {}
-            with torch.enable_grad(), drawing(*self.draw, mb), \
-                    torch.autograd.graph.saved_tensors_hooks(self._counter(seen), _identity):
+            counting = torch.autograd.graph.saved_tensors_hooks(self._counter(seen), _identity) \
+                if self.count_bytes else nullcontext()
+            with torch.enable_grad(), drawing(*self.draw, mb), counting:
                 out = prog.module(*args)
             outs = dict(zip(prog.outputs, out))
             saved = _Saved(leaves, outs, nbytes=sum(seen.values()))
@@ -202,9 +210,12 @@ class StageExecutor:
         current = versions = None
         if saved.buffers:
             current = {n: b.clone() for n, b in self._buffers.items()}
-            with torch.no_grad():   # (an unchanged one is left alone: see below)
+            # a buffer written since the forward (its version moved) is put back; an unchanged
+            # one is left alone (see below). Versions, not torch.equal: no read on the host, which
+            # on a GPU waits for the stream and cannot be captured (NOTE: CUDA graphs)
+            with torch.no_grad():
                 for n, b in self._buffers.items():
-                    if not torch.equal(b, saved.buffers[n]):
+                    if b._version != saved.versions[n]:
                         b.copy_(saved.buffers[n])
             versions = {n: b._version for n, b in self._buffers.items()}
         try:
@@ -220,7 +231,7 @@ class StageExecutor:
                         if b._version != versions[n]:
                             b.copy_(current[n])
         saved.outs = dict(zip(self.program.outputs, out))
-        saved.inputs = saved.buffers = None
+        saved.inputs = saved.buffers = saved.versions = None
 
     @staticmethod
     def _input_grads(saved: _Saved) -> Dict[str, torch.Tensor]:

@@ -317,7 +317,7 @@ def _local_shape(module, name: str, t: torch.Tensor) -> tuple:
 def _local_fake(mode, module, name: str, t: torch.Tensor) -> torch.Tensor:
     """A fake of this rank's component of a parameter or buffer."""
     shape = _local_shape(module, name, t)
-    if shape == tuple(t.shape) and not t.is_meta:
+    if shape == tuple(t.shape) and t.device.type == "cpu":   # a GPU's or meta: a CPU fake, as the trace's
         return mode.from_tensor(t)
     with mode:
         return torch.empty(shape, dtype=t.dtype, requires_grad=t.requires_grad)

@@ -50,6 +50,7 @@ class Net(graphc.Graph):
             self.model[int(name.split(".")[1])].config.set_activation_checkpointing(True)
         self.twice, self.train_ = twice, train
         self.config.set_gradient_accumulation_steps(accumulation)
+        self.config.set_memory_stats(True)   # max_live_bytes: what checkpointing keeps
         if train:
             self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
 

@@ -44,6 +44,7 @@ class ChunkGraph(graphc.Graph):
         self.config.set_gradient_accumulation_steps(accumulation)
         self.config.set_pipeline_schedule(schedule)
         self.config.set_activation_checkpointing(checkpointing)
+        self.config.set_memory_stats(True)   # max_live_bytes is read below
         self.add_optimizer(opt, sched)
 
     def build(self, x, y):

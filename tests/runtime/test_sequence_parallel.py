@@ -84,6 +84,7 @@ def _train_tp2(rank):
     out = {}
     for sp in (False, True):
         graph = _graph(2, sp)
+        graph.config.set_memory_stats(True)   # graph.last_stats.max_live_bytes
         losses, state = graphc_train(graph, _batches())
         out[sp] = (losses, state, sum(graph.last_stats.max_live_bytes.values()))
     return out

@@ -49,6 +49,7 @@ def _measure(rank, world):
         model = graphc.to_global(Wide(), placement=where, sbp=graphc.sbp.broadcast)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         graph = Graph(model, opt, zero)
+        graph.config.set_memory_stats(True)   # max_live_bytes is read below
         for _ in range(2):
             graph(xs, ys)
         out[zero] = _held_bytes(model, opt)

@@ -25,8 +25,14 @@ Linear's rows; not a row-parallel Linear, which would gather its weight). Values
 already split (heads inside attention, features between the column- and row-parallel
 Linears) keep what bytes chose, and an op without such a candidate stays broadcast, so
 every program still computes what it computed before, only laid out differently. Dropout
-on a split(1) value draws per shard the shard of the whole mask (NOTE: Replica-equal
-randomness).
+on a split(1) value draws each shard's own numbers (NOTE: Replica-equal randomness: a
+split axis gives each rank its own stream, replicas along other axes the same masks), so
+its masks differ from the run without sequence parallelism, as Megatron's do.
+
+Not done here: a column-parallel Linear saves its gathered input whole for backward
+(Megatron saves the shard and gathers again in backward), so the saved bytes of those
+inputs do not shrink; the layer norms', adds' and dropouts' do (measured in
+tests/runtime/test_sequence_parallel.py).
 """
 from __future__ import annotations
 

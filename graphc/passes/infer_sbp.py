@@ -222,7 +222,7 @@ def _choose(node: fx.Node, mesh: tuple, paid: Dict[tuple, set], seq_axes=()) -> 
         best = min(cands, key=lambda c: (_cost(c, prod, n, done) + _widening(node, c, prod, n),
                                          isinstance(c[1], PartialSum)))
         if axis in seq_axes:
-            best = prefer_sequence_split(node, cands, best, lambda c: _cost(c, prod, n, done),
+            best = prefer_sequence_split(node, cands, best, prod, lambda c: _cost(c, prod, n, done),
                                          lambda c: _keeps_parameters(c, prod))
         done.update((a, r) for a, r in best[0].items() if r != prod[a])
         outs.append(best[1])

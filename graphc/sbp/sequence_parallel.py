@@ -41,7 +41,7 @@ from typing import Callable, Dict, List, Set
 import torch.fx as fx
 
 from ..meta import META_ROWS, META_STAGE, META_TENSOR
-from ..placement import Split
+from ..placement import PartialSum, Split
 from .declared import declared_in
 
 SEQUENCE_DIM = 1  # of [B, T, H]: the batch's rows at dim 0, the sequence next
@@ -70,13 +70,27 @@ def is_sequence_value(node: fx.Node) -> bool:
             and (rows is None or rows.dim == 0))
 
 
-def prefer_sequence_split(node: fx.Node, cands: List[tuple], best: tuple,
+def prefer_sequence_split(node: fx.Node, cands: List[tuple], best: tuple, prod: Dict[fx.Node, object],
                           cost: Callable[[tuple], float], keeps: Callable[[tuple], bool]) -> tuple:
     """`best`, or where it leaves a sequence value whole (broadcast, or partial_sum: a sum
     reduced later) the cheapest candidate that splits it along the sequence and reads every
     parameter as laid out (`keeps`), so a row-parallel Linear stays partial and its
     reduce-scatter goes where its result meets the residual stream (See NOTE: Sequence parallel)."""
     if isinstance(best[1], Split) or not is_sequence_value(node):
-        return best
+        return _no_partial_from_split(cands, best, prod, cost)
     seq = [c for c in cands if c[1] == Split(SEQUENCE_DIM) and keeps(c)]
     return min(seq, key=cost) if seq else best
+
+
+def _no_partial_from_split(cands: List[tuple], best: tuple, prod: Dict[fx.Node, object],
+                           cost: Callable[[tuple], float]) -> tuple:
+    """Where the split residual stream leaves the region through an op that cannot keep the
+    split (the LM head's logits viewed as [B*T, V]), a partial_sum made of it by zero-padding
+    (S -> P, local) defers a reduction of the whole value (an all-reduce of the logits) that
+    gathering or re-splitting it now does for half the bytes or less: the cheapest candidate
+    that makes nothing partial instead."""
+    if not isinstance(best[1], PartialSum) or not any(
+            isinstance(prod.get(a), Split) and isinstance(r, PartialSum) for a, r in best[0].items()):
+        return best
+    whole = [c for c in cands if not isinstance(c[1], PartialSum)]
+    return min(whole, key=cost) if whole else best

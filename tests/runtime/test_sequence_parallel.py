@@ -224,9 +224,12 @@ def test_sequence_parallel_hf_llama_tp2_matches_eager():
                          if isinstance(i, Collective)) for sp, run in runs.items()}
     # 2 layers: 4 all-reduces each way become 4 reduce-scatters and 4 all-gathers each way
     assert counts[False] == [("B", "all_reduce")] * 4 + [("F", "all_reduce")] * 4, counts[False]
-    layers = [c for c in counts[True] if c[1] != "all_reduce"]
+    layers = [c for c in counts[True] if c[1] in ("reduce_scatter", "all_gather")]
     assert layers == sorted([("F", "reduce_scatter"), ("F", "all_gather"),
                              ("B", "reduce_scatter"), ("B", "all_gather")] * 4), counts[True]
+    # the head: the logits' sequence split becomes a row split (not an all-reduce of them)
+    head = [c for c in counts[True] if c not in layers]
+    assert ("F", "all_to_all") in head and len(head) <= 4, head
 
 
 def test_sequence_parallel_leaves_data_parallel_alone():

@@ -114,6 +114,7 @@ class CompileSpec:
     zero_units: UnitOptions = UnitOptions()  # stage 3 gathered per unit (NOTE: ZeRO units)
     grad_reduce_dtype: Optional[torch.dtype] = None  # gradient buckets' dtype (None: the grads')
     param_dtype: Optional[torch.dtype] = None  # set_param_dtype: parameters stored in it, float32 masters
+    sequence_parallel: bool = False    # enable_sequence_parallel (NOTE: Sequence parallel)
 
 
 @dataclass
@@ -298,7 +299,9 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     # with deferred batch norm, running statistics take one whole-mini-batch update per step
     gm = _step(run, "defer_batch_norm", defer_batch_norm, gm, spec.deferred_batch_norm, m)
     # an SBP signature per node, cheapest by bytes moved, honouring the user's layouts
-    gm = _step(run, "infer_sbp", infer_sbp, gm, meshes, [l.sbp if l else None for l in input_layouts], m)
+    # (with sequence parallelism, tensor-parallel activations split along the sequence)
+    gm = _step(run, "infer_sbp", infer_sbp, gm, meshes, [l.sbp if l else None for l in input_layouts], m,
+               spec.sequence_parallel)
     # a stage on several ranks with nothing split computes the same thing on each: said
     gm = _step(run, "warn_replicated_stages", warn_replicated_stages, gm, meshes)
     # every SBP mismatch becomes a collective (with its dual in backward)

@@ -84,6 +84,7 @@ class GraphConfig:
         self.zero_gather_per_step = ((-1, False),)
         self.grad_reduce_dtype: Optional[torch.dtype] = None   # None: each gradient's own dtype
         self.param_dtype: Optional[torch.dtype] = None  # set_param_dtype (None: the model's own)
+        self.sequence_parallel = False      # enable_sequence_parallel (NOTE: Sequence parallel)
         self.layout = None                  # load_layout: a graphc.auto.Layout (NOTE: Auto layouts)
 
     def _check_open(self, what: str) -> None:
@@ -444,6 +445,32 @@ class GraphConfig:
         if not isinstance(enabled, bool):
             raise GraphcError(f"set_memory_stats expects True or False, found {enabled!r}")
         self.memory_stats = enabled
+
+    def enable_sequence_parallel(self, enabled: bool = True) -> None:
+        """Sequence parallelism with tensor parallelism (Megatron's `sequence_parallel`).
+
+        On every stage whose parameters are split over a mesh axis (Megatron's column- and
+        row-parallel Linears), the activations between the split matmuls (layer norms,
+        dropout, residual adds: values [B, T, ...]) are split along the sequence, dim 1, over
+        that axis instead of held whole on each of its n ranks (See NOTE: Sequence parallel
+        in graphc/sbp/sequence_parallel.py). The all-reduce after a row-parallel Linear
+        becomes a reduce-scatter (partial_sum -> split(1)) and the input of a column-parallel
+        Linear an all-gather (split(1) -> broadcast), with the duals in backward: the same
+        bytes per layer, and 1/n of those regions' activations per rank. The plan lists each
+        REDUCE_SCATTER and ALL_GATHER. Numbers equal the run without it. Parameters read by
+        the split regions (layer norms, biases) have their gradients all-reduced over the axis
+        after backward, as data parallel's are.
+
+        Args:
+            enabled: True to split the tensor-parallel activations along the sequence.
+
+        Example:
+            self.config.enable_sequence_parallel(True)   # in the Graph's __init__
+        """
+        self._check_open("enable_sequence_parallel")
+        if not isinstance(enabled, bool):
+            raise GraphcError(f"enable_sequence_parallel expects True or False, found {enabled!r}")
+        self.sequence_parallel = enabled
 
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""

@@ -198,6 +198,7 @@ _RUN = {
     "to_partial": lambda x, s, d, e, group, k, n: x.clone() if k == 0 else torch.zeros_like(x),
     "split_partial": lambda x, s, d, e, group, k, n: _pad(x, s, k, n, e),
     "grad_all_reduce": lambda x, s, d, e, group, k, n: x.view_as(x),
+    "gather_scatter": lambda x, s, d, e, group, k, n: _all_gather(x, s, group, n, e),
 }
 
 

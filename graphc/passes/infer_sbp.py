@@ -12,6 +12,7 @@ Requires: decompose_modules (parameters as get_attr nodes), propagate_shapes.
 """
 from __future__ import annotations
 
+import operator
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -26,12 +27,15 @@ from ..sbp.cost import COLLECTIVE, boxing_cost, conversion_cost, tensor_bytes
 from ..sbp.declared import conversion_target, declared_in, to_global_op
 from ..sbp.layout import B, flat, fmt, is_even, local_shape, mesh_shape, same_shape
 from ..sbp.rules import RuleCtx, draws_random, rule_for
+from ..sbp.sequence_parallel import prefer_sequence_split, tensor_axes
 
 _log = get_logger("sbp")
 
 
 def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence,
-              num_microbatches: int = 1) -> fx.GraphModule:
+              num_microbatches: int = 1, sequence_parallel: bool = False) -> fx.GraphModule:
+    # with sequence parallelism, the axes whose activations prefer split(seq): NOTE: Sequence parallel
+    seq_axes = tensor_axes(gm) if sequence_parallel else {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     given = dict(zip(placeholders, list(input_sbp) + [None] * len(placeholders)))
     paid: Dict[tuple, set] = {}  # conversions already chosen: a second reader gets them free
@@ -48,7 +52,7 @@ def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence,
         elif node.op == "call_function" and node.target is to_global_op:
             sig = _conversion(node, mesh)
         else:
-            sig = _choose(node, mesh, paid)
+            sig = _choose(node, mesh, paid, seq_axes.get(node.meta[META_STAGE], ()))
         if node.op == "placeholder":
             _check_microbatches(node, sig, num_microbatches)
         node.meta[META_SBP] = _single_rank_axes_broadcast(sig)
@@ -207,9 +211,10 @@ def _conversion(node: fx.Node, mesh: tuple) -> SbpSignature:
     return SbpSignature(mesh, sbp, ((node.args[0].name, sbp),))
 
 
-def _choose(node: fx.Node, mesh: tuple, paid: Dict[tuple, set]) -> SbpSignature:
+def _choose(node: fx.Node, mesh: tuple, paid: Dict[tuple, set], seq_axes=()) -> SbpSignature:
     """The cheapest signature; `paid`: per (stage, axis), the conversions (value, SBP) that
-    earlier nodes' signatures already need."""
+    earlier nodes' signatures already need; on `seq_axes` a sequence value is split along
+    the sequence where its rule allows (See NOTE: Sequence parallel)."""
     inputs = [a for a in node.all_input_nodes if META_SBP in a.meta]
     tensors = [a for a in inputs if a.meta.get(META_TENSOR) is not None]
     rule = rule_for(node)
@@ -230,6 +235,9 @@ def _choose(node: fx.Node, mesh: tuple, paid: Dict[tuple, set]) -> SbpSignature:
         # reduce: Megatron's one all-reduce per residual, not two)
         best = min(cands, key=lambda c: (_cost(c, prod, n, done) + _widening(node, c, prod, n),
                                          isinstance(c[1], PartialSum)))
+        if axis in seq_axes:
+            best = prefer_sequence_split(node, cands, best, prod, lambda c: _cost(c, prod, n, done),
+                                         lambda c: _keeps_parameters(c, prod))
         done.update((a, r) for a, r in best[0].items() if r != prod[a])
         outs.append(best[1])
         for a in tensors:
@@ -292,10 +300,25 @@ def _cost(cand, prod: Dict[fx.Node, object], n: int, paid=frozenset()) -> float:
         if meta is None or (a, r) in paid:
             continue
         cost = conversion_cost(prod[a], r, tensor_bytes(meta), n, meta.requires_grad)
-        if cost and a.op == "get_attr" and not isinstance(prod[a], Broadcast):
+        if cost and _is_parameter(a) and not isinstance(prod[a], Broadcast):
             cost *= 1 + DECLARED_PENALTY
         total += cost
     return total
+
+
+def _keeps_parameters(cand, prod: Dict[fx.Node, object]) -> bool:
+    """Does the candidate read every parameter in the layout it has?"""
+    return all(r == prod[a] for a, r in cand[0].items() if _is_parameter(a))
+
+
+def _is_parameter(a: fx.Node) -> bool:
+    """A parameter as ops read it: its get_attr node, or a piece of one stored in pieces
+    (a fused c_attn's q, k and v: See NOTE: fused pieces)."""
+    if a.op == "get_attr":
+        return True
+    whole = a.args[0] if a.target is operator.getitem and a.args else None
+    return (isinstance(whole, fx.Node) and whole.target is torch.chunk
+            and isinstance(whole.args[0], fx.Node) and whole.args[0].op == "get_attr")
 
 
 def _widening(node: fx.Node, cand, prod: Dict[fx.Node, object], n: int) -> float:

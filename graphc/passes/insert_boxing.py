@@ -13,6 +13,7 @@ Requires: infer_sbp.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, Optional, Tuple
 
 import torch.fx as fx
@@ -49,6 +50,7 @@ def insert_boxing(gm: fx.GraphModule) -> fx.GraphModule:
             if converted is not a:
                 node.replace_input_with(a, converted)
                 node.meta[META_SBP] = _renamed(node.meta[META_SBP], a.name, converted.name)
+    _fuse_gathers(gm)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -134,6 +136,34 @@ def _grad_reduce(gm, a: fx.Node, value: fx.Node, consumer: fx.Node, shared: dict
             reduced = _box_node(gm, reduced, consumer, sig.mesh, axis, "grad_all_reduce", cur, cur)
         shared[key] = reduced
     return shared[key] if axes else value
+
+
+def _fuse_gathers(gm: fx.GraphModule) -> None:
+    """An all_gather read only by a grad_all_reduce on its axis becomes one gather_scatter
+    box: forward the gather, backward the gradient's reduce-scatter, where the two did an
+    all-reduce and a local slice (Megatron's all-gather before a column-parallel Linear under
+    sequence parallelism; See NOTE: Sequence parallel). A gather shared with a reader that
+    needs no reduction keeps both boxes: that reader's gradient is whole, not partial."""
+    for reduce in list(gm.graph.nodes):
+        info = reduce.meta.get(META_BOXING)
+        if info is None or info.kind != "grad_all_reduce":
+            continue
+        gather = reduce.args[0]
+        found = gather.meta.get(META_BOXING)
+        if found is None or found.kind != "all_gather" or found.axis != info.axis \
+                or len(gather.users) != 1:
+            continue
+        gather.args = (gather.args[0], "gather_scatter") + tuple(gather.args[2:])
+        n = len(found.groups[0])
+        meta = gather.meta[META_TENSOR]
+        nbytes = moved_bytes("all_gather", tensor_bytes(meta), n) \
+            + moved_bytes("reduce_scatter", tensor_bytes(meta), n)
+        gather.meta[META_BOXING] = replace(found, kind="gather_scatter", nbytes=nbytes)
+        reduce.replace_all_uses_with(gather)
+        for user in gather.users:
+            if META_SBP in user.meta:
+                user.meta[META_SBP] = _renamed(user.meta[META_SBP], reduce.name, gather.name)
+        gm.graph.erase_node(reduce)
 
 
 def _box_node(gm, value: fx.Node, consumer: fx.Node, mesh: tuple, axis: int, kind: str,

@@ -100,11 +100,12 @@ def _gradient_sbp(info) -> tuple:
     """(before, after) SBP of the gradient a conversion's backward converts, written grad:...
 
     See NOTE: gradient layouts (docs/sbp.md): a gradient is split like its value, and whole
-    where the value is broadcast or partial_sum; a grad_all_reduce receives it partial.
+    where the value is broadcast or partial_sum; a grad_all_reduce (or gather_scatter)
+    receives it partial.
     """
     def whole(sbp):
         return tuple(Broadcast() if isinstance(s, PartialSum) else s for s in sbp)
     incoming = whole(info.dst)
-    if info.kind == "grad_all_reduce":
+    if BOXINGS[info.kind].partial_grad:
         incoming = incoming[:info.axis] + (PartialSum(),) + incoming[info.axis + 1:]
     return "grad:" + fmt(incoming), "grad:" + fmt(whole(info.src))

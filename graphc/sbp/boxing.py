@@ -22,6 +22,9 @@ on every rank. It runs with the split dims swapped (src <-> dst).
     to_partial      B -> P, rank 0 keeps (local)       identity
     split_partial   S -> P, zero-pad     (local)       slice (local)
     grad_all_reduce B -> B, identity     (none)        all_reduce (the B input of a sharded op)
+    gather_scatter  S -> B               all_gather    reduce_scatter (an all_gather whose only
+                                                       reader is a grad_all_reduce: the two fused,
+                                                       NOTE: Sequence parallel)
 
 Costs, with n ranks on the axis and T the global value's bytes: `sent` is what each rank
 sends with ring algorithms (2(n-1)/n T for an all-reduce); `total` is OneFlow's copy-cost
@@ -48,6 +51,7 @@ class Boxing:
     dual: Optional[str]                 # the kind the gradient's conversion is; None: identity
     sent: Callable[[int], float]        # bytes each rank sends, per byte of the value (n ranks)
     total: Callable[[int], float]       # copy cost over all ranks, per byte of the value
+    partial_grad: bool = False          # its gradient arrives partial_sum (read by sharded ops)
 
 
 def _nothing(n: int) -> float:
@@ -71,7 +75,9 @@ BOXINGS: Dict[str, Boxing] = {b.kind: b for b in (
     Boxing("slice_summed_grad", "B -> S", None, "split_partial", _nothing, _local),
     Boxing("to_partial", "B -> P", None, None, _nothing, _local),
     Boxing("split_partial", "S -> P", None, "slice", _nothing, _local),
-    Boxing("grad_all_reduce", "B -> B", None, "all_reduce", _nothing, _nothing),
+    Boxing("grad_all_reduce", "B -> B", None, "all_reduce", _nothing, _nothing, partial_grad=True),
+    Boxing("gather_scatter", "S -> B", "all_gather", "reduce_scatter",
+           lambda n: (n - 1) / n, lambda n: n - 1, partial_grad=True),
 )}
 
 

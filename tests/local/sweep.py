@@ -51,6 +51,7 @@ class Config:
     checkpointing: str = "never"
     zero: int = 0                     # config.enable_zero stage (0: off)
     amp: bool = False                 # config.enable_amp(True, torch.bfloat16) (float32 runs)
+    sp: bool = False                  # config.enable_sequence_parallel(True) (NOTE: Sequence parallel)
 
     @property
     def nproc(self) -> int:
@@ -62,7 +63,8 @@ class Config:
         ckpt = f"-ckpt_{self.checkpointing}" if self.checkpointing != "never" else ""
         zero = f"-zero{self.zero}" if self.zero else ""
         amp = "-amp" if self.amp else ""
-        return f"{self.model}-pp{self.pp}-dp{self.dp}-tp{self.tp}{sched}-acc{self.acc}{ckpt}{zero}{amp}"
+        sp = "-sp" if self.sp else ""
+        return f"{self.model}-pp{self.pp}-dp{self.dp}-tp{self.tp}{sched}-acc{self.acc}{ckpt}{zero}{amp}{sp}"
 
 
 def _valid(c: Config) -> bool:
@@ -105,6 +107,9 @@ def configurations() -> List[Config]:
                 if pp > 1 and acc < 2 and schedule == "gpipe":
                     continue
                 out.append(Config("gpt", pp, dp, tp, schedule, acc))
+    for pp, tp, dp in ((1, 2, 1), (1, 4, 1), (1, 2, 2), (2, 2, 1), (2, 2, 2)):   # the GPT, sequence parallel
+        for acc in ((2, 4) if pp * tp * dp == 2 else (4,)):
+            out.append(Config("gpt", pp, dp, tp, "1f1b", acc, sp=True))
     # BatchNorm conv net. Training BatchNorm under accumulation normalises each micro-batch
     # by its own statistics, as eager accumulation does (README: BatchNorm; graphc warns), so
     # the whole-batch oracle holds at accumulation 1; with BatchNorm in eval mode (frozen
@@ -241,7 +246,9 @@ def _gpt(c: Config):
     def make():
         model = gpt.make_model(vocab, args)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-        return gpt.GPTGraph(model, opt, lay, c.acc, c.schedule)
+        graph = gpt.GPTGraph(model, opt, lay, c.acc, c.schedule)
+        graph.config.enable_sequence_parallel(c.sp)
+        return graph
 
     def inputs(rank, step):
         return gpt.global_inputs(lay, rank, *batches[step])

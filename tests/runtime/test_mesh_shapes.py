@@ -109,6 +109,7 @@ def _train(rank, world):
 
 
 @pytest.mark.world
+@pytest.mark.slow   # CI time: 2-D stage meshes run in the local sweep (gpt-pp2-dp2-tp2..., tests/local)
 def test_2d_and_1d_stages_match_eager():
     results = run_world(_train, 5)
     for name, (_, first_mlp) in CONFIGS.items():

@@ -27,7 +27,7 @@ def _train_configs(rank, world, schedule):
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: -m slow (CI time)
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])  # gpipe: the local sweep
 def test_pipeline_matches_eager(world, schedule):
     results = run_world(_train_configs, world, schedule)
     batches = make_batches()

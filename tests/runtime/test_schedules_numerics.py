@@ -97,7 +97,8 @@ def _check(results, configs):
 # schedule runs in the local sweep (tests/local), which test_local_vs_gloo holds bitwise to
 # gloo: -m slow keeps CI time
 @pytest.mark.parametrize("schedule", [pytest.param(s, marks=pytest.mark.slow)
-                                      if s in ("gpipe", "1f1b", "looped_bfs", "zero_bubble") else s
+                                      if s in ("gpipe", "1f1b", "looped_bfs", "zero_bubble", "interleaved_1f1b",
+                                               "zbv", "dualpipev") else s
                                       for s in sorted(SCHEDULES)])
 def test_schedule_matches_eager(schedule):
     # the first two of P, 2P, 4P micro-batches the schedule takes (dualpipev needs m >= 2p)

@@ -65,6 +65,7 @@ def _world_worker(rank, world, defect):
 
 
 @pytest.mark.world
+@pytest.mark.slow   # CI time: the check in the local world: tests/local/test_local_world.py
 def test_the_check_on_a_pipeline_passes_or_refuses_on_every_rank():
     assert run_world(_world_worker, 2, False) == ["", ""]
     reports = run_world(_world_worker, 2, True)

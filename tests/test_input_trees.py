@@ -88,6 +88,7 @@ def _pipeline_worker(rank, world):
 
 
 @pytest.mark.world
+@pytest.mark.slow   # CI time: dict batches on pp2 run in the layout matrix's local world (tests/test_side_effects.py, tests/layouts.py feed)
 def test_nested_inputs_on_a_pipeline_train_like_eager():
     torch.manual_seed(0)
     want_losses, _, want_state = _eager(Net(), *_batch())

@@ -25,6 +25,7 @@ def _env():
     return env
 
 
+@pytest.mark.slow   # CI time: the example runs on two agents below (test_example_two_agents_as_two_machines)
 def test_example_single_node_loss_falls():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port()), EXAMPLE, "--steps", "8"]

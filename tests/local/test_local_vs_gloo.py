@@ -60,8 +60,8 @@ def test_local_world_is_bitwise_gloo(nproc):
 
 
 @pytest.mark.fp32
-@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_local_world_is_bitwise_gloo_under_amp(nproc):
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
+def test_local_world_is_bitwise_gloo_under_amp(nproc):   # CI time: the float64 case above runs by default
     """bf16 autocast needs float32 values (autocast leaves float64 alone)."""
     graphs = _compare([c for c in AMP if c.nproc == nproc], nproc)
     assert torch.get_default_dtype() == torch.float32

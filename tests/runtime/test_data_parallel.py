@@ -116,7 +116,9 @@ def _grads_without_optimizer(rank, world, where):
     return model.l1.weight.grad.clone()
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: -m slow (CI time)
+# CI time: -m slow; data 2 runs in the local world (tests/local/test_local_world.py), held bitwise
+# to gloo (test_local_vs_gloo), and on gloo in tests/test_semantics_gloo.py
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_data_parallel_matches_eager(world):
     results = run_world(_train, world)
     batches = make_batches(STEPS)

@@ -87,6 +87,7 @@ def _batches(batch=BATCH):
 
 
 @pytest.mark.world
+@pytest.mark.slow   # CI time: Megatron attention on tp runs in the local sweep's GPT tp configurations
 def test_megatron_attention_matches_eager():
     results = run_world(_train, 2)
     for fused, kind in CONFIGS:

@@ -32,6 +32,7 @@ def test_zero_3_on_data_4_equals_eager():
 
 
 @pytest.mark.world
+@pytest.mark.slow   # CI time: ZeRO-3 on pp2 x dp2 runs in tests/zero/test_zero3_units.py's local world and the sweep's GPT ZeRO configurations
 def test_zero_3_on_pipeline_2_x_data_2_equals_eager():
     results = run_world(_pipeline_data, 4, PIPE)
     _check(results, PIPE, "pipeline 2 x data 2")

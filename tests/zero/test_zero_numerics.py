@@ -164,6 +164,7 @@ def _plan_shape(plan, world_ranks):
 
 
 @pytest.mark.world
+@pytest.mark.slow   # CI time: tests/zero/test_zero_local.py runs stages 1 and 2 in the local world
 def test_zero_1_and_2_on_data_2_equal_eager():
     results = run_world(_data_parallel, 2, DATA2)
     _check(results, DATA2, "data 2")

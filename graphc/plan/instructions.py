@@ -474,8 +474,21 @@ class ReleaseParams(Instruction):
         return cls(_specs_from_json(d))
 
 
+class _InsideCompute:
+    """A ZeRO unit event's place: the compute it runs inside (its `stage`, `microbatch` and
+    `direction`, fields of the event), printed before its word: `0F1.GATHER`."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.stage}{self.direction}{self.microbatch}.{self.word}"
+
+    def _place_json(self) -> dict:
+        return {"stage": self.stage, "microbatch": self.microbatch, "direction": self.direction,
+                "unit": self.unit}
+
+
 @dataclass(frozen=True)
-class UnitGather(AllGather):
+class UnitGather(_InsideCompute, AllGather):
     """ZeRO stage 3 per unit: every rank's rows of one unit's parameters, gathered inside the
     compute it is listed after (`stage`, `microbatch`, `direction`), just before the unit's
     first use there; the next unit's is launched while it computes (See NOTE: ZeRO units in
@@ -488,17 +501,12 @@ class UnitGather(AllGather):
     direction: str = ACT
     unit: int = 0
 
-    @property
-    def label(self) -> str:
-        return f"{self.stage}{self.direction}{self.microbatch}.{self.word}"
-
     def __str__(self) -> str:
         return (f"{self.label} u{self.unit} ranks={list(self.ranks)} "
                 f"[{' '.join(map(str, self.tensors))}]")
 
     def to_json(self) -> dict:
-        return {**super().to_json(), "stage": self.stage, "microbatch": self.microbatch,
-                "direction": self.direction, "unit": self.unit}
+        return {**super().to_json(), **self._place_json()}
 
     @classmethod
     def reads_json(cls, d: dict) -> bool:
@@ -519,7 +527,7 @@ UnitGather.TEXT = re.compile(r"(\d+)([FB])(\d+)\.GATHER u(\d+) ranks=\[([\d, ]*)
 
 
 @dataclass(frozen=True)
-class UnitRelease(ReleaseParams):
+class UnitRelease(_InsideCompute, ReleaseParams):
     """ZeRO stage 3 per unit: one unit's whole copies freed inside the compute it is listed
     after, after the unit's last use there (See NOTE: ZeRO units in
     graphc/runtime/zero_units.py). Printed `0F1.RELEASE u2 [...]`."""
@@ -531,16 +539,11 @@ class UnitRelease(ReleaseParams):
     direction: str = ACT
     unit: int = 0
 
-    @property
-    def label(self) -> str:
-        return f"{self.stage}{self.direction}{self.microbatch}.{self.word}"
-
     def __str__(self) -> str:
         return f"{self.label} u{self.unit} [{' '.join(map(str, self.tensors))}]"
 
     def to_json(self) -> dict:
-        return {**super().to_json(), "stage": self.stage, "microbatch": self.microbatch,
-                "direction": self.direction, "unit": self.unit}
+        return {**super().to_json(), **self._place_json()}
 
     @classmethod
     def _from_text(cls, m: re.Match) -> "UnitRelease":

@@ -37,7 +37,9 @@ def test_one_process_trains():
 @pytest.mark.world
 @pytest.mark.parametrize("layout", [pytest.param(["--pp", "2"], marks=pytest.mark.slow),
                                     pytest.param(["--dp", "2"], marks=pytest.mark.slow),
-                                    ["--tp", "2"]])  # CI time: data 2 is covered by test_hf_masks, pipeline 2 by the sweep's Llama
+                                    pytest.param(["--tp", "2"], marks=pytest.mark.slow)])
+# CI time: data 2 is covered by test_hf_masks, pipeline 2 by the sweep's Llama, tensor 2 by the
+# hub matrix's tp2 cases in the local world (tests/examples/test_hub_parallel.py)
 def test_layouts_equal_the_one_process_run(layout):
     want = torch.tensor(_one_process())
     got = [torch.tensor(r) for r in run_world(_run, 2, layout) if r]

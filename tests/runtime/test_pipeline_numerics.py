@@ -26,8 +26,10 @@ def _train_configs(rank, world, schedule):
     return out
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: -m slow (CI time)
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])  # gpipe: the local sweep
+# CI time: -m slow; pipelines on gloo run in tests/test_semantics_gloo.py (pp2) and the GPT's
+# pp2 in tests/examples/test_gpt.py, every schedule in the local sweep
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_matches_eager(world, schedule):
     results = run_world(_train_configs, world, schedule)
     batches = make_batches()

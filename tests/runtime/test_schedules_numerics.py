@@ -145,6 +145,7 @@ def _train_tied(rank, world, schedules):
     return out
 
 
+@pytest.mark.slow   # CI time: the GPT's tied embedding on interleaved and V schedules runs in the local sweep
 def test_tied_embedding_across_chunks_matches_eager():
     """GPT's embedding tied to its LM head: in the V layout both are on rank 0 (two chunks
     share the parameter object: no tie collective), interleaved they are on ranks 0 and 1

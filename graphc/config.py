@@ -87,6 +87,13 @@ class GraphConfig:
         self.sequence_parallel = False      # enable_sequence_parallel (NOTE: Sequence parallel)
         self.layout = None                  # load_layout: a graphc.auto.Layout (NOTE: Auto layouts)
 
+    def _set_switch(self, what: str, attr: str, enabled) -> None:
+        """An on/off option: checked open and a bool, then set."""
+        self._check_open(what)
+        if not isinstance(enabled, bool):
+            raise GraphcError(f"{what} expects True or False, found {enabled!r}")
+        setattr(self, attr, enabled)
+
     def _check_open(self, what: str) -> None:
         if self._graph._compiled is not None:
             raise GraphcError(f"graph.config.{what} was called after the graph was compiled; "
@@ -166,10 +173,7 @@ class GraphConfig:
         Example:
             self.config.set_deferred_batch_norm(True)   # in the Graph's __init__
         """
-        self._check_open("set_deferred_batch_norm")
-        if not isinstance(enabled, bool):
-            raise GraphcError(f"set_deferred_batch_norm expects True or False, found {enabled!r}")
-        self.deferred_batch_norm = enabled
+        self._set_switch("set_deferred_batch_norm", "deferred_batch_norm", enabled)
 
     def set_activation_checkpointing(self, mode: str) -> None:
         """Which micro-batches recompute their forward in their backward, on every stage
@@ -241,10 +245,7 @@ class GraphConfig:
         Example:
             self.config.set_check_microbatching(True)   # in the Graph's __init__
         """
-        self._check_open("set_check_microbatching")
-        if not isinstance(enabled, bool):
-            raise GraphcError(f"set_check_microbatching expects True or False, found {enabled!r}")
-        self.check_microbatching = enabled
+        self._set_switch("set_check_microbatching", "check_microbatching", enabled)
 
     def enable_amp(self, enabled: bool = True, dtype: torch.dtype = torch.bfloat16) -> None:
         """Automatic mixed precision (OneFlow's name): build() runs under torch.autocast.
@@ -423,10 +424,7 @@ class GraphConfig:
             model.to("cuda")
             self.config.set_cuda_graphs(True)
         """
-        self._check_open("set_cuda_graphs")
-        if not isinstance(enabled, bool):
-            raise GraphcError(f"set_cuda_graphs expects True or False, found {enabled!r}")
-        self.cuda_graphs = enabled
+        self._set_switch("set_cuda_graphs", "cuda_graphs", enabled)
 
     def set_memory_stats(self, enabled: bool = True) -> None:
         """Counts the bytes of activations each stage keeps for its backward, per step.
@@ -441,10 +439,7 @@ class GraphConfig:
             self.config.set_memory_stats(True)
             ...; graph(x, y); print(graph.last_stats.max_live_bytes)   # {0: 1048576}
         """
-        self._check_open("set_memory_stats")
-        if not isinstance(enabled, bool):
-            raise GraphcError(f"set_memory_stats expects True or False, found {enabled!r}")
-        self.memory_stats = enabled
+        self._set_switch("set_memory_stats", "memory_stats", enabled)
 
     def enable_sequence_parallel(self, enabled: bool = True) -> None:
         """Sequence parallelism with tensor parallelism (Megatron's `sequence_parallel`).
@@ -467,10 +462,7 @@ class GraphConfig:
         Example:
             self.config.enable_sequence_parallel(True)   # in the Graph's __init__
         """
-        self._check_open("enable_sequence_parallel")
-        if not isinstance(enabled, bool):
-            raise GraphcError(f"enable_sequence_parallel expects True or False, found {enabled!r}")
-        self.sequence_parallel = enabled
+        self._set_switch("enable_sequence_parallel", "sequence_parallel", enabled)
 
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""

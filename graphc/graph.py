@@ -17,7 +17,7 @@ from .build_root import BuildRoot
 from .check_mode import CheckDone
 from .check_step import FirstStepCheck, optimizer_groups, warn_if_random
 from .checked_steps import StepChecker
-from .auto.layout import apply_layout, batch_layouts, input_stages
+from .auto.layout import apply_layout, batch_layouts, batched_inputs, input_stages
 from .config import GraphConfig
 from .dcp import dcp_state_dict, unprefixed
 from .errors import GraphcError
@@ -275,9 +275,7 @@ class Graph:
             specs, tree = flatten_call(inputs, type(self).build)
             names = tree.names if tree is not None else \
                 [p for p in list(inspect.signature(type(self).build).parameters)[1:]]
-            first = leaves[0].shape[0] if leaves and leaves[0].dim() else None
-            batched = [t.dim() > 0 and t.shape[0] == first and name not in self.config.whole_inputs
-                       for t, name in zip(leaves, names)]
+            batched = batched_inputs(leaves, names, self.config.whole_inputs)
             spec = compile_spec(self)
             with _as_traced(spec, tree):
                 stages = input_stages(spec, [s.example() for s in specs], layout)

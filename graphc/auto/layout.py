@@ -234,6 +234,13 @@ def input_stages(spec, inputs, layout: Layout) -> List[Optional[int]]:
     return [n.meta.get(META_STAGE) for n in gm.graph.nodes if n.op == "placeholder"]
 
 
+def batched_inputs(inputs, names, whole_inputs) -> List[bool]:
+    """Which inputs split over the data-parallel ranks: those micro-batches split (dim 0 equal
+    to the first input's, not named by set_whole_inputs)."""
+    first = inputs[0].shape[0] if inputs and inputs[0].dim() else None
+    return [t.dim() > 0 and t.shape[0] == first and n not in whole_inputs for t, n in zip(inputs, names)]
+
+
 def batch_layouts(layout: Layout, inputs, batched, stages: Sequence[Optional[int]]) -> list:
     """The compile's input layouts under `layout`: each batched tensor input split over the
     data-parallel axis of the stage that reads it (`stages`, from input_stages; whole on its
@@ -261,6 +268,6 @@ def constraints_of(spec) -> Dict[str, int]:
     return {"stages": len(stages)} if stages else {}
 
 
-__all__ = ["Layout", "apply_layout", "input_stages", "batch_layouts", "layer_list", "megatron_pairs", "even_boundaries",
+__all__ = ["Layout", "apply_layout", "input_stages", "batched_inputs", "batch_layouts", "layer_list", "megatron_pairs", "even_boundaries",
            "with_layers", "constraints_of", "V_SCHEDULES", "LOOPED_SCHEDULES"]
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence, Tuple
 
 from ..errors import GraphcError
-from .layout import (Layout, apply_layout, batch_layouts, input_stages, layer_list, megatron_pairs,
-                     with_layers)
+from .layout import (Layout, apply_layout, batch_layouts, batched_inputs, input_stages, layer_list,
+                     megatron_pairs, with_layers)
 
 SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
 
@@ -133,11 +133,12 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
     fitting.sort(key=lambda c: (c.est_step, c.est_memory, c.layout.describe()))
     tried: List[Candidate] = []
     best, best_compiled = None, None
+    read_at: dict = {}        # stage cut -> the stage reading each input
     for c in _diverse(fitting, top):
         if tried and time.perf_counter() - t0 > budget_s:
             _say(progress, f"graphc auto: budget of {budget_s:.0f} s spent after {len(tried)} candidates")
             break
-        compiled = _simulate(c, spec, example_inputs, nproc, batched, optimizer, device, capacity)
+        compiled = _simulate(c, spec, example_inputs, nproc, batched, optimizer, device, capacity, read_at)
         tried.append(c)
         _say(progress, f"graphc auto: [{len(tried)}/{min(top, len(fitting))}] {c.layout.describe():<36} "
                        f"step {c.step * 1e3 if c.step is not None else float('nan'):8.3f} ms  "
@@ -169,7 +170,7 @@ def _diverse(cands: List[Candidate], top: int) -> List[Candidate]:
     return (firsts + rest)[:top]
 
 
-def _simulate(c: Candidate, spec, inputs, nproc, batched, optimizer, device, capacity):
+def _simulate(c: Candidate, spec, inputs, nproc, batched, optimizer, device, capacity, read_at: dict):
     """Round 2 for one candidate: compile, simulate, memory model; fills step / peak / note."""
     from ..compiler import compile as compile_graph
     from ..tools.costs import device_costs
@@ -178,7 +179,7 @@ def _simulate(c: Candidate, spec, inputs, nproc, batched, optimizer, device, cap
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            laid = batch_layouts(c.layout, inputs, batched, _stages_read(spec, inputs, c.layout))
+            laid = batch_layouts(c.layout, inputs, batched, _stages_read(spec, inputs, c.layout, read_at))
             compiled = compile_graph(apply_layout(spec, c.layout), inputs, nproc, laid)
     except GraphcError as exc:
         c.note = f"refused: {str(exc).splitlines()[0][:120]}"
@@ -191,15 +192,12 @@ def _simulate(c: Candidate, spec, inputs, nproc, batched, optimizer, device, cap
     return compiled
 
 
-_READ_AT: dict = {}
-
-
-def _stages_read(spec, inputs, layout: Layout):
-    """input_stages, once per stage cut and schedule (its placement of stages)."""
-    key = (id(spec.root), layout.pp, layout.schedule if layout.chunks > 1 else "", layout.boundaries)
-    if key not in _READ_AT:
-        _READ_AT[key] = input_stages(spec, inputs, layout)
-    return _READ_AT[key]
+def _stages_read(spec, inputs, layout: Layout, known: dict):
+    """input_stages, once per stage cut and schedule (its placement of stages) in a search."""
+    key = (layout.pp, layout.schedule if layout.chunks > 1 else "", layout.boundaries)
+    if key not in known:
+        known[key] = input_stages(spec, inputs, layout)
+    return known[key]
 
 
 def model_facts(spec, inputs, optimizer, device: str) -> ModelFacts:
@@ -299,9 +297,7 @@ def plan_mode_search(device: str = "h100", memory_gib: Optional[float] = None, b
     def run(graph, spec, specs, tree, mode):
         examples = [s.example() for s in specs]
         names = tree.names if tree is not None else list(inspect.signature(type(graph).build).parameters)[1:]
-        first = examples[0].shape[0] if examples and examples[0].dim() else None
-        batched = [t.dim() > 0 and t.shape[0] == first and n not in spec.whole_inputs
-                   for t, n in zip(examples, names)]
+        batched = batched_inputs(examples, names, spec.whole_inputs)
         memory = None if memory_gib is None else int(memory_gib * 2 ** 30)
         with _as_traced(spec, tree):
             result = search(spec, examples, mode.nproc, batched, graph._optimizer, device, memory, budget_s)

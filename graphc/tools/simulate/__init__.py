@@ -51,12 +51,12 @@ from ..cost_model import CostModel
 from .engine import _Simulation
 from .memory import activation_peak, stage_input_bytes
 from .model_state import ModelInputs, ModelState, ParamSpec, model_inputs, model_state
-from .peak import MemoryPeak, fit_report, memory_peak, memory_peaks
+from .peak import MemoryPeak, fit_report, memory_peak
 from .result import RankSummary, SimResult, SimTimeline
 
 __all__ = ["simulate", "SimResult", "RankSummary", "SimTimeline", "Span", "Timeline",
            "activation_peak", "stage_input_bytes", "ModelInputs", "ModelState", "ParamSpec",
-           "model_inputs", "model_state", "MemoryPeak", "fit_report", "memory_peak", "memory_peaks"]
+           "model_inputs", "model_state", "MemoryPeak", "fit_report", "memory_peak"]
 
 
 def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,

@@ -31,7 +31,6 @@ real gloo ranks (the profiler's allocator events) and states the tolerance.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -39,6 +38,7 @@ from ...plan.instructions import (AllGather, AllReduce, Backward, BackwardInput,
                                   Forward, OptimizerStep, OverlapFB, ReduceScatter, ReleaseParams,
                                   TieAllReduce)
 from ...plan.plan import ExecutionPlan, checkpointed_microbatches
+from ...sbp.layout import chunk_range
 from ..cost_model import CostModel
 from .memory import stage_input_bytes
 from .model_state import ParamSpec, model_state, zero_stage
@@ -160,12 +160,6 @@ def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostMod
     return MemoryPeak(plan.rank, base, held.peak, held.at, parts_at)
 
 
-def memory_peaks(plans: Sequence[ExecutionPlan], model, costs: CostModel,
-                 gather_copies: int = 1) -> Dict[int, MemoryPeak]:
-    """rank -> its MemoryPeak, for every plan (`model`: model_inputs(compiled, optimizer))."""
-    return {p.rank: memory_peak(p, model.params.get(p.rank, ()), costs, gather_copies) for p in plans}
-
-
 def _backward(held: _Held, part, label: str, saved, act, graded: Set[int], grads_of) -> None:
     key = (part.stage, part.microbatch)
     whole = act.get(part.stage, 0)
@@ -226,12 +220,9 @@ def _gather_buffer(ins: AllGather, copies: int) -> int:
 
 
 def _rows_bytes(p: ParamSpec, ins: AllGather, rank: int) -> int:
-    d = len(ins.ranks)
+    """This rank's rows of `p` (torch.chunk's, as ZeRO shards them)."""
     rows = p.shape[0] if p.shape else 1
-    k = sorted(ins.ranks).index(rank)
-    c = math.ceil(rows / d)
-    mine = max(0, min((k + 1) * c, rows) - k * c)
-    return mine * p.row_bytes
+    return chunk_range(rows, len(ins.ranks), sorted(ins.ranks).index(rank))[1] * p.row_bytes
 
 
 def fit_report(peaks: Dict[int, MemoryPeak], capacity: int, device: str, plan: ExecutionPlan) -> str:

@@ -44,6 +44,7 @@ from .passes.defer_batch_norm import defer_batch_norm
 from .passes.feed_whole_batch import feed_whole_batch
 from .passes.find_batch_dims import find_batch_dims, input_names
 from .passes.find_meshes import find_meshes
+from .passes.find_plan_symmetry import find_plan_symmetry
 from .passes.infer_sbp import infer_sbp
 from .passes.insert_autocast_modes import insert_autocast_modes
 from .passes.insert_boxing import insert_boxing
@@ -71,6 +72,7 @@ from .passes.verify_meta import MetaVerifier, graphs_in
 from .placement import Layout
 from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
+from .plan.templates import PlanWorld, RowSymmetry, check_quotient
 from .plan.verify import verify_plans
 from . import plan_cache
 from .plan_cache import CompileKey
@@ -124,7 +126,7 @@ class CompiledGraph:
     gm: fx.GraphModule
     stages: List[StageInfo]
     programs: List[StageProgram]
-    plans: List[ExecutionPlan]
+    plans: Sequence[ExecutionPlan]    # by rank; a whole world's may be a PlanWorld (NOTE: Plan templates)
     training: bool
     num_microbatches: int
     input_meta: List[tuple]
@@ -349,7 +351,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
 
 
 def _plans(run: _Compilation, spec: CompileSpec, key: CompileKey, gm, programs, stages, meshes,
-           declared, training: bool, world_size: int, ranks) -> List[ExecutionPlan]:
+           declared, training: bool, world_size: int, ranks) -> Sequence[ExecutionPlan]:
     """The plans of `ranks` from GRAPHC_PLAN_CACHE when an entry has this key (NOTE: Plan
     cache), else lowered (and then kept there). A whole world's plans (graphc plan) are
     not kept: millions of instructions, compiled once by a tool."""
@@ -366,8 +368,52 @@ def _plans(run: _Compilation, spec: CompileSpec, key: CompileKey, gm, programs, 
 
 
 def _lower(run: _Compilation, spec: CompileSpec, gm, programs, stages, meshes, declared,
-           training: bool, world_size: int, ranks) -> List[ExecutionPlan]:
-    """compile()'s last phase: the schedule lowered to the plans of `ranks`, then verified."""
+           training: bool, world_size: int, ranks) -> Sequence[ExecutionPlan]:
+    """compile()'s last phase: the schedule lowered to the plans of `ranks`, then verified.
+    The whole world's (ranks None) are lowered as templates where the layout allows (NOTE: Plan
+    templates); else every rank's."""
+    if ranks is None:
+        # whether one row of replicas stands for every row (why not is kept in the history)
+        symmetry = _step(run, "find_plan_symmetry", find_plan_symmetry, meshes, gm, programs, spec.zero_stage)
+        if isinstance(symmetry, RowSymmetry):
+            world = _lower_templates(run, spec, gm, programs, stages, meshes, declared, training,
+                                     world_size, symmetry)
+            if world is not None:
+                return world
+    plans = _lower_ranks(run, spec, gm, programs, stages, meshes, declared, training, world_size, ranks)
+    # all plans together pair up and are free of deadlock, with every instruction in place
+    _step(run, "verify_plans", verify_plans, plans, world_size)
+    return plans
+
+
+def _lower_templates(run: _Compilation, spec: CompileSpec, gm, programs, stages, meshes, declared,
+                     training: bool, world_size: int, symmetry: RowSymmetry) -> Optional[PlanWorld]:
+    """The whole world's plans as row 0's templates (NOTE: Plan templates), verified as the
+    world's quotient; None (said in the log) where the last row, lowered too, is not their
+    instance, or the templates name ranks of other rows."""
+    chosen = symmetry.template_ranks(world_size)
+    last = symmetry.row(symmetry.rows - 1)
+    plans = _lower_ranks(run, spec, gm, programs, stages, meshes, declared, training, world_size, chosen + last)
+    by_rank = {p.rank: p for p in plans}
+    templates = [by_rank[r] for r in chosen]
+    # transfers stay in a row, and each group is in row 0 or whole columns
+    why = _step(run, "check_quotient", check_quotient, templates, symmetry)
+    if why is None:   # the last row lowered is its templates renamed
+        world = PlanWorld(templates, symmetry, world_size)
+        why = next((f"rank {r}'s lowered plan is not its template's instance" for r in last
+                    if world[r] != by_rank[r]), None)
+    if why is not None:
+        _log.info("%s: plan templates not used (%s); lowering all %d ranks", spec.name, why, world_size)
+        return None
+    # the templates pair up and are free of deadlock as a world: so is the whole world
+    _step(run, "verify_plans", verify_plans, templates, world_size, True)
+    return PlanWorld(templates, symmetry, world_size)
+
+
+def _lower_ranks(run: _Compilation, spec: CompileSpec, gm, programs, stages, meshes, declared,
+                 training: bool, world_size: int, ranks) -> List[ExecutionPlan]:
+    """The plans of `ranks` (None: every rank's): the schedule's compute order, transfers,
+    gradient syncs and listed collectives, not yet verified."""
     m = spec.gradient_accumulation_steps
     # the schedule's compute order, with point-to-point sends and receives around it
     plans = _step(run, "lower_plan", lower_plan, programs, stages, spec.pipeline_schedule, m,
@@ -389,8 +435,6 @@ def _lower(run: _Compilation, spec: CompileSpec, gm, programs, stages, meshes, d
                   spec.grad_clip_norm, declared, grad_dtype)
     # each conversion's collectives listed where its compute issues them (SBP, ranks, bytes)
     plans = _step(run, "list_collectives", list_collectives, plans, programs)
-    # all plans together pair up and are free of deadlock, with every instruction in place
-    _step(run, "verify_plans", verify_plans, plans, world_size)
     # the stages nobody wrote down (found from placements), kept on every rank's plan
     return _step(run, "note_stages", note_stages, plans, gm, world_size)
 

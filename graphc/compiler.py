@@ -398,10 +398,10 @@ def _lower_templates(run: _Compilation, spec: CompileSpec, gm, programs, stages,
     templates = [by_rank[r] for r in chosen]
     # transfers stay in a row, and each group is in row 0 or whole columns
     why = _step(run, "check_quotient", check_quotient, templates, symmetry)
-    if why is None:   # the last row lowered is its templates renamed
-        world = PlanWorld(templates, symmetry, world_size)
+    if why is None:   # the last row lowered is its templates renamed, printed text for text
+        world = PlanWorld(templates, symmetry, world_size)   # (fields left out of == included)
         why = next((f"rank {r}'s lowered plan is not its template's instance" for r in last
-                    if world[r] != by_rank[r]), None)
+                    if str(world[r]) != str(by_rank[r])), None)
     if why is not None:
         _log.info("%s: plan templates not used (%s); lowering all %d ranks", spec.name, why, world_size)
         return None

@@ -47,7 +47,8 @@ def stage_summary(name: str, compiled, written: Sequence[int] = ()) -> str:
         block = _stage_lines(held, ranks, plans, labels, set(written))
         block[-1:-1] = [f"  {replicated[s]}" for s in held if s in replicated]  # before "plans written"
         lines += block
-    idle = [p.rank for p in plans if not p.local_stages]
+    staged = {r for s in stages for r in s.ranks}
+    idle = [r for r in range(len(plans)) if r not in staged]
     if idle:
         lines.append(f"idle: ranks {ranges(idle)} hold no stage")
     return "\n".join(lines)
@@ -57,9 +58,11 @@ def _stage_lines(held: List[int], ranks: List[int], plans, labels, written) -> L
     what = "stage" if len(held) == 1 else "stages"
     out = [f"{what} {', '.join(map(str, held))}: ranks {ranges(ranks)} ({len(ranks)} rank(s))"]
     variants: Dict[tuple, List[int]] = {}
+    # of a world of templates, each rank's template: the same labels (NOTE: Plan templates)
+    labelled = getattr(plans, "template_of", plans.__getitem__)
     for r in ranks:
         shape = tuple(labels.get(id(i)) or labels.setdefault(id(i), i.label)
-                      for i in plans[r].instructions)
+                      for i in labelled(r).instructions)
         variants.setdefault(shape, []).append(r)
     if len(variants) > 1:
         out.append(f"  {len(variants)} instruction sequences: " + "; ".join(

@@ -109,11 +109,13 @@ class PlanWorld(Sequence):
             rank += self.world_size
         if not 0 <= rank < self.world_size:
             raise IndexError(rank)
-        if rank in self.templates:
-            return self.templates[rank]
         if rank not in self._made:
-            self._made[rank] = self._instance(rank)
+            self._made[rank] = self.templates.get(rank) or self._instance(rank)
         return self._made[rank]
+
+    def __setitem__(self, rank: int, plan: ExecutionPlan) -> None:
+        """Replaces rank's plan alone (its template, if it is one, still stands for its class)."""
+        self._made[rank % self.world_size] = plan
 
     def template_of(self, rank: int) -> ExecutionPlan:
         """The template rank's plan is its instance renamed: its instruction labels, counts and

@@ -195,7 +195,7 @@ def measure(size: int, out: str, profile: str = None, phases=PHASES) -> dict:
                        if r.name in ("lower_plan", "insert_grad_sync", "insert_tie_sync",
                                      "insert_grad_clip", "list_collectives"))
     # a world of templates counts each rank's template, not instances it has not made
-    plan_of = getattr(compiled.plans, "template_of", compiled.plans.__getitem__)
+    plan_of = getattr(compiled.plans, "plan_or_template", compiled.plans.__getitem__)
     rec["instructions"] = sum(len(plan_of(r).instructions) for r in range(size))
     rec["stages"] = len(compiled.stages)
     os.makedirs(out, exist_ok=True)

@@ -97,6 +97,7 @@ class PlanWorld(Sequence):
         self._where = symmetry.where()
         self._columns = symmetry.columns()
         self._made: Dict[int, ExecutionPlan] = {}
+        self._replaced: Dict[int, ExecutionPlan] = {}
         self._renamed: Dict[int, Dict[int, Instruction]] = {}   # row -> id(template ins) -> instance
 
     def __len__(self) -> int:
@@ -109,17 +110,26 @@ class PlanWorld(Sequence):
             rank += self.world_size
         if not 0 <= rank < self.world_size:
             raise IndexError(rank)
+        if rank in self._replaced:
+            return self._replaced[rank]
         if rank not in self._made:
             self._made[rank] = self.templates.get(rank) or self._instance(rank)
         return self._made[rank]
 
     def __setitem__(self, rank: int, plan: ExecutionPlan) -> None:
         """Replaces rank's plan alone (its template, if it is one, still stands for its class)."""
-        self._made[rank % self.world_size] = plan
+        self._replaced[rank % self.world_size] = plan
+
+    def __add__(self, other) -> list:
+        return list(self) + list(other)
+
+    def plan_or_template(self, rank: int) -> ExecutionPlan:
+        """Rank's plan where it was replaced, else its template: the same instruction labels,
+        counts and payloads as its instance, which need not be made to read them."""
+        return self._replaced.get(rank) or self.template_of(rank)
 
     def template_of(self, rank: int) -> ExecutionPlan:
-        """The template rank's plan is its instance renamed: its instruction labels, counts and
-        payloads are the same (what summaries read without making the instance)."""
+        """The plan whose renaming is rank's."""
         if rank in self.templates:
             return self.templates[rank]
         j, _, t = self._where[rank]

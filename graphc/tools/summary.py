@@ -59,7 +59,7 @@ def _stage_lines(held: List[int], ranks: List[int], plans, labels, written) -> L
     out = [f"{what} {', '.join(map(str, held))}: ranks {ranges(ranks)} ({len(ranks)} rank(s))"]
     variants: Dict[tuple, List[int]] = {}
     # of a world of templates, each rank's template: the same labels (NOTE: Plan templates)
-    labelled = getattr(plans, "template_of", plans.__getitem__)
+    labelled = getattr(plans, "plan_or_template", plans.__getitem__)
     for r in ranks:
         shape = tuple(labels.get(id(i)) or labels.setdefault(id(i), i.label)
                       for i in labelled(r).instructions)

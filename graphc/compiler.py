@@ -374,7 +374,8 @@ def _lower(run: _Compilation, spec: CompileSpec, gm, programs, stages, meshes, d
     templates); else every rank's."""
     if ranks is None:
         # whether one row of replicas stands for every row (why not is kept in the history)
-        symmetry = _step(run, "find_plan_symmetry", find_plan_symmetry, meshes, gm, programs, spec.zero_stage)
+        symmetry = _step(run, "find_plan_symmetry", find_plan_symmetry, stages, meshes, gm, programs,
+                         spec.zero_stage)
         if isinstance(symmetry, RowSymmetry):
             world = _lower_templates(run, spec, gm, programs, stages, meshes, declared, training,
                                      world_size, symmetry)

@@ -2,7 +2,8 @@
 
 Invariant: returns a RowSymmetry only when every rank of row d lowers to its row-0 template
 renamed (NOTE: Plan templates, (A)): the stages' meshes are pairwise equal or disjoint, all
-D x T with D >= 2 (a 1-D mesh of n ranks is n x 1), no value moves between meshes in pieces,
+D x T with D >= 2 (a 1-D mesh of n ranks is n x 1), each stage's ranks listed in its mesh's
+order (replica k of one stage talks to replica k of the next), no value moves between meshes in pieces,
 every split along mesh axis 0 divides evenly, and ZeRO is off. Otherwise it returns the reason,
 a string, and compile() lowers every rank.
 Requires: find_meshes, split_stages (the programs' reshards), infer_sbp (every node's layout).
@@ -14,13 +15,17 @@ from typing import List, Sequence, Union
 import torch.fx as fx
 
 from ..meta import META_SBP, META_TENSOR, TensorMeta
-from ..placement import Split, mesh_shape
+from ..placement import Split, flat, mesh_shape
+from ..plan.plan import StageInfo
 from ..plan.program import StageProgram
 from ..plan.templates import RowSymmetry
 
 
-def find_plan_symmetry(meshes: Sequence[tuple], gm: fx.GraphModule, programs: Sequence[StageProgram],
-                       zero_stage: int) -> Union[RowSymmetry, str]:
+def find_plan_symmetry(stages: Sequence[StageInfo], meshes: Sequence[tuple], gm: fx.GraphModule,
+                       programs: Sequence[StageProgram], zero_stage: int) -> Union[RowSymmetry, str]:
+    reordered = next((s.stage_id for s, mesh in zip(stages, meshes) if tuple(s.ranks) != flat(mesh)), None)
+    if reordered is not None:
+        return f"stage {reordered} lists its ranks in another order than its mesh"
     grids = _distinct_grids(meshes)
     if isinstance(grids, str):
         return grids

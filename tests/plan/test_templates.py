@@ -12,6 +12,7 @@ from graphc.errors import PlanError
 from graphc.executable import input_specs
 from graphc.passes.find_plan_symmetry import find_plan_symmetry
 from graphc.plan.instructions import Collective, Recv, Send
+from graphc.plan.plan import StageInfo
 from graphc.plan.templates import PlanWorld
 from graphc.plan.verify import verify_plans
 
@@ -63,7 +64,10 @@ def test_a_layout_without_the_symmetry_says_why(monkeypatch):
     assert not isinstance(compiled.plans, PlanWorld)
     said = next(r.text for r in compiled.history if r.name == "find_plan_symmetry")
     assert "one replica per stage" in said
-    assert "ZeRO stage 1" in find_plan_symmetry([(0, 1)], compiled.gm, compiled.programs, 1)
+    stages = [StageInfo(0, (0, 1))]
+    assert "ZeRO stage 1" in find_plan_symmetry(stages, [(0, 1)], compiled.gm, compiled.programs, 1)
+    assert "another order" in find_plan_symmetry([StageInfo(0, (1, 0))], [(0, 1)], compiled.gm,
+                                                 compiled.programs, 0)
 
 
 @pytest.fixture(scope="module")

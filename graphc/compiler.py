@@ -72,7 +72,7 @@ from .passes.verify_meta import MetaVerifier, graphs_in
 from .placement import Layout
 from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
-from .plan.templates import PlanWorld, RowSymmetry, check_quotient
+from .plan.templates import PlanWorld, RowSymmetry, check_quotient, same_as_printed
 from .plan.verify import verify_plans
 from . import plan_cache
 from .plan_cache import CompileKey
@@ -399,10 +399,10 @@ def _lower_templates(run: _Compilation, spec: CompileSpec, gm, programs, stages,
     templates = [by_rank[r] for r in chosen]
     # transfers stay in a row, and each group is in row 0 or whole columns
     why = _step(run, "check_quotient", check_quotient, templates, symmetry)
-    if why is None:   # the last row lowered is its templates renamed, printed text for text
-        world = PlanWorld(templates, symmetry, world_size)   # (fields left out of == included)
+    if why is None:   # the last row lowered is its templates renamed, as printed
+        world = PlanWorld(templates, symmetry, world_size)
         why = next((f"rank {r}'s lowered plan is not its template's instance" for r in last
-                    if str(world[r]) != str(by_rank[r])), None)
+                    if not same_as_printed(world[r], by_rank[r])), None)
     if why is not None:
         _log.info("%s: plan templates not used (%s); lowering all %d ranks", spec.name, why, world_size)
         return None

@@ -44,6 +44,7 @@ given one by one (verify_plans on concrete plans) are checked in full as before.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -183,6 +184,23 @@ def _with(ins: Instruction, name: str, value) -> Instruction:
     new.__dict__.update(ins.__dict__)
     object.__setattr__(new, name, value)
     return new
+
+
+def same_as_printed(a: ExecutionPlan, b: ExecutionPlan) -> bool:
+    """Whether two plans print alike, without printing them: == and the fields == leaves out
+    (a piece's offsets, a clip's per-rank parameters)."""
+    return a == b and all(x is y or _uncompared(x) == _uncompared(y)
+                          for x, y in zip(a.instructions, b.instructions))
+
+
+@functools.lru_cache(maxsize=None)
+def _uncompared_fields(cls) -> Tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if not f.compare)
+
+
+def _uncompared(ins: Instruction) -> tuple:
+    return (tuple(getattr(ins, name) for name in _uncompared_fields(type(ins))),
+            tuple((t.at, t.of) for t in getattr(ins, "tensors", ())))
 
 
 def check_quotient(templates: Sequence[ExecutionPlan], symmetry: RowSymmetry) -> Optional[str]:

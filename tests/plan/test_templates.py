@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import graphc
 from graphc import compiler
 from graphc.errors import PlanError
 from graphc.executable import input_specs
@@ -18,7 +19,9 @@ from graphc.plan.verify import verify_plans
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))
+sys.path.insert(0, os.path.join(HERE, ".."))
 import plan_scale  # noqa: E402
+from transformer_models import GPTGraph, TinyGPT, token_batches  # noqa: E402
 
 
 def _compile(monkeypatch, pp, dp, tp, m=4, ranks=None, clip=None):
@@ -104,3 +107,18 @@ def test_a_fault_planted_in_one_rank_of_a_large_world_is_caught(world):
     plans[77] = plan
     with pytest.raises(PlanError, match=r"rank 93, instruction #\d+.*out of order"):
         verify_plans(plans, len(world))
+
+
+def test_a_tied_pipeline_on_two_replicas_is_its_templates_renamed():
+    # the embedding tied to the head: each replica's tie all-reduce joins its two stages (a
+    # group inside one row), renamed with its row
+    idx, targets = token_batches(1)[0]
+
+    def compiled(ranks=None):
+        where = [graphc.placement("cpu", ranks=[0, 1]), graphc.placement("cpu", ranks=[2, 3])]
+        return compiler.compile(GPTGraph(TinyGPT(layers=2), None, where), [idx, targets], 4, ranks=ranks)
+    templated, lowered = compiled(), compiled(list(range(4)))
+    assert isinstance(templated.plans, PlanWorld) and sorted(templated.plans.templates) == [0, 2]
+    assert [str(p) for p in templated.plans] == [str(p) for p in lowered.plans]
+    tie = next(line for line in str(templated.plans[3]).splitlines() if "TIE_ALL_REDUCE" in line)
+    assert "ranks=[1, 3] [model.wte.weight:" in tie and tie.endswith("as [model.lm_head.weight]")

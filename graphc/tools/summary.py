@@ -58,11 +58,16 @@ def _stage_lines(held: List[int], ranks: List[int], plans, labels, written) -> L
     what = "stage" if len(held) == 1 else "stages"
     out = [f"{what} {', '.join(map(str, held))}: ranks {ranges(ranks)} ({len(ranks)} rank(s))"]
     variants: Dict[tuple, List[int]] = {}
-    # of a world of templates, each rank's template: the same labels (NOTE: Plan templates)
+    # of a world of templates, each rank's template: the same labels (NOTE: Plan templates),
+    # read once per template
     labelled = getattr(plans, "plan_or_template", plans.__getitem__)
+    shapes: Dict[int, tuple] = {}
     for r in ranks:
-        shape = tuple(labels.get(id(i)) or labels.setdefault(id(i), i.label)
-                      for i in labelled(r).instructions)
+        plan = labelled(r)
+        shape = shapes.get(id(plan))
+        if shape is None:
+            shape = shapes[id(plan)] = tuple(labels.get(id(i)) or labels.setdefault(id(i), i.label)
+                                             for i in plan.instructions)
         variants.setdefault(shape, []).append(r)
     if len(variants) > 1:
         out.append(f"  {len(variants)} instruction sequences: " + "; ".join(

@@ -100,6 +100,7 @@ class PlanWorld(Sequence):
         self._made: Dict[int, ExecutionPlan] = {}
         self._replaced: Dict[int, ExecutionPlan] = {}
         self._renamed: Dict[int, Dict[int, Instruction]] = {}   # row -> id(template ins) -> instance
+        self._kinds: Dict[Tuple[int, ...], str] = {}             # group -> group_kind
 
     def __len__(self) -> int:
         return self.world_size
@@ -139,12 +140,12 @@ class PlanWorld(Sequence):
     def _instance(self, rank: int) -> ExecutionPlan:
         d = self._where[rank][1]
         template = self.template_of(rank)
-        renamed = self._renamed.setdefault(d, {})
+        renamed, rho = self._renamed.setdefault(d, {}), self._rho(d)
         instrs = []
         for ins in template.instructions:
             new = renamed.get(id(ins))
             if new is None:
-                new = renamed[id(ins)] = rename(ins, self._rho(d), self._invariant)
+                new = renamed[id(ins)] = rename(ins, rho, self._invariant)
             instrs.append(new)
         return dataclasses.replace(template, rank=rank, instructions=instrs, notes=dict(template.notes))
 
@@ -156,7 +157,9 @@ class PlanWorld(Sequence):
         return to_row
 
     def _invariant(self, group: Tuple[int, ...]) -> bool:
-        return group_kind(group, self._columns, self.symmetry.rows) == "columns"
+        if group not in self._kinds:
+            self._kinds[group] = group_kind(group, self._columns, self.symmetry.rows)
+        return self._kinds[group] == "columns"
 
 
 def group_kind(group: Tuple[int, ...], columns: Dict[int, int], rows: int) -> str:

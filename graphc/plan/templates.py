@@ -20,9 +20,10 @@ pick the same replica of a neighbour stage (equal mesh shapes: replica k talks t
 the groups of its mesh axes that contain it, and its local shapes, which are the same on every
 row when every split along axis 0 divides evenly and ZeRO (which cuts flat shards by data rank)
 is off: find_plan_symmetry refuses the symmetry otherwise. compile() also lowers row D-1 for
-real and compares it with its instances (an uneven or rank-dependent pass shows there first),
-and tests/plan/test_templates.py compares every rank's instance with its own compile (ranks=[r])
-over the layout families. (B) check_quotient, on the templates: every peer of a template is in
+real and compares it with its instances, field by field (a pass that treats row 0 apart, as
+clipping's per-rank parameter lists do, shows there; then every rank is lowered), and
+tests/plan/test_templates.py and tests/passes/test_lower_plan.py compare every rank's instance
+with the plan lowered for it alone or with every rank (data x tensor x pipeline, ties). (B) check_quotient, on the templates: every peer of a template is in
 row 0 (transfers stay within a row), and every group is either inside row 0 or a union of whole
 columns {M[*][t]} (then rho_d maps it onto itself and its instance keeps the template's tuple).
 

@@ -122,3 +122,14 @@ def test_a_tied_pipeline_on_two_replicas_is_its_templates_renamed():
     assert [str(p) for p in templated.plans] == [str(p) for p in lowered.plans]
     tie = next(line for line in str(templated.plans[3]).splitlines() if "TIE_ALL_REDUCE" in line)
     assert "ranks=[1, 3] [model.wte.weight:" in tie and tie.endswith("as [model.lm_head.weight]")
+
+
+@pytest.mark.slow
+def test_the_8192_rank_world_is_128_templates_and_a_rank_alone_is_its_instance(monkeypatch):
+    # issue 31's world (32 stages x 64 replicas x 4 tensor ranks): the middle rank's plan
+    # lowered alone is its instance, printed text for printed text
+    world = _compile(monkeypatch, 32, 64, 4, m=64)
+    assert isinstance(world.plans, PlanWorld) and len(world.plans.templates) == 128
+    alone = _compile(monkeypatch, 32, 64, 4, m=64, ranks=[4097])
+    assert str(world.plans[4097]) == str(alone.plan_for(4097))
+    assert sorted(world.plans._made) == [0, 4097]   # only the plans asked for were made

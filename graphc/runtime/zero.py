@@ -92,6 +92,7 @@ from ..plan.instructions import AllGather, OptimizerStep, ReduceScatter, Release
 from ..plan.plan import ZERO_NOTE
 from ..sbp.layout import chunk_range
 from .collectives import GradSync
+from .zero_rows import in_place_group, launch_broadcast_rows, launch_reduce_rows, reducible_in_place
 
 
 @dataclass
@@ -286,6 +287,12 @@ class ZeroShards:
         width = sum(s.part_numel for s in shards)
         first = next((p.grad for p in params if p.grad is not None), params[0])
         dtype = getattr(torch, ins.tensors[0].dtype)   # summed in (NOTE: Gradient reduce dtype)
+        grads = self._reducible_in_place(shards, params, dtype)
+        if grads is not None:        # rank by rank on views of the gradients (NOTE: ZeRO rows in place)
+            for p in params:
+                p.grad = None
+            out = torch.empty(width, dtype=dtype, device=grads[0].device)
+            return launch_reduce_rows(shards, grads, out), out, None
         if keep is None and _in_place(shards, params[0].grad, dtype):
             # one tensor, even rows: its gradient is the packed bucket already (no copy)
             packed = params[0].grad.view(d, width)
@@ -309,6 +316,14 @@ class ZeroShards:
         out = torch.empty(width, dtype=packed.dtype, device=packed.device)
         work = _reduce_scatter(out, packed, shards[0].ranks)
         return work, out, packed
+
+    def _rows_in_place(self, shards: List[Shard]) -> bool:
+        """Stage 2 on a gloo group, without masters: the bucket's collectives run rank by rank
+        on views (See NOTE: ZeRO rows in place in zero_rows.py)."""
+        return self.stage == 2 and all(s.master is None for s in shards) and in_place_group(shards[0].ranks)
+
+    def _reducible_in_place(self, shards: List[Shard], params, dtype) -> Optional[List[torch.Tensor]]:
+        return reducible_in_place(shards, params, dtype) if self._rows_in_place(shards) else None
 
     def take_grads(self, ins: ReduceScatter, out: torch.Tensor) -> None:
         """This rank's summed rows (`out`) become the shard parameters' gradients (views)."""
@@ -359,6 +374,9 @@ class ZeroShards:
         stepped on them); gather() waits for it."""
         shards = [self.by_name[t.name] for t in ins.tensors]
         ref = shards[0].param
+        if self._rows_in_place(shards):   # straight into the parameters (NOTE: ZeRO rows in place)
+            self.gathering[ins] = launch_broadcast_rows(shards), None, None
+            return
         if self.stage == 3 and all(_in_place([s], s.param, s.param.dtype) for s in shards):
             self.gathering[ins] = _launch_into(shards)
             return
@@ -371,7 +389,7 @@ class ZeroShards:
         if ins not in self.gathering:
             self.launch_gather(ins)
         work, packed, _ = self.gathering.pop(ins)
-        if isinstance(work, list):   # gathered into the parameters themselves (_launch_into)
+        if isinstance(work, list):   # gathered into the parameters themselves (_launch_into, rows)
             for w in work:
                 if w is not None:
                     w.wait()

@@ -152,7 +152,8 @@ class Shard:
         parameter its master rounded, and the master's storage freed again."""
         m = self.master.data
         self.shard.data.copy_(m[self.start:self.start + self.rows])
-        self.param.data.copy_(m)
+        if not self.released:    # (stage 3: a freed parameter is the next gather's rounding)
+            self.param.data.copy_(m)
         m.untyped_storage().resize_(0)
 
     def keep_rows(self) -> None:
@@ -462,13 +463,15 @@ def whole_parameters(params) -> Iterator[None]:
     try:
         yield
     finally:
+        for s in rows_only:      # (stage 3: before its parameter is freed again)
+            s.keep_master_rows()
         for s in chosen:
-            if not s.released:   # (a plan run inside the block may have released it itself)
+            # (a plan run inside the block may have released it itself; a master's rows are
+            # kept from the master, not from their rounding)
+            if not s.released and s.master is None:
                 s.keep_rows()
         for s in freed:
             s.release()
-        for s in rows_only:
-            s.keep_master_rows()
 
 
 def _by_group(shards) -> List[Shard]:
@@ -516,12 +519,13 @@ def _launch_into(shards: List[Shard]) -> tuple:
     for s in shards:
         s.materialize()
         blocks = s.param.data.view(len(s.ranks), -1)
+        mine = s.shard.data.reshape(-1).to(s.param.dtype)   # a float32 master's rows rounded
         if not by_broadcast:
-            works.append(_all_gather(blocks, s.shard.data.reshape(-1), s.ranks))
+            works.append(_all_gather(blocks, mine, s.ranks))
             continue
         # gloo: one broadcast per rank's rows, straight into them (its all-gather would hold a
         # scratch copy of the whole parameter)
-        blocks[s.ranks.index(w.rank)].copy_(s.shard.data.reshape(-1))
+        blocks[s.ranks.index(w.rank)].copy_(mine)
         works.extend(w.broadcast_from(blocks[k], r, s.ranks, async_op=True) for k, r in enumerate(s.ranks))
     return works, None, None
 
@@ -539,13 +543,13 @@ def _shard_parameter(name: str, p: torch.nn.Parameter, master: Optional[torch.nn
     """The parameter the optimizer steps for `p`: a view of its rows (stages 1, 2), a copy of
     them (stage 3), or a copy of its float32 master's rows, whose whole storage is then freed
     (See NOTE: ZeRO with master parameters)."""
+    if stage == 3:
+        _own_storage(name, p)
     if master is not None:
         _own_storage(name, master)
         shard = torch.nn.Parameter(master.data[start:start + rows].clone(), requires_grad=master.requires_grad)
         master.data.untyped_storage().resize_(0)
         return shard
-    if stage == 3:
-        _own_storage(name, p)
     rows_now = p.data[start:start + rows]
     return torch.nn.Parameter(rows_now.clone() if stage == 3 else rows_now, requires_grad=p.requires_grad)
 

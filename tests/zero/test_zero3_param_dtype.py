@@ -20,6 +20,7 @@ import torch
 import graphc
 import graphc.testing
 from graphc.plan.instructions import AllGather, ReduceScatter
+from helpers import run_world
 
 import sys, os  # noqa: E401 - the runtime tests' model and eager reference
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
@@ -79,3 +80,45 @@ def test_zero3_with_bf16_parameters_equals_replicated_masters_bitwise(amp, unit_
     assert {t.dtype for t in gathers} == {"bfloat16"} and {t.dtype for t in scatters} == {"float32"}
     shards = graph._runtime.zero.by_name.values()
     assert all(s.shard.dtype == torch.float32 and s.master.untyped_storage().nbytes() == 0 for s in shards)
+
+
+def test_stage_3_gathers_in_bf16_move_half_the_bytes_of_float32():
+    """Compiled here for 2 ranks (no process group): the same stage-3 plan with float32
+    parameters and with set_param_dtype(bf16); its ALL_GATHERs' bytes (to_json) halve, its
+    REDUCE_SCATTERs stay float32 (the masters' gradients)."""
+    from graphc.executable import Executable, input_specs
+    from graphc.graph_spec import compile_spec
+    x, y = _batches()[0]
+    moved = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        _, model, feed = _make(0, WORLD, True, 0)
+        graph = Zero3Masters(model, True, 3)
+        graph.config.set_param_dtype(dtype)     # float32: no masters
+        plan = Executable.compile(compile_spec(graph), input_specs(feed(x, y)), WORLD).compiled.plans[0]
+        ops = plan.to_json()["instructions"]
+        moved[dtype] = {op: sum(d["bytes"] for d in ops if d["op"] == op) for op in ("all_gather", "reduce_scatter")}
+        assert ("bf16[" in str(plan)) == (dtype == torch.bfloat16)
+    assert moved[torch.float32]["all_gather"] > 0
+    assert moved[torch.bfloat16]["all_gather"] * 2 == moved[torch.float32]["all_gather"]
+    assert moved[torch.bfloat16]["reduce_scatter"] == moved[torch.float32]["reduce_scatter"]
+
+
+def _on_rank(rank, world):
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+    out = {}
+    for zero in (0, 3):
+        _, model, feed = _make(rank, world, True, 0)
+        graph = Zero3Masters(model, True, zero)
+        losses = [graph(*feed(*batch)).to_local().item() for batch in _batches()[:3]]
+        out[zero] = (losses, graph.full_state_dict())
+    return out
+
+
+@pytest.mark.world
+@pytest.mark.slow   # CI time: the local world above runs the same plans by default
+def test_zero3_with_bf16_parameters_on_gloo_equals_replicated_masters_bitwise():
+    for out in run_world(_on_rank, WORLD):
+        assert out[3][0] == out[0][0]
+        for k, v in out[0][1].items():
+            assert torch.equal(out[3][1][k], v), k

@@ -21,6 +21,8 @@ model state over the data-parallel axis (ZeRO, DeepSpeed; OneFlow's enable_zero)
   their own); stage 2 frees them after the reduce-scatter;
 - the optimizer steps on the shards, which writes this rank's rows of the parameters;
   ALL_GATHER after OPTIMIZER_STEP brings every rank's rows to every rank.
+At stage 2 on a gloo group both run rank by rank on views, without a packed bucket (See
+NOTE: ZeRO rows in place, zero_rows.py).
 A reduce-scatter and an all-gather send what one all-reduce sends ((d-1)/d of the bucket
 each, in a ring), so the bytes per step equal data parallel's. Gradient clipping counts each
 shard's gradient on its own rank (insert_grad_clip) and scales the shards'.
@@ -75,7 +77,15 @@ post-accumulate hook fills), and only this rank's rows of the master and of Adam
   block, then keeps this rank's rows in the shard, rounds the master into the parameter and
   frees it again. The optimizer's state is saved as row shards (NOTE: ZeRO state in
   checkpoints, dcp.py).
-Stage 3 frees the bf16 parameters between uses as well; with masters it is refused.
+At stage 3 the bf16 parameters are freed between uses as well, beside the master rows:
+every ALL_GATHER before a use (whole stage or unit) packs this rank's float32 rows rounded to
+the parameter's dtype (what copy_back rounds them to) and unpacks them into the bf16
+parameter, so the plan's gathers say bf16, half the bytes of float32; the gradients reach the
+masters' float32 .grad through the hook and are reduce-scattered in float32 (or
+set_grad_reduce_dtype's dtype); no gather follows the step. whole_parameters() keeps a
+master's rows from the gathered master, never from the parameter's rounding. Same ops in the
+same order as the replicated set_param_dtype run: equal to it bit for bit at 2 ranks
+(tests/zero/test_zero3_param_dtype.py).
 """
 from __future__ import annotations
 

@@ -329,9 +329,9 @@ class ZeroShards:
         return work, out, packed
 
     def _rows_in_place(self, shards: List[Shard]) -> bool:
-        """Stage 2 on a gloo group, without masters: the bucket's collectives run rank by rank
-        on views (See NOTE: ZeRO rows in place in zero_rows.py)."""
-        return self.stage == 2 and all(s.master is None for s in shards) and in_place_group(shards[0].ranks)
+        """Stages 2 and 3 on a gloo group: the bucket's collectives run rank by rank on views
+        (See NOTE: ZeRO rows in place in zero_rows.py)."""
+        return self.stage in (2, 3) and in_place_group(shards[0].ranks)
 
     def _reducible_in_place(self, shards: List[Shard], params, dtype) -> Optional[List[torch.Tensor]]:
         return reducible_in_place(shards, params, dtype) if self._rows_in_place(shards) else None

@@ -6,19 +6,22 @@ bucket on the calling thread's side, and are slower than its all-reduce of the s
 (2 ranks, 24 MiB fp32, 1 thread a rank: all-reduce 25 ms, flat reduce-scatter 40-83 ms,
 flat all-gather 22-35 ms), and ZeRO's packed bucket costs a copy of the whole gradient on
 the compute thread, inside the backward. A rank's rows of a parameter are contiguous
-(torch.chunk's rows along dim 0: sbp/layout.py chunk_range), so on a gloo group of stage
-1 or 2 each bucket runs as one collective per parameter and rank, on views:
+(torch.chunk's rows along dim 0: sbp/layout.py chunk_range), so on a gloo group at stages
+2 and 3 each bucket runs as one collective per parameter and rank, on views:
 - the reduce-scatter as `reduce(grad[rows of rank k], dst=k)` for every k, in place in the
   gradient autograd made (2 ranks, 24 MiB: 32-45 ms, no pack); when they are done this
   rank's rows are copied out (half the bytes) and the whole gradient is dropped, as the
   packed path drops it;
-- the all-gather after the step as `broadcast(param[rows of rank k], src=k)` for every k,
-  straight into the parameter (10 ms for the same 24 MiB: no pack, no scratch, no unpack).
+- the all-gather (after the step; at stage 3 before a use, into the storage given back) as
+  `broadcast(param[rows of rank k], src=k)` for every k, straight into the parameter, this
+  rank's rows copied from its shard first where the shard owns them (10 ms for the same
+  24 MiB: no pack, no scratch, no unpack).
 The sums are the same two-addend sums at 2 ranks (a + b either way); at more ranks gloo
 orders a reduce's additions as it orders a reduce-scatter's, by its own algorithm, which a
 local world does not reproduce bit for bit at either. A bucket whose gradients need a cast
 (set_grad_reduce_dtype), miss one (a parameter unused in the step) or whose group is not
-gloo takes the packed path (zero.py: ZeroShards.scatter, _launch_rows).
+gloo takes the packed path (zero.py: ZeroShards.scatter, _launch_rows), and so does stage 1,
+which keeps its packed buckets between steps as DDP keeps its buckets.
 """
 from __future__ import annotations
 
@@ -78,11 +81,16 @@ def launch_reduce_rows(shards: list, grads: List[torch.Tensor], out: torch.Tenso
 
 def launch_broadcast_rows(shards: list) -> list:
     """Starts writing every rank's (stepped) rows of each shard's parameter into it: rank k's
-    rows broadcast from rank k, asynchronously. The works, to wait for."""
+    rows broadcast from rank k, asynchronously. A parameter whose rows its shard owns (stage
+    3: its storage given back first; a float32 master's rows) gets this rank's rows from the
+    shard first, rounded to its dtype. The works, to wait for."""
     w = world.current()
     ranks = tuple(shards[0].ranks)
     works = []
     for s in shards:
+        s.materialize()
+        if s.owns or s.master is not None:
+            rows_of(s.param.data, s, ranks.index(w.rank)).copy_(s.shard.data)
         for k, r in enumerate(ranks):
             part = rows_of(s.param.data, s, k)
             if part.numel():

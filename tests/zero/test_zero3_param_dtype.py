@@ -14,6 +14,9 @@ unit, and with amp it equals eager doing the same casts (masters on each rank's 
 tests/runtime/test_param_dtype_data_parallel.py) bit for bit. The plan's gathers say bf16:
 half the bytes of float32.
 """
+import os
+import sys
+
 import pytest
 import torch
 
@@ -22,7 +25,7 @@ import graphc.testing
 from graphc.plan.instructions import AllGather, ReduceScatter
 from helpers import run_world
 
-import sys, os  # noqa: E401 - the runtime tests' model and eager reference
+# the masters' model, data and eager reference live beside the stage 1-2 tests
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
 from test_param_dtype_data_parallel import _eager_on_rank_rows   # noqa: E402
 from test_param_dtype_zero import MIN_SIZE, WORLD, ZeroMasters, _batches, _make  # noqa: E402

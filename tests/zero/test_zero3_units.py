@@ -307,3 +307,29 @@ def test_units_on_ranks_with_two_chunks_in_a_local_world_equal_eager(reshard):
         assert not any(type(i) in (AllGather, ReleaseParams) for i in plan.instructions), str(plan)
         unit_stages = {i.stage for i in plan.instructions if isinstance(i, UnitGather)}
         assert unit_stages == ({0, 2} if plan.rank < 2 else {3}), (plan.rank, unit_stages)
+
+
+def _gloo_two_chunks(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    graph = InterleavedUnitGraph(model, OPTIMIZERS["adam"](model.parameters()), True)
+    losses = []
+    for x, y in batches():
+        xs = graphc.to_global(rows(x, rank % 2, 2), placement=graphc.placement("cpu", [0, 1]), sbp=graphc.sbp.split(0))
+        ys = graphc.to_global(rows(y, rank % 2, 2), placement=graphc.placement("cpu", [2, 3]), sbp=graphc.sbp.split(0))
+        loss = graph(xs, ys).to_local()
+        losses.append(loss.item() if loss.numel() else None)
+    return {"losses": losses, "state": graph.full_state_dict(),
+            "units": {i.stage for i in graph.plan.instructions if isinstance(i, UnitGather)}}
+
+
+@pytest.mark.world
+@pytest.mark.slow   # CI time: the local world above runs the same plans by default
+def test_units_on_ranks_with_two_chunks_on_gloo_equal_eager():
+    ref_losses, ref_state = eager("adam", False)
+    for rank, res in enumerate(run_world(_gloo_two_chunks, 4)):
+        assert res["units"] == ({0, 2} if rank < 2 else {3})
+        losses = [v for v in res["losses"] if v is not None]
+        assert len(losses) == (len(ref_losses) if rank >= 2 else 0)   # the loss: on the last stage
+        assert_same_as_eager(losses or ref_losses, res["state"], ref_losses, ref_state,
+                             f"gloo units, two chunks a rank, rank {rank}")

@@ -21,8 +21,8 @@ model state over the data-parallel axis (ZeRO, DeepSpeed; OneFlow's enable_zero)
   their own); stage 2 frees them after the reduce-scatter;
 - the optimizer steps on the shards, which writes this rank's rows of the parameters;
   ALL_GATHER after OPTIMIZER_STEP brings every rank's rows to every rank.
-At stage 2 on a gloo group both run rank by rank on views, without a packed bucket (See
-NOTE: ZeRO rows in place, zero_rows.py).
+At stages 2 and 3 on a gloo group both run rank by rank on views, without a packed bucket
+(See NOTE: ZeRO rows in place, zero_rows.py).
 A reduce-scatter and an all-gather send what one all-reduce sends ((d-1)/d of the bucket
 each, in a ring), so the bytes per step equal data parallel's. Gradient clipping counts each
 shard's gradient on its own rank (insert_grad_clip) and scales the shards'.
@@ -78,9 +78,9 @@ post-accumulate hook fills), and only this rank's rows of the master and of Adam
   frees it again. The optimizer's state is saved as row shards (NOTE: ZeRO state in
   checkpoints, dcp.py).
 At stage 3 the bf16 parameters are freed between uses as well, beside the master rows:
-every ALL_GATHER before a use (whole stage or unit) packs this rank's float32 rows rounded to
-the parameter's dtype (what copy_back rounds them to) and unpacks them into the bf16
-parameter, so the plan's gathers say bf16, half the bytes of float32; the gradients reach the
+every ALL_GATHER before a use (whole stage or unit) moves this rank's float32 rows rounded to
+the parameter's dtype (what copy_back rounds them to) into the bf16 parameter, so the plan's
+gathers say bf16, half the bytes of float32; the gradients reach the
 masters' float32 .grad through the hook and are reduce-scattered in float32 (or
 set_grad_reduce_dtype's dtype); no gather follows the step. whole_parameters() keeps a
 master's rows from the gathered master, never from the parameter's rounding. Same ops in the
@@ -522,21 +522,14 @@ def _in_place(shards: List[Shard], t: Optional[torch.Tensor], dtype: torch.dtype
 
 def _launch_into(shards: List[Shard]) -> tuple:
     """Stage 3: starts gathering every rank's rows of each shard straight into its whole
-    parameter (its storage given back first): no packed copy. ([works], None, None)."""
+    parameter (its storage given back first): no packed copy. ([works], None, None). (On
+    gloo every bucket goes rank by rank instead: NOTE: ZeRO rows in place.)"""
     works = []
-    w = world.current()
-    by_broadcast = isinstance(w, world.TorchWorld) and len(shards[0].ranks) > 1 and w.is_gloo(shards[0].ranks)
     for s in shards:
         s.materialize()
         blocks = s.param.data.view(len(s.ranks), -1)
         mine = s.shard.data.reshape(-1).to(s.param.dtype)   # a float32 master's rows rounded
-        if not by_broadcast:
-            works.append(_all_gather(blocks, mine, s.ranks))
-            continue
-        # gloo: one broadcast per rank's rows, straight into them (its all-gather would hold a
-        # scratch copy of the whole parameter)
-        blocks[s.ranks.index(w.rank)].copy_(mine)
-        works.extend(w.broadcast_from(blocks[k], r, s.ranks, async_op=True) for k, r in enumerate(s.ranks))
+        works.append(_all_gather(blocks, mine, s.ranks))
     return works, None, None
 
 
@@ -604,37 +597,19 @@ def _made_shards(optimizer) -> Dict[int, torch.nn.Parameter]:
 def _reduce_scatter(out: torch.Tensor, packed: torch.Tensor, ranks: Tuple[int, ...], flat: bool = True):
     """Rank k's `out` = the sum over `ranks` of their `packed[k]`. In the torch world
     asynchronous (it overlaps the rest of the backward), the flat form unless `flat` is False:
-    the list form is slower on gloo but holds half the flat one's scratch (a unit's gradient,
-    reduced inside the backward: NOTE: ZeRO units); a local world's list form returns when
-    done."""
+    the list form holds half the flat one's scratch (a unit's gradient, reduced inside the
+    backward: NOTE: ZeRO units; on gloo stage 3 reduces rank by rank instead, NOTE: ZeRO rows
+    in place); a local world's list form returns when done."""
     w = world.current()
     if len(ranks) == 1:
         out.copy_(packed[0])
         return None
-    if isinstance(w, world.TorchWorld) and not flat and w.is_gloo(ranks):
-        # one reduce per rank's rows, in place in `packed` (gloo's reduce-scatter holds
-        # scratch of the whole bucket, its reduce of one rank's rows)
-        works = [w.reduce_to(row, r, ranks, async_op=True) for row, r in zip(packed.unbind(0), ranks)]
-        return _Reduced(works, out, packed[ranks.index(w.rank)])
     if isinstance(w, world.TorchWorld) and not flat:
         return w.reduce_scatter(out, list(packed.unbind(0)), ranks, async_op=True)
     if isinstance(w, world.TorchWorld):
         return w.reduce_scatter_from(out, packed.view(-1), ranks, async_op=True)
     w.reduce_scatter(out, list(packed.unbind(0)), ranks)
     return None
-
-
-class _Reduced:
-    """The works of a reduce-scatter done as one reduce per rank: wait() waits for them and
-    copies this rank's sum into `out`."""
-
-    def __init__(self, works: list, out: torch.Tensor, mine: torch.Tensor):
-        self.works, self.out, self.mine = works, out, mine
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-        self.out.copy_(self.mine)
 
 
 def _all_gather(packed: torch.Tensor, mine: torch.Tensor, ranks: Tuple[int, ...]):

@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .. import world
+from ..sbp.layout import chunk_range
 
 
 def in_place_group(ranks: Sequence[int]) -> bool:
@@ -41,9 +42,8 @@ def in_place_group(ranks: Sequence[int]) -> bool:
 
 def rows_of(t: torch.Tensor, s, k: int) -> torch.Tensor:
     """Rank k's rows of `t` (a parameter or its gradient, of shard `s`'s parameter's shape)."""
-    n, d = t.shape[0], len(s.ranks)
-    c = -(-n // d)
-    return t[min(k * c, n):min((k + 1) * c, n)]
+    start, rows = chunk_range(t.shape[0], len(s.ranks), k)
+    return t[start:start + rows]
 
 
 class ReducedRows:

@@ -36,9 +36,10 @@ At run time the stage's UnitGatherer does what the running compute lists:
   plan's order is gathered then: correct, only later than planned;
 - a checkpointed micro-batch's recompute, in its backward, makes each unit whole at
   begin(k) and keeps it for the backward;
-- on gloo a unit of one parameter with even rows is gathered into the parameter itself (a
-  broadcast per rank's rows) and reduced from its gradient itself (a reduce per rank's
-  rows): gloo's all-gather and reduce-scatter hold a scratch copy of the whole tensor.
+- on gloo every unit is gathered into its parameters themselves (a broadcast per parameter
+  and rank's rows) and reduced from its gradients themselves (a reduce per parameter and
+  rank's rows): gloo's all-gather and reduce-scatter hold a scratch copy of the whole bucket
+  (See NOTE: ZeRO rows in place, zero_rows.py).
 A rank holding several chunks (interleaved) has a UnitGatherer per chunk, each driving its
 own stage's computes; the group's reduce-scatters are one per unit, in the order the units'
 gradients become final over the chunks. A zero-bubble split backward, or several data-

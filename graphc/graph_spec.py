@@ -49,12 +49,6 @@ def checked_param_dtype(graph) -> Optional[torch.dtype]:
     cfg = graph.config
     if cfg.param_dtype is None:
         return None
-    if cfg.zero_stage == 3:
-        raise GraphcError(
-            f"{type(graph).__name__}: config.set_param_dtype({cfg.param_dtype}) and "
-            "config.enable_zero(stage=3) together are not available yet (stage 3 frees the "
-            "parameters between uses; with set_param_dtype only stages 1 and 2 shard the float32 "
-            "masters). Fix: self.config.enable_zero(True, stage=2), or drop set_param_dtype.")
     if graph._optimizer is None:
         raise GraphcError(
             f"{type(graph).__name__}: config.set_param_dtype keeps the float32 master copy in "

@@ -224,14 +224,15 @@ class Runtime:
         self.not_gathered = self._gathered_elsewhere()
         self.prefetch = _prefetches(plan.instructions) if self.zero is not None and self.zero.stage == 3 else {}
         # ... or, gathered per unit, the gathers and releases inside its computes (NOTE: ZeRO units)
-        units = UnitGatherer.from_plan(plan, self.zero)
-        for ex in self.executors.values():
-            ex.units = units
-        if units is not None:
-            units.reached = self.grad_sync.finish_flying
-            self.grad_sync.scattered = units.scattered
+        units = UnitGatherer.from_plan(plan, self.zero)   # by stage: one per chunk with units
+        for s, ex in self.executors.items():
+            ex.units = units.get(s)
+        for gatherer in units.values():
+            gatherer.reached = self.grad_sync.finish_flying
+        if units:
+            self.grad_sync.scattered = lambda ins: [g.scattered(ins) for g in units.values()]
             self.grad_sync.in_flight = 1
-        if units is not None and self._steps_per_unit():
+        if units and self._steps_per_unit():
             self.grad_sync.step_now = lambda ins: self.zero.step_reduced(self.optimizer, ins)
         # each peer's receives in plan order, and the peers sent to: fixed by the plan
         self.recv_queues: Dict[int, List[Recv]] = defaultdict(list)

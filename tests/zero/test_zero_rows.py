@@ -33,6 +33,7 @@ def _counted(rank, world, configs):
 
 
 @pytest.mark.world
+@pytest.mark.slow  # ZeRO-2 on gloo by default: tests/local/test_local_vs_gloo.py::test_local_world_is_bitwise_gloo[2]
 def test_zero_2_rows_in_place_on_gloo_equals_eager():
     results = run_world(_counted, 2, CONFIG)
     _check(results, CONFIG, "data 2, rows in place")

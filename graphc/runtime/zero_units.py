@@ -50,7 +50,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 from ..ops.zero_units import gathering_units
-from ..plan.instructions import ACT, COMPUTE, GRAD, UNIT_EVENTS, AllGather, Forward, UnitGather
+from ..plan.instructions import ACT, COMPUTE_RUNS, GRAD, UNIT_EVENTS, AllGather, Forward, UnitGather, UnitRelease
 from .zero import Shard, ZeroShards
 
 
@@ -88,13 +88,13 @@ class UnitGatherer:
         units: Dict[int, AllGather] = {}
         events: Dict[Tuple[str, int], Tuple[List[int], Set[int]]] = {}
         current = None
-        for ins in plan.instructions:
-            if isinstance(ins, COMPUTE):
+        for ins in plan.instructions:   # by kind exactly: a UnitGather is an AllGather too
+            if ins.runs in COMPUTE_RUNS:
                 current = events.setdefault((_direction(ins), ins.microbatch), ([], set()))
-            elif isinstance(ins, UnitGather):
+            elif type(ins) is UnitGather:
                 units.setdefault(ins.unit, AllGather(ins.ranks, ins.tensors))
                 current[0].append(ins.unit)
-            elif isinstance(ins, UNIT_EVENTS):
+            elif type(ins) is UnitRelease:
                 current[1].add(ins.unit)
         return UnitGatherer(zero, units, events)
 

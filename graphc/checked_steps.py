@@ -22,8 +22,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-from . import world as ranks
-from .check_step import EagerTwin, _first_scalar, _rank_world, amp_bound, gathered_loss, user_prefix, whole_batch
+from . import check_mode, world as ranks
+from .check_mode import CheckDone
+from .check_step import (EagerTwin, FirstStepCheck, _first_scalar, _rank_world, amp_bound, gathered_loss,
+                         optimizer_groups, user_prefix, warn_if_random, whole_batch)
 from .placement import Broadcast, Split
 from .runtime.local_world import sum_in_order
 from .sbp.layout import flat
@@ -268,3 +270,46 @@ def _locate(compiled, captured, boundary, seen, bound) -> str:
     return (f"the {compared} stage output(s) compared agree with eager, so the step departs "
             "inside a stage's backward, the gradient reduction or the optimizer step")
 
+
+
+class StepChecks:
+    """A call's comparisons with eager PyTorch: the first step's (config.check_microbatching,
+    NOTE: Checked first step) and, in check mode, every step's (NOTE: Checked steps)."""
+
+    def __init__(self, graph, first: Optional[FirstStepCheck], checking):
+        self.graph, self.first, self.checking = graph, first, checking
+        self.checker: Optional[StepChecker] = None
+
+    @staticmethod
+    def before_call(graph) -> "StepChecks":
+        """Made before the call compiles: the eager twins copy the model and the optimizer's
+        groups as they are before the first compile takes them over."""
+        first, checking = None, check_mode.active()
+        if graph._compiled is None:
+            if graph.config.check_microbatching:
+                first = FirstStepCheck(graph, optimizer_groups(graph))
+            if checking is not None and graph._checker is None:
+                object.__setattr__(graph, "_checker", StepChecker(graph, optimizer_groups(graph), checking.bound))
+        return StepChecks(graph, first, checking)
+
+    def start(self, inputs) -> None:
+        """Once compiled, before the step: the twins take the call's inputs."""
+        graph, checking = self.graph, self.checking
+        self.first = self.first if self.first is not None and not warn_if_random(graph._compiled) else None
+        if self.first is not None:
+            self.first.start(inputs)
+        self.checker = graph._checker if checking is not None else None
+        if self.checker is not None:
+            self.checker.start(inputs)
+            if self.checker.report not in checking.reports and graph._rank == 0:
+                checking.reports.append(self.checker.report)
+
+    def compare(self, outputs) -> None:
+        """After the step: graphc's against eager's; check mode ends after its steps."""
+        if self.first is not None:
+            self.first.compare(outputs)
+        if self.checker is not None:
+            self.checker.compare(outputs)
+            rows = len(self.checker.report.rows)
+            if self.checking.steps is not None and rows >= self.checking.steps:
+                raise CheckDone(f"{type(self.graph).__name__}: {rows} step(s) checked")

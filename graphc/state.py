@@ -119,10 +119,10 @@ class GraphState:
         return {k: self.masters.master_of(t) for k, t in tensors.items()}
 
     # -- checkpoints -------------------------------------------------------------------
-    def agree(self, compiled, config, what: str, tag: str, with_parameters: bool) -> None:
+    def agree(self, compiled, options, what: str, tag: str, with_parameters: bool) -> None:
         """Every rank runs the same plans from equal replicas (See NOTE: Rank agreement):
         the step facts, and (the first time) this rank's replicated parameters."""
-        facts = step_facts(compiled, config, self.steps, self.rank)
+        facts = step_facts(compiled, options, self.steps, self.rank)
         holders: Dict[str, List[int]] = {}
         if with_parameters:
             tensors = self.root.state_dict(keep_vars=True)

@@ -42,7 +42,7 @@ LAYER_OF = {
     "graphc.tools": "tools",
     # a layout as a value and its CompileSpec (config.load_layout) below the API; the search
     # (compile, simulate, memory model) above the tools, run by graphc plan --auto
-    "graphc.auto.layout": "api", "graphc.auto": "entry",
+    "graphc.auto.layout": "api", "graphc.auto.inputs": "api", "graphc.auto": "entry",
     "graphc.tools.plan_cli": "entry",   # `graphc plan`'s command line (it installs --auto's search)
     "graphc.cli": "entry", "graphc.__main__": "entry",
 }
@@ -80,6 +80,8 @@ API_ORDER = [
     "graphc.executable",      # one compiled specialisation: compile, start, call
     "graphc.testing",         # local worlds for tests and `graphc check`
     "graphc.graph_spec",      # what the compiler reads of a Graph (compile_spec)
+    "graphc.executable_cache",  # a Graph's executables: looked up, or compiled, agreed and started
+    "graphc.auto.inputs",     # a call's inputs under a loaded layout: this rank's rows
     "graphc.graph",           # the user's Graph
     "graphc",                 # the package's public names
 ]

@@ -26,7 +26,7 @@ from .log import get_logger, warn_user
 from .runtime.dist_env import ensure_process_group, timeout_seconds
 from .runtime.rng import agree_base_seed
 from .runtime.zero import whole_parameters
-from .state import GraphState
+from .checkpoint.graph_state import GraphState
 
 _log = get_logger("guards")
 # executables kept per input signature before a warning: a value that changes on every call

@@ -11,16 +11,16 @@ from .amp import checked_scaler
 from .auto.inputs import laid_out
 from .block import ModuleBlock
 from .build_root import BuildRoot
-from .checked_steps import StepChecks
+from .checking.every_step import StepChecks
 from .config import GraphConfig
-from .dcp import dcp_state_dict, unprefixed
+from .checkpoint.dcp import dcp_state_dict, unprefixed
 from .errors import GraphcError
 from .executable import flatten_call
 from .executable_cache import ExecutableCache
-from .optim_check import check_optimizer
+from .checking.optimizer import check_optimizer
 from .plan.plan import ExecutionPlan
 from .runtime.zero import whole_parameters
-from .state import check_state_dict
+from .checkpoint.graph_state import check_state_dict
 
 _CREATED: Dict[tuple, int] = {}  # (Graph subclass name, process) -> instances created
 

@@ -22,8 +22,8 @@ import torch.fx as fx
 
 from ..errors import GraphcError
 from ..meta import META_BATCHED, META_ROWS, META_TENSOR, RowsMeta, is_backward
-from ..rows import Coupling, Rows, Symbols
-from ..rows.rules import Ctx, default, rows_of
+from ..batch_rows import Coupling, Rows, Symbols
+from ..batch_rows.rules import Ctx, default, rows_of
 
 
 def find_batch_dims(gm: fx.GraphModule, num_microbatches: int, decide_inputs: bool = True,

@@ -14,7 +14,7 @@ import torch.nn as nn
 import graphc
 from graphc import GraphcError, compiler
 from graphc import sbp as S
-from graphc.state import GraphState
+from graphc.checkpoint.graph_state import GraphState
 from models import PipelineGraph, SkipNet
 
 P = graphc.placement

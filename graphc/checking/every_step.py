@@ -22,13 +22,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-from . import check_mode, world as ranks
-from .check_mode import CheckDone
-from .check_step import (EagerTwin, FirstStepCheck, _first_scalar, _rank_world, amp_bound, gathered_loss,
+from .. import check_mode, world as ranks
+from ..check_mode import CheckDone
+from .first_step import (EagerTwin, FirstStepCheck, _first_scalar, _rank_world, amp_bound, gathered_loss,
                          optimizer_groups, user_prefix, warn_if_random, whole_batch)
-from .placement import Broadcast, Split
-from .runtime.local_world import sum_in_order
-from .sbp.layout import flat
+from ..placement import Broadcast, Split
+from ..runtime.local_world import sum_in_order
+from ..sbp.layout import flat
 
 
 @dataclass
@@ -218,8 +218,8 @@ def _locate(compiled, captured, boundary, seen, bound) -> str:
     """The first stage output (in stage order, then micro-batch, then rank) whose value
     departs from the eager twin's module output on the same rows; or where to look when every
     one agrees. Split and broadcast values are compared (a partial sum is skipped)."""
-    from .meta import META_ROWS, META_SBP
-    from .sbp.layout import local_component
+    from ..meta import META_ROWS, META_SBP
+    from ..sbp.layout import local_component
     nodes = {n.name: n for n in compiled.gm.graph.nodes}
     m = compiled.num_microbatches
     compared = 0

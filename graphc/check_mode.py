@@ -1,6 +1,6 @@
 """Check mode, the setting: `graphc check` (and graphc.testing.check) turn it on, Graph reads it.
 
-In check mode every graph call is also run eagerly (NOTE: Checked steps, graphc/checked_steps.py):
+In check mode every graph call is also run eagerly (NOTE: Checked steps, graphc/checking/every_step.py):
 rank 0 keeps an eager copy of the graph's model, optimizer and LR scheduler, steps it on
 the whole batch, and compares the loss and every parameter with graphc's step. Each graph's
 comparisons are collected in its report (`CheckMode.reports`), and after `steps` calls of

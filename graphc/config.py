@@ -239,7 +239,7 @@ class GraphConfig:
         optimizer, and compares the loss and every parameter with graphc's first step; a
         difference beyond rounding (1e-9 relative in float64, 1e-4 in float32) is a
         GraphcError on every rank naming the values that differ (NOTE: Checked first step,
-        graphc/check_step.py). A safety net for a new model or layout; it costs one eager
+        graphc/checking/first_step.py). A safety net for a new model or layout; it costs one eager
         step and two gathers of the model's state, once. Plans with random ops (dropout)
         are not compared (a warning says so).
 

@@ -1,7 +1,7 @@
 """A Graph's executables, and the one descent of a call: `executable_for(specs, tree)`.
 
 Per input signature the cache keeps one Executable per set of guarded values (NOTE: Guards),
-and what they all share: the graph's state (parameters, optimizer, steps: graphc/state.py),
+and what they all share: the graph's state (parameters, optimizer, steps: graphc/checkpoint/graph_state.py),
 this rank, and the agreed base seed. A call asks for the executable of its inputs; the cache
 looks it up, or compiles, agrees and starts one, whole, and the Graph then calls it:
 

@@ -172,7 +172,7 @@ class Graph:
 
         Parameters and buffers under the user's names (split ones as DTensors with their global
         shape), optimizer state by parameter name, LR scheduler, step count and RNG state (See
-        NOTE: DCP state dict, graphc/dcp.py). DCP reshards it to any world size or layout;
+        NOTE: DCP state dict, graphc/checkpoint/dcp.py). DCP reshards it to any world size or layout;
         graphc.save keeps it as one file per rank, for the same layout.
 
         Returns:

@@ -34,7 +34,7 @@ LAYER_OF = {
     "graphc.compiler": "compiler",
     "graphc.history": "compiler",  # the compilation history's records and their text
     "graphc.plan_cache": "compiler",  # compile's plans on disk, keyed by its inputs (NOTE: Plan cache)
-    "graphc": "api",      # graph.py, config.py, global_tensor.py, block.py, state.py, ...
+    "graphc": "api",      # graph.py, config.py, global_tensor.py, block.py, executable_cache.py, ...
     # one compiled specialisation (compile, start, check, call): API, built from values; it
     # reaches down to the compiler, runtime and plan, never up to the user's Graph class
     "graphc.executable": "api",

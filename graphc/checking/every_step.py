@@ -3,7 +3,7 @@ graphc.testing.local_world(check=True); the setting is graphc/check_mode.py).
 
 NOTE: Checked steps
 In check mode every call of a graph is compared, not only the first: rank 0 keeps an
-EagerTwin (graphc/check_step.py: a copy of the model, of the optimizer with the same
+EagerTwin (graphc/checking/first_step.py: a copy of the model, of the optimizer with the same
 hyperparameters and of the LR scheduler, made from the graph's state before its first
 step) and steps it on the whole batch after each graphc step, then compares the loss and
 every parameter (gathered with full_state_dict). The twin goes on from its own state, so a
@@ -12,7 +12,7 @@ parameter and its first departing value: every rank kept each Forward's outputs 
 step (Runtime.captured), which are gathered then, and only then, and compared with the
 twin's module outputs on the same rows (_locate). Every rank gets the step's verdict.
 A job with config.enable_amp has its twin run build() under the same autocast (backward
-outside it, EagerTwin._amp), compared at the amp dtype's tolerance (check_step.amp_bound).
+outside it, EagerTwin._amp), compared at the amp dtype's tolerance (first_step.amp_bound).
 """
 from __future__ import annotations
 

@@ -202,7 +202,7 @@ class Runtime:
         self.found_inf: Optional[bool] = None  # this step's overflow, once gradients are unscaled
         self.window, self.trace = window, trace
         self.calls = 0   # steps begun: a failure names the call a stopped peer did not make
-        # check mode (NOTE: Checked steps, graphc/checked_steps.py): each Forward's outputs this step, as
+        # check mode (NOTE: Checked steps, graphc/checking/every_step.py): each Forward's outputs this step, as
         # (instruction, stage, micro-batch, {name: value}); None: not kept
         self.captured: Optional[list] = None
         m = plan.num_microbatches

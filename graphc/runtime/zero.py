@@ -74,7 +74,7 @@ post-accumulate hook fills), and only this rank's rows of the master and of Adam
   whole_parameters(), which gathers every rank's float32 rows into the master for the
   block, then keeps this rank's rows in the shard, rounds the master into the parameter and
   frees it again. The optimizer's state is saved as row shards (NOTE: ZeRO state in
-  checkpoints, dcp.py).
+  checkpoints, checkpoint/dcp.py).
 Stage 3 frees the bf16 parameters between uses as well; with masters it is refused.
 """
 from __future__ import annotations

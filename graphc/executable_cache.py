@@ -15,7 +15,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import env, plan_mode
+from . import env, modes
 from .auto.layout import apply_layout
 from .errors import GraphcError
 from .executable import (Executable, InputSpec, InputTree, check_cuda_available, check_same_stages,
@@ -62,7 +62,7 @@ class ExecutableCache:
         elif self.current.runtime is not None:
             self._select(specs, tree)
         if self.current.runtime is None:  # plan mode (graphc plan): plans written, no training
-            plan_mode.stop_before_step(self.graph)
+            modes.stop_before_step(self.graph)
         return self.current
 
     def draw(self) -> Tuple[int, int]:
@@ -81,7 +81,7 @@ class ExecutableCache:
     def compile_first(self, specs: Sequence[InputSpec], tree: Optional[InputTree] = None) -> None:
         """The first compile: in plan mode for N ranks here, written, no process group; else
         this rank's plan, the graph's state, rank agreement and the runtime, then the base seed."""
-        graph, mode = self.graph, plan_mode.active()
+        graph, mode = self.graph, modes.active_plan()
         if mode is not None and mode.auto is not None and graph.config.layout is None:
             # graphc plan --auto: the tools search a layout, compile it; written as any plan
             graph.config.layout, compiled = mode.auto(graph, compile_spec(graph), specs, tree, mode)

@@ -9,7 +9,7 @@ Within the API layer the modules are ordered (API_ORDER): an import up that orde
 start of any circle among them, is a named failure. Each module's
 imports are read with `ast` (function-level imports included), so no module is executed.
 Plan mode finds the tools' writer by name, not by an import (See NOTE: Plan-mode writer,
-graphc/plan_mode.py): test_plan_mode_writer_is_the_tools_write_all keeps that name true.
+graphc/modes.py): test_plan_mode_writer_is_the_tools_write_all keeps that name true.
 """
 import ast
 from pathlib import Path
@@ -22,8 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "graphc"
 LAYER_OF = {
     "graphc.errors": "value", "graphc.meta": "value", "graphc.placement": "value",
     "graphc.log": "value", "graphc.env": "value",
-    "graphc.plan_mode": "value", "graphc.guards": "value",  # the plan-mode setting; tools write the files
-    "graphc.check_mode": "value",  # the check-mode setting (graphc check)
+    "graphc.modes": "value", "graphc.guards": "value",  # the plan and check modes' settings; tools write the files
     "graphc.world": "value",  # the world a rank communicates in (NOTE: Worlds)
     "graphc.sbp": "value", "graphc.batch_rows": "value",  # the batch rows micro-batching splits
     "graphc.plan": "plan",
@@ -91,7 +90,7 @@ API_ORDER = [
 # Wrong-way imports that remain, each with what would remove it (issue 13). Keys are
 # (importing module, imported module); a listed import that is gone fails the test, so the
 # list only shrinks. It is empty: plan mode's setting moved below the API
-# (graphc/plan_mode.py) and the measured trace into the runtime (graphc/runtime/trace.py).
+# (graphc/modes.py) and the measured trace into the runtime (graphc/runtime/trace.py).
 ALLOWED: dict = {}
 
 
@@ -192,10 +191,10 @@ def test_imports_point_down_the_layers():
     ("graphc.plan.verify", "def f():\n    from ..passes import lower_plan\n",
      "graphc.passes.lower_plan"),
     ("graphc.sbp.cost", "import graphc.plan.instructions\n", "graphc.plan.instructions"),
-    ("graphc.compiler", "from .tools.plan_mode import plan_mode\n", "graphc.tools.plan_mode"),
-    ("graphc.graph", "from .tools import plan_mode\n", "graphc.tools.plan_mode"),
+    ("graphc.compiler", "from .tools.summary import summary\n", "graphc.tools.summary"),
+    ("graphc.graph", "from .tools import dump\n", "graphc.tools.dump"),
     ("graphc.graph", "from .tools.trace import Tracer\n", "graphc.tools.trace"),
-    ("graphc.plan_mode", "from .tools.dump import write_all\n", "graphc.tools.dump"),
+    ("graphc.modes", "from .tools.dump import write_all\n", "graphc.tools.dump"),
     ("graphc.runtime.trace", "from ..tools.simulate import Span\n", "graphc.tools.simulate"),
     ("graphc.runtime.actors", "from ..passes.lower_plan import lower_plan\n",
      "graphc.passes.lower_plan"),
@@ -239,9 +238,9 @@ def test_right_way_imports_pass():
     assert not wrong_way("graphc.ops.conversions", "from ..plan.instructions import AllReduce\n", "x.py")
     assert not wrong_way("graphc.runtime.actors", "from ..plan.plan import ExecutionPlan\n", "x.py")
     assert not wrong_way("graphc.graph", "from .compiler import compile\n", "x.py")
-    assert not wrong_way("graphc.graph", "from . import plan_mode\nfrom .runtime.trace import Tracer\n",
+    assert not wrong_way("graphc.graph", "from . import modes\nfrom .runtime.trace import Tracer\n",
                          "x.py")
-    assert not wrong_way("graphc.tools.plan_cli", "from ..plan_mode import plan_mode\n", "x.py")
+    assert not wrong_way("graphc.tools.plan_cli", "from ..modes import plan_mode\n", "x.py")
 
 
 # API modules that hold no Graph: they must not import the user's class or its config, so
@@ -290,6 +289,6 @@ def test_executable_reaches_down_to_compiler_runtime_and_plan_only():
 def test_plan_mode_writer_is_the_tools_write_all():
     """The one reach from the API's plan mode into the tools is by name (See NOTE: Plan-mode
     writer): the name must keep resolving to the function that writes a graph's files."""
-    from graphc import plan_mode
+    from graphc import modes
     from graphc.tools.dump import write_all
-    assert plan_mode.named_writer() is write_all
+    assert modes.named_writer() is write_all

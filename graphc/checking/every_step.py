@@ -1,5 +1,5 @@
 """Check mode's comparison of every graph call with an eager twin (`graphc check`,
-graphc.testing.local_world(check=True); the setting is graphc/check_mode.py).
+graphc.testing.local_world(check=True); the setting is graphc/modes.py).
 
 NOTE: Checked steps
 In check mode every call of a graph is compared, not only the first: rank 0 keeps an
@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-from .. import check_mode, world as ranks
-from ..check_mode import CheckDone
+from .. import modes, world as ranks
+from ..modes import CheckDone
 from .first_step import (EagerTwin, FirstStepCheck, _first_scalar, _rank_world, amp_bound, gathered_loss,
                          optimizer_groups, user_prefix, warn_if_random, whole_batch)
 from ..placement import Broadcast, Split
@@ -284,7 +284,7 @@ class StepChecks:
     def before_call(graph) -> "StepChecks":
         """Made before the call compiles: the eager twins copy the model and the optimizer's
         groups as they are before the first compile takes them over."""
-        first, checking = None, check_mode.active()
+        first, checking = None, modes.active_check()
         if graph._compiled is None:
             if graph.config.check_microbatching:
                 first = FirstStepCheck(graph, optimizer_groups(graph))

@@ -8,6 +8,7 @@ import torch
 from .errors import GraphcError
 from .placement import placement as Placement
 from .plan.plan import CHECKPOINT_MODES, DEFAULT_BUCKET_BYTES
+from .runtime.options import RunOptions
 
 
 _REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -238,7 +239,7 @@ class GraphConfig:
         optimizer, and compares the loss and every parameter with graphc's first step; a
         difference beyond rounding (1e-9 relative in float64, 1e-4 in float32) is a
         GraphcError on every rank naming the values that differ (NOTE: Checked first step,
-        graphc/check_step.py). A safety net for a new model or layout; it costs one eager
+        graphc/checking/first_step.py). A safety net for a new model or layout; it costs one eager
         step and two gathers of the model's state, once. Plans with random ops (dropout)
         are not compared (a warning says so).
 
@@ -469,6 +470,13 @@ class GraphConfig:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise GraphcError(f"recv window must be an int >= 1, found {n!r}")
         self.recv_window = n
+
+    def run_options(self) -> RunOptions:
+        """The settings a rank's runtime, tracer and agreement read, as one value."""
+        return RunOptions(type(self._graph).__name__, self.gradient_accumulation_steps,
+                          self.pipeline_schedule, self.recv_window, self.trace_path, self.trace_steps,
+                          self.cuda_graphs, self.memory_stats)
+
 
 def _per_stage(value, choices, what: str):
     """enable_zero's per-stage option: one value for every stage (stage -1) or {stage: value},

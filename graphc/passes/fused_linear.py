@@ -13,7 +13,7 @@ one linear per piece on `torch.chunk(w, k, 0)`, whose local form is the chunk of
 shard, so every piece comes out split(-1) with no communication. The layout is used only
 when the Linear is called once, its output is used by nothing but that cut into equal
 pieces along the last dim (split, chunk, or static slices that tile it), each divisible by
-the ranks, and no other module holds its weight. state.py shards and gathers it piece by
+the ranks, and no other module holds its weight. checkpoint/graph_state.py shards and gathers it piece by
 piece, so full_state_dict() and the user's module see the usual layout; graph.state_dict()
 holds the pieced local component (as Megatron's checkpoints do).
 """

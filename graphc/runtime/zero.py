@@ -76,7 +76,7 @@ post-accumulate hook fills), and only this rank's rows of the master and of Adam
   whole_parameters(), which gathers every rank's float32 rows into the master for the
   block, then keeps this rank's rows in the shard, rounds the master into the parameter and
   frees it again. The optimizer's state is saved as row shards (NOTE: ZeRO state in
-  checkpoints, dcp.py).
+  checkpoints, checkpoint/dcp.py).
 At stage 3 the bf16 parameters are freed between uses as well, beside the master rows:
 every ALL_GATHER before a use (whole stage or unit) moves this rank's float32 rows rounded to
 the parameter's dtype (what copy_back rounds them to) into the bf16 parameter, so the plan's

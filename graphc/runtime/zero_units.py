@@ -53,7 +53,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 from ..ops.zero_units import gathering_units
-from ..plan.instructions import ACT, COMPUTE, GRAD, UNIT_EVENTS, AllGather, Forward, UnitGather
+from ..plan.instructions import ACT, COMPUTE_RUNS, GRAD, UNIT_EVENTS, AllGather, Forward, UnitGather, UnitRelease
 from .zero import Shard, ZeroShards
 
 
@@ -91,14 +91,14 @@ class UnitGatherer:
             return {}
         found: Dict[int, tuple] = {}   # stage -> (units, events)
         current = None
-        for ins in plan.instructions:
-            if isinstance(ins, COMPUTE):
+        for ins in plan.instructions:   # by kind exactly: a UnitGather is an AllGather too
+            if ins.runs in COMPUTE_RUNS:
                 _, events = found.setdefault(ins.stage, ({}, {}))
                 current = events.setdefault((_direction(ins), ins.microbatch), ([], set()))
-            elif isinstance(ins, UnitGather):
+            elif type(ins) is UnitGather:
                 found[ins.stage][0].setdefault(ins.unit, AllGather(ins.ranks, ins.tensors))
                 current[0].append(ins.unit)
-            elif isinstance(ins, UNIT_EVENTS):
+            elif type(ins) is UnitRelease:
                 current[1].add(ins.unit)
         return {s: UnitGatherer(zero, units, events) for s, (units, events) in found.items() if units}
 

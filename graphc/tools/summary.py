@@ -89,19 +89,24 @@ def _counts(instructions: Sequence[Instruction]) -> str:
     return f"{len(instructions)} instructions a step: " + ", ".join(parts)
 
 
+# the kinds that reduce (or gather) gradients over a group: AllReduce and every kind built on it
+_GRADIENT_COLLECTIVES = frozenset(cls for cls in INSTRUCTIONS if issubclass(cls, AllReduce))
+
+
 def _traffic(instructions: Sequence[Instruction], stages) -> List[str]:
     """Bytes sent and received per peer stage, and collectives by kind and group size."""
     sent, got, colls, count = Counter(), Counter(), Counter(), Counter()
-    for ins in instructions:
-        if isinstance(ins, Send):
+    for ins in instructions:   # by kind exactly
+        kind = type(ins)
+        if kind is Send:
             sent[ins.peer_stage] += ins.nbytes
-        elif isinstance(ins, Recv):
+        elif kind is Recv:
             got[ins.peer_stage] += ins.nbytes
-        elif isinstance(ins, Collective):      # a conversion: the bytes this rank sends
+        elif kind is Collective:      # a conversion: the bytes this rank sends
             key = (ins.kind, len(ins.ranks), "sent")
             colls[key] += ins.nbytes
             count[key] += 1
-        elif isinstance(ins, AllReduce):       # gradients (tie, clip): the buffer reduced
+        elif kind in _GRADIENT_COLLECTIVES:   # gradients (tie, clip, ZeRO): the buffer reduced
             key = (ins.word.lower(), len(ins.ranks), "reduced")
             colls[key] += sum(t.nbytes for t in ins.tensors)
             count[key] += 1

@@ -260,7 +260,7 @@ def test_measured_costs_run_on_one_ranks_shards(monkeypatch, tmp_path):
     """A tensor-parallel stage is timed on its local shards: Megatron's fc1 output is half as
     wide on 2 ranks, so the activations autograd saves shrink (whole parameters would not
     even run against the shards the collectives return)."""
-    from graphc.plan_mode import PlanModeExit, plan_mode
+    from graphc.modes import PlanModeExit, plan_mode
     from graphc.tools.costs import measure_costs
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import plan_scale

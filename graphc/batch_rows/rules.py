@@ -1,4 +1,4 @@
-"""How each op moves the batch's rows (see graphc/rows/__init__.py); used by find_batch_dims.
+"""How each op moves the batch's rows (see graphc/batch_rows/__init__.py); used by find_batch_dims.
 
 `rows_of(ctx)` returns a node's value: a Rows for a tensor, a tuple or Each for sequences
 of tensors, None for anything else. Rules are looked up by the op's name (torch.add,

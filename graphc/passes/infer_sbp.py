@@ -27,15 +27,19 @@ from ..sbp.cost import COLLECTIVE, boxing_cost, conversion_cost, tensor_bytes
 from ..sbp.declared import conversion_target, declared_in, to_global_op
 from ..sbp.layout import B, flat, fmt, is_even, local_shape, mesh_shape, same_shape
 from ..sbp.rules import RuleCtx, draws_random, rule_for
+from ..sbp.context_parallel import ContextParallel, mark_attention
 from ..sbp.sequence_parallel import prefer_sequence_split, tensor_axes
 
 _log = get_logger("sbp")
 
 
 def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence,
-              num_microbatches: int = 1, sequence_parallel: bool = False) -> fx.GraphModule:
+              num_microbatches: int = 1, sequence_parallel: bool = False,
+              context_parallel: Optional[ContextParallel] = None) -> fx.GraphModule:
     # with sequence parallelism, the axes whose activations prefer split(seq): NOTE: Sequence parallel
     seq_axes = tensor_axes(gm) if sequence_parallel else {}
+    # with context parallelism, attention may take a split sequence: NOTE: Context parallel
+    mark_attention(gm, context_parallel)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     given = dict(zip(placeholders, list(input_sbp) + [None] * len(placeholders)))
     paid: Dict[tuple, set] = {}  # conversions already chosen: a second reader gets them free

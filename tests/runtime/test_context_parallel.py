@@ -50,10 +50,10 @@ def _batches(batch=BATCH, t=T):
             for _ in range(STEPS)]
 
 
-def _stack_graph(method: str, where, kind: str = "sdpa"):
+def _stack_graph(method: str, where, kind: str = "sdpa", model_sbp=sbp.broadcast):
     torch.manual_seed(0)
     model = BlockStack(layers=2, kind=kind, block=16)
-    graphc.to_global(model, placement=where, sbp=sbp.broadcast)
+    graphc.to_global(model, placement=where, sbp=model_sbp)
     graph = TokenLossGraph(model, OPTIMIZERS["sgd_momentum"](model.parameters()))
     graph.config.set_context_parallel(method=method)
     return graph
@@ -265,3 +265,44 @@ def test_set_context_parallel_refuses_what_it_cannot_do():
     with pytest.raises(graphc.GraphcError, match="load_balance=True\\) is not supported"):
         graph.config.set_context_parallel(method="ring", load_balance=True)
 
+
+
+# -- compositions -----------------------------------------------------------------------------
+MESH = graphc.placement("cpu", [[0, 1], [2, 3]])
+
+
+def _data_x_context(rank):
+    """Rows over the mesh's first axis, the sequence over its second."""
+    graph = _stack_graph("ring", MESH, model_sbp=(sbp.broadcast, sbp.broadcast))
+    losses, state = graphc_train(graph, _batches(batch=4), feed=feed_split(MESH, rank, (sbp.split(0), sbp.split(1))))
+    return losses, state, graph.plan
+
+
+def _tensor_x_context(rank):
+    """The sequence over the mesh's first axis, Megatron's heads and MLP over its second."""
+    torch.manual_seed(0)
+    model = BlockStack(layers=2, block=16)
+    graphc.to_global(model, placement=MESH, sbp=(sbp.broadcast, sbp.broadcast))
+    for block in model.blocks:
+        for lin in (block.attn.c_attn, block.mlp.c_fc):
+            graphc.to_global(lin, placement=MESH, sbp=(sbp.broadcast, sbp.split(0)))
+        for lin in (block.attn.c_proj, block.mlp.c_proj):
+            graphc.to_global(lin.weight, placement=MESH, sbp=(sbp.broadcast, sbp.split(1)))
+    graph = TokenLossGraph(model, OPTIMIZERS["sgd_momentum"](model.parameters()))
+    graph.config.set_context_parallel(method="ring")
+    losses, state = graphc_train(graph, _batches(), feed=feed_split(MESH, rank, (sbp.split(1), sbp.broadcast)))
+    return losses, state, graph.plan
+
+
+@pytest.mark.slow   # CI time: cp2 alone in test_ring_and_all_to_all_cp2_match_eager
+@pytest.mark.parametrize("layout", ["dp2xcp2", "tp2xcp2"])
+def test_context_parallel_on_a_2d_mesh_matches_eager(layout):
+    batches = _batches(batch=4) if layout == "dp2xcp2" else _batches()
+    results = LocalWorld(4).run(_data_x_context if layout == "dp2xcp2" else _tensor_x_context)
+    ref_losses, ref_state = _eager(batches)
+    for rank, (losses, state, plan) in enumerate(results):
+        assert_same_as_eager(losses, state, ref_losses, ref_state, f"{layout} rank {rank}")
+        ring = [i for i in plan.instructions if isinstance(i, Collective) and i.kind == "send_recv"]
+        assert len(ring) == 2 * 1 + 2 * 2, [str(i) for i in ring]   # 2 layers: 1 step forward, 2 backward
+        cp_axis = (rank - rank % 2, rank - rank % 2 + 1) if layout == "dp2xcp2" else (rank % 2, rank % 2 + 2)
+        assert {i.ranks for i in ring} == {cp_axis}, (rank, {i.ranks for i in ring})

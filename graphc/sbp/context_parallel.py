@@ -37,6 +37,7 @@ keeps its other signatures).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -44,9 +45,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..errors import GraphcError
-from ..meta import META_CONTEXT_PARALLEL, META_TENSOR
+from ..meta import META_CONTEXT_PARALLEL, META_SBP, META_TENSOR
 from .cost import tensor_bytes
-from .layout import B, S
+from .layout import B, S, local_shape
 
 METHODS = ("ring", "all_to_all")
 
@@ -115,7 +116,9 @@ def exchanges(node: fx.Node, forward: bool, n: int) -> List[Tuple[str, int, str]
     n ranks, in order: (collective kind, bytes a rank sends, note), for the plan's listing."""
     cp = node.meta[META_CONTEXT_PARALLEL]
     q, k = (a.meta[META_TENSOR] for a in node.args[:2])
-    block = lambda m: tensor_bytes(m) // n  # noqa: E731 - one rank's shard of a value
+    out, sig = node.meta[META_TENSOR].shape, node.meta[META_SBP]
+    held = math.prod(local_shape(out, sig.out, sig.mesh)) / math.prod(out)   # q, k, v split alike
+    block = lambda m: int(tensor_bytes(m) * held)  # noqa: E731 - this rank's shard of a value
     if cp.method == "all_to_all":
         moved = [block(q), block(k), block(k), block(q)]   # q, k, v in; the output back
         names = ("q", "k", "v", "out")

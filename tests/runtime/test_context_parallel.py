@@ -306,3 +306,33 @@ def test_context_parallel_on_a_2d_mesh_matches_eager(layout):
         assert len(ring) == 2 * 1 + 2 * 2, [str(i) for i in ring]   # 2 layers: 1 step forward, 2 backward
         cp_axis = (rank - rank % 2, rank - rank % 2 + 1) if layout == "dp2xcp2" else (rank % 2, rank % 2 + 2)
         assert {i.ranks for i in ring} == {cp_axis}, (rank, {i.ranks for i in ring})
+
+
+def _pipeline_x_context(rank):
+    """Block 0 (and the input Linear) on ranks 0-1, block 1 and the head on ranks 2-3, the
+    sequence split over each stage's two ranks, two micro-batches."""
+    p0, p1 = graphc.placement("cpu", [0, 1]), graphc.placement("cpu", [2, 3])
+    torch.manual_seed(0)
+    model = BlockStack(layers=2, block=16)
+    graph = TokenLossGraph(model, OPTIMIZERS["sgd_momentum"](model.parameters()))
+    for name, stage, where in (("inp", 0, p0), ("ln_f", 1, p1), ("head", 1, p1)):
+        getattr(graph.model, name).config.set_stage(stage, where)
+    graph.model.blocks[0].config.set_stage(0, p0)
+    graph.model.blocks[1].config.set_stage(1, p1)
+    graph.config.set_gradient_accumulation_steps(2)
+    graph.config.set_context_parallel(method="ring")
+    def feed(x, y):   # a rank outside an input's placement passes any component of its shape
+        return tuple(global_input(t, p, sbp.split(1), rank if rank in p.flat_ranks else None)
+                     for t, p in ((x, p0), (y, p1)))
+    losses, state = graphc_train(graph, _batches(batch=4), feed=feed)
+    return losses, state, graph.plan
+
+
+@pytest.mark.slow   # CI time: cp2 alone in test_ring_and_all_to_all_cp2_match_eager
+def test_pipeline_x_context_matches_eager():
+    results = LocalWorld(4).run(_pipeline_x_context)
+    ref_losses, ref_state = _eager(_batches(batch=4))
+    for rank, (losses, state, plan) in enumerate(results):
+        assert_same_as_eager(losses if rank >= 2 else ref_losses, state, ref_losses, ref_state, f"pp2 x cp2 rank {rank}")
+        ring = [i for i in plan.instructions if isinstance(i, Collective) and i.kind == "send_recv"]
+        assert len(ring) == 2 * (1 + 2), [str(i) for i in ring]   # one attention a stage, 2 micro-batches

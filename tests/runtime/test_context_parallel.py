@@ -26,7 +26,8 @@ from graphc.plan.instructions import Collective
 from graphc.plan.verify import verify_plans
 from graphc.runtime.local_world import LocalWorld
 from gpt_block_models import BlockStack, TokenLossGraph, token_loss
-from helpers import assert_same_as_eager, compile_graph, eager_train, feed_split, global_input, graphc_train
+from helpers import (assert_same_as_eager, compile_graph, eager_train, feed_split, global_input, graphc_train,
+                     run_world)
 from models import OPTIMIZERS
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
@@ -336,3 +337,20 @@ def test_pipeline_x_context_matches_eager():
         assert_same_as_eager(losses if rank >= 2 else ref_losses, state, ref_losses, ref_state, f"pp2 x cp2 rank {rank}")
         ring = [i for i in plan.instructions if isinstance(i, Collective) and i.kind == "send_recv"]
         assert len(ring) == 2 * (1 + 2), [str(i) for i in ring]   # one attention a stage, 2 micro-batches
+
+
+# -- gloo -------------------------------------------------------------------------------------
+def _gloo_train(rank, world):
+    graph = _stack_graph("ring", P01)
+    return graphc_train(graph, _batches(t=7), feed=feed_split(P01, rank, sbp.split(1)))
+
+
+@pytest.mark.world
+@pytest.mark.slow   # CI time: the local world's cp2 in test_ring_and_all_to_all_cp2_match_eager
+def test_ring_on_gloo_matches_eager():
+    """Two processes on gloo: the ring's transfers through torch.distributed's isend/irecv,
+    an uneven sequence (7 positions: shards of 4 and 3)."""
+    results = run_world(_gloo_train, 2)
+    ref_losses, ref_state = _eager(_batches(t=7))
+    for rank, (losses, state) in enumerate(results):
+        assert_same_as_eager(losses, state, ref_losses, ref_state, f"gloo cp2 rank {rank}")

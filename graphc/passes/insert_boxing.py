@@ -92,8 +92,8 @@ def _convert(gm, a: fx.Node, need: tuple, consumer: fx.Node) -> fx.Node:
     if not same_shape(a.meta[META_SBP].mesh, mesh):  # arrived in pieces from another mesh shape
         cur = a.meta[META_ARRIVAL][consumer.meta[META_STAGE]][0]
     value = a
-    for axis in _conversion_order(cur, need):
-        s, d = cur[axis], need[axis]
+    for axis, d in _conversion_steps(cur, need):
+        s = cur[axis]
         after = cur[:axis] + (d,) + cur[axis + 1:]
         kind = kind_of(s, d)
         if kind == "slice" and axis in a.meta.get(META_GRAD_PARTIAL, ()):
@@ -101,6 +101,19 @@ def _convert(gm, a: fx.Node, need: tuple, consumer: fx.Node) -> fx.Node:
         value = _box_node(gm, value, consumer, mesh, axis, kind, cur, after)
         cur = after
     return value
+
+
+def _conversion_steps(cur: tuple, need: tuple) -> list:
+    """(axis, SBP) conversions from `cur` to `need`. An inner axis that keeps a split of the
+    dim an outer axis splits or unsplits would leave its shard cut in the wrong nesting (a
+    reduce-scatter of the outer axis cutting within the inner shard: the sequence split for
+    context parallelism and then the rows for the loss), so it is gathered first and cut
+    again last."""
+    changing = [a for a in range(len(need)) if cur[a] != need[a]]
+    nested = [b for b in range(len(need)) if b not in changing and isinstance(need[b], Split)
+              and any(a < b and need[b] in (cur[a], need[a]) for a in changing)]
+    via = tuple(B if axis in nested else s for axis, s in enumerate(need))
+    return [(axis, via[axis]) for axis in _conversion_order(cur, via)] + [(b, need[b]) for b in nested]
 
 
 def _conversion_order(cur: tuple, need: tuple) -> list:

@@ -122,7 +122,7 @@ def main(argv=None):
     parser.add_argument("--sp", action="store_true", help="sequence parallelism inside --tp")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)

@@ -71,31 +71,37 @@ def _exchanges(plan, direction: str):
             if isinstance(i, Collective) and i.direction == direction and "scaled_dot" in i.node]
 
 
-def test_ring_and_all_to_all_cp2_match_eager():
-    """The causal block stack with its sequence split over 2 ranks, both methods."""
+def _train_cp2(method: str):
     def train(rank):
-        out = {}
-        for method in ("ring", "all_to_all"):
-            graph = _stack_graph(method, P01)
-            losses, state = graphc_train(graph, _batches(), feed=feed_split(P01, rank, sbp.split(1)))
-            out[method] = (losses, state, graph.plan)
-        return out
+        graph = _stack_graph(method, P01)
+        losses, state = graphc_train(graph, _batches(), feed=feed_split(P01, rank, sbp.split(1)))
+        return losses, state, graph.plan
     results = LocalWorld(2).run(train)
     ref_losses, ref_state = _eager(_batches())
-    for rank, res in enumerate(results):
-        for method, (losses, state, plan) in res.items():
-            assert_same_as_eager(losses, state, ref_losses, ref_state, f"cp2 {method} rank {rank}")
-    ring, ulysses = results[0]["ring"][2], results[0]["all_to_all"][2]
-    # ring: per attention n-1 = 1 key/value exchange forward; backward 1 more with the
-    # gradients, and the exchange that hands dk, dv home
+    for rank, (losses, state, plan) in enumerate(results):
+        assert_same_as_eager(losses, state, ref_losses, ref_state, f"cp2 {method} rank {rank}")
+    return results[0][2]
+
+
+def test_ring_cp2_matches_eager():
+    """The causal block stack with its sequence split over 2 ranks: the one default check."""
+    plan = _train_cp2("ring")
+    # per attention n-1 = 1 key/value exchange forward; backward 1 more with the gradients,
+    # and the exchange that hands dk, dv home
     for layer in ("scaled_dot_product_attention", "scaled_dot_product_attention_1"):
-        assert [k for n, k, _ in _exchanges(ring, "F") if n == layer] == ["send_recv"]
-        assert [k for n, k, _ in _exchanges(ring, "B") if n == layer] == ["send_recv"] * 2
-        assert [k for n, k, _ in _exchanges(ulysses, "F") if n == layer] == ["all_to_all"] * 4
-        assert [k for n, k, _ in _exchanges(ulysses, "B") if n == layer] == ["all_to_all"] * 4
-    # nothing else is gathered for attention: the only other forward collectives are the loss's
-    assert not [i for i in ring.instructions if isinstance(i, Collective) and i.kind == "all_gather"
+        assert [k for n, k, _ in _exchanges(plan, "F") if n == layer] == ["send_recv"]
+        assert [k for n, k, _ in _exchanges(plan, "B") if n == layer] == ["send_recv"] * 2
+    # nothing is gathered for attention: the only other forward collectives are the loss's
+    assert not [i for i in plan.instructions if isinstance(i, Collective) and i.kind == "all_gather"
                 and i.direction == "F"]
+
+
+@pytest.mark.slow   # CI time: the ring in test_ring_cp2_matches_eager
+def test_all_to_all_cp2_matches_eager():
+    plan = _train_cp2("all_to_all")
+    for layer in ("scaled_dot_product_attention", "scaled_dot_product_attention_1"):
+        assert [w for n, _, w in _exchanges(plan, "F") if n == layer] == [f"ulysses {x}" for x in ("q", "k", "v", "out")]
+        assert [w for n, _, w in _exchanges(plan, "B") if n == layer] == [f"ulysses {x}" for x in ("out", "v", "k", "q")]
 
 
 def test_ring_exchanges_per_attention_on_cp4():
@@ -295,7 +301,7 @@ def _tensor_x_context(rank):
     return losses, state, graph.plan
 
 
-@pytest.mark.slow   # CI time: cp2 alone in test_ring_and_all_to_all_cp2_match_eager
+@pytest.mark.slow   # CI time: cp2 alone in test_ring_cp2_matches_eager
 @pytest.mark.parametrize("layout", ["dp2xcp2", "tp2xcp2"])
 def test_context_parallel_on_a_2d_mesh_matches_eager(layout):
     batches = _batches(batch=4) if layout == "dp2xcp2" else _batches()
@@ -329,7 +335,7 @@ def _pipeline_x_context(rank):
     return losses, state, graph.plan
 
 
-@pytest.mark.slow   # CI time: cp2 alone in test_ring_and_all_to_all_cp2_match_eager
+@pytest.mark.slow   # CI time: cp2 alone in test_ring_cp2_matches_eager
 def test_pipeline_x_context_matches_eager():
     results = LocalWorld(4).run(_pipeline_x_context)
     ref_losses, ref_state = _eager(_batches(batch=4))
@@ -346,7 +352,7 @@ def _gloo_train(rank, world):
 
 
 @pytest.mark.world
-@pytest.mark.slow   # CI time: the local world's cp2 in test_ring_and_all_to_all_cp2_match_eager
+@pytest.mark.slow   # CI time: the local world's cp2 in test_ring_cp2_matches_eager
 def test_ring_on_gloo_matches_eager():
     """Two processes on gloo: the ring's transfers through torch.distributed's isend/irecv,
     an uneven sequence (7 positions: shards of 4 and 3)."""

@@ -104,16 +104,27 @@ def _convert(gm, a: fx.Node, need: tuple, consumer: fx.Node) -> fx.Node:
 
 
 def _conversion_steps(cur: tuple, need: tuple) -> list:
-    """(axis, SBP) conversions from `cur` to `need`. An inner axis that keeps a split of the
-    dim an outer axis splits or unsplits would leave its shard cut in the wrong nesting (a
-    reduce-scatter of the outer axis cutting within the inner shard: the sequence split for
-    context parallelism and then the rows for the loss), so it is gathered first and cut
-    again last."""
-    changing = [a for a in range(len(need)) if cur[a] != need[a]]
-    nested = [b for b in range(len(need)) if b not in changing and isinstance(need[b], Split)
-              and any(a < b and need[b] in (cur[a], need[a]) for a in changing)]
-    via = tuple(B if axis in nested else s for axis, s in enumerate(need))
-    return [(axis, via[axis]) for axis in _conversion_order(cur, via)] + [(b, need[b]) for b in nested]
+    """(axis, SBP) conversions from `cur` to `need`, in _conversion_order's order. Where two
+    axes split one dim the inner one cuts within the outer one's shard, so a conversion of
+    an outer axis that splits, unsplits or moves a dim an inner axis splits would cut (or
+    join) in the wrong nesting (a reduce-scatter of the outer axis cutting within the inner
+    shard: the sequence split for context parallelism and then the rows for the loss, with
+    sequence parallelism on the inner axis). Such inner axes are gathered first (innermost
+    first) and cut again later."""
+    cur, steps = list(cur), []
+    for _ in range(4 * len(need) + 1):
+        order = _conversion_order(tuple(cur), need)
+        if not order:
+            return steps
+        axis = order[0]
+        dims = {s.dim for s in (cur[axis], need[axis]) if isinstance(s, Split)}
+        for inner in reversed(range(axis + 1, len(need))):
+            if isinstance(cur[inner], Split) and cur[inner].dim in dims:
+                steps.append((inner, B))
+                cur[inner] = B
+        steps.append((axis, need[axis]))
+        cur[axis] = need[axis]
+    raise RuntimeError(f"internal: no conversion order from {cur} to {need}")
 
 
 def _conversion_order(cur: tuple, need: tuple) -> list:

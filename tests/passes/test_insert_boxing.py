@@ -72,3 +72,5 @@ def test_an_inner_split_of_the_dim_an_outer_axis_cuts_is_gathered_and_cut_again(
     assert _conversion_steps((S0, S0), (B, S0)) == [(1, B), (0, B), (1, S0)]
     assert _conversion_steps((S1, S0), (S1, S1)) == [(1, S1)]          # another dim: as before
     assert _conversion_steps((P, S0), (S1, S0)) == [(0, S1)]
+    # both axes move the sequence split to rows: the inner one is whole while the outer moves
+    assert _conversion_steps((S1, S1), (S0, S0)) == [(1, S0), (1, B), (0, S0), (1, S0)]

@@ -24,6 +24,10 @@ holds the whole sequence's keys and values at once. localize_ops turns the call 
                 trades the output back (the same four backward). Needs heads (and key/value
                 heads) divisible by n, and a mask that is whole on the rank.
 
+Past attention the sequence stays split to the loss: where a value leaves through an op that
+cannot keep the split (HF's logits viewed as [B*T, V]), infer_sbp re-splits it by rows with
+an all-to-all (`no_partial_from_split(split_only=True)`), never gathering it whole.
+
 The plan lists each exchange as a Collective of the attention node (list_collectives reads
 `exchanges`): a ring step as `send_recv` over the ring's ranks, with the bytes a rank sends;
 the verifier pairs them as it pairs every collective of a group (every member lists the same

@@ -76,6 +76,7 @@ from .plan.templates import PlanWorld, RowSymmetry, check_quotient, same_as_prin
 from .plan.verify import verify_plans
 from . import plan_cache
 from .plan_cache import CompileKey
+from .sbp.context_parallel import ContextParallel
 from .sbp.declared import META_DECLARED, DeclaredLayouts
 
 
@@ -117,6 +118,7 @@ class CompileSpec:
     grad_reduce_dtype: Optional[torch.dtype] = None  # gradient buckets' dtype (None: the grads')
     param_dtype: Optional[torch.dtype] = None  # set_param_dtype: parameters stored in it, float32 masters
     sequence_parallel: bool = False    # enable_sequence_parallel (NOTE: Sequence parallel)
+    context_parallel: Optional[ContextParallel] = None  # set_context_parallel (NOTE: Context parallel)
 
 
 @dataclass
@@ -301,9 +303,10 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     # with deferred batch norm, running statistics take one whole-mini-batch update per step
     gm = _step(run, "defer_batch_norm", defer_batch_norm, gm, spec.deferred_batch_norm, m)
     # an SBP signature per node, cheapest by bytes moved, honouring the user's layouts
-    # (with sequence parallelism, tensor-parallel activations split along the sequence)
+    # (with sequence parallelism, tensor-parallel activations split along the sequence;
+    # with context parallelism, attention on a split sequence)
     gm = _step(run, "infer_sbp", infer_sbp, gm, meshes, [l.sbp if l else None for l in input_layouts], m,
-               spec.sequence_parallel)
+               spec.sequence_parallel, spec.context_parallel)
     # a stage on several ranks with nothing split computes the same thing on each: said
     gm = _step(run, "warn_replicated_stages", warn_replicated_stages, gm, meshes)
     # every SBP mismatch becomes a collective (with its dual in backward)

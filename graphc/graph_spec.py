@@ -41,7 +41,8 @@ def compile_spec(graph):
         zero_shard_min_size=cfg.zero_shard_min_size,
         zero_units=UnitOptions(cfg.zero_unit_bytes, cfg.zero_reshard_after_forward, cfg.zero_gather_per_step),
         grad_reduce_dtype=cfg.grad_reduce_dtype,
-        param_dtype=checked_param_dtype(graph), sequence_parallel=cfg.sequence_parallel)
+        param_dtype=checked_param_dtype(graph), sequence_parallel=cfg.sequence_parallel,
+        context_parallel=cfg.context_parallel)
 
 
 def checked_param_dtype(graph) -> Optional[torch.dtype]:

@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from ..meta import META_BOXING, META_TENSOR
+from ..meta import META_BOXING, META_SBP, META_TENSOR
+from ..ops.context_parallel import context_parallel_attention
 from ..placement import Broadcast, PartialSum
 from ..plan.instructions import ACT, GRAD, Backward, Collective, Forward, Instruction
 from ..plan.plan import ExecutionPlan
 from ..plan.program import StageProgram
 from ..sbp.boxing import BOXINGS, backward_collective
+from ..sbp.context_parallel import exchanges
 from ..sbp.cost import moved_bytes, tensor_bytes
 from ..sbp.layout import fmt
 
@@ -64,12 +66,16 @@ class _Conversion:
     nbytes: int                 # bytes each rank sends, for a group of len(groups[0]) ranks
     note: str
     dtype: str                  # the value's (its gradient's in the backward: the same dtype)
+    sent: int = -1              # bytes a rank sends, where known directly (attention's exchanges)
 
 
 def _conversions(prog: StageProgram, forward: bool) -> List[_Conversion]:
-    nodes = [n for n in prog.module.graph.nodes if META_BOXING in n.meta]
+    nodes = [n for n in prog.module.graph.nodes if META_BOXING in n.meta or _exchanging(n)]
     found = []
     for node in (nodes if forward else reversed(nodes)):
+        if META_BOXING not in node.meta:
+            found += _attention_exchanges(node, forward)
+            continue
         info = node.meta[META_BOXING]
         meta = node.meta[META_TENSOR]
         kind = BOXINGS[info.kind].collective if forward else \
@@ -83,15 +89,32 @@ def _conversions(prog: StageProgram, forward: bool) -> List[_Conversion]:
     return found
 
 
+def _exchanging(node) -> bool:
+    """Is the node attention over a split sequence (it exchanges inside: NOTE: Context parallel)?"""
+    return node.op == "call_function" and node.target is context_parallel_attention
+
+
+def _attention_exchanges(node, forward: bool) -> List[_Conversion]:
+    """The exchanges of one context-parallel attention call, in the order it makes them."""
+    groups = tuple(tuple(g) for g in node.args[4] if len(g) > 1)
+    if not groups or not (forward or node.meta[META_TENSOR].requires_grad):
+        return []
+    sbp = fmt(node.meta[META_SBP].out)
+    dtype = node.meta[META_TENSOR].dtype
+    return [_Conversion(kind, groups, node.name, sbp, sbp, 0, note, dtype, sent)
+            for kind, sent, note in exchanges(node, forward, len(groups[0]))]
+
+
 def _collectives(conversions: List[tuple], ins, shared: dict) -> List[Collective]:
     forward = isinstance(ins, Forward)
     found = []
     for c, group in conversions:
-        key = (ins, c.node, group)
+        key = (ins, c.node, group, c.note)
         if key not in shared:
             shared[key] = Collective(c.kind, ins.stage, ins.microbatch, ACT if forward else GRAD,
                                      group, c.node, c.sbp_in, c.sbp_out,
-                                     moved_bytes(c.kind, c.nbytes, len(group)), c.note, c.dtype)
+                                     c.sent if c.sent >= 0 else moved_bytes(c.kind, c.nbytes, len(group)),
+                                     c.note, c.dtype)
         found.append(shared[key])
     return found
 

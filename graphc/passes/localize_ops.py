@@ -4,7 +4,8 @@ Invariant: run on each rank's local components, every node computes its local co
 of the global value its signature names: a mean, cross_entropy or mse_loss mean over a
 split dim divides a local sum by the global count; view/reshape/unflatten get local target
 shapes (a dim split unevenly takes its input's local size at run time); size()/shape/numel() of a split value read the global sizes; an embedding with a
-vocabulary-split table masks indices outside this rank's rows.
+vocabulary-split table masks indices outside this rank's rows; attention over a split
+sequence exchanges keys and values (NOTE: Context parallel).
 Requires: insert_boxing (inputs already arrive in the signature's SBP).
 """
 from __future__ import annotations
@@ -15,7 +16,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..meta import META_SBP, META_TENSOR
+from ..errors import GraphcError
+from ..meta import META_CONTEXT_PARALLEL, META_SBP, META_TENSOR
+from ..ops.context_parallel import context_parallel_attention
 from ..placement import PartialSum, Split
 from ..ops.conversions import vocab_parallel_embedding
 from ..sbp.layout import axis_groups, flat, local_shape
@@ -51,6 +54,8 @@ def localize_ops(gm: fx.GraphModule) -> fx.GraphModule:
             _localize_size(gm, node, sig)
         elif node.target in _EXPAND:
             _localize_expand(node, sig)
+        elif node.target is F.scaled_dot_product_attention and META_CONTEXT_PARALLEL in node.meta:
+            _localize_attention(node, sig)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -162,6 +167,29 @@ def _localize_embedding(node: fx.Node, sig) -> None:
     node.target = vocab_parallel_embedding
     node.args = (idx, w, axis_groups(sig.mesh, axes[0]), w.meta[META_TENSOR].shape[0])
     node.kwargs = {}
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _localize_attention(node: fx.Node, sig) -> None:
+    """Attention whose queries are split along the sequence: its context-parallel form on
+    the axis that splits them (See NOTE: Context parallel)."""
+    seq = len(node.meta[META_TENSOR].shape) - 2
+    axes = [a for a, s in enumerate(sig.out) if s == Split(seq)]
+    if not axes:
+        return
+    if len(axes) > 1:
+        raise GraphcError(f"attention '{node.name}': its sequence is split over {len(axes)} mesh axes "
+                          f"({sig.out}); context parallelism splits it over one. Fix: split the "
+                          "inputs' sequence (split(1)) on one axis of the placement only.")
+    given = dict(zip(_SDPA_ARGS, node.args), **node.kwargs)
+    cp = node.meta[META_CONTEXT_PARALLEL]
+    node.target = context_parallel_attention
+    node.args = (given["query"], given["key"], given["value"], given.get("attn_mask"),
+                 axis_groups(sig.mesh, axes[0]), cp.method, node.meta[META_TENSOR].shape[seq])
+    node.kwargs = {"is_causal": bool(given.get("is_causal", False)), "scale": given.get("scale"),
+                   "enable_gqa": bool(given.get("enable_gqa", False))}
 
 
 def _replace(gm, node: fx.Node, fn, args, kwargs) -> None:

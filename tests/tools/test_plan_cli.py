@@ -86,6 +86,7 @@ def test_plan_writes_every_rank_with_the_schedule(tmp_path, n, schedule):
 EXAMPLE_ARGS = {"train_resume.py": ["--ckpt-dir", "{tmp}"],
                 "gpt.py": ["--pp", "2", "--steps", "1"],       # its first documented launch
                 "hf_llama.py": ["--pp", "2", "--steps", "1"],
+                "long_context.py": ["--cp", "4", "--steps", "1", "--seq", "32", "--layers", "1"],
                 "resnet.py": ["--pp", "2", "--steps", "1"]}
 
 

@@ -78,7 +78,7 @@ class _Held:
         if total > self.peak:
             self.peak, self.at = total, where
             self.at_parts = {k: self.parts.get(k, 0) + extra.get(k, 0)
-                             for k in set(self.parts) | set(extra)}
+                             for k in [*self.parts, *(k for k in extra if k not in self.parts)]}   # in a fixed order
 
 
 def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostModel,

@@ -21,7 +21,8 @@ from ..meta import META_CONTEXT_PARALLEL, META_SBP, META_TENSOR
 from ..ops.context_parallel import context_parallel_attention
 from ..placement import PartialSum, Split
 from ..ops.conversions import vocab_parallel_embedding
-from ..sbp.layout import axis_groups, flat, local_shape
+from ..sbp.layout import axis_groups, flat, fmt, local_shape
+from .user_lines import node_line
 from ..sbp.local_ops import (cross_entropy_partial, global_numel, global_size, mean_as_partial,
                              mse_loss_partial, reshape_keeping)
 
@@ -110,6 +111,7 @@ def _localize_loss(gm, node: fx.Node, sig) -> None:
 def _localize_reshape(node: fx.Node, sig) -> None:
     if not any(isinstance(s, Split) for s in sig.out):
         return
+    _check_shards_reshape(node, sig)
     kept = _uneven_dims(node, sig)
     if kept:
         node.target, node.op = reshape_keeping, "call_function"
@@ -120,6 +122,31 @@ def _localize_reshape(node: fx.Node, sig) -> None:
     node.args = (node.args[0], tuple(shape)) if node.target is torch.reshape else \
         (node.args[0], *shape)
     node.kwargs = {}
+
+
+def _check_shards_reshape(node: fx.Node, sig) -> None:
+    """Each rank's shard of the input must hold as many elements as its shard of the output.
+    A dim split over two mesh axes (rows over data and context ranks) is cut twice: each
+    axis's rule saw the whole dim divide evenly, but the inner axis cuts an outer shard that
+    may not (2 rows over 2 x 2 ranks: 1 row cut in 2). Refused here, before a rank's view
+    fails mid-run with a raw size mismatch."""
+    x = node.args[0]
+    shape_in, shape_out = x.meta[META_TENSOR].shape, node.meta[META_TENSOR].shape
+    need = sig.needs(x.name)
+    for r in flat(sig.mesh):
+        held = math.prod(local_shape(shape_in, need, sig.mesh, r))
+        made = math.prod(local_shape(shape_out, sig.out, sig.mesh, r))
+        if held != made:
+            split = [s for s in need if isinstance(s, Split)]
+            dims = sorted({s.dim for s in split})
+            sizes = ", ".join(f"dim {d} of size {shape_in[d]}" for d in dims)
+            raise GraphcError(
+                f"{node_line(node)}: this reshape of a value of shape {tuple(shape_in)} laid out "
+                f"as {fmt(need)} on ranks {list(flat(sig.mesh))} needs equal shards, but rank {r} "
+                f"holds {held} elements where its part of the result has {made} ({sizes} is cut "
+                f"over several mesh axes into unequal pieces). Fix: make the batch's rows "
+                f"(and sequence) divisible by the number of ranks that split them, or split "
+                f"fewer axes along the same dim.")
 
 
 def _localize_unflatten(gm, node: fx.Node, sig) -> None:

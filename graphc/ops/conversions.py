@@ -103,6 +103,8 @@ def compiled_groups(compiled) -> List[Tuple[int, ...]]:
         for node in (n for module in modules for n in module.graph.nodes):
             if node.op == "call_function" and node.target in (box, vocab_parallel_embedding):
                 found += [tuple(g) for g in node.args[2]]
+            elif node.op == "call_function" and isinstance(node.kwargs.get("groups"), RankGroups):
+                found += [tuple(g) for g in node.kwargs["groups"]]   # expert_parallel's
         if prog.prologue is not None:
             found += [tuple(g) for groups in prog.prologue.groups for g in groups]
     for plan in compiled.plans:

@@ -36,6 +36,12 @@ import torch
 from .. import world
 from ..sbp.experts import combine, gated_mlp
 from .conversions import _SHAPES_ONLY, my_group
+# the exchanges of one expert-parallel layer as plans list them, in the order they run:
+# (what moves, SBP-like words before -> after); the backward reverses 4 and 2 (the counts
+# are known). Read by passes/list_collectives.py.
+EXCHANGES = (("counts", "counts", "counts"), ("tokens", "tokens", "experts"), ("back", "experts", "tokens"))
+GRAD_EXCHANGES = (("back", "grad:tokens", "grad:experts"), ("tokens", "grad:experts", "grad:tokens"))
+
 
 class _Exchange(torch.autograd.Function):
     """Rows to the ranks of a group: `send[r]` rows to member r, `recv[r]` rows from it;

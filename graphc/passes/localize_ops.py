@@ -4,7 +4,8 @@ Invariant: run on each rank's local components, every node computes its local co
 of the global value its signature names: a mean, cross_entropy or mse_loss mean over a
 split dim divides a local sum by the global count; view/reshape/unflatten get local target
 shapes (a dim split unevenly takes its input's local size at run time); size()/shape/numel() of a split value read the global sizes; an embedding with a
-vocabulary-split table masks indices outside this rank's rows.
+vocabulary-split table masks indices outside this rank's rows; experts split over a mesh
+axis exchange the tokens with the ranks holding their experts (See NOTE: Expert parallel).
 Requires: insert_boxing (inputs already arrive in the signature's SBP).
 """
 from __future__ import annotations
@@ -17,8 +18,11 @@ import torch.nn.functional as F
 
 from ..meta import META_SBP, META_TENSOR
 from ..placement import PartialSum, Split
-from ..ops.conversions import vocab_parallel_embedding
-from ..sbp.layout import axis_groups, flat, local_shape
+from ..errors import GraphcError
+from ..ops.conversions import RankGroups, vocab_parallel_embedding
+from ..ops.experts import expert_parallel
+from ..sbp.experts import moe_experts
+from ..sbp.layout import axis_groups, flat, fmt, local_shape
 from ..sbp.local_ops import (cross_entropy_partial, global_numel, global_size, mean_as_partial,
                              mse_loss_partial, reshape_keeping)
 
@@ -51,6 +55,8 @@ def localize_ops(gm: fx.GraphModule) -> fx.GraphModule:
             _localize_size(gm, node, sig)
         elif node.target in _EXPAND:
             _localize_expand(node, sig)
+        elif node.target is moe_experts:
+            _localize_experts(node, sig)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -162,6 +168,22 @@ def _localize_embedding(node: fx.Node, sig) -> None:
     node.target = vocab_parallel_embedding
     node.args = (idx, w, axis_groups(sig.mesh, axes[0]), w.meta[META_TENSOR].shape[0])
     node.kwargs = {}
+
+
+def _localize_experts(node: fx.Node, sig) -> None:
+    """Experts split over a mesh axis exchange the tokens there (See NOTE: Expert parallel)."""
+    gate_up = node.args[3]
+    axes = [a for a, s in enumerate(sig.needs(gate_up.name)) if isinstance(s, Split)]
+    if not axes:
+        return
+    if len(axes) > 1:
+        raise GraphcError(
+            f"the experts '{gate_up.target.rsplit('.', 1)[0]}' are split over {len(axes)} mesh axes "
+            f"({fmt(sig.needs(gate_up.name))}); expert parallelism splits them over one axis. Fix: "
+            "declare the experts' sbp split(0) on one axis and broadcast on the others.")
+    node.target = expert_parallel
+    node.kwargs = {**node.kwargs, "groups": RankGroups(*axis_groups(sig.mesh, axes[0])),
+                   "num_experts": gate_up.meta[META_TENSOR].shape[0]}
 
 
 def _replace(gm, node: fx.Node, fn, args, kwargs) -> None:

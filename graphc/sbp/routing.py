@@ -162,6 +162,17 @@ def experts(ctx: RuleCtx) -> List[Candidate]:
     return cands
 
 
+def histc(ctx: RuleCtx) -> List[Candidate]:
+    """torch.histc(x, bins, min, max) with fixed bounds counts every entry (the aux loss of a
+    router counts its tokens' experts): each rank's counts of its shard are addends, S(d) -> P.
+    Bounds from the data (min == max) differ per shard: no split form."""
+    x = ctx.node.args[0]
+    low, high = ctx.arg(2, "min", 0), ctx.arg(3, "max", 0)
+    if ctx.meta(x) is None or not isinstance(low, (int, float)) or low == high:
+        return None
+    return [({x: S(d)}, P) for d, size in enumerate(ctx.meta(x).shape) if ctx.splits(size)]
+
+
 def index_by_tensor(ctx: RuleCtx, x: fx.Node, index: fx.Node) -> List[Candidate]:
     """x[ids] with one integer tensor (the experts' weights looked up by the tokens' expert
     ids): out[i..., :] = x[ids[i...], :]. Split ids give split rows (x whole); x split
@@ -190,4 +201,5 @@ ROUTING_OPS = {
     gather: (torch.gather, "gather"),
     index_add: (torch.index_add, "index_add"),
     experts: (moe_experts,),
+    histc: (torch.histc, "histc"),
 }

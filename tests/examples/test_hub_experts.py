@@ -1,0 +1,241 @@
+"""Expert parallelism on Hugging Face MoE models as they come (issue 34; See NOTE: Expert
+parallel, graphc/ops/experts.py): Mixtral and Qwen3-MoE (tiny configs, their own loss from
+`labels=`, the router's auxiliary loss with `output_router_logits=True`) with their experts'
+stacked weights declared split(0) over an axis, trained in the one-process local world
+against eager PyTorch on the whole batch in float64.
+
+Layouts (LAYOUTS): ep2 and ep4 (the batch and the experts split over the same ranks, as
+DeepSpeed-MoE puts experts on the data ranks), dp2 x ep2 (4 ranks, the batch over both axes,
+the experts over the second: their gradient reduced only over the first), pp2 x ep2 (two
+stages of two ranks, each stage's experts split over its ranks).
+
+Tolerance: parameters at the oracle's 1e-10; a causal LM's own loss upcasts its logits to
+float32, so its loss is compared at 8 float32 eps relative (as tests/examples/test_hub_parallel.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import pytest
+import torch
+
+import graphc
+from graphc.runtime.local_world import LocalWorld
+from helpers import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+B, T, V = 8, 6, 64
+LOSS_RTOL = 8 * torch.finfo(torch.float32).eps
+S0, BC = graphc.sbp.split(0), graphc.sbp.broadcast
+
+
+def _mixtral(impl="batched_mm", experts=4, aux=True):
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=experts, num_experts_per_tok=2, max_position_embeddings=32,
+        experts_implementation=impl, output_router_logits=aux, router_aux_loss_coef=0.02))
+
+
+def _qwen3_moe(impl="batched_mm", experts=4, aux=True):
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=experts, num_experts_per_tok=2,
+        max_position_embeddings=32, experts_implementation=impl, output_router_logits=aux,
+        router_aux_loss_coef=0.02))
+
+
+MAKE = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+
+
+def model_of(kind: str, skewed: bool = False, **config):
+    torch.manual_seed(0)
+    model = MAKE[kind](**config).double()
+    if skewed:
+        skew(model)
+    return model
+
+
+def skew(model) -> None:
+    """A router that sends every token to experts 0 and 1: a large positive feature in every
+    token's embedding (dim 0), which the routers weigh +, + for experts 0 and 1 and - for the
+    others. On ep2 the rank holding experts 2 and 3 then receives no token (empty exchanges)."""
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 30.0
+        for layer in model.model.layers:
+            gate = layer.mlp.gate.weight
+            gate[:, 0] = torch.tensor([40.0, 20.0] + [-40.0] * (gate.shape[0] - 2))
+
+
+@dataclass(frozen=True)
+class EPLayout:
+    """Where a layout puts the model: its ranks, per stage the placement, the experts' sbp and the inputs'."""
+
+    nproc: int
+    stages: Tuple[Tuple[object, ...], ...]     # per stage: its placement's ranks
+    experts: tuple                             # the experts' sbp on a stage's placement
+    inputs: tuple                              # the batch's sbp on the first (ids) and last (labels) stage
+
+    def placement(self, stage: int):
+        return graphc.placement("cpu", list(self.stages[stage]))
+
+
+LAYOUTS = {
+    "ep2": EPLayout(2, ((0, 1),), (S0,), (S0,)),
+    "ep4": EPLayout(4, ((0, 1, 2, 3),), (S0,), (S0,)),
+    "dp2xep2": EPLayout(4, (((0, 1), (2, 3)),), (BC, S0), (S0, S0)),
+    "pp2xep2": EPLayout(4, ((0, 1), (2, 3)), (S0,), (S0,)),
+}
+# pipeline 2: the embedding and layer 0 on the first stage, layer 1, norm and head on the second
+STAGE_OF = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1, "lm_head": 1}
+
+
+def _module(model, path: str):
+    for part in path.split("."):
+        model = model[int(part)] if part.isdigit() else getattr(model, part)
+    return model
+
+
+class MoEGraph(graphc.Graph):
+    """A hub MoE model on its own loss, its experts split over the layout's expert axis."""
+
+    def __init__(self, model, layout: str, accumulation: int = 1):
+        super().__init__()
+        self.model = model
+        spec = LAYOUTS[layout]
+        if len(spec.stages) == 1:
+            self.model.config.set_stage(0, spec.placement(0))
+        else:
+            for path, stage in STAGE_OF.items():
+                _module(self.model, path).config.set_stage(stage, spec.placement(stage))
+        for i, layer in enumerate(model.model.layers):
+            stage = STAGE_OF[f"model.layers.{i}"] if len(spec.stages) > 1 else 0
+            graphc.to_global(layer.mlp.experts, placement=spec.placement(stage), sbp=spec.experts)
+        self.config.set_gradient_accumulation_steps(accumulation)
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def build(self, ids, labels):
+        out = self.model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        return out.loss
+
+
+def batches(steps: int = 2):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(2, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g))
+            for _ in range(steps)]
+
+
+def local_inputs(layout: str, rank: int, ids, labels):
+    """This rank's shards of the batch: ids on the first stage's ranks, labels on the last's."""
+    spec = LAYOUTS[layout]
+    out = []
+    for stage, t in ((0, ids), (len(spec.stages) - 1, labels)):
+        ranks = [r for row in spec.stages[stage] for r in (row if isinstance(row, tuple) else (row,))]
+        shard = t.chunk(len(ranks))[ranks.index(rank) if rank in ranks else 0]
+        sbp = spec.inputs if len(spec.inputs) > 1 else spec.inputs[0]
+        out.append(graphc.to_global(shard, placement=spec.placement(stage), sbp=sbp))
+    return out
+
+
+def expert_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+
+
+def train(kind: str, layout: str, data, accumulation: int = 1, skewed: bool = False, **config):
+    """Each rank's (losses, expert parameter bytes, graph) and rank 0's full state."""
+    def rank_main(rank: int):
+        model = model_of(kind, skewed, **config)
+        graph = MoEGraph(model, layout, accumulation)
+        losses = [graph(*local_inputs(layout, rank, *d)).to_local() for d in data]
+        losses = [float(x) if x.numel() else None for x in losses]
+        return losses, expert_bytes(model), graph, graph.full_state_dict(rank0_only=True)
+    return LocalWorld(LAYOUTS[layout].nproc).run(rank_main)
+
+
+def eager(kind: str, data, skewed: bool = False, **config):
+    model = model_of(kind, skewed, **config)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for ids, labels in data:
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(), loss.backward(), opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, expert_bytes(model)
+
+
+def check(kind: str, layout: str, accumulation: int = 1, skewed: bool = False, **config):
+    """graphc on the layout equals eager (losses at 8 float32 eps, parameters at 1e-10), and
+    each rank holds 1/ep of the experts' bytes. Returns the ranks' graphs."""
+    data = batches()
+    results = train(kind, layout, data, accumulation, skewed, **config)
+    want_losses, want_state, whole_bytes = eager(kind, data, skewed, **config)
+    ep = _expert_ranks(layout)
+    for losses, nbytes, _, _ in results:
+        assert nbytes * ep == whole_bytes, f"{layout}: {nbytes} expert bytes on a rank, {whole_bytes} whole"
+        if losses[0] is not None:
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0)
+    state = results[0][3]
+    for k, v in want_state.items():
+        assert_close(state[k], v, f"{kind} {layout}: {k}")
+    return [graph for _, _, graph, _ in results]
+
+
+def _expert_ranks(layout: str) -> int:
+    spec = LAYOUTS[layout]
+    mesh = spec.stages[0]
+    if isinstance(mesh[0], tuple):
+        axis = next(a for a, s in enumerate(spec.experts) if s == S0)
+        return len(mesh) if axis == 0 else len(mesh[0])
+    return len(mesh)
+
+
+def exchanges(graph, microbatch: int = 0) -> Dict[str, list]:
+    """Rank 0's expert-parallel all-to-alls of one micro-batch, per layer and direction."""
+    from graphc.plan.instructions import Collective
+    found: Dict[str, list] = {}
+    for ins in graph.compiled.plans[0].instructions:
+        if isinstance(ins, Collective) and ins.microbatch == microbatch and "expert parallel" in ins.note:
+            layer, what = ins.note.split("expert parallel ")[1].split(": ")
+            found.setdefault(f"{layer} {ins.direction}", []).append((ins.kind, what))
+    return found
+
+
+# -- by default: dp2 x ep2 at accumulation 2 with the router's aux loss ------------------------------
+
+@pytest.mark.world
+def test_mixtral_dp2xep2_trains_as_eager_with_its_exchanges():
+    """Mixtral on 4 ranks, the batch over both axes and the experts over the second: equal to
+    eager with the router's aux loss at accumulation 2, each rank holding half the experts'
+    bytes, and per MoE layer and micro-batch 3 all-to-alls forward (counts, tokens, back)
+    and 2 backward (back, tokens)."""
+    graphs = check("mixtral", "dp2xep2", accumulation=2)
+    for microbatch in (0, 1):
+        found = exchanges(graphs[0], microbatch)
+        assert len(found) == 4, found
+        for key, ops in found.items():
+            want = [("all_to_all", w) for w in (("counts", "tokens", "back") if key.endswith("F")
+                                                else ("back", "tokens"))]
+            assert ops == want, (key, ops)
+
+
+# -- the wider matrix ----------------------------------------------------------------------------
+
+MATRIX = [(kind, layout, acc) for kind in ("mixtral", "qwen3_moe") for layout in LAYOUTS for acc in (1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.world
+@pytest.mark.parametrize("kind,layout,accumulation", MATRIX)
+def test_moe_layouts_train_as_eager(kind, layout, accumulation):
+    check(kind, layout, accumulation)
+
+
+@pytest.mark.slow
+@pytest.mark.world
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_skewed_router_with_empty_exchanges(kind):
+    """Every token routed to experts 0 and 1: on ep2 rank 1 receives no token and sends none
+    back, and the step still equals eager."""
+    check(kind, "ep2", accumulation=2, skewed=True)

@@ -22,13 +22,14 @@ import torch
 
 import graphc
 from graphc.runtime.local_world import LocalWorld
-from helpers import assert_close
+from helpers import assert_close, compile_graph, global_input
 
 transformers = pytest.importorskip("transformers")
 
 B, T, V = 8, 6, 64
 LOSS_RTOL = 8 * torch.finfo(torch.float32).eps
 S0, BC = graphc.sbp.split(0), graphc.sbp.broadcast
+P01 = graphc.placement("cpu", [0, 1])
 
 
 def _mixtral(impl="batched_mm", experts=4, aux=True):
@@ -202,15 +203,14 @@ def exchanges(graph, microbatch: int = 0) -> Dict[str, list]:
     return found
 
 
-# -- by default: dp2 x ep2 at accumulation 2 with the router's aux loss ------------------------------
+# -- by default: dp2 x ep2 at accumulation 2 ------------------------------------------------------
 
 @pytest.mark.world
 def test_mixtral_dp2xep2_trains_as_eager_with_its_exchanges():
     """Mixtral on 4 ranks, the batch over both axes and the experts over the second: equal to
-    eager with the router's aux loss at accumulation 2, each rank holding half the experts'
-    bytes, and per MoE layer and micro-batch 3 all-to-alls forward (counts, tokens, back)
-    and 2 backward (back, tokens)."""
-    graphs = check("mixtral", "dp2xep2", accumulation=2)
+    eager at accumulation 2, each rank holding half the experts' bytes, and per MoE layer and
+    micro-batch 3 all-to-alls forward (counts, tokens, back) and 2 backward (back, tokens)."""
+    graphs = check("mixtral", "dp2xep2", accumulation=2, aux=False)
     for microbatch in (0, 1):
         found = exchanges(graphs[0], microbatch)
         assert len(found) == 4, found
@@ -220,7 +220,17 @@ def test_mixtral_dp2xep2_trains_as_eager_with_its_exchanges():
             assert ops == want, (key, ops)
 
 
-# -- the wider matrix ----------------------------------------------------------------------------
+def test_router_aux_loss_under_accumulation_is_refused():
+    """The Switch aux loss multiplies two means over the whole batch (tokens per expert, router
+    probability per expert): per micro-batch it is another number, so accumulation refuses it
+    naming transformers' line, where accumulation 1 trains it exactly (the matrix below)."""
+    inputs = [global_input(t, P01, S0) for t in batches(1)[0]]
+    graph = MoEGraph(model_of("mixtral"), "ep2", accumulation=2)
+    with pytest.raises(graphc.GraphcError, match=r"load_balancing_loss_func.*two sums or means over the batch"):
+        compile_graph(graph, inputs, 2)
+
+
+# -- the wider matrix: the router's aux loss at accumulation 1, without it at 2 ------------------
 
 MATRIX = [(kind, layout, acc) for kind in ("mixtral", "qwen3_moe") for layout in LAYOUTS for acc in (1, 2)]
 
@@ -229,7 +239,7 @@ MATRIX = [(kind, layout, acc) for kind in ("mixtral", "qwen3_moe") for layout in
 @pytest.mark.world
 @pytest.mark.parametrize("kind,layout,accumulation", MATRIX)
 def test_moe_layouts_train_as_eager(kind, layout, accumulation):
-    check(kind, layout, accumulation)
+    check(kind, layout, accumulation, aux=accumulation == 1)
 
 
 @pytest.mark.slow
@@ -237,5 +247,5 @@ def test_moe_layouts_train_as_eager(kind, layout, accumulation):
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 def test_skewed_router_with_empty_exchanges(kind):
     """Every token routed to experts 0 and 1: on ep2 rank 1 receives no token and sends none
-    back, and the step still equals eager."""
-    check(kind, "ep2", accumulation=2, skewed=True)
+    back, and the step still equals eager (with the aux loss, accumulation 1)."""
+    check(kind, "ep2", skewed=True)

@@ -247,6 +247,23 @@ def test_router_aux_loss_under_accumulation_is_refused():
         compile_graph(graph, inputs, 2)
 
 
+def test_ranks_disagreeing_on_an_exchange_are_refused_naming_rank_and_layer():
+    """Every rank of an expert group posts the same exchanges: the verifier pairs them, so
+    a plan where rank 1 lacks layer 0's token exchange is a GraphcError naming rank 1 and
+    the layer, before anything runs (a mismatch could otherwise hang the all-to-all)."""
+    from graphc.plan.verify import verify_plans
+    inputs = [global_input(t, P01, S0) for t in batches(1)[0]]
+    compiled = compile_graph(MoEGraph(model_of("mixtral", aux=False), "ep2"), inputs, 2)
+    verify_plans(compiled.plans, 2)
+    plan = compiled.plans[1]
+    tokens = next(i for i, ins in enumerate(plan.instructions)
+                  if "model.model.layers.0.mlp.experts: tokens" in getattr(ins, "note", ""))
+    del plan.instructions[tokens]
+    with pytest.raises(graphc.GraphcError, match=r"missing on rank 1") as info:
+        verify_plans(compiled.plans, 2)
+    assert "expert parallel model.model.layers.0.mlp.experts: tokens" in str(info.value)
+
+
 # -- the wider matrix: the router's aux loss at accumulation 1, without it at 2 ------------------
 
 MATRIX = [(kind, layout, acc) for kind in ("mixtral", "qwen3_moe") for layout in LAYOUTS for acc in (1, 2)]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..meta import META_SBP, META_TENSOR
 from ..placement import PartialSum, Split
 from ..errors import GraphcError
-from ..ops.conversions import RankGroups, vocab_parallel_embedding
+from ..ops.conversions import RankGroups, box, vocab_parallel_embedding
 from ..ops.experts import expert_parallel
 from ..sbp.experts import moe_experts
 from ..sbp.layout import axis_groups, flat, fmt, local_shape
@@ -174,16 +174,34 @@ def _localize_experts(node: fx.Node, sig) -> None:
     """Experts split over a mesh axis exchange the tokens there (See NOTE: Expert parallel)."""
     gate_up = node.args[3]
     axes = [a for a, s in enumerate(sig.needs(gate_up.name)) if isinstance(s, Split)]
+    weight = _read_parameter(gate_up)
+    layer, experts = weight.target.rsplit(".", 1)[0], weight.meta[META_TENSOR].shape[0]
+    declared = weight.meta.get(META_SBP)
+    if not axes and declared is not None and any(isinstance(s, Split) for s in declared.out):
+        raise GraphcError(
+            f"the experts '{layer}' are declared {fmt(declared.out)} on ranks {declared.mesh}, but their "
+            f"{experts} experts do not divide evenly over that axis's ranks (or its tokens cannot "
+            "split there): expert parallelism gives each rank the same number of experts, and "
+            "gathering them instead would hold every expert on every rank. Fix: a number of "
+            "experts divisible by the expert-parallel ranks, or declare the experts broadcast.")
     if not axes:
         return
     if len(axes) > 1:
         raise GraphcError(
-            f"the experts '{gate_up.target.rsplit('.', 1)[0]}' are split over {len(axes)} mesh axes "
+            f"the experts '{layer}' are split over {len(axes)} mesh axes "
             f"({fmt(sig.needs(gate_up.name))}); expert parallelism splits them over one axis. Fix: "
             "declare the experts' sbp split(0) on one axis and broadcast on the others.")
     node.target = expert_parallel
     node.kwargs = {**node.kwargs, "groups": RankGroups(*axis_groups(sig.mesh, axes[0])),
-                   "num_experts": gate_up.meta[META_TENSOR].shape[0]}
+                   "num_experts": experts}
+
+
+def _read_parameter(node: fx.Node) -> fx.Node:
+    """The get_attr a parameter's value comes from, through the conversions insert_boxing put
+    before its reader."""
+    while node.op == "call_function" and node.target is box:
+        node = node.args[0]
+    return node
 
 
 def _replace(gm, node: fx.Node, fn, args, kwargs) -> None:

@@ -265,6 +265,15 @@ def test_ranks_disagreeing_on_an_exchange_are_refused_naming_rank_and_layer():
     assert "expert parallel model.model.layers.0.mlp.experts: tokens" in str(info.value)
 
 
+def test_experts_that_do_not_divide_over_the_ranks_are_refused():
+    """3 experts on 2 ranks: each rank would not hold the same number, and gathering them
+    would hold every expert everywhere, so the declaration is refused naming the layer."""
+    inputs = [global_input(t, P01, S0) for t in batches(1)[0]]
+    graph = MoEGraph(model_of("mixtral", experts=3, aux=False), "ep2")
+    with pytest.raises(graphc.GraphcError, match=r"experts 'model.model.layers.0.mlp.experts'.*3 experts do not divide"):
+        compile_graph(graph, inputs, 2)
+
+
 # -- the wider matrix: the router's aux loss at accumulation 1, without it at 2 ------------------
 
 MATRIX = [(kind, layout, acc) for kind in ("mixtral", "qwen3_moe") for layout in LAYOUTS for acc in (1, 2)]

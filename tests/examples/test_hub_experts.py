@@ -15,7 +15,11 @@ its loss is compared at 8 float32 eps relative (as tests/examples/test_hub_paral
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, Tuple
 
 import pytest
@@ -326,3 +330,17 @@ def test_skewed_mixtral_ep2_on_gloo():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0)
         for k, v in want_state.items():
             assert_close(state[k], v, f"gloo ep2: {k}")
+
+
+@pytest.mark.slow
+@pytest.mark.world
+def test_graphc_check_of_the_moe_example_on_pp2_dp2_ep2():
+    """`graphc check` runs examples/moe.py's 8 ranks (2 stages, each a data 2 x expert 2 grid)
+    and exits 0 with every step equal to eager on the whole batch."""
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "graphc", "check", "examples/moe.py", "--nproc", "8", "--steps", "2",
+           "--", "--pp", "2", "--dp", "2", "--ep", "2"]
+    ok = subprocess.run(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True,
+                        text=True, timeout=600)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "OK: 2 step(s)" in ok.stdout and "graphc check: OK" in ok.stdout

@@ -7,7 +7,8 @@ against eager PyTorch on the whole batch in float64.
 Layouts (LAYOUTS): ep2 and ep4 (the batch and the experts split over the same ranks, as
 DeepSpeed-MoE puts experts on the data ranks), dp2 x ep2 (4 ranks, the batch over both axes,
 the experts over the second: their gradient reduced only over the first), pp2 x ep2 (two
-stages of two ranks, each stage's experts split over its ranks).
+stages of two ranks, each stage's experts split over its ranks), tp2 x ep2 (the experts and
+the batch over the first axis, Megatron's attention heads over the second).
 
 Tolerance: parameters at the oracle's 1e-10, at 2e-9 with the router's aux loss (AUX_ATOL:
 transformers computes it in float32); a causal LM's own loss upcasts its logits to float32, so
@@ -99,7 +100,10 @@ LAYOUTS = {
     "ep4": EPLayout(4, ((0, 1, 2, 3),), (S0,), (S0,)),
     "dp2xep2": EPLayout(4, (((0, 1), (2, 3)),), (BC, S0), (S0, S0)),
     "pp2xep2": EPLayout(4, ((0, 1), (2, 3)), (S0,), (S0,)),
+    # the first axis: experts and batch split (expert parallel); the second: Megatron's attention
+    "tp2xep2": EPLayout(4, (((0, 1), (2, 3)),), (S0, BC), (S0, BC)),
 }
+TENSOR_AXIS = {"tp2xep2": 1}   # layouts whose attention is split Megatron's way on this axis
 # pipeline 2: the embedding and layer 0 on the first stage, layer 1, norm and head on the second
 STAGE_OF = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1, "lm_head": 1}
 
@@ -125,6 +129,8 @@ class MoEGraph(graphc.Graph):
         for i, layer in enumerate(model.model.layers):
             stage = STAGE_OF[f"model.layers.{i}"] if len(spec.stages) > 1 else 0
             graphc.to_global(layer.mlp.experts, placement=spec.placement(stage), sbp=spec.experts)
+        if layout in TENSOR_AXIS:
+            megatron_attention(model, spec.placement(0))
         self.config.set_gradient_accumulation_steps(accumulation)
         self.add_optimizer(optimizer or torch.optim.SGD(model.parameters(), lr=0.1))
 
@@ -132,6 +138,15 @@ class MoEGraph(graphc.Graph):
         out = self.model(input_ids=ids, labels=labels)
         out.loss.backward()
         return out.loss
+
+
+def megatron_attention(model, placement) -> None:
+    """q, k, v split by heads (weight split(0)) and o_proj by its input (split(1)) on the
+    placement's second axis, whole on the first."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        for lin, dim in ((attn.q_proj, 0), (attn.k_proj, 0), (attn.v_proj, 0), (attn.o_proj, 1)):
+            graphc.to_global(lin.weight, placement=placement, sbp=(BC, graphc.sbp.split(dim)))
 
 
 def batches(steps: int = 2):
@@ -145,11 +160,20 @@ def local_inputs(layout: str, rank: int, ids, labels):
     spec = LAYOUTS[layout]
     out = []
     for stage, t in ((0, ids), (len(spec.stages) - 1, labels)):
-        ranks = [r for row in spec.stages[stage] for r in (row if isinstance(row, tuple) else (row,))]
-        shard = t.chunk(len(ranks))[ranks.index(rank) if rank in ranks else 0]
+        pieces, k = _batch_piece(spec.stages[stage], spec.inputs, rank)
         sbp = spec.inputs if len(spec.inputs) > 1 else spec.inputs[0]
-        out.append(graphc.to_global(shard, placement=spec.placement(stage), sbp=sbp))
+        out.append(graphc.to_global(t.chunk(pieces)[k], placement=spec.placement(stage), sbp=sbp))
     return out
+
+
+def _batch_piece(mesh, sbp, rank: int) -> Tuple[int, int]:
+    """(pieces, this rank's piece) of a batch split(0) over the mesh axes where `sbp` splits it."""
+    grid = mesh if isinstance(mesh[0], tuple) else (mesh,)
+    rows, cols = (len(grid), len(grid[0])) if len(sbp) == 2 else (1, len(grid[0]))
+    i, j = next(((a, b) for a, row in enumerate(grid) for b, r in enumerate(row) if r == rank), (0, 0))
+    split = [s == S0 for s in sbp] if len(sbp) == 2 else [False, sbp[0] == S0]
+    n0, n1 = (rows if split[0] else 1), (cols if split[1] else 1)
+    return n0 * n1, (i if split[0] else 0) * n1 + (j if split[1] else 0)
 
 
 def expert_bytes(model, optimizer=None) -> Dict[str, int]:

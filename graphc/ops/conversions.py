@@ -72,6 +72,11 @@ def shapes_only(rank: int):
         _SHAPES_ONLY.pop()
 
 
+def counting_shapes() -> bool:
+    """Within shapes_only: a collective returns its output's shape and moves nothing."""
+    return bool(_SHAPES_ONLY)
+
+
 def my_group(groups: tuple) -> Tuple[Tuple[int, ...], int, int]:
     """(its ranks, my index in it, its size) for this rank's group among `groups`."""
     if _SHAPES_ONLY:

@@ -35,7 +35,8 @@ import torch
 
 from .. import world
 from ..sbp.experts import combine, gated_mlp
-from .conversions import _SHAPES_ONLY, my_group
+from .conversions import counting_shapes, my_group
+
 # the exchanges of one expert-parallel layer as plans list them, in the order they run:
 # (what moves, SBP-like words before -> after); the backward reverses 4 and 2 (the counts
 # are known). Read by passes/list_collectives.py.
@@ -80,7 +81,7 @@ def expert_parallel(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     """The experts split over the ranks of one mesh axis (`groups`; rank k of n holds experts
     k*E/n .. (k+1)*E/n - 1): this rank's tokens exchanged to their experts' ranks and back
     (See NOTE: Expert parallel)."""
-    if _SHAPES_ONLY:   # NOTE: Shapes only (ops/conversions.py): nothing moves
+    if counting_shapes():   # See NOTE: Shapes only (ops/conversions.py): nothing moves
         return hidden.new_zeros(hidden.shape)
     group, k, n = my_group(groups)
     slots = top_k_index.shape[-1]

@@ -175,7 +175,8 @@ def _localize_experts(node: fx.Node, sig) -> None:
     gate_up = node.args[3]
     axes = [a for a, s in enumerate(sig.needs(gate_up.name)) if isinstance(s, Split)]
     weight = _read_parameter(gate_up)
-    layer, experts = weight.target.rsplit(".", 1)[0], weight.meta[META_TENSOR].shape[0]
+    layer = weight.target.rsplit(".", 1)[0] if weight.op == "get_attr" else weight.name
+    experts = weight.meta[META_TENSOR].shape[0]
     declared = weight.meta.get(META_SBP)
     if not axes and declared is not None and any(isinstance(s, Split) for s in declared.out):
         raise GraphcError(

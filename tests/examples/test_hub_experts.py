@@ -117,7 +117,7 @@ def _module(model, path: str):
 class MoEGraph(graphc.Graph):
     """A hub MoE model on its own loss, its experts split over the layout's expert axis."""
 
-    def __init__(self, model, layout: str, accumulation: int = 1, optimizer=None):
+    def __init__(self, model, layout: str, accumulation: int = 1, optimizer=None, zero: int = 0):
         super().__init__()
         self.model = model
         spec = LAYOUTS[layout]
@@ -131,6 +131,8 @@ class MoEGraph(graphc.Graph):
             graphc.to_global(layer.mlp.experts, placement=spec.placement(stage), sbp=spec.experts)
         if layout in TENSOR_AXIS:
             megatron_attention(model, spec.placement(0))
+        if zero:
+            self.config.enable_zero(True, stage=zero)
         self.config.set_gradient_accumulation_steps(accumulation)
         self.add_optimizer(optimizer or torch.optim.SGD(model.parameters(), lr=0.1))
 
@@ -184,15 +186,15 @@ def expert_bytes(model, optimizer=None) -> Dict[str, int]:
             if ".experts." in n and (held is None or id(p) in held)}
 
 
-def train(kind: str, layout: str, data, accumulation: int = 1, skewed: bool = False, **config):
+def train(kind: str, layout: str, data, accumulation: int = 1, skewed: bool = False, zero: int = 0, **config):
     """Each rank's (losses, expert parameter bytes it holds, graph) and rank 0's full state."""
     def rank_main(rank: int):
         model = model_of(kind, skewed, **config)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        graph = MoEGraph(model, layout, accumulation, optimizer)
+        graph = MoEGraph(model, layout, accumulation, optimizer, zero)
         losses = [graph(*local_inputs(layout, rank, *d)).to_local() for d in data]
         losses = [float(x) if x.numel() else None for x in losses]
-        held = expert_bytes(model, optimizer)
+        held = expert_bytes(model, None if zero else optimizer)   # ZeRO: the optimizer holds rows
         return losses, held, graph, graph.full_state_dict(rank0_only=True)
     return LocalWorld(LAYOUTS[layout].nproc).run(rank_main)
 
@@ -208,11 +210,11 @@ def eager(kind: str, data, skewed: bool = False, **config):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, expert_bytes(model)
 
 
-def check(kind: str, layout: str, accumulation: int = 1, skewed: bool = False, **config):
+def check(kind: str, layout: str, accumulation: int = 1, skewed: bool = False, zero: int = 0, **config):
     """graphc on the layout equals eager (losses at 8 float32 eps, parameters at 1e-10), and
     each rank holds 1/ep of the experts' bytes. Returns the ranks' graphs."""
     data = batches()
-    results = train(kind, layout, data, accumulation, skewed, **config)
+    results = train(kind, layout, data, accumulation, skewed, zero, **config)
     want_losses, want_state, whole_bytes = eager(kind, data, skewed, **config)
     ep = _expert_ranks(layout)
     for rank, (losses, held, _, _) in enumerate(results):
@@ -350,6 +352,18 @@ def test_default_grouped_mm_experts_in_float32_on_ep2():
     torch.testing.assert_close(torch.tensor(results[0][0]), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0)
     for k, v in want_state.items():
         torch.testing.assert_close(results[0][3][k], v, rtol=LOSS_RTOL, atol=LOSS_RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.world
+def test_zero1_on_dp2xep2():
+    """ZeRO stage 1 beside expert parallelism: each parameter's optimizer rows are split over
+    the ranks holding the same values (the experts over the data axis only: REDUCE_SCATTER
+    over ranks [0, 2]), and the step equals eager."""
+    graphs = check("mixtral", "dp2xep2", accumulation=2, zero=1, aux=False)
+    scatters = [ins for ins in graphs[0].compiled.plans[0].instructions if type(ins).__name__ == "ReduceScatter"]
+    experts = [ins for ins in scatters if "experts" in str(ins)]
+    assert experts and all(tuple(ins.ranks) == (0, 2) for ins in experts), [str(i) for i in scatters]
 
 
 def _gloo_worker(rank, world, kind, skewed):

@@ -5,7 +5,8 @@ of the global value its signature names: a mean, cross_entropy or mse_loss mean 
 split dim divides a local sum by the global count; view/reshape/unflatten get local target
 shapes (a dim split unevenly takes its input's local size at run time); size()/shape/numel() of a split value read the global sizes; an embedding with a
 vocabulary-split table masks indices outside this rank's rows; attention over a split
-sequence exchanges keys and values (NOTE: Context parallel).
+sequence exchanges keys and values (NOTE: Context parallel); experts split over a mesh
+axis exchange the tokens with the ranks holding their experts (See NOTE: Expert parallel).
 Requires: insert_boxing (inputs already arrive in the signature's SBP).
 """
 from __future__ import annotations
@@ -20,11 +21,13 @@ from ..errors import GraphcError
 from ..meta import META_CONTEXT_PARALLEL, META_SBP, META_TENSOR
 from ..ops.context_parallel import context_parallel_attention
 from ..placement import PartialSum, Split
-from ..ops.conversions import vocab_parallel_embedding
+from ..ops.conversions import RankGroups, box, vocab_parallel_embedding
+from ..ops.experts import expert_parallel
+from ..sbp.experts import moe_experts
 from ..sbp.layout import axis_groups, flat, fmt, local_shape
-from .user_lines import node_line
 from ..sbp.local_ops import (cross_entropy_partial, global_numel, global_size, mean_as_partial,
                              mse_loss_partial, reshape_keeping)
+from .user_lines import node_line
 
 _MEAN = (torch.mean, "mean")
 _RESHAPE = (torch.reshape, "view", "reshape")
@@ -57,6 +60,8 @@ def localize_ops(gm: fx.GraphModule) -> fx.GraphModule:
             _localize_expand(node, sig)
         elif node.target is F.scaled_dot_product_attention and META_CONTEXT_PARALLEL in node.meta:
             _localize_attention(node, sig)
+        elif node.target is moe_experts:
+            _localize_experts(node, sig)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -217,6 +222,41 @@ def _localize_attention(node: fx.Node, sig) -> None:
                  axis_groups(sig.mesh, axes[0]), cp.method, node.meta[META_TENSOR].shape[seq])
     node.kwargs = {"is_causal": bool(given.get("is_causal", False)), "scale": given.get("scale"),
                    "enable_gqa": bool(given.get("enable_gqa", False))}
+
+
+def _localize_experts(node: fx.Node, sig) -> None:
+    """Experts split over a mesh axis exchange the tokens there (See NOTE: Expert parallel)."""
+    gate_up = node.args[3]
+    axes = [a for a, s in enumerate(sig.needs(gate_up.name)) if isinstance(s, Split)]
+    weight = _read_parameter(gate_up)
+    layer = weight.target.rsplit(".", 1)[0] if weight.op == "get_attr" else weight.name
+    experts = weight.meta[META_TENSOR].shape[0]
+    declared = weight.meta.get(META_SBP)
+    if not axes and declared is not None and any(isinstance(s, Split) for s in declared.out):
+        raise GraphcError(
+            f"the experts '{layer}' are declared {fmt(declared.out)} on ranks {declared.mesh}, but their "
+            f"{experts} experts do not divide evenly over that axis's ranks (or its tokens cannot "
+            "split there): expert parallelism gives each rank the same number of experts, and "
+            "gathering them instead would hold every expert on every rank. Fix: a number of "
+            "experts divisible by the expert-parallel ranks, or declare the experts broadcast.")
+    if not axes:
+        return
+    if len(axes) > 1:
+        raise GraphcError(
+            f"the experts '{layer}' are split over {len(axes)} mesh axes "
+            f"({fmt(sig.needs(gate_up.name))}); expert parallelism splits them over one axis. Fix: "
+            "declare the experts' sbp split(0) on one axis and broadcast on the others.")
+    node.target = expert_parallel
+    node.kwargs = {**node.kwargs, "groups": RankGroups(*axis_groups(sig.mesh, axes[0])),
+                   "num_experts": experts}
+
+
+def _read_parameter(node: fx.Node) -> fx.Node:
+    """The get_attr a parameter's value comes from, through the conversions insert_boxing put
+    before its reader."""
+    while node.op == "call_function" and node.target is box:
+        node = node.args[0]
+    return node
 
 
 def _replace(gm, node: fx.Node, fn, args, kwargs) -> None:

@@ -253,7 +253,6 @@ def exchanges(graph, microbatch: int = 0) -> Dict[str, list]:
 
 # -- by default: ep2 at accumulation 2 (dp2 x ep2 and the rest: the matrix, -m slow) ------------
 
-@pytest.mark.world
 def test_mixtral_ep2_trains_as_eager_with_its_exchanges():
     """Mixtral on 2 ranks, the batch and the experts split over both: equal to eager at
     accumulation 2, each rank holding half the experts' bytes, and per MoE layer and
@@ -310,14 +309,12 @@ MATRIX = [(kind, layout, acc) for kind in ("mixtral", "qwen3_moe") for layout in
 
 
 @pytest.mark.slow
-@pytest.mark.world
 @pytest.mark.parametrize("kind,layout,accumulation", MATRIX)
 def test_moe_layouts_train_as_eager(kind, layout, accumulation):
     check(kind, layout, accumulation, aux=accumulation == 1)
 
 
 @pytest.mark.slow
-@pytest.mark.world
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 def test_skewed_router_with_empty_exchanges(kind):
     """Every token routed to experts 0 and 1: on ep2 rank 1 receives no token and sends none
@@ -339,7 +336,6 @@ def experts_hit(model, ids) -> set:
 
 
 @pytest.mark.slow
-@pytest.mark.world
 @pytest.mark.fp32
 def test_default_grouped_mm_experts_in_float32_on_ep2():
     """transformers' default experts (grouped_mm), float32 as they come: traced as moe_experts,
@@ -355,7 +351,6 @@ def test_default_grouped_mm_experts_in_float32_on_ep2():
 
 
 @pytest.mark.slow
-@pytest.mark.world
 def test_zero1_on_dp2xep2():
     """ZeRO stage 1 beside expert parallelism: each parameter's optimizer rows are split over
     the ranks holding the same values (the experts over the data axis only: REDUCE_SCATTER
@@ -387,7 +382,6 @@ def test_skewed_mixtral_ep2_on_gloo():
 
 
 @pytest.mark.slow
-@pytest.mark.world
 def test_graphc_check_of_the_moe_example_on_pp2_dp2_ep2():
     """`graphc check` runs examples/moe.py's 8 ranks (2 stages, each a data 2 x expert 2 grid)
     and exits 0 with every step equal to eager on the whole batch."""

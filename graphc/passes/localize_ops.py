@@ -4,7 +4,8 @@ Invariant: run on each rank's local components, every node computes its local co
 of the global value its signature names: a mean, cross_entropy or mse_loss mean over a
 split dim divides a local sum by the global count; view/reshape/unflatten get local target
 shapes (a dim split unevenly takes its input's local size at run time); size()/shape/numel() of a split value read the global sizes; an embedding with a
-vocabulary-split table masks indices outside this rank's rows.
+vocabulary-split table masks indices outside this rank's rows; a parameter stored in pieces
+is cut at the pieces' local sizes.
 Requires: insert_boxing (inputs already arrive in the signature's SBP).
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..meta import META_SBP, META_TENSOR
+from ..meta import META_PIECES, META_SBP, META_TENSOR
 from ..placement import PartialSum, Split
 from ..ops.conversions import vocab_parallel_embedding
 from ..sbp.layout import axis_groups, flat, local_shape
@@ -51,9 +52,21 @@ def localize_ops(gm: fx.GraphModule) -> fx.GraphModule:
             _localize_size(gm, node, sig)
         elif node.target in _EXPAND:
             _localize_expand(node, sig)
+        elif node.target is torch.split and META_PIECES in getattr(node.args[0], "meta", {}):
+            _localize_pieces(node, sig)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _localize_pieces(node: fx.Node, sig) -> None:
+    """torch.split of a parameter stored in pieces into those pieces cuts the local component
+    at each piece's local size (See NOTE: fused pieces)."""
+    x, sizes, dim = node.args
+    pieces = x.meta[META_PIECES]
+    need = sig.needs(x.name)
+    if any(isinstance(s, Split) and s.dim == dim for s in need):
+        node.args = (x, pieces.local_sizes(x.meta[META_TENSOR].shape, need, sig.mesh), dim)
 
 
 def _localize_expand(node: fx.Node, sig) -> None:

@@ -74,3 +74,17 @@ def test_unequal_pieces_hold_each_pieces_shard():
     for r in (0, 1):
         place_shard(back, shards[r], (Split(0),), (0, 1), r, pieces=pieces)
     assert torch.equal(back, full)
+
+
+def test_unequal_pieces_checkpoint_as_blocks_at_their_offsets():
+    """graph.state_dict() of a tensor in unequal pieces goes to DCP as one block per piece at
+    its global offset (graphc/dcp.py)."""
+    from graphc.dcp import Layout, _pieces_wrapper
+    full = torch.arange(16.).view(8, 2)
+    layout = Layout((8, 2), (Split(0),), (0, 1), "cpu", pieces=Pieces((4, 2, 2), 0))
+    local = local_component(full, layout.sbp, layout.mesh, 1, pieces=layout.pieces)
+    wrapper = _pieces_wrapper(local, layout, 1)
+    assert wrapper.local_offsets() == [torch.Size([2, 0]), torch.Size([5, 0]), torch.Size([7, 0])]
+    for block, offset in zip(wrapper.local_shards(), wrapper.local_offsets()):
+        assert torch.equal(block, full[offset[0]:offset[0] + block.shape[0]])
+    assert torch.equal(torch.cat(wrapper.local_shards()), local)

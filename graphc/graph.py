@@ -17,7 +17,7 @@ from .build_root import BuildRoot
 from .check_mode import CheckDone
 from .check_step import FirstStepCheck, optimizer_groups, warn_if_random
 from .checked_steps import StepChecker
-from .auto.layout import apply_layout, batch_layouts, batched_inputs, input_stages
+from .auto.layout import apply_layout, batch_layouts, batched_inputs, input_stages, named_searcher
 from .config import GraphConfig
 from .dcp import dcp_state_dict, unprefixed
 from .errors import GraphcError
@@ -265,6 +265,8 @@ class Graph:
         """Under config.load_layout with data parallelism, plain tensor inputs (the whole batch
         on every rank) become this rank's rows as GlobalTensors on the stage that reads each
         (NOTE: Auto layouts); inputs the user made global, or no layout, are left alone."""
+        if self.config.auto is not None and self.config.layout is None:
+            self.config.layout = self._searched_layout(inputs)   # NOTE: Run-time search
         layout = self.config.layout
         if layout is None or layout.dp == 1:
             return inputs
@@ -283,6 +285,36 @@ class Graph:
         # before the first compile makes the process group, torchrun's RANK names this rank
         rank = world.rank() if world.current() is not None else int(os.environ.get("RANK", "0"))
         return tuple(pytree.tree_unflatten(_local_rows(layout, rank, leaves, self._input_layouts), treedef))
+
+    def _searched_layout(self, inputs):
+        """The layout enable_auto_parallel asked for, the same on every rank: rank 0's, from
+        the search cache or a search, broadcast (See NOTE: Run-time search)."""
+        mode = plan_mode.active()
+        if mode is not None and mode.auto is not None:
+            return None          # graphc plan --auto searches with its own options
+        specs, tree = flatten_call(inputs, type(self).build)
+        spec = compile_spec(self)
+        examples = [s.example() for s in specs]
+        names = tree.names if tree is not None else list(inspect.signature(type(self).build).parameters)[1:]
+        batched = batched_inputs(examples, names, spec.whole_inputs)
+        rank, nproc = (0, mode.nproc) if mode is not None else ensure_process_group({"cpu"})
+
+        def search():
+            with _as_traced(spec, tree):
+                return named_searcher()(spec, examples, nproc, batched, self._optimizer, self.config.auto)
+        if mode is not None or world.current() is None:
+            return search()
+        if rank != 0:
+            found = world.current().broadcast_object(None, 0)
+        else:
+            try:
+                found = world.current().broadcast_object(search(), 0)
+            except GraphcError as exc:   # the other ranks raise it too, not wait for a layout
+                world.current().broadcast_object(str(exc), 0)
+                raise
+        if isinstance(found, str):
+            raise GraphcError(f"rank {rank}: enable_auto_parallel: rank 0's search failed: {found}")
+        return found
 
     @contextmanager
     def _traceable(self):

@@ -85,3 +85,42 @@ def test_every_rank_trains_on_rank_0s_search_as_eager_then_the_cache_answers(tmp
     again = _train(str(tmp_path), data[:1], world, layers, top)
     assert {layout for layout, _, _ in again} == layouts
     assert "from the search cache" in capfd.readouterr().err
+
+
+def test_the_cache_key_changes_with_the_model_the_world_and_the_device(tmp_path):
+    """One file per question (See NOTE: Search cache): another world size, device or model
+    is another key and another file; the same question, the same file."""
+    def key(layers, nproc, device):
+        graph = AutoParallelGPT(_gpt(layers), str(tmp_path))
+        spec = graph._compile_spec()
+        x, y = _batches(1)[0]
+        return search_key(spec, [x, y], nproc, [True, True], graph._optimizer, device, 2 ** 30, 2)
+    base, wider, other, deeper = key(2, 2, "h100"), key(2, 4, "h100"), key(2, 2, "a100"), key(3, 2, "h100")
+    assert key(2, 2, "h100") == base
+    assert wider["cluster"] != base["cluster"] and other["cluster"] != base["cluster"]
+    assert deeper["model"] != base["model"]
+    assert len({entry_path(str(tmp_path), "G", k) for k in (base, wider, other, deeper)}) == 4
+
+
+def test_a_search_that_fits_nothing_is_refused_on_every_rank(tmp_path):
+    """Rank 0's search error reaches every rank as a GraphcError (no rank waits for a layout)."""
+    class Tiny(AutoParallelGPT):
+        def __init__(self, model):
+            super().__init__(model, str(tmp_path), 1)
+            self.config.enable_auto_parallel(True, device="h100", memory=1e-6, cache=str(tmp_path))
+
+    def rank_main(rank):
+        with pytest.raises(graphc.GraphcError, match="fits") as info:
+            Tiny(_gpt(2))(*_batches(1)[0])
+        return str(info.value)
+    messages = LocalWorld(2).run(rank_main)
+    assert "no layout on 2 ranks fits" in messages[0] and "rank 0's search failed" in messages[1]
+
+
+def test_enable_auto_parallel_checks_its_arguments():
+    graph = AutoParallelGPT(_gpt(2), None)
+    assert graph.config.auto == AutoRequest("h100", None, 2, None)
+    with pytest.raises(graphc.GraphcError, match="memory is GiB per rank"):
+        graph.config.enable_auto_parallel(True, memory=-1)
+    graph.config.enable_auto_parallel(False)
+    assert graph.config.auto is None

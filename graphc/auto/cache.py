@@ -20,12 +20,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict
 from typing import Optional, Sequence
 
 from .layout import Layout
 
 CACHE_FORMAT = "graphc.auto-cache/1"
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")    # object addresses differ by process
 
 
 def cache_folder(folder: Optional[str]) -> str:
@@ -42,7 +44,7 @@ def search_key(spec, inputs: Sequence, nproc: int, batched: Sequence[bool], opti
     params = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in spec.root.named_parameters()]
     stages = sorted({m.stage_id for m in spec.modules.values() if m.stage_id is not None})
     return {
-        "model": _sha(repr(spec.root) + repr(params)),
+        "model": _sha(_ADDRESS.sub("", repr(spec.root)) + repr(params)),
         "options": _sha(repr((len(stages), spec.amp_dtype, spec.param_dtype, spec.whole_inputs))),
         "optimizer": type(optimizer).__name__ if optimizer is not None else "none",
         "inputs": repr([(tuple(getattr(t, "shape", ())), str(getattr(t, "dtype", type(t).__name__)), b)

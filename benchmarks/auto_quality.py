@@ -181,7 +181,9 @@ def main(argv=None):
     p.add_argument("--full", action="store_true", help="measure every layout the search enumerates")
     p.add_argument("--nproc", type=int, default=8)
     p.add_argument("--device", default="cpu", help="the device preset the search models")
-    p.add_argument("--budget-s", type=float, default=60.0)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="bound the search in seconds (default: none, top 8 candidates as at run "
+                        "time; a bound in seconds makes the pick depend on the machine's load)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--embd", type=int, default=64)

@@ -10,6 +10,8 @@ rotates, so all see the same machine load:
   ZeRO stage 3 per unit (zero3u: unit_bytes=1, a unit per Linear; NOTE: ZeRO units),
   torch DistributedDataParallel,
   torch.distributed.fsdp.fully_shard (FSDP2: ZeRO-3, one unit per Linear and the root).
+With --bf16 also graphc ZeRO-3 per unit with set_param_dtype(torch.bfloat16) (bf16 gathers,
+float32 masters and reduce-scatters) and FSDP2 with the same MixedPrecisionPolicy.
 Prints per-step medians (ms), the ratios graphc ZeRO-2 / DDP (target <= 1.05), graphc
 ZeRO-3 / FSDP2 (target <= 1.0) and per-unit ZeRO-3 / FSDP2 (step <= 1.0, high-water = held +
 peak <= 0.9), and memory per rank:
@@ -45,9 +47,11 @@ def make_model(width: int, layers: int) -> nn.Module:
 
 
 class Graph(graphc.Graph):
-    def __init__(self, model, opt, zero, bucket_bytes=None, unit_bytes=0):
+    def __init__(self, model, opt, zero, bucket_bytes=None, unit_bytes=0, param_dtype=None):
         super().__init__()
         self.model = model
+        if param_dtype is not None:
+            self.config.set_param_dtype(param_dtype)
         if bucket_bytes:
             self.config.set_gradient_bucket_size(bucket_bytes)
         if zero:
@@ -79,7 +83,7 @@ def _reset_hwm() -> None:
         f.write("5")
 
 
-def _contenders(base, width, batch, rank, world, bucket_bytes=None):
+def _contenders(base, width, batch, rank, world, bucket_bytes=None, bf16=False):
     where = graphc.placement("cpu", list(range(world)))
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
@@ -88,10 +92,12 @@ def _contenders(base, width, batch, rank, world, bucket_bytes=None):
     loss_fn = nn.CrossEntropyLoss()
     adam = lambda params: torch.optim.Adam(params, lr=1e-4)  # noqa: E731
 
-    def graphc_run(zero, unit_bytes=0):
+    def graphc_run(zero, unit_bytes=0, param_dtype=None):
         model = graphc.to_global(copy.deepcopy(base), placement=where, sbp=graphc.sbp.broadcast)
-        graph = Graph(model, adam(model.parameters()), zero, bucket_bytes, unit_bytes)
-        return lambda: graph(gx, gy), graph.full_state_dict
+        graph = Graph(model, adam(model.parameters()), zero, bucket_bytes, unit_bytes, param_dtype)
+        feed = (gx, gy) if param_dtype is None else (
+            graphc.to_global(x.to(param_dtype), placement=where, sbp=graphc.sbp.split(0)), gy)
+        return lambda: graph(*feed), graph.full_state_dict
 
     def torch_run(wrap):
         model = wrap(copy.deepcopy(base))
@@ -105,28 +111,32 @@ def _contenders(base, width, batch, rank, world, bucket_bytes=None):
             return loss
         return step, model
 
-    def fsdp(model):
+    def fsdp(model, param_dtype=None):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh("cpu", (world,))
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+        return fully_shard(model, mesh=mesh, mp_policy=mp)
 
+    bf16_runs = {   # bf16 parameters gathered, float32 masters and gradient reduction
+        "graphc zero3u bf16": lambda: graphc_run(3, unit_bytes=1, param_dtype=torch.bfloat16),
+        "fsdp2 bf16": lambda: torch_run(lambda m: fsdp(m, torch.bfloat16))} if bf16 else {}
     return {"graphc dp": lambda: graphc_run(0), "graphc zero2": lambda: graphc_run(2),
             "graphc zero3": lambda: graphc_run(3),
             # a unit per Linear, as FSDP2's below (NOTE: ZeRO units)
             "graphc zero3u": lambda: graphc_run(3, unit_bytes=1),
             "ddp": lambda: torch_run(lambda m: nn.parallel.DistributedDataParallel(m)),
-            "fsdp2": lambda: torch_run(fsdp)}
+            "fsdp2": lambda: torch_run(fsdp), **bf16_runs}
 
 
-def bench(iters: int, batch: int, width: int, layers: int, bucket_mib: float = 0) -> None:
+def bench(iters: int, batch: int, width: int, layers: int, bucket_mib: float = 0, bf16: bool = False) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     base = make_model(width, layers)
-    makers = _contenders(base, width, batch, rank, world, int(bucket_mib * 2**20) or None)
+    makers = _contenders(base, width, batch, rank, world, int(bucket_mib * 2**20) or None, bf16)
     steps, held, others = {}, {}, {}
     for name, make in makers.items():      # one after another: each one's resident growth
         dist.barrier()
@@ -174,6 +184,9 @@ def bench(iters: int, batch: int, width: int, layers: int, bucket_mib: float = 0
               f"high-water (held + peak; target <= 0.9)")
         print(f"  graphc zero2 / graphc dp = {med['graphc zero2'] / med['graphc dp']:.3f}, "
               f"graphc zero3 / graphc zero2 = {med['graphc zero3'] / med['graphc zero2']:.3f}")
+        if bf16:
+            print(f"  graphc zero3u bf16 / fsdp2 bf16 = {med['graphc zero3u bf16'] / med['fsdp2 bf16']:.3f} step, "
+                  f"graphc zero3u bf16 / graphc zero3u = {med['graphc zero3u bf16'] / med['graphc zero3u']:.3f}")
 
 
 def _spawned(rank: int, world: int, port: int, args) -> None:
@@ -181,7 +194,7 @@ def _spawned(rank: int, world: int, port: int, args) -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
-    bench(args.iters, args.batch, args.width, args.layers, args.bucket_mib)
+    bench(args.iters, args.batch, args.width, args.layers, args.bucket_mib, args.bf16)
     dist.destroy_process_group()
 
 
@@ -194,11 +207,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bucket-mib", type=float, default=0,
                         help="graphc's gradient bucket size (0: its default, 25 MiB)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="also graphc ZeRO-3 per unit with set_param_dtype(bf16) and FSDP2 with "
+                             "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
     args = parser.parse_args()
     if "RANK" in os.environ:
         torch.set_num_threads(args.threads)
         dist.init_process_group("gloo")
-        bench(args.iters, args.batch, args.width, args.layers, args.bucket_mib)
+        bench(args.iters, args.batch, args.width, args.layers, args.bucket_mib, args.bf16)
         dist.destroy_process_group()
         return
     import socket

@@ -44,6 +44,7 @@ from .passes.defer_batch_norm import defer_batch_norm
 from .passes.feed_whole_batch import feed_whole_batch
 from .passes.find_batch_dims import find_batch_dims, input_names
 from .passes.find_meshes import find_meshes
+from .passes.find_plan_symmetry import find_plan_symmetry
 from .passes.infer_sbp import infer_sbp
 from .passes.insert_autocast_modes import insert_autocast_modes
 from .passes.insert_boxing import insert_boxing
@@ -71,9 +72,11 @@ from .passes.verify_meta import MetaVerifier, graphs_in
 from .placement import Layout
 from .plan.plan import ExecutionPlan, StageInfo
 from .plan.program import StageProgram
+from .plan.templates import PlanWorld, RowSymmetry, check_quotient, same_as_printed
 from .plan.verify import verify_plans
 from . import plan_cache
 from .plan_cache import CompileKey
+from .sbp.context_parallel import ContextParallel
 from .sbp.declared import META_DECLARED, DeclaredLayouts
 
 
@@ -115,6 +118,7 @@ class CompileSpec:
     grad_reduce_dtype: Optional[torch.dtype] = None  # gradient buckets' dtype (None: the grads')
     param_dtype: Optional[torch.dtype] = None  # set_param_dtype: parameters stored in it, float32 masters
     sequence_parallel: bool = False    # enable_sequence_parallel (NOTE: Sequence parallel)
+    context_parallel: Optional[ContextParallel] = None  # set_context_parallel (NOTE: Context parallel)
 
 
 @dataclass
@@ -124,7 +128,7 @@ class CompiledGraph:
     gm: fx.GraphModule
     stages: List[StageInfo]
     programs: List[StageProgram]
-    plans: List[ExecutionPlan]
+    plans: Sequence[ExecutionPlan]    # by rank; a whole world's may be a PlanWorld (NOTE: Plan templates)
     training: bool
     num_microbatches: int
     input_meta: List[tuple]
@@ -299,9 +303,10 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     # with deferred batch norm, running statistics take one whole-mini-batch update per step
     gm = _step(run, "defer_batch_norm", defer_batch_norm, gm, spec.deferred_batch_norm, m)
     # an SBP signature per node, cheapest by bytes moved, honouring the user's layouts
-    # (with sequence parallelism, tensor-parallel activations split along the sequence)
+    # (with sequence parallelism, tensor-parallel activations split along the sequence;
+    # with context parallelism, attention on a split sequence)
     gm = _step(run, "infer_sbp", infer_sbp, gm, meshes, [l.sbp if l else None for l in input_layouts], m,
-               spec.sequence_parallel)
+               spec.sequence_parallel, spec.context_parallel)
     # a stage on several ranks with nothing split computes the same thing on each: said
     gm = _step(run, "warn_replicated_stages", warn_replicated_stages, gm, meshes)
     # every SBP mismatch becomes a collective (with its dual in backward)
@@ -349,7 +354,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
 
 
 def _plans(run: _Compilation, spec: CompileSpec, key: CompileKey, gm, programs, stages, meshes,
-           declared, training: bool, world_size: int, ranks) -> List[ExecutionPlan]:
+           declared, training: bool, world_size: int, ranks) -> Sequence[ExecutionPlan]:
     """The plans of `ranks` from GRAPHC_PLAN_CACHE when an entry has this key (NOTE: Plan
     cache), else lowered (and then kept there). A whole world's plans (graphc plan) are
     not kept: millions of instructions, compiled once by a tool."""
@@ -366,8 +371,53 @@ def _plans(run: _Compilation, spec: CompileSpec, key: CompileKey, gm, programs, 
 
 
 def _lower(run: _Compilation, spec: CompileSpec, gm, programs, stages, meshes, declared,
-           training: bool, world_size: int, ranks) -> List[ExecutionPlan]:
-    """compile()'s last phase: the schedule lowered to the plans of `ranks`, then verified."""
+           training: bool, world_size: int, ranks) -> Sequence[ExecutionPlan]:
+    """compile()'s last phase: the schedule lowered to the plans of `ranks`, then verified.
+    The whole world's (ranks None) are lowered as templates where the layout allows (NOTE: Plan
+    templates); else every rank's."""
+    if ranks is None:
+        # whether one row of replicas stands for every row (why not is kept in the history)
+        symmetry = _step(run, "find_plan_symmetry", find_plan_symmetry, stages, meshes, gm, programs,
+                         spec.zero_stage)
+        if isinstance(symmetry, RowSymmetry):
+            world = _lower_templates(run, spec, gm, programs, stages, meshes, declared, training,
+                                     world_size, symmetry)
+            if world is not None:
+                return world
+    plans = _lower_ranks(run, spec, gm, programs, stages, meshes, declared, training, world_size, ranks)
+    # all plans together pair up and are free of deadlock, with every instruction in place
+    _step(run, "verify_plans", verify_plans, plans, world_size)
+    return plans
+
+
+def _lower_templates(run: _Compilation, spec: CompileSpec, gm, programs, stages, meshes, declared,
+                     training: bool, world_size: int, symmetry: RowSymmetry) -> Optional[PlanWorld]:
+    """The whole world's plans as row 0's templates (NOTE: Plan templates), verified as the
+    world's quotient; None (said in the log) where the last row, lowered too, is not their
+    instance, or the templates name ranks of other rows."""
+    chosen = symmetry.template_ranks(world_size)
+    last = symmetry.row(symmetry.rows - 1)
+    plans = _lower_ranks(run, spec, gm, programs, stages, meshes, declared, training, world_size, chosen + last)
+    by_rank = {p.rank: p for p in plans}
+    templates = [by_rank[r] for r in chosen]
+    # transfers stay in a row, and each group is in row 0 or whole columns
+    why = _step(run, "check_quotient", check_quotient, templates, symmetry)
+    if why is None:   # the last row lowered is its templates renamed, as printed
+        world = PlanWorld(templates, symmetry, world_size)
+        why = next((f"rank {r}'s lowered plan is not its template's instance" for r in last
+                    if not same_as_printed(world[r], by_rank[r])), None)
+    if why is not None:
+        _log.info("%s: plan templates not used (%s); lowering all %d ranks", spec.name, why, world_size)
+        return None
+    # the templates pair up and are free of deadlock as a world: so is the whole world
+    _step(run, "verify_plans", verify_plans, templates, world_size, True)
+    return PlanWorld(templates, symmetry, world_size)
+
+
+def _lower_ranks(run: _Compilation, spec: CompileSpec, gm, programs, stages, meshes, declared,
+                 training: bool, world_size: int, ranks) -> List[ExecutionPlan]:
+    """The plans of `ranks` (None: every rank's): the schedule's compute order, transfers,
+    gradient syncs and listed collectives, not yet verified."""
     m = spec.gradient_accumulation_steps
     # the schedule's compute order, with point-to-point sends and receives around it
     plans = _step(run, "lower_plan", lower_plan, programs, stages, spec.pipeline_schedule, m,
@@ -389,8 +439,6 @@ def _lower(run: _Compilation, spec: CompileSpec, gm, programs, stages, meshes, d
                   spec.grad_clip_norm, declared, grad_dtype)
     # each conversion's collectives listed where its compute issues them (SBP, ranks, bytes)
     plans = _step(run, "list_collectives", list_collectives, plans, programs)
-    # all plans together pair up and are free of deadlock, with every instruction in place
-    _step(run, "verify_plans", verify_plans, plans, world_size)
     # the stages nobody wrote down (found from placements), kept on every rank's plan
     return _step(run, "note_stages", note_stages, plans, gm, world_size)
 

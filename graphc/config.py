@@ -8,6 +8,8 @@ import torch
 from .errors import GraphcError
 from .placement import placement as Placement
 from .plan.plan import CHECKPOINT_MODES, DEFAULT_BUCKET_BYTES
+from .runtime.options import RunOptions
+from .sbp.context_parallel import checked as checked_context_parallel
 
 
 _REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -85,6 +87,7 @@ class GraphConfig:
         self.grad_reduce_dtype: Optional[torch.dtype] = None   # None: each gradient's own dtype
         self.param_dtype: Optional[torch.dtype] = None  # set_param_dtype (None: the model's own)
         self.sequence_parallel = False      # enable_sequence_parallel (NOTE: Sequence parallel)
+        self.context_parallel = None        # set_context_parallel: a ContextParallel (NOTE: Context parallel)
         self.layout = None                  # load_layout: a graphc.auto.Layout (NOTE: Auto layouts)
         self.auto = None                    # enable_auto_parallel: an AutoRequest (NOTE: Run-time search)
 
@@ -271,7 +274,7 @@ class GraphConfig:
         optimizer, and compares the loss and every parameter with graphc's first step; a
         difference beyond rounding (1e-9 relative in float64, 1e-4 in float32) is a
         GraphcError on every rank naming the values that differ (NOTE: Checked first step,
-        graphc/check_step.py). A safety net for a new model or layout; it costs one eager
+        graphc/checking/first_step.py). A safety net for a new model or layout; it costs one eager
         step and two gathers of the model's state, once. Plans with random ops (dropout)
         are not compared (a warning says so).
 
@@ -497,11 +500,41 @@ class GraphConfig:
         """
         self._set_switch("enable_sequence_parallel", "sequence_parallel", enabled)
 
+    def set_context_parallel(self, method: str = "ring", load_balance: bool = False) -> None:
+        """Context parallelism: attention over a sequence split across ranks.
+
+        Inputs laid out split along the sequence (`graphc.to_global(ids_shard, placement=P,
+        sbp=sbp.split(1))`) keep every op but attention on its shard of positions;
+        scaled_dot_product_attention (and Hugging Face's sdpa attention, which calls it) then
+        runs on the split sequence too, never gathering it on a rank (See NOTE: Context
+        parallel in graphc/sbp/context_parallel.py). The plan lists every exchange.
+
+        Args:
+            method: "ring" (keys and values passed around the ranks, n-1 exchanges per
+                attention, an online log-sum-exp merge; backward a ring too) or "all_to_all"
+                (Ulysses: sequence shards traded for head shards and back; heads divisible
+                by the ranks).
+            load_balance: True would hold chunks i and 2n-1-i on rank i for causal attention;
+                not supported yet (a GraphcError).
+
+        Example:
+            self.config.set_context_parallel(method="ring")   # in the Graph's __init__
+        """
+        self._check_open("set_context_parallel")
+        self.context_parallel = checked_context_parallel(method, load_balance)
+
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise GraphcError(f"recv window must be an int >= 1, found {n!r}")
         self.recv_window = n
+
+    def run_options(self) -> RunOptions:
+        """The settings a rank's runtime, tracer and agreement read, as one value."""
+        return RunOptions(type(self._graph).__name__, self.gradient_accumulation_steps,
+                          self.pipeline_schedule, self.recv_window, self.trace_path, self.trace_steps,
+                          self.cuda_graphs, self.memory_stats)
+
 
 def _per_stage(value, choices, what: str):
     """enable_zero's per-stage option: one value for every stage (stage -1) or {stage: value},

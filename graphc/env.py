@@ -140,7 +140,7 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "(graph.last_stats.events); a path also writes the merged Chrome trace "
              "(graphc/runtime/trace.py)", _text),
     Variable("GRAPHC_PLAN_NPROC", "", "a number of ranks >= 1", "plan mode: compile for this "
-             "many ranks and write the plans instead of training (graphc/plan_mode.py)", _text),
+             "many ranks and write the plans instead of training (graphc/modes.py)", _text),
     Variable("GRAPHC_PLAN_OUT", "graphc_plan", "a folder", "plan mode: where the files go", _text),
     Variable("GRAPHC_PLAN_SIMULATE", "", "measure, or a device such as h100",
              "plan mode: also simulate the step with these costs", _text),

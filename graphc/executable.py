@@ -6,8 +6,8 @@ An Executable is built from values, never from the Graph: the CompileSpec, the c
 InputSpecs and the world. Its life: `compile` (trace, passes, plans, and the guards of every
 Python value the compile read: NOTE: Guards), `start` (this rank's transport, groups and
 runtime; a compile without start is plan mode), `check` (the guards, on every call), `call`
-(one step, outputs merged over micro-batches). The Graph keeps an ExecutableCache and the
-state every executable of it shares (parameters, optimizer, agreement).
+(one step, outputs merged over micro-batches). A Graph's ExecutableCache
+(graphc/executable_cache.py) holds them and the state every executable of it shares.
 """
 from __future__ import annotations
 
@@ -24,9 +24,8 @@ from torch.utils import _pytree as pytree
 from . import compiler, env
 from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
-from .guards import (MISSING, Guard, GuardSet, difference, fingerprint, first_call_differs, global_guards,
-                     hook_guards, record_reads, requires_grad_guard, settle_own_writes, structure_of)
-from .log import get_logger, warn_user
+from .guards import (Guard, GuardSet, first_call_differs, global_guards, hook_guards, record_reads,
+                     requires_grad_guard, settle_own_writes, structure_of)
 from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .passes.trace_build import forward_replaced
 from .placement import Layout
@@ -37,15 +36,11 @@ from .runtime.comm import P2P
 from .runtime.cuda_graphs import capture_blockers
 from .runtime.dist_env import device_for
 from .runtime.master_params import stored_in
+from .runtime.options import RunOptions
 from .runtime.trace import Tracer
 from .runtime.watchdog import run_step
 from .sbp.layout import is_even
 
-_log = get_logger("guards")
-# executables kept per input signature before a warning: a value that changes on every call
-# (a counter read by build()) would otherwise compile on every call, unseen (torch.compile's
-# cache_size_limit is 8 for the same reason)
-PLANS_PER_SIGNATURE = 8
 
 
 @dataclass(frozen=True)
@@ -226,19 +221,21 @@ class Executable:
         local = self.compiled.plan_for(rank).local_stages
         return device_for(self.compiled.stages[local[0]].device_type) if local else torch.device("cpu")
 
-    def start(self, rank: int, optimizer, lr_scheduler, config, grad_scaler=None, masters=None) -> None:
+    def start(self, rank: int, optimizer, lr_scheduler, options: RunOptions, grad_scaler=None,
+              masters=None) -> None:
         """This rank's transport, process groups (collective: every rank, same order) and
-        runtime. `masters`: the float32 masters of set_param_dtype (NOTE: Master parameters)."""
+        runtime, run with `options` (the graph's settings as values). `masters`: the float32
+        masters of set_param_dtype (NOTE: Master parameters)."""
         plan = self.compiled.plan_for(rank)
         programs = {s: self.compiled.programs[s] for s in plan.local_stages}
-        if config.cuda_graphs:   # before any group is created: every rank refuses alike
-            check_capturable(type(config._graph).__name__, self.compiled, optimizer is not None, grad_scaler)
+        if options.cuda_graphs:   # before any group is created: every rank refuses alike
+            check_capturable(options.graph_name, self.compiled, optimizer is not None, grad_scaler)
         p2p = P2P(rank, self.compiled.plans, self.compiled.whole_world)
         create_groups(from_every_rank(compiled_groups(self.compiled), self.compiled.whole_world))
-        self.tracer = Tracer.from_config(config, rank)
+        self.tracer = Tracer.for_options(options, rank)
         self.runtime = Runtime(plan, programs, p2p, self.device(rank), optimizer, lr_scheduler,
-                               config.recv_window, self.tracer.record, grad_scaler, masters,
-                               cuda_graphs=config.cuda_graphs, memory_stats=config.memory_stats)
+                               options.recv_window, self.tracer.record, grad_scaler, masters,
+                               cuda_graphs=options.cuda_graphs, memory_stats=options.memory_stats)
 
     def check(self) -> Optional[Guard]:
         """The first guard that no longer holds (None: this executable may run)."""
@@ -283,102 +280,6 @@ class Executable:
         out = fx.node.map_arg(compiled.gm.graph.output_node().args[0], wrap)
         tree = compiled.gm.meta.get(META_OUTPUT_TREE)  # the user's own classes (NOTE: Output trees)
         return pytree.tree_unflatten(list(out), tree) if tree is not None else out
-
-
-class ExecutableCache:
-    """A Graph's executables: per input signature, one per set of guarded values."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.entries: Dict[tuple, List[Executable]] = {}
-        self.current: Optional[Executable] = None
-        self.key: Optional[tuple] = None
-        self.recompiles: List[str] = []  # why each executable after the first was compiled
-
-    def __len__(self) -> int:
-        return sum(len(v) for v in self.entries.values())
-
-    def lookup(self, key: tuple) -> Tuple[Optional[Executable], List[Guard]]:
-        """The executable whose guards hold for `key` (the current one first), else None and,
-        per cached executable of these inputs, the guard that failed. A module or parameter
-        replaced after compile is a GraphcError (see check_replaceable)."""
-        failures: List[Guard] = []
-        candidates = ([self.current] if key == self.key else []) + \
-            [e for e in reversed(self.entries.get(key, [])) if e is not self.current]
-        for exe in candidates:
-            failed = exe.check()
-            if failed is None:
-                return exe, failures
-            check_replaceable(self.name, failed)
-            failures.append(failed)
-        return None, failures
-
-    def same_structure(self, key: tuple) -> Optional[Executable]:
-        """An executable compiled for inputs of `key`'s structure (the number of inputs and
-        their tree, NOTE: Input trees), the current one first; None for a new structure."""
-        if self.current is not None and _structure(self.key) == _structure(key):
-            return self.current
-        return next((v[-1] for k, v in self.entries.items() if _structure(k) == _structure(key)), None)
-
-    def add(self, key: tuple, exe: Executable, failures: Sequence[Guard] = ()) -> None:
-        new_structure = self.same_structure(key) is None
-        entries = self.entries.setdefault(key, [])
-        entries.append(exe)
-        if self.current is not None:
-            why = _new_structure(key) if new_structure else self._why(failures)
-            self.recompiles.append(why)
-            if len(entries) == PLANS_PER_SIGNATURE + 1:
-                warn_user(f"{self.name} has compiled {len(entries)} plans for the same input "
-                          f"shapes, the last because {why}. A value build() reads changes from call "
-                          "to call, and every new value compiles a plan (slow). Fix: pass a "
-                          "changing number as a tensor input, or keep it constant between calls.")
-        self.use(key, exe)
-
-    def use(self, key: tuple, exe: Executable) -> None:
-        self.current, self.key = exe, key
-
-    def _why(self, failures: Sequence[Guard]) -> str:
-        """The recompile log's reason, as TORCH_LOGS=recompiles gives it: per cached plan of
-        these input shapes, the first value that no longer matches."""
-        reasons: List[str] = []
-        for failed in failures:
-            if failed.detail is not None:
-                reason = f"{failed.where} changed ({failed.detail(failed.expected)})"
-            else:
-                path, was, now = difference(failed.expected, fingerprint(failed.read()))
-                reason = f"{failed.where}{path} changed (compiled for {was}, now {now})"
-            reasons += [reason] if reason not in reasons else []
-        why = "; ".join(reasons) or "the inputs' shapes, dtypes or layouts are new"
-        _log.info("recompiling %s: %s", self.name, why)
-        return why
-
-
-def _structure(key: tuple) -> tuple:
-    """A cache key's input structure: the number of inputs and their tree (NOTE: Input trees)."""
-    signature_, tree = key
-    return len(signature_), tree
-
-
-def _new_structure(key: tuple) -> str:
-    signature_, tree = key
-    names = ", ".join(tree.names) if tree is not None else f"{len(signature_)} tensors"
-    why = f"the inputs' structure is new ({names})"
-    _log.info("compiling for new inputs: %s", why)
-    return why
-
-
-def check_replaceable(name: str, failed: Guard) -> None:
-    """A module, parameter or buffer replaced after compile cannot get a plan of its own."""
-    if failed.replaceable:
-        return
-    now = failed.read()
-    what = "removed" if now is MISSING else f"replaced by another {type(now).__name__}"
-    raise GraphcError(
-        f"'{failed.where}' of {name} was {what} after the graph compiled. The "
-        "graph's optimizer, gradient buckets and parameter shards hold the objects it was "
-        "compiled with, so the new one would not be trained as eager trains it. Fix: build a "
-        "new Graph (and optimizer) for the changed model, or copy new values into the existing "
-        "parameters in place (with torch.no_grad(): p.copy_(new)).")
 
 
 def check_same_stages(old: compiler.CompiledGraph, new: compiler.CompiledGraph) -> None:

@@ -41,7 +41,8 @@ def compile_spec(graph):
         zero_shard_min_size=cfg.zero_shard_min_size,
         zero_units=UnitOptions(cfg.zero_unit_bytes, cfg.zero_reshard_after_forward, cfg.zero_gather_per_step),
         grad_reduce_dtype=cfg.grad_reduce_dtype,
-        param_dtype=checked_param_dtype(graph), sequence_parallel=cfg.sequence_parallel)
+        param_dtype=checked_param_dtype(graph), sequence_parallel=cfg.sequence_parallel,
+        context_parallel=cfg.context_parallel)
 
 
 def checked_param_dtype(graph) -> Optional[torch.dtype]:
@@ -49,12 +50,6 @@ def checked_param_dtype(graph) -> Optional[torch.dtype]:
     cfg = graph.config
     if cfg.param_dtype is None:
         return None
-    if cfg.zero_stage == 3:
-        raise GraphcError(
-            f"{type(graph).__name__}: config.set_param_dtype({cfg.param_dtype}) and "
-            "config.enable_zero(stage=3) together are not available yet (stage 3 frees the "
-            "parameters between uses; with set_param_dtype only stages 1 and 2 shard the float32 "
-            "masters). Fix: self.config.enable_zero(True, stage=2), or drop set_param_dtype.")
     if graph._optimizer is None:
         raise GraphcError(
             f"{type(graph).__name__}: config.set_param_dtype keeps the float32 master copy in "

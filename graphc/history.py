@@ -64,7 +64,8 @@ def shown_plans(plans: List[ExecutionPlan]) -> List[ExecutionPlan]:
     if len(plans) <= PLANS_SHOWN_UP_TO:
         return list(plans)
     firsts = sorted({min(s.ranks) for s in plans[0].stages if s.ranks})
-    return [plans[r] for r in firsts if r < len(plans)] or list(plans[:1])
+    by_rank = {p.rank: p for p in plans}
+    return [by_rank[r] for r in firsts if r in by_rank] or list(plans[:1])
 
 
 def describe_program(prog: StageProgram) -> str:

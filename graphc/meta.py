@@ -77,6 +77,8 @@ META_GRAD_PARTIAL = "graphc_grad_partial"  # tuple[int]: mesh axes where a param
 META_BOXING = "graphc_boxing"        # BoxingInfo on a conversion node inserted by insert_boxing
 META_ARRIVAL = "graphc_arrival"      # {stage: (sbp, mesh)}: how a value arrives on a stage of another
                                      # mesh shape (insert_boxing; see NOTE: Reshard pieces)
+META_CONTEXT_PARALLEL = "graphc_context_parallel"  # ContextParallel on an attention call whose
+                                     # sequence may split (NOTE: Context parallel)
 META_PIECES = "graphc_pieces"        # sbp.layout.Pieces: a split parameter stored in pieces along a dim, each
                                      # split alike (fused q/k/v; see NOTE: fused pieces, docs/sbp.md)
 

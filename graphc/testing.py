@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from .check_mode import CheckDone, CheckMode, check_mode
-from .check_step import _first_scalar
+from .modes import CheckDone, CheckMode, check_mode
+from .checking.first_step import _first_scalar
 from .errors import GraphcError
 from .runtime.local_world import LocalWorld
 

@@ -110,7 +110,7 @@ class TorchWorld:
 
     def all_to_all(self, recv: List[torch.Tensor], send: List[torch.Tensor], ranks: Optional[Ranks] = None):
         group = self.group(ranks)
-        if _GLOO_LIST_ALL_TO_ALL or dist.get_backend(group) != "gloo":
+        if dist.get_backend(group) != "gloo" or (_GLOO_LIST_ALL_TO_ALL and _same_shapes(recv + send)):
             dist.all_to_all(recv, send, group=group)
         else:
             _all_to_all_flat(recv, send, group)
@@ -152,9 +152,16 @@ class TorchWorld:
         return dist.distributed_c10d._get_default_store()
 
 
+def _same_shapes(parts: List[torch.Tensor]) -> bool:
+    """gloo's list all_to_all takes parts of one shape only; an expert layer's exchanges
+    (See NOTE: Expert parallel) send as many rows as the routing gives, empty ones included."""
+    return all(p.shape == parts[0].shape for p in parts)
+
+
 def _all_to_all_flat(recv: List[torch.Tensor], send: List[torch.Tensor], group) -> None:
-    """dist.all_to_all as one all_to_all_single over the parts laid end to end (torch < 2.13
-    on gloo): part i of `send` goes to rank i, rank i's part lands in recv[i]."""
+    """dist.all_to_all as one all_to_all_single over the parts laid end to end (on gloo before
+    torch 2.13, or parts of different sizes): part i of `send` goes to rank i, rank i's part
+    lands in recv[i]."""
     flat = torch.empty(sum(r.numel() for r in recv), dtype=recv[0].dtype, device=recv[0].device)
     dist.all_to_all_single(flat, torch.cat([s.reshape(-1) for s in send]),
                            output_split_sizes=[r.numel() for r in recv],

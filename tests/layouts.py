@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 import graphc
-from graphc.check_step import _first_scalar
+from graphc.checking.first_step import _first_scalar
 from graphc.passes.infer_sbp import gathering_fallbacks
 from graphc.runtime.local_world import LocalWorld
 from graphc.tools.replicated import replicated_compute

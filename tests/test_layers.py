@@ -2,14 +2,14 @@
 
     API -> compiler -> passes -> ops -> plan,   runtime -> ops,   all of them -> value types
 
-Value types (placement, errors, meta, sbp/, rows/, ...) import nothing above them, passes
+Value types (placement, errors, meta, sbp/, batch_rows/, ...) import nothing above them, passes
 never import the runtime, the functions stage programs call (graphc/ops/) import neither,
 the plan IR imports none of them (it is data), and nothing the API needs imports graphc/tools.
 Within the API layer the modules are ordered (API_ORDER): an import up that order, the
 start of any circle among them, is a named failure. Each module's
 imports are read with `ast` (function-level imports included), so no module is executed.
 Plan mode finds the tools' writer by name, not by an import (See NOTE: Plan-mode writer,
-graphc/plan_mode.py): test_plan_mode_writer_is_the_tools_write_all keeps that name true.
+graphc/modes.py): test_plan_mode_writer_is_the_tools_write_all keeps that name true.
 """
 import ast
 from pathlib import Path
@@ -22,10 +22,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "graphc"
 LAYER_OF = {
     "graphc.errors": "value", "graphc.meta": "value", "graphc.placement": "value",
     "graphc.log": "value", "graphc.env": "value",
-    "graphc.plan_mode": "value", "graphc.guards": "value",  # the plan-mode setting; tools write the files
-    "graphc.check_mode": "value",  # the check-mode setting (graphc check)
+    "graphc.modes": "value", "graphc.guards": "value",  # the plan and check modes' settings; tools write the files
     "graphc.world": "value",  # the world a rank communicates in (NOTE: Worlds)
-    "graphc.sbp": "value", "graphc.rows": "value",
+    "graphc.sbp": "value", "graphc.batch_rows": "value",  # the batch rows micro-batching splits
     "graphc.plan": "plan",
     # the functions stage programs call (NOTE: Stage-program names, graphc/ops/__init__.py)
     "graphc.ops": "ops",
@@ -34,15 +33,15 @@ LAYER_OF = {
     "graphc.compiler": "compiler",
     "graphc.history": "compiler",  # the compilation history's records and their text
     "graphc.plan_cache": "compiler",  # compile's plans on disk, keyed by its inputs (NOTE: Plan cache)
-    "graphc": "api",      # graph.py, config.py, global_tensor.py, block.py, state.py, ...
+    "graphc": "api",      # graph.py, config.py, global_tensor.py, block.py, executable_cache.py, ...
     # one compiled specialisation (compile, start, check, call): API, built from values; it
     # reaches down to the compiler, runtime and plan, never up to the user's Graph class
     "graphc.executable": "api",
-    "graphc.check_step": "api", "graphc.optim_check": "api", "graphc.testing": "api",  # the Graph's checks of a step, optimizer
+    "graphc.checking": "api", "graphc.testing": "api",  # the Graph's checks of a step, optimizer
     "graphc.tools": "tools",
     # a layout as a value and its CompileSpec (config.load_layout) below the API; the search
     # (compile, simulate, memory model) above the tools, run by graphc plan --auto
-    "graphc.auto.layout": "api", "graphc.auto": "entry",
+    "graphc.auto.layout": "api", "graphc.auto.inputs": "api", "graphc.auto": "entry",
     "graphc.tools.plan_cli": "entry",   # `graphc plan`'s command line (it installs --auto's search)
     "graphc.cli": "entry", "graphc.__main__": "entry",
 }
@@ -70,16 +69,20 @@ API_ORDER = [
     "graphc.amp",             # GradScaler checks
     "graphc.block",           # ModuleBlock: a module wrapped with its config
     "graphc.global_tensor",   # to_global on tensors and modules; the declared layouts
-    "graphc.dcp",             # checkpoint state in DCP form
-    "graphc.checkpoint",      # graphc.save / graphc.load
-    "graphc.state",           # a graph's parameters and optimizer state across plans
+    "graphc.checkpoint.dcp",          # checkpoint state in DCP form
+    "graphc.checkpoint.files",        # graphc.save / graphc.load
+    "graphc.checkpoint.graph_state",  # a graph's parameters and optimizer state across plans
+    "graphc.checkpoint",              # the room's public names
     "graphc.build_root",      # the traced root module
-    "graphc.optim_check",     # the optimizer step against eager
-    "graphc.check_step",      # the first step against eager (the eager twin)
-    "graphc.checked_steps",   # every step against eager
+    "graphc.checking.optimizer",   # the optimizer settings a step supports
+    "graphc.checking.first_step",  # the first step against eager (the eager twin)
+    "graphc.checking.every_step",  # every step against eager (check mode)
+    "graphc.checking",             # the room
     "graphc.executable",      # one compiled specialisation: compile, start, call
     "graphc.testing",         # local worlds for tests and `graphc check`
     "graphc.graph_spec",      # what the compiler reads of a Graph (compile_spec)
+    "graphc.executable_cache",  # a Graph's executables: looked up, or compiled, agreed and started
+    "graphc.auto.inputs",     # a call's inputs under a loaded layout: this rank's rows
     "graphc.graph",           # the user's Graph
     "graphc",                 # the package's public names
 ]
@@ -87,7 +90,7 @@ API_ORDER = [
 # Wrong-way imports that remain, each with what would remove it (issue 13). Keys are
 # (importing module, imported module); a listed import that is gone fails the test, so the
 # list only shrinks. It is empty: plan mode's setting moved below the API
-# (graphc/plan_mode.py) and the measured trace into the runtime (graphc/runtime/trace.py).
+# (graphc/modes.py) and the measured trace into the runtime (graphc/runtime/trace.py).
 ALLOWED: dict = {}
 
 
@@ -188,10 +191,10 @@ def test_imports_point_down_the_layers():
     ("graphc.plan.verify", "def f():\n    from ..passes import lower_plan\n",
      "graphc.passes.lower_plan"),
     ("graphc.sbp.cost", "import graphc.plan.instructions\n", "graphc.plan.instructions"),
-    ("graphc.compiler", "from .tools.plan_mode import plan_mode\n", "graphc.tools.plan_mode"),
-    ("graphc.graph", "from .tools import plan_mode\n", "graphc.tools.plan_mode"),
+    ("graphc.compiler", "from .tools.summary import summary\n", "graphc.tools.summary"),
+    ("graphc.graph", "from .tools import dump\n", "graphc.tools.dump"),
     ("graphc.graph", "from .tools.trace import Tracer\n", "graphc.tools.trace"),
-    ("graphc.plan_mode", "from .tools.dump import write_all\n", "graphc.tools.dump"),
+    ("graphc.modes", "from .tools.dump import write_all\n", "graphc.tools.dump"),
     ("graphc.runtime.trace", "from ..tools.simulate import Span\n", "graphc.tools.simulate"),
     ("graphc.runtime.actors", "from ..passes.lower_plan import lower_plan\n",
      "graphc.passes.lower_plan"),
@@ -221,7 +224,7 @@ def test_api_order_names_every_api_module_once():
     ("graphc.config", "def compile_spec(graph):\n    from .global_tensor import declared_layout\n",
      "graphc.global_tensor"),        # the circle block -> config -> global_tensor -> block
     ("graphc.block", "from .graph import Graph\n", "graphc.graph"),
-    ("graphc.check_step", "from .checked_steps import StepChecker\n", "graphc.checked_steps"),
+    ("graphc.checking.first_step", "from .every_step import StepChecker\n", "graphc.checking.every_step"),
 ])
 def test_an_upward_import_in_the_api_layer_is_named(module, source, culprit):
     found = wrong_way(module, source, "synthetic.py")
@@ -235,15 +238,15 @@ def test_right_way_imports_pass():
     assert not wrong_way("graphc.ops.conversions", "from ..plan.instructions import AllReduce\n", "x.py")
     assert not wrong_way("graphc.runtime.actors", "from ..plan.plan import ExecutionPlan\n", "x.py")
     assert not wrong_way("graphc.graph", "from .compiler import compile\n", "x.py")
-    assert not wrong_way("graphc.graph", "from . import plan_mode\nfrom .runtime.trace import Tracer\n",
+    assert not wrong_way("graphc.graph", "from . import modes\nfrom .runtime.trace import Tracer\n",
                          "x.py")
-    assert not wrong_way("graphc.tools.plan_cli", "from ..plan_mode import plan_mode\n", "x.py")
+    assert not wrong_way("graphc.tools.plan_cli", "from ..modes import plan_mode\n", "x.py")
 
 
 # API modules that hold no Graph: they must not import the user's class or its config, so
 # that they are built from values (issue 20: an Executable is built from an InputSpec and a
 # CompileSpec, never from the Graph).
-BUILT_FROM_VALUES = {"graphc.executable", "graphc.check_step", "graphc.optim_check"}
+BUILT_FROM_VALUES = {"graphc.executable", "graphc.checking.first_step", "graphc.checking.optimizer"}
 GRAPH_SIDE = {"graphc.graph", "graphc.config", "graphc.graph_spec"}
 
 
@@ -263,8 +266,8 @@ def test_executable_and_checks_are_built_from_values():
 @pytest.mark.parametrize("module, source, culprit", [
     ("graphc.compiler", "from .executable import Executable\n", "graphc.executable"),
     ("graphc.runtime.actors", "from ..executable import InputSpec\n", "graphc.executable"),
-    ("graphc.passes.lower_plan", "from ..check_step import check_step\n", "graphc.check_step"),
-    ("graphc.plan.plan", "from ..optim_check import check_optimizer\n", "graphc.optim_check"),
+    ("graphc.passes.lower_plan", "from ..checking.first_step import check_step\n", "graphc.checking.first_step"),
+    ("graphc.plan.plan", "from ..checking.optimizer import check_optimizer\n", "graphc.checking.optimizer"),
     ("graphc.executable", "from .tools.dump import write_all\n", "graphc.tools.dump"),
 ])
 def test_executable_sits_in_the_api_layer(module, source, culprit):
@@ -279,15 +282,16 @@ def test_executable_reaches_down_to_compiler_runtime_and_plan_only():
     assert not wrong_way("graphc.executable", ok, "x.py")
     assert not graph_side_imports("graphc.executable", ok, "x.py")
     assert graph_side_imports("graphc.executable", "from .graph import Graph\n", "x.py")
-    assert graph_side_imports("graphc.check_step", "def f():\n    from .graph_spec import compile_spec\n", "x.py")
+    assert graph_side_imports("graphc.checking.first_step", "def f():\n    from ..graph_spec import compile_spec\n",
+                              "x.py")
 
 
 def test_plan_mode_writer_is_the_tools_write_all():
     """The one reach from the API's plan mode into the tools is by name (See NOTE: Plan-mode
     writer): the name must keep resolving to the function that writes a graph's files."""
-    from graphc import plan_mode
+    from graphc import modes
     from graphc.tools.dump import write_all
-    assert plan_mode.named_writer() is write_all
+    assert modes.named_writer() is write_all
 
 
 def test_run_time_searcher_is_the_searchs_run_time_layout():

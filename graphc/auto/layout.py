@@ -54,7 +54,7 @@ ROW_NAMES = ("o", "o_proj", "out_proj", "proj", "c_proj", "down_proj", "fc2", "w
 # not by seconds, so it is the same on every machine), and every rank trains on the layout
 # rank 0 broadcasts, as load_layout would. The search compiles and simulates (the tools), and
 # the API never imports the tools (docs/design.md: Layers), so the Graph finds it by the name
-# SEARCHER, as plan mode finds its writer (NOTE: Plan-mode writer, graphc/plan_mode.py);
+# SEARCHER, as plan mode finds its writer (NOTE: Plan-mode writer, graphc/modes.py);
 # tests/test_layers.py checks that the name resolves.
 SEARCHER = "graphc.auto.search:run_time_layout"
 

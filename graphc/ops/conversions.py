@@ -72,6 +72,11 @@ def shapes_only(rank: int):
         _SHAPES_ONLY.pop()
 
 
+def counting_shapes() -> bool:
+    """Within shapes_only: a collective returns its output's shape and moves nothing."""
+    return bool(_SHAPES_ONLY)
+
+
 def my_group(groups: tuple) -> Tuple[Tuple[int, ...], int, int]:
     """(its ranks, my index in it, its size) for this rank's group among `groups`."""
     if _SHAPES_ONLY:
@@ -103,6 +108,8 @@ def compiled_groups(compiled) -> List[Tuple[int, ...]]:
         for node in (n for module in modules for n in module.graph.nodes):
             if node.op == "call_function" and node.target in (box, vocab_parallel_embedding):
                 found += [tuple(g) for g in node.args[2]]
+            elif node.op == "call_function" and isinstance(node.kwargs.get("groups"), RankGroups):
+                found += [tuple(g) for g in node.kwargs["groups"]]   # expert_parallel's
         if prog.prologue is not None:
             found += [tuple(g) for groups in prog.prologue.groups for g in groups]
     for plan in compiled.plans:

@@ -18,6 +18,7 @@ from ..errors import GraphcError
 from ..guards import frames_unobserved
 from ..meta import META_AUTOCAST, META_GRAD_ENABLED
 from ..ops.autocast import autocast_state
+from .traced_experts import experts_activation, traced_experts_call
 from .traced_hooks import check_backward_hooks, has_forward_hooks, run_forward_hooks, without_forward_hooks
 from .traced_tensors import refuse_parameter_write, writes_in_place
 from .traced_writes import write_item
@@ -143,7 +144,16 @@ class BuildTracer(fx.Tracer):
         check_backward_hooks(m, path, caller_line(self.source_file))
         if has_forward_hooks(m) and self.is_leaf_module(m, path):
             return self._call_hooked_leaf(m, path, args, kwargs)
+        act = experts_activation(m)
+        if act is not None:  # NOTE: Expert parallel (ops/experts.py): one node, in the module's scope
+            forward = self._experts_forward(path, act, forward)
         return super().call_module(m, forward, args, kwargs)
+
+    def _experts_forward(self, path: str, act: str, forward):
+        def call(*args, **kwargs):
+            out = traced_experts_call(self, path, act, args, kwargs)
+            return forward(*args, **kwargs) if out is None else out
+        return call
 
     def _call_hooked_leaf(self, m, path: str, args, kwargs):
         """A leaf with forward hooks: the hooks on traced values around its call_module node,

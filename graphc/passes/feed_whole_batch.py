@@ -155,7 +155,14 @@ def _split_groups(node: fx.Node, target: fx.Node) -> tuple:
 def _count_input(prog: StageProgram, name: str, loss: fx.Node) -> fx.Node:
     """A new program input, after the others (inputs are positional, in placeholder order)."""
     graph = prog.module.graph
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    # a value received from another stage may be a placeholder after computing nodes (the
+    # router logits a MoE aux loss reads); placeholders take no input, so gather them first
+    first_compute = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    for ph in placeholders:
+        if first_compute is not None:
+            first_compute.prepend(ph)
+    last = placeholders[-1]
     with graph.inserting_after(last):
         ph = graph.placeholder(name)
     ph.meta[META_TENSOR] = TensorMeta((), loss.args[0].meta[META_TENSOR].dtype, False)

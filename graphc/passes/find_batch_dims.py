@@ -3,7 +3,7 @@
 Invariant: every node has META_ROWS (the dim of its value that indexes the batch's rows,
 and whether it is a sum or mean over them). The batch's rows are the rows the loss
 averages over (a training graph) or the dim 0 of build()'s outputs (inference), followed
-back to the inputs through every op (graphc/rows/rules.py); an input is split into
+back to the inputs through every op (graphc/batch_rows/rules.py); an input is split into
 micro-batches (META_BATCHED, with decide_inputs) iff its dim 0 is such rows. An input
 whose dim 0 never meets them (class prototypes [C, d] used as x @ P.T) is passed whole
 to every micro-batch. Rows that an op mixes (a softmax across the batch, z @ z.T, a
@@ -22,8 +22,8 @@ import torch.fx as fx
 
 from ..errors import GraphcError
 from ..meta import META_BATCHED, META_ROWS, META_TENSOR, RowsMeta, is_backward
-from ..rows import Coupling, Rows, Symbols
-from ..rows.rules import Ctx, default, rows_of
+from ..batch_rows import Coupling, Rows, Symbols
+from ..batch_rows.rules import Ctx, default, rows_of
 
 
 def find_batch_dims(gm: fx.GraphModule, num_microbatches: int, decide_inputs: bool = True,

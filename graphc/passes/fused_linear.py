@@ -17,7 +17,7 @@ heads r*H/n.. and key/value heads r*K/n.., the ones its query heads read after r
 as Megatron's grouped QKV does. The layout is used only when the Linear is called once, its
 output is used by nothing but that cut into pieces along the last dim (split, chunk, or
 static slices that tile it), each divisible by the ranks, and no other module holds its
-weight. state.py shards and gathers it piece by
+weight. checkpoint/graph_state.py shards and gathers it piece by
 piece, so full_state_dict() and the user's module see the usual layout; graph.state_dict()
 holds the pieced local component (as Megatron's checkpoints do).
 """

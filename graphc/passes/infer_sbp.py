@@ -27,15 +27,19 @@ from ..sbp.cost import COLLECTIVE, boxing_cost, conversion_cost, tensor_bytes
 from ..sbp.declared import conversion_target, declared_in, to_global_op
 from ..sbp.layout import B, flat, fmt, is_even, local_shape, mesh_shape, same_shape
 from ..sbp.rules import RuleCtx, draws_random, rule_for
-from ..sbp.sequence_parallel import prefer_sequence_split, tensor_axes
+from ..sbp.context_parallel import ContextParallel, mark_attention
+from ..sbp.sequence_parallel import no_partial_from_split, prefer_sequence_split, tensor_axes
 
 _log = get_logger("sbp")
 
 
 def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence,
-              num_microbatches: int = 1, sequence_parallel: bool = False) -> fx.GraphModule:
+              num_microbatches: int = 1, sequence_parallel: bool = False,
+              context_parallel: Optional[ContextParallel] = None) -> fx.GraphModule:
     # with sequence parallelism, the axes whose activations prefer split(seq): NOTE: Sequence parallel
     seq_axes = tensor_axes(gm) if sequence_parallel else {}
+    # with context parallelism, attention may take a split sequence: NOTE: Context parallel
+    mark_attention(gm, context_parallel)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     given = dict(zip(placeholders, list(input_sbp) + [None] * len(placeholders)))
     paid: Dict[tuple, set] = {}  # conversions already chosen: a second reader gets them free
@@ -52,7 +56,7 @@ def infer_sbp(gm: fx.GraphModule, meshes: Sequence[tuple], input_sbp: Sequence,
         elif node.op == "call_function" and node.target is to_global_op:
             sig = _conversion(node, mesh)
         else:
-            sig = _choose(node, mesh, paid, seq_axes.get(node.meta[META_STAGE], ()))
+            sig = _choose(node, mesh, paid, seq_axes.get(node.meta[META_STAGE], ()), context_parallel is not None)
         if node.op == "placeholder":
             _check_microbatches(node, sig, num_microbatches)
         node.meta[META_SBP] = _single_rank_axes_broadcast(sig)
@@ -211,10 +215,13 @@ def _conversion(node: fx.Node, mesh: tuple) -> SbpSignature:
     return SbpSignature(mesh, sbp, ((node.args[0].name, sbp),))
 
 
-def _choose(node: fx.Node, mesh: tuple, paid: Dict[tuple, set], seq_axes=()) -> SbpSignature:
+def _choose(node: fx.Node, mesh: tuple, paid: Dict[tuple, set], seq_axes=(),
+            split_sequence: bool = False) -> SbpSignature:
     """The cheapest signature; `paid`: per (stage, axis), the conversions (value, SBP) that
     earlier nodes' signatures already need; on `seq_axes` a sequence value is split along
-    the sequence where its rule allows (See NOTE: Sequence parallel)."""
+    the sequence where its rule allows (See NOTE: Sequence parallel). `split_sequence`
+    (context parallelism): a split value leaving through an op that cannot keep its split
+    is re-split or gathered, never zero-padded into a partial sum of the whole value."""
     inputs = [a for a in node.all_input_nodes if META_SBP in a.meta]
     tensors = [a for a in inputs if a.meta.get(META_TENSOR) is not None]
     rule = rule_for(node)
@@ -238,6 +245,8 @@ def _choose(node: fx.Node, mesh: tuple, paid: Dict[tuple, set], seq_axes=()) -> 
         if axis in seq_axes:
             best = prefer_sequence_split(node, cands, best, prod, lambda c: _cost(c, prod, n, done),
                                          lambda c: _keeps_parameters(c, prod))
+        elif split_sequence:
+            best = no_partial_from_split(cands, best, prod, lambda c: _cost(c, prod, n, done), split_only=True)
         done.update((a, r) for a, r in best[0].items() if r != prod[a])
         outs.append(best[1])
         for a in tensors:

@@ -92,8 +92,8 @@ def _convert(gm, a: fx.Node, need: tuple, consumer: fx.Node) -> fx.Node:
     if not same_shape(a.meta[META_SBP].mesh, mesh):  # arrived in pieces from another mesh shape
         cur = a.meta[META_ARRIVAL][consumer.meta[META_STAGE]][0]
     value = a
-    for axis in _conversion_order(cur, need):
-        s, d = cur[axis], need[axis]
+    for axis, d in _conversion_steps(cur, need):
+        s = cur[axis]
         after = cur[:axis] + (d,) + cur[axis + 1:]
         kind = kind_of(s, d)
         if kind == "slice" and axis in a.meta.get(META_GRAD_PARTIAL, ()):
@@ -101,6 +101,30 @@ def _convert(gm, a: fx.Node, need: tuple, consumer: fx.Node) -> fx.Node:
         value = _box_node(gm, value, consumer, mesh, axis, kind, cur, after)
         cur = after
     return value
+
+
+def _conversion_steps(cur: tuple, need: tuple) -> list:
+    """(axis, SBP) conversions from `cur` to `need`, in _conversion_order's order. Where two
+    axes split one dim the inner one cuts within the outer one's shard, so a conversion of
+    an outer axis that splits, unsplits or moves a dim an inner axis splits would cut (or
+    join) in the wrong nesting (a reduce-scatter of the outer axis cutting within the inner
+    shard: the sequence split for context parallelism and then the rows for the loss, with
+    sequence parallelism on the inner axis). Such inner axes are gathered first (innermost
+    first) and cut again later."""
+    cur, steps = list(cur), []
+    for _ in range(4 * len(need) + 1):
+        order = _conversion_order(tuple(cur), need)
+        if not order:
+            return steps
+        axis = order[0]
+        dims = {s.dim for s in (cur[axis], need[axis]) if isinstance(s, Split)}
+        for inner in reversed(range(axis + 1, len(need))):
+            if isinstance(cur[inner], Split) and cur[inner].dim in dims:
+                steps.append((inner, B))
+                cur[inner] = B
+        steps.append((axis, need[axis]))
+        cur[axis] = need[axis]
+    raise RuntimeError(f"internal: no conversion order from {cur} to {need}")
 
 
 def _conversion_order(cur: tuple, need: tuple) -> list:

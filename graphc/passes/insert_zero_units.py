@@ -1,12 +1,14 @@
 """insert_zero_units: ZeRO stage 3 gathered unit by unit inside each stage program.
 
-Invariant: on a training plan at ZeRO stage 3 whose rank holds one stage, computed by Forward
-and Backward instructions over one data-parallel group, the whole-stage ALL_GATHER and RELEASE
-are gone; the stage's sharded parameters are cut into units (consecutive modules, in order of
+Invariant: on a training plan at ZeRO stage 3 computed by Forward and Backward instructions
+over one data-parallel group (a rank holding one stage, or several chunks: each of its
+stages alike), the whole-stage ALL_GATHER and RELEASE are gone; the stage's sharded
+parameters are cut into units (consecutive modules, in order of
 first use, each closed once it reaches `unit_bytes`); each compute is followed by the unit
 gathers and releases it runs (`0F1.GATHER u2`), in the order it runs them; the stage program calls
 zero_unit_begin(k) before unit k's first use and zero_unit_end(k) after its last (views
-followed); the stage's REDUCE_SCATTERs are one per unit, in backward order. Any other stage-3
+followed); the group's REDUCE_SCATTERs are one per unit, in backward order (a chunk whose
+last backward runs later, later). Any other stage-3
 plan keeps insert_zero_sync's whole-stage gathers (the plan's zero note says which).
 See NOTE: ZeRO units in graphc/runtime/zero_units.py.
 Requires: insert_zero_sync (stage 3).
@@ -52,28 +54,39 @@ def insert_zero_units(plans: Sequence[ExecutionPlan], programs: Sequence[StagePr
     by_stage = {p.stage: p for p in programs}
     placed: Dict[int, PlacedUnits] = {}   # stage -> its units (fx nodes placed once)
     for plan in plans:
-        stage = _unit_stage(plan)
-        if stage is None:
+        if not _unit_plan(plan):
             continue
         gathers = [ins for ins in plan.instructions if type(ins) is AllGather]
-        specs = [t for ins in gathers for t in ins.tensors]
-        if stage not in placed:
-            placed[stage] = place_units(by_stage[stage].module, specs, options.unit_bytes)
-        _rewrite(plan, stage, gathers[0].ranks, placed[stage], options)
+        mine = _specs_by_stage(gathers, by_stage, plan.local_stages)
+        for stage, specs in mine.items():
+            if stage not in placed:
+                placed[stage] = place_units(by_stage[stage].module, specs, options.unit_bytes)
+        _rewrite(plan, gathers[0].ranks, {s: placed[s] for s in mine}, options)
     return list(plans)
 
 
-def _unit_stage(plan: ExecutionPlan) -> Optional[int]:
-    """The stage whose parameters this plan can gather per unit: stage 3, one local stage,
-    plain forwards and backwards, one data-parallel group; None otherwise."""
+def _unit_plan(plan: ExecutionPlan) -> bool:
+    """Whether this plan's stage-3 parameters can be gathered per unit: stage 3, plain
+    forwards and backwards, one data-parallel group (one local stage or several chunks)."""
     if not plan.training or not plan.notes.get(ZERO_NOTE, "").startswith("stage 3"):
-        return None
-    if len(plan.local_stages) != 1:
-        return None
+        return False
     if any(isinstance(ins, COMPUTE) and type(ins) not in (Forward, Backward) for ins in plan.instructions):
-        return None
+        return False
     groups = {tuple(ins.ranks) for ins in plan.instructions if type(ins) is AllGather}
-    return plan.local_stages[0] if len(groups) == 1 else None
+    return len(groups) == 1
+
+
+def _specs_by_stage(gathers: List[AllGather], by_stage: Dict[int, StageProgram],
+                    local_stages) -> Dict[int, List[TensorSpec]]:
+    """Each local stage's sharded parameters (those of its program that the gathers name),
+    in the gathers' order; stages with none left out."""
+    out: Dict[int, List[TensorSpec]] = {}
+    for stage in local_stages:
+        names = {n for n, _ in by_stage[stage].module.named_parameters(remove_duplicate=False)}
+        specs = list({t.name: t for ins in gathers for t in ins.tensors if t.name in names}.values())
+        if specs:
+            out[stage] = specs
+    return out
 
 
 # -- units in the stage program ----------------------------------------------------------
@@ -221,14 +234,21 @@ def unit_events(computes, units: int, reshard: bool, per_step: bool,
     return out
 
 
-def _rewrite(plan: ExecutionPlan, stage: int, ranks: Tuple[int, ...], placed: "PlacedUnits",
+def _rewrite(plan: ExecutionPlan, ranks: Tuple[int, ...], placed: Dict[int, "PlacedUnits"],
              options: UnitOptions) -> None:
-    units = placed.units
+    """Each stage of `placed` gathered per unit: its computes followed by their unit events,
+    the group's REDUCE_SCATTERs one per unit, where the first was, in the order the units'
+    gradients become final (a later chunk's last backward runs first)."""
     computes = [ins for ins in plan.instructions if isinstance(ins, (Forward, Backward))]
     recomputed = checkpointed_microbatches(plan.checkpointing, plan.num_microbatches)
-    events = unit_events(computes, len(units), options.reshard(stage), options.per_step(stage),
-                         placed.read_in_backward, recomputed)
-    at = {id(ins): i for i, ins in enumerate(computes)}
+    events: Dict[int, Tuple[list, list]] = {}
+    for stage, units in placed.items():
+        mine = [ins for ins in computes if ins.stage == stage]
+        found = unit_events(mine, len(units.units), options.reshard(stage), options.per_step(stage),
+                            units.read_in_backward, recomputed)
+        events.update({id(ins): found[i] for i, ins in enumerate(mine)})
+    last_backward = {ins.stage: i for i, ins in enumerate(computes) if isinstance(ins, Backward)}
+    in_order = sorted(placed, key=lambda s: last_backward.get(s, -1))
     scattered = {t.name: t for ins in plan.instructions
                  if type(ins) is ReduceScatter and tuple(ins.ranks) == tuple(ranks) for t in ins.tensors}
     out = []
@@ -237,19 +257,23 @@ def _rewrite(plan: ExecutionPlan, stage: int, ranks: Tuple[int, ...], placed: "P
             continue                            # the whole stage's: gathered per unit instead
         if type(ins) is ReduceScatter and tuple(ins.ranks) == tuple(ranks):
             if scattered:                       # one per unit, in backward order, where the first was
-                out.extend(ReduceScatter(ranks, tuple(scattered[t.name] for t in u)) for u in reversed(units))
+                out.extend(ReduceScatter(ranks, tuple(scattered[t.name] for t in u))
+                           for s in in_order for u in reversed(placed[s].units))
                 scattered = {}
             continue
         out.append(ins)
-        if id(ins) in at:
-            out.extend(_listed(ins, events[at[id(ins)]], ranks, units))
+        if id(ins) in events:
+            out.extend(_listed(ins, events[id(ins)], ranks, placed[ins.stage].units))
     plan.instructions[:] = out
+    plan.notes[ZERO_NOTE] = plan.notes[ZERO_NOTE].split("; parameters gathered")[0] + "".join(
+        _unit_note(stage, len(placed[stage].units), options) for stage in sorted(placed))
+
+
+def _unit_note(stage: int, units: int, options: UnitOptions) -> str:
     reshard = "on" if options.reshard(stage) else "off"
     per = "once per step" if options.per_step(stage) else "per micro-batch"
-    plan.notes[ZERO_NOTE] = (plan.notes[ZERO_NOTE].split("; parameters gathered")[0]
-                             + f"; stage {stage} gathered per unit: {len(units)} unit(s) of <= "
-                             f"{options.unit_bytes} bytes or one module, reshard after forward "
-                             f"{reshard}, gathered {per}")
+    return (f"; stage {stage} gathered per unit: {units} unit(s) of <= {options.unit_bytes} bytes "
+            f"or one module, reshard after forward {reshard}, gathered {per}")
 
 
 def _listed(ins, events: Tuple[list, list], ranks, units) -> list:

@@ -4,7 +4,8 @@ Invariant: after each forward (backward) of a stage, the plan lists a Collective
 every communicating conversion that compute issues: kind, conversion node, SBP before
 and after, this rank's group, the dtype that travels (the value's: autocast's where it ran
 under it, and its gradient's in the backward alike) and the bytes it sends. Local
-conversions (slices, zero fills) move nothing and are not listed. The runtime runs them inside the compute.
+conversions (slices, zero fills) move nothing and are not listed. An expert-parallel layer
+lists its exchanges, 3 forward and 2 backward (See NOTE: Expert parallel). The runtime runs them inside the compute.
 Requires: split_stages, lower_plan (programs hold the box nodes insert_boxing made).
 """
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from ..meta import META_BOXING, META_TENSOR
+from ..meta import META_BOXING, META_SBP, META_TENSOR
+from ..ops.context_parallel import context_parallel_attention
+from ..ops.experts import EXCHANGES, GRAD_EXCHANGES, expert_parallel
 from ..placement import Broadcast, PartialSum
 from ..plan.instructions import ACT, GRAD, Backward, Collective, Forward, Instruction
 from ..plan.plan import ExecutionPlan
 from ..plan.program import StageProgram
 from ..sbp.boxing import BOXINGS, backward_collective
+from ..sbp.context_parallel import exchanges
 from ..sbp.cost import moved_bytes, tensor_bytes
 from ..sbp.layout import fmt
 
@@ -64,12 +68,19 @@ class _Conversion:
     nbytes: int                 # bytes each rank sends, for a group of len(groups[0]) ranks
     note: str
     dtype: str                  # the value's (its gradient's in the backward: the same dtype)
+    sent: int = -1              # bytes a rank sends, where known directly (attention's exchanges)
 
 
 def _conversions(prog: StageProgram, forward: bool) -> List[_Conversion]:
-    nodes = [n for n in prog.module.graph.nodes if META_BOXING in n.meta]
+    nodes = [n for n in prog.module.graph.nodes if META_BOXING in n.meta or _exchanging(n)]
     found = []
     for node in (nodes if forward else reversed(nodes)):
+        if node.target is expert_parallel:
+            found += _expert_exchanges(node, forward)
+            continue
+        if META_BOXING not in node.meta:
+            found += _attention_exchanges(node, forward)
+            continue
         info = node.meta[META_BOXING]
         meta = node.meta[META_TENSOR]
         kind = BOXINGS[info.kind].collective if forward else \
@@ -83,15 +94,55 @@ def _conversions(prog: StageProgram, forward: bool) -> List[_Conversion]:
     return found
 
 
+def _exchanging(node) -> bool:
+    """Does the node exchange inside: attention over a split sequence (NOTE: Context parallel)
+    or experts split over ranks (NOTE: Expert parallel)?"""
+    return node.op == "call_function" and node.target in (context_parallel_attention, expert_parallel)
+
+
+def _attention_exchanges(node, forward: bool) -> List[_Conversion]:
+    """The exchanges of one context-parallel attention call, in the order it makes them."""
+    groups = tuple(tuple(g) for g in node.args[4] if len(g) > 1)
+    if not groups or not (forward or node.meta[META_TENSOR].requires_grad):
+        return []
+    sbp = fmt(node.meta[META_SBP].out)
+    dtype = node.meta[META_TENSOR].dtype
+    return [_Conversion(kind, groups, node.name, sbp, sbp, 0, note, dtype, sent)
+            for kind, sent, note in exchanges(node, forward, len(groups[0]))]
+
+
+def _expert_exchanges(node, forward: bool) -> List[_Conversion]:
+    """The all-to-alls of one expert-parallel layer, in the order it runs them (See NOTE:
+    Expert parallel): bytes are the balanced estimate, each rank's share of its pairs
+    leaving it (the real sizes are the routing's, exchanged first as counts)."""
+    hidden, index = node.args[0].meta[META_TENSOR], node.args[1].meta[META_TENSOR]
+    groups = tuple(tuple(g) for g in node.kwargs["groups"] if len(g) > 1)
+    if not groups or (not forward and not node.meta[META_TENSOR].requires_grad):
+        return []
+    n, experts, layer = len(groups[0]), node.kwargs["num_experts"], _layer_of(node)
+    pairs = tensor_bytes(hidden) * index.shape[-1]
+    sizes = {"counts": experts * 8 * n, "tokens": pairs, "back": pairs}
+    return [_Conversion("all_to_all", groups, node.name, before, after, sizes[what],
+                        f"expert parallel {layer}: {what}", "int64" if what == "counts" else hidden.dtype)
+            for what, before, after in (EXCHANGES if forward else GRAD_EXCHANGES)]
+
+
+def _layer_of(node) -> str:
+    """The experts module's qualified name (its weight's get_attr target without the weight)."""
+    gate_up = node.args[3]
+    return gate_up.target.rsplit(".", 1)[0] if gate_up.op == "get_attr" else gate_up.name
+
+
 def _collectives(conversions: List[tuple], ins, shared: dict) -> List[Collective]:
     forward = isinstance(ins, Forward)
     found = []
     for c, group in conversions:
-        key = (ins, c.node, group)
+        key = (ins, c.node, group, c.note)   # an expert layer: several per node
         if key not in shared:
             shared[key] = Collective(c.kind, ins.stage, ins.microbatch, ACT if forward else GRAD,
                                      group, c.node, c.sbp_in, c.sbp_out,
-                                     moved_bytes(c.kind, c.nbytes, len(group)), c.note, c.dtype)
+                                     c.sent if c.sent >= 0 else moved_bytes(c.kind, c.nbytes, len(group)),
+                                     c.note, c.dtype)
         found.append(shared[key])
     return found
 

@@ -4,8 +4,10 @@ Invariant: run on each rank's local components, every node computes its local co
 of the global value its signature names: a mean, cross_entropy or mse_loss mean over a
 split dim divides a local sum by the global count; view/reshape/unflatten get local target
 shapes (a dim split unevenly takes its input's local size at run time); size()/shape/numel() of a split value read the global sizes; an embedding with a
-vocabulary-split table masks indices outside this rank's rows; a parameter stored in pieces
-is cut at the pieces' local sizes.
+vocabulary-split table masks indices outside this rank's rows; attention over a split
+sequence exchanges keys and values (NOTE: Context parallel); experts split over a mesh
+axis exchange the tokens with the ranks holding their experts (See NOTE: Expert parallel);
+a parameter stored in pieces is cut at the pieces' local sizes.
 Requires: insert_boxing (inputs already arrive in the signature's SBP).
 """
 from __future__ import annotations
@@ -16,12 +18,17 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..meta import META_PIECES, META_SBP, META_TENSOR
+from ..errors import GraphcError
+from ..meta import META_CONTEXT_PARALLEL, META_PIECES, META_SBP, META_TENSOR
+from ..ops.context_parallel import context_parallel_attention
 from ..placement import PartialSum, Split
-from ..ops.conversions import vocab_parallel_embedding
-from ..sbp.layout import axis_groups, flat, local_shape
+from ..ops.conversions import RankGroups, box, vocab_parallel_embedding
+from ..ops.experts import expert_parallel
+from ..sbp.experts import moe_experts
+from ..sbp.layout import axis_groups, flat, fmt, local_shape
 from ..sbp.local_ops import (cross_entropy_partial, global_numel, global_size, mean_as_partial,
                              mse_loss_partial, reshape_keeping)
+from .user_lines import node_line
 
 _MEAN = (torch.mean, "mean")
 _RESHAPE = (torch.reshape, "view", "reshape")
@@ -52,6 +59,10 @@ def localize_ops(gm: fx.GraphModule) -> fx.GraphModule:
             _localize_size(gm, node, sig)
         elif node.target in _EXPAND:
             _localize_expand(node, sig)
+        elif node.target is F.scaled_dot_product_attention and META_CONTEXT_PARALLEL in node.meta:
+            _localize_attention(node, sig)
+        elif node.target is moe_experts:
+            _localize_experts(node, sig)
         elif node.target is torch.split and META_PIECES in getattr(node.args[0], "meta", {}):
             _localize_pieces(node, sig)
     gm.graph.lint()
@@ -118,6 +129,7 @@ def _localize_loss(gm, node: fx.Node, sig) -> None:
 def _localize_reshape(node: fx.Node, sig) -> None:
     if not any(isinstance(s, Split) for s in sig.out):
         return
+    _check_shards_reshape(node, sig)
     kept = _uneven_dims(node, sig)
     if kept:
         node.target, node.op = reshape_keeping, "call_function"
@@ -128,6 +140,31 @@ def _localize_reshape(node: fx.Node, sig) -> None:
     node.args = (node.args[0], tuple(shape)) if node.target is torch.reshape else \
         (node.args[0], *shape)
     node.kwargs = {}
+
+
+def _check_shards_reshape(node: fx.Node, sig) -> None:
+    """Each rank's shard of the input must hold as many elements as its shard of the output.
+    A dim split over two mesh axes (rows over data and context ranks) is cut twice: each
+    axis's rule saw the whole dim divide evenly, but the inner axis cuts an outer shard that
+    may not (2 rows over 2 x 2 ranks: 1 row cut in 2). Refused here, before a rank's view
+    fails mid-run with a raw size mismatch."""
+    x = node.args[0]
+    shape_in, shape_out = x.meta[META_TENSOR].shape, node.meta[META_TENSOR].shape
+    need = sig.needs(x.name)
+    for r in flat(sig.mesh):
+        held = math.prod(local_shape(shape_in, need, sig.mesh, r))
+        made = math.prod(local_shape(shape_out, sig.out, sig.mesh, r))
+        if held != made:
+            split = [s for s in need if isinstance(s, Split)]
+            dims = sorted({s.dim for s in split})
+            sizes = ", ".join(f"dim {d} of size {shape_in[d]}" for d in dims)
+            raise GraphcError(
+                f"{node_line(node)}: this reshape of a value of shape {tuple(shape_in)} laid out "
+                f"as {fmt(need)} on ranks {list(flat(sig.mesh))} needs equal shards, but rank {r} "
+                f"holds {held} elements where its part of the result has {made} ({sizes} is cut "
+                f"over several mesh axes into unequal pieces). Fix: make the batch's rows "
+                f"(and sequence) divisible by the number of ranks that split them, or split "
+                f"fewer axes along the same dim.")
 
 
 def _localize_unflatten(gm, node: fx.Node, sig) -> None:
@@ -175,6 +212,64 @@ def _localize_embedding(node: fx.Node, sig) -> None:
     node.target = vocab_parallel_embedding
     node.args = (idx, w, axis_groups(sig.mesh, axes[0]), w.meta[META_TENSOR].shape[0])
     node.kwargs = {}
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _localize_attention(node: fx.Node, sig) -> None:
+    """Attention whose queries are split along the sequence: its context-parallel form on
+    the axis that splits them (See NOTE: Context parallel)."""
+    seq = len(node.meta[META_TENSOR].shape) - 2
+    axes = [a for a, s in enumerate(sig.out) if s == Split(seq)]
+    if not axes:
+        return
+    if len(axes) > 1:
+        raise GraphcError(f"attention '{node.name}': its sequence is split over {len(axes)} mesh axes "
+                          f"({sig.out}); context parallelism splits it over one. Fix: split the "
+                          "inputs' sequence (split(1)) on one axis of the placement only.")
+    given = dict(zip(_SDPA_ARGS, node.args), **node.kwargs)
+    cp = node.meta[META_CONTEXT_PARALLEL]
+    node.target = context_parallel_attention
+    node.args = (given["query"], given["key"], given["value"], given.get("attn_mask"),
+                 axis_groups(sig.mesh, axes[0]), cp.method, node.meta[META_TENSOR].shape[seq])
+    node.kwargs = {"is_causal": bool(given.get("is_causal", False)), "scale": given.get("scale"),
+                   "enable_gqa": bool(given.get("enable_gqa", False))}
+
+
+def _localize_experts(node: fx.Node, sig) -> None:
+    """Experts split over a mesh axis exchange the tokens there (See NOTE: Expert parallel)."""
+    gate_up = node.args[3]
+    axes = [a for a, s in enumerate(sig.needs(gate_up.name)) if isinstance(s, Split)]
+    weight = _read_parameter(gate_up)
+    layer = weight.target.rsplit(".", 1)[0] if weight.op == "get_attr" else weight.name
+    experts = weight.meta[META_TENSOR].shape[0]
+    declared = weight.meta.get(META_SBP)
+    if not axes and declared is not None and any(isinstance(s, Split) for s in declared.out):
+        raise GraphcError(
+            f"the experts '{layer}' are declared {fmt(declared.out)} on ranks {declared.mesh}, but their "
+            f"{experts} experts do not divide evenly over that axis's ranks (or its tokens cannot "
+            "split there): expert parallelism gives each rank the same number of experts, and "
+            "gathering them instead would hold every expert on every rank. Fix: a number of "
+            "experts divisible by the expert-parallel ranks, or declare the experts broadcast.")
+    if not axes:
+        return
+    if len(axes) > 1:
+        raise GraphcError(
+            f"the experts '{layer}' are split over {len(axes)} mesh axes "
+            f"({fmt(sig.needs(gate_up.name))}); expert parallelism splits them over one axis. Fix: "
+            "declare the experts' sbp split(0) on one axis and broadcast on the others.")
+    node.target = expert_parallel
+    node.kwargs = {**node.kwargs, "groups": RankGroups(*axis_groups(sig.mesh, axes[0])),
+                   "num_experts": experts}
+
+
+def _read_parameter(node: fx.Node) -> fx.Node:
+    """The get_attr a parameter's value comes from, through the conversions insert_boxing put
+    before its reader."""
+    while node.op == "call_function" and node.target is box:
+        node = node.args[0]
+    return node
 
 
 def _replace(gm, node: fx.Node, fn, args, kwargs) -> None:

@@ -6,7 +6,7 @@ become ("'Proxy' object does not support item assignment"). graphc records it as
 `h = set_item(h, index, value)`, a copy of h with the entries written, and points the
 Python object `h` the user holds at the new node, so every later read of `h` sees the write
 and the graph stays a data flow the row, shape and SBP passes read like any op
-(graphc/rows/indexing.py: set_item). That equals eager's in-place write as long as nothing
+(graphc/batch_rows/indexing.py: set_item). That equals eager's in-place write as long as nothing
 else reads the old storage afterwards: a view of h taken before the write (`a = h[0]`,
 `h.view(...)`), or the base h when the write goes through a view (`h[0][1] = v`), would
 see the write in eager and the old value here. So every node that shares storage with the

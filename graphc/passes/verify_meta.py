@@ -26,13 +26,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.fx as fx
 
-from ..meta import (META_ARRIVAL, META_AUTOCAST, META_BATCHED, META_BOXING, META_GRAD_ENABLED,
-                    META_GRAD_PARTIAL, META_PIECES, META_PLACEMENT, META_ROWS, META_SBP, META_STAGE,
+from ..meta import (META_ARRIVAL, META_AUTOCAST, META_BATCHED, META_BOXING, META_CONTEXT_PARALLEL,
+                    META_GRAD_ENABLED, META_GRAD_PARTIAL, META_PIECES, META_PLACEMENT, META_ROWS, META_SBP, META_STAGE,
                     META_STAGE_WHY, META_TENSOR, META_INPUT_STAGES, BoxingInfo, RowsMeta, SbpSignature, TensorMeta,
                     is_backward)
 from ..placement import Broadcast, PartialSum, Split, mesh_shape, placement
 from ..sbp.layout import Pieces
 from ..ops.conversions import box
+from ..sbp.context_parallel import ContextParallel
 from ..plan.program import StageProgram
 
 Problem = Optional[str]   # what is wrong with a value, or None
@@ -141,6 +142,7 @@ SCHEMAS: Dict[str, Callable] = {
     META_BOXING: _of_type(BoxingInfo),
     META_ARRIVAL: _arrival,
     META_PIECES: _pieces,
+    META_CONTEXT_PARALLEL: _of_type(ContextParallel),
 }
 
 

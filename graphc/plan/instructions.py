@@ -6,7 +6,8 @@ payload: `0SEND_F3 to=1 [relu0:f32[4,512]]`, `1RECV_B3 from=2 [...]`.
 
 Each instruction class owns its whole vocabulary, as pipelining's `_ComputationType` does:
 its JSON `op`, its `span_kind` on a timeline (runtime/trace.py, the charts), a stage compute's
-`letter`, the `word` a count of it is headed by (tools/summary.py), how it prints (`__str__`,
+`letter`, the `word` a count of it is headed by (tools/summary.py), what the runtime runs it as
+(`runs`: Runtime's entry `_run_<runs>` in runtime/actors.py), how it prints (`__str__`,
 and `label`, the listing up to its first space), the pattern it parses back from (`TEXT`,
 `_from_text`) and its JSON (`to_json`, `_from_json`). A new instruction is one class here, listed in
 INSTRUCTIONS; parse_instruction and instruction_from_json ask each class in turn.
@@ -98,6 +99,7 @@ class Instruction:
     op: ClassVar[str] = ""                  # its JSON "op"
     span_kind: ClassVar[str] = ""           # what it shows as on a timeline (runtime/trace.py KINDS)
     word: ClassVar[str] = ""                # what a count of it is headed by (tools/summary.py)
+    runs: ClassVar[str] = ""                # its run entry: Runtime._run_<runs> (runtime/actors.py)
     TEXT: ClassVar[Optional[re.Pattern]] = None   # its printed form, for parse_instruction
 
     @property
@@ -159,6 +161,7 @@ class _StageCompute(Instruction):
 class Forward(_StageCompute):
     op: ClassVar[str] = "forward"
     span_kind: ClassVar[str] = "forward"
+    runs: ClassVar[str] = "forward"
     letter: ClassVar[str] = "F"
 
 
@@ -168,6 +171,7 @@ class Backward(_StageCompute):
 
     op: ClassVar[str] = "backward"
     span_kind: ClassVar[str] = "backward"
+    runs: ClassVar[str] = "backward"
     letter: ClassVar[str] = "B"
 
 
@@ -178,6 +182,7 @@ class BackwardInput(_StageCompute):
 
     op: ClassVar[str] = "backward_input"
     span_kind: ClassVar[str] = "backward_input"
+    runs: ClassVar[str] = "backward_input"
     letter: ClassVar[str] = "I"
 
 
@@ -187,6 +192,7 @@ class BackwardWeight(_StageCompute):
 
     op: ClassVar[str] = "backward_weight"
     span_kind: ClassVar[str] = "backward_weight"
+    runs: ClassVar[str] = "backward_weight"
     letter: ClassVar[str] = "W"
 
 
@@ -198,6 +204,7 @@ class OverlapFB(Instruction):
 
     op: ClassVar[str] = "overlap_f_b"
     span_kind: ClassVar[str] = "overlap"
+    runs: ClassVar[str] = "overlap"
     word: ClassVar[str] = "OVERLAP_F_B"
     TEXT: ClassVar[re.Pattern] = re.compile(r"\((\d+F\d+);(\d+B\d+)\)OVERLAP_F_B")
     forward: Forward
@@ -273,6 +280,7 @@ class _P2P(Instruction):
 class Send(_P2P):
     op: ClassVar[str] = "send"
     span_kind: ClassVar[str] = "send"
+    runs: ClassVar[str] = "send"
     word: ClassVar[str] = "SEND"
     towards: ClassVar[str] = "to"
 
@@ -281,6 +289,7 @@ class Send(_P2P):
 class Recv(_P2P):
     op: ClassVar[str] = "recv"
     span_kind: ClassVar[str] = "recv"
+    runs: ClassVar[str] = "recv"
     word: ClassVar[str] = "RECV"
     towards: ClassVar[str] = "from"
 
@@ -292,6 +301,7 @@ class AllReduce(Instruction):
     op: ClassVar[str] = "all_reduce"
     span_kind: ClassVar[str] = "collective"
     word: ClassVar[str] = "ALL_REDUCE"
+    runs: ClassVar[str] = "grad_sync"         # waits for its bucket (runtime/collectives.py), ties and shards alike
     purpose: ClassVar[Optional[str]] = None   # told apart in JSON by "purpose"
     TEXT: ClassVar[re.Pattern] = re.compile(r"ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\]")
     ranks: Tuple[int, ...]
@@ -366,6 +376,7 @@ class ClipGradNorm(AllReduce):
     """
 
     word: ClassVar[str] = "CLIP_GRAD_NORM"
+    runs: ClassVar[str] = "clip_grad_norm"
     purpose: ClassVar[str] = "clip_grad_norm"
     TEXT: ClassVar[re.Pattern] = re.compile(
         r"CLIP_GRAD_NORM max_norm=(\S+) ranks=\[([\d, ]*)\] \[(.*)\] of \[(.*)\]")
@@ -441,6 +452,7 @@ class AllGather(_ShardCollective):
 
     op: ClassVar[str] = "all_gather"
     word: ClassVar[str] = "ALL_GATHER"
+    runs: ClassVar[str] = "all_gather"
 
 
 @dataclass(frozen=True)
@@ -452,6 +464,7 @@ class ReleaseParams(Instruction):
     op: ClassVar[str] = "release"
     span_kind: ClassVar[str] = "release"
     word: ClassVar[str] = "RELEASE"
+    runs: ClassVar[str] = "release"
     TEXT: ClassVar[re.Pattern] = re.compile(r"RELEASE \[(.*)\]")
     tensors: Tuple[TensorSpec, ...] = field(default=())
 
@@ -476,7 +489,10 @@ class ReleaseParams(Instruction):
 
 class _InsideCompute:
     """A ZeRO unit event's place: the compute it runs inside (its `stage`, `microbatch` and
-    `direction`, fields of the event), printed before its word: `0F1.GATHER`."""
+    `direction`, fields of the event), printed before its word: `0F1.GATHER`. The runtime runs
+    it inside that compute, not as a step of its own."""
+
+    runs = "inside_compute"   # INSIDE_COMPUTE
 
     @property
     def label(self) -> str:
@@ -555,12 +571,14 @@ class UnitRelease(_InsideCompute, ReleaseParams):
 
 
 UNIT_EVENTS = (UnitGather, UnitRelease)   # listed after a compute, run inside it
+INSIDE_COMPUTE = UnitGather.runs          # the run entry of what runs inside the compute listed before
 
 
 @dataclass(frozen=True)
 class OptimizerStep(Instruction):
     op: ClassVar[str] = "optimizer_step"
     span_kind: ClassVar[str] = "optimizer"
+    runs: ClassVar[str] = "optimizer_step"
     word: ClassVar[str] = "OPTIMIZER_STEP"
     TEXT: ClassVar[re.Pattern] = re.compile("OPTIMIZER_STEP")
 
@@ -587,6 +605,7 @@ class Collective(Instruction):
 
     span_kind: ClassVar[str] = "collective"
     word: ClassVar[str] = "collective"     # every conversion counted together
+    runs: ClassVar[str] = "inside_compute"  # by the stage program that issues it
     kind: str                          # all_gather, reduce_scatter, all_to_all, all_reduce
     stage: int
     microbatch: int
@@ -643,6 +662,7 @@ _PURPOSES = (TieAllReduce.purpose, ClipGradNorm.purpose)   # AllReduce kinds tol
 
 STAGE_COMPUTES = (Forward, Backward, BackwardInput, BackwardWeight)
 COMPUTE = STAGE_COMPUTES + (OverlapFB,)
+COMPUTE_RUNS = frozenset(cls.runs for cls in COMPUTE)   # the run entries of compute
 # every instruction class, the most frequent first (the order parse_instruction tries them)
 INSTRUCTIONS = COMPUTE + (Send, Recv, Collective, AllReduce, TieAllReduce, ClipGradNorm,
                           OptimizerStep, ReduceScatter, AllGather, ReleaseParams, UnitGather, UnitRelease)

@@ -1,6 +1,7 @@
 """ExecutionPlan: one rank's ordered instructions plus what the runtime needs to run them."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -129,6 +130,7 @@ ZERO_NOTE = "zero"   # plan.notes key of a ZeRO plan: `stage N; ...` (insert_zer
 STAGES_LINE = "pipeline stages"   # `# pipeline stages: 0=cpu[0..3] 1=cpu[4..7]`, never a note's key
 
 
+@functools.lru_cache(maxsize=4096)   # every plan's header prints every stage's ranks
 def _fmt_ranks(ranks: Tuple[int, ...]) -> str:
     """'0..3,8,10' for (0, 1, 2, 3, 8, 10): ascending runs of three or more as a..b, in order."""
     out, i = [], 0

@@ -32,13 +32,16 @@ from .plan import ExecutionPlan
 COLLECTIVES = (AllReduce, Collective)
 
 
-def verify_plans(plans: Sequence[ExecutionPlan], world_size: Optional[int] = None) -> None:
+def verify_plans(plans: Sequence[ExecutionPlan], world_size: Optional[int] = None,
+                 quotient: bool = False) -> None:
     """Raises PlanError if the plans cannot run together to completion.
 
     world_size: the job's ranks, when `plans` are only some of them (a rank's own compile,
     NOTE: Plans of some ranks): then each plan's compute order is checked (4) and its peers
     lie in the world; pairing (1, 2) is checked at startup between the ranks themselves
     (NOTE: Plan digests, runtime/agreement.py), and deadlock freedom (3) by `graphc plan`.
+    quotient: `plans` are the templates of a symmetric world (NOTE: Plan templates), checked
+    in full as a world whose groups' members are the members among them.
     """
     by_rank = {p.rank: p for p in plans}
     checked = set()   # ranks of one pipeline position list the very same compute objects
@@ -47,12 +50,12 @@ def verify_plans(plans: Sequence[ExecutionPlan], world_size: Optional[int] = Non
         if computes not in checked:
             _check_compute_order(plan)
             checked.add(computes)
-    if world_size is not None and len(by_rank) < world_size:
+    if world_size is not None and len(by_rank) < world_size and not quotient:
         for plan in plans:
             _check_peers_in_world(plan, world_size)
         return
     pairs = _pair_p2p(by_rank)
-    groups = _pair_collectives(by_rank)
+    groups = _pair_collectives(by_rank, world_size if quotient else None)
     _check_acyclic(by_rank, pairs, groups)
 
 
@@ -180,8 +183,11 @@ def signature(ins: Instruction) -> tuple:
     return (type(ins).__name__, ins.ranks, ins.tensors, getattr(ins, "max_norm", None))
 
 
-def _collective_queues(by_rank) -> Dict[Tuple[int, ...], Dict[int, List[Tuple[int, Instruction]]]]:
-    """group (sorted ranks) -> rank -> [(index, collective)...] in that rank's issue order."""
+def _collective_queues(by_rank, world_size: Optional[int] = None
+                       ) -> Dict[Tuple[int, ...], Dict[int, List[Tuple[int, Instruction]]]]:
+    """group (sorted ranks) -> rank -> [(index, collective)...] in that rank's issue order.
+    world_size: of a quotient (NOTE: Plan templates), whose groups' members are those in
+    `by_rank`; other members must lie in the world."""
     queues: Dict[Tuple[int, ...], Dict[int, List[Tuple[int, Instruction]]]] = defaultdict(dict)
     for rank, plan in by_rank.items():
         for i, ins in enumerate(plan.instructions):
@@ -190,18 +196,20 @@ def _collective_queues(by_rank) -> Dict[Tuple[int, ...], Dict[int, List[Tuple[in
             if rank not in ins.ranks:
                 _fail(plan, i, f"rank {rank} issues a collective over ranks {list(ins.ranks)} "
                       "that it is not part of")
-            outside = [r for r in ins.ranks if r not in by_rank]
+            world = world_size or len(by_rank)
+            outside = [r for r in ins.ranks if (r not in by_rank if world_size is None else not 0 <= r < world)]
             if outside:
                 _fail(plan, i, f"ranks {outside} of this collective are outside the world of "
-                      f"{len(by_rank)} ranks")
+                      f"{world} ranks")
             group = tuple(sorted(ins.ranks))
-            for r in group:
-                queues[group].setdefault(r, [])
+            if group not in queues:
+                for r in group if world_size is None else [r for r in group if r in by_rank]:
+                    queues[group].setdefault(r, [])
             queues[group][rank].append((i, ins))
     return queues
 
 
-def _pair_collectives(by_rank) -> List[List[Tuple[int, int]]]:
+def _pair_collectives(by_rank, world_size: Optional[int] = None) -> List[List[Tuple[int, int]]]:
     """Pairs each rank's k-th collective over a group with the other members' k-th.
 
     Gradient buckets, tie and clip all-reduces and boxing collectives over one group share
@@ -209,7 +217,8 @@ def _pair_collectives(by_rank) -> List[List[Tuple[int, int]]]:
     with the wrong partner. Returns each collective as its members' (rank, index).
     """
     hubs = []
-    for group, seqs in sorted(_collective_queues(by_rank).items()):
+    for group, seqs in sorted(_collective_queues(by_rank, world_size).items()):
+        group = tuple(seqs)   # its members here (of a quotient: those among the templates)
         if not _same_objects(seqs, group):   # list_collectives gives a group's members one object each
             sigs = {r: [signature(ins) for _, ins in seqs[r]] for r in group}
             for k in range(max(len(s) for s in sigs.values())):

@@ -29,9 +29,9 @@ from ..errors import RankFailedError
 from ..log import warn_user
 from ..meta import META_SBP
 from ..placement import Broadcast
-from ..plan.instructions import (ACT, COMPUTE, GRAD, UNIT_EVENTS, AllGather, AllReduce, BackwardInput, BackwardWeight,
-                                 ClipGradNorm, Collective, Forward, OptimizerStep, OverlapFB, Recv,
-                                 ReleaseParams, Send)
+from ..plan.instructions import (ACT, COMPUTE_RUNS, GRAD, INSIDE_COMPUTE, INSTRUCTIONS, AllGather, AllReduce,
+                                 Backward, BackwardInput, BackwardWeight, ClipGradNorm, Forward, OptimizerStep,
+                                 OverlapFB, Recv, ReleaseParams, Send)
 from ..ops.conversions import all_reduce_sum
 from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
@@ -134,7 +134,7 @@ def range_names(instructions) -> List[Optional[str]]:
     backward (and shows there as the process group's own range)."""
     names, bucket = [], 0
     for ins in instructions:
-        if isinstance(ins, (Collective,) + UNIT_EVENTS):   # (unit events: inside their compute)
+        if ins.runs == INSIDE_COMPUTE:   # a conversion or a unit event: inside its compute
             names.append(None)
         elif type(ins) is AllReduce:
             names.append(f"ALL_REDUCE bucket {bucket} ranks={list(ins.ranks)}")
@@ -202,7 +202,7 @@ class Runtime:
         self.found_inf: Optional[bool] = None  # this step's overflow, once gradients are unscaled
         self.window, self.trace = window, trace
         self.calls = 0   # steps begun: a failure names the call a stopped peer did not make
-        # check mode (NOTE: Checked steps, graphc/checked_steps.py): each Forward's outputs this step, as
+        # check mode (NOTE: Checked steps, graphc/checking/every_step.py): each Forward's outputs this step, as
         # (instruction, stage, micro-batch, {name: value}); None: not kept
         self.captured: Optional[list] = None
         m = plan.num_microbatches
@@ -224,14 +224,15 @@ class Runtime:
         self.not_gathered = self._gathered_elsewhere()
         self.prefetch = _prefetches(plan.instructions) if self.zero is not None and self.zero.stage == 3 else {}
         # ... or, gathered per unit, the gathers and releases inside its computes (NOTE: ZeRO units)
-        units = UnitGatherer.from_plan(plan, self.zero)
-        for ex in self.executors.values():
-            ex.units = units
-        if units is not None:
-            units.reached = self.grad_sync.finish_flying
-            self.grad_sync.scattered = units.scattered
+        units = UnitGatherer.from_plan(plan, self.zero)   # by stage: one per chunk with units
+        for s, ex in self.executors.items():
+            ex.units = units.get(s)
+        for gatherer in units.values():
+            gatherer.reached = self.grad_sync.finish_flying
+        if units:
+            self.grad_sync.scattered = lambda ins: [g.scattered(ins) for g in units.values()]
             self.grad_sync.in_flight = 1
-        if units is not None and self._steps_per_unit():
+        if units and self._steps_per_unit():
             self.grad_sync.step_now = lambda ins: self.zero.step_reduced(self.optimizer, ins)
         # each peer's receives in plan order, and the peers sent to: fixed by the plan
         self.recv_queues: Dict[int, List[Recv]] = defaultdict(list)
@@ -244,6 +245,8 @@ class Runtime:
         # Executable.start refused what cannot be captured)
         self.step_graph = self._step_graph() if cuda_graphs and self.stream is not None else None
         self.range_names = range_names(plan.instructions)
+        # each instruction kind's run entry (its class's `runs`): a kind without one fails here
+        self.run_entries = {cls.runs: getattr(self, f"_run_{cls.runs}") for cls in INSTRUCTIONS}
         # values between this rank's own chunks: (from stage, to stage, names)
         self.local_acts = {s: [(b, [t.name for t in specs]) for b, specs in sorted(prog.send_to.items())
                                if b in programs] for s, prog in programs.items()}
@@ -428,64 +431,83 @@ class Runtime:
         for gather in self.prefetch.get(i, ()):
             self.zero.launch_gather(gather)
         with record_function(range_name) if profiling and range_name else _NO_RANGE:
-            if isinstance(ins, Recv):
-                got = _assemble(ins, step.recv_actors[ins.peer].take(ins), step.assembling)
-                if ins.direction == ACT:
-                    step.values[(ins.stage, ins.microbatch)].update(got)
-                else:
-                    step.grads[(ins.stage, ins.microbatch)].extend(got.items())
-            elif isinstance(ins, Send):
-                key = (ins.stage, ins.microbatch, ACT if ins.direction == ACT else "B")
-                step.send_actors[ins.peer].post(ins, step.produced[key])
-            elif isinstance(ins, OverlapFB):  # on one stream: the forward, then the backward
-                self._compute(ins.forward, step.values, step.grads, step.produced, step.results)
-                self._compute(ins.backward, step.values, step.grads, step.produced, step.results)
-            elif isinstance(ins, COMPUTE):
-                self._compute(ins, step.values, step.grads, step.produced, step.results)
-            elif isinstance(ins, OptimizerStep):
-                for actor in step.send_actors.values():
-                    actor.drain()
-                self.grad_hooks.run()  # gradients are final: where eager's hooks have run
-                self._optimizer_step()
-            elif isinstance(ins, ClipGradNorm):
-                self.grad_hooks.run()
-                self._unscale()
-                self._clip_grad_norm(ins)
-            elif isinstance(ins, UNIT_EVENTS):
-                pass                 # run inside the compute listed before (NOTE: ZeRO units)
-            elif isinstance(ins, AllGather):
-                self.zero.gather(ins)
-            elif isinstance(ins, ReleaseParams):
-                self.zero.release(ins)
-            elif isinstance(ins, AllReduce):
-                self.grad_sync.wait(ins)
+            self.run_entries[ins.runs](ins, step)
         if self.trace:
             step.stats.events.append((str(ins), t0, time.perf_counter()))
 
-    def _compute(self, ins, values, grads, produced, results) -> None:
+    # Each instruction kind's run entry, named by its class (`runs`, graphc/plan/instructions.py):
+    # Runtime._run_<runs>(instruction, step). A new kind adds its entry here.
+
+    def _run_recv(self, ins: Recv, step: "_StepValues") -> None:
+        got = _assemble(ins, step.recv_actors[ins.peer].take(ins), step.assembling)
+        if ins.direction == ACT:
+            step.values[(ins.stage, ins.microbatch)].update(got)
+        else:
+            step.grads[(ins.stage, ins.microbatch)].extend(got.items())
+
+    def _run_send(self, ins: Send, step: "_StepValues") -> None:
+        key = (ins.stage, ins.microbatch, ACT if ins.direction == ACT else "B")
+        step.send_actors[ins.peer].post(ins, step.produced[key])
+
+    def _run_overlap(self, ins: OverlapFB, step: "_StepValues") -> None:
+        """On one stream: the forward, then the backward."""
+        self._run_forward(ins.forward, step)
+        self._run_backward(ins.backward, step)
+
+    def _run_forward(self, ins: Forward, step: "_StepValues") -> None:
         s, mb = ins.stage, ins.microbatch
         ex = self.executors[s]
-        if isinstance(ins, Forward):
-            with ex.computing(ACT, mb):   # its unit gathers and releases (NOTE: ZeRO units)
-                outs = ex.forward(mb, values.pop((s, mb)))
-            produced[(s, mb, ACT)] = outs
-            if self.captured is not None:
-                self.captured.append((str(ins), s, mb, {n: v.detach().clone() for n, v in outs.items()}))
-            for name in ex.program.results:
-                results[name].append(outs[name].detach())
-            for b, names in self.local_acts[s]:
-                values[(b, mb)].update({n: outs[n] for n in names})
-            return
-        if isinstance(ins, BackwardWeight):
-            ex.backward_weight(mb)
-            return
-        run = ex.backward_input if isinstance(ins, BackwardInput) else ex.backward
-        with ex.computing(GRAD, mb):
-            got = run(mb, grads.pop((s, mb), []))
-        produced[(s, mb, "B")] = got
-        produced.pop((s, mb, ACT), None)
+        with ex.computing(ACT, mb):   # its unit gathers and releases (NOTE: ZeRO units)
+            outs = ex.forward(mb, step.values.pop((s, mb)))
+        step.produced[(s, mb, ACT)] = outs
+        if self.captured is not None:
+            self.captured.append((str(ins), s, mb, {n: v.detach().clone() for n, v in outs.items()}))
+        for name in ex.program.results:
+            step.results[name].append(outs[name].detach())
+        for b, names in self.local_acts[s]:
+            step.values[(b, mb)].update({n: outs[n] for n in names})
+
+    def _run_backward(self, ins: Backward, step: "_StepValues") -> None:
+        self._backward(ins, step, self.executors[ins.stage].backward)
+
+    def _run_backward_input(self, ins: BackwardInput, step: "_StepValues") -> None:
+        self._backward(ins, step, self.executors[ins.stage].backward_input)
+
+    def _run_backward_weight(self, ins: BackwardWeight, step: "_StepValues") -> None:
+        self.executors[ins.stage].backward_weight(ins.microbatch)
+
+    def _backward(self, ins, step: "_StepValues", run) -> None:
+        """A whole backward or its input half: `run` on the gradients received for it."""
+        s, mb = ins.stage, ins.microbatch
+        with self.executors[s].computing(GRAD, mb):
+            got = run(mb, step.grads.pop((s, mb), []))
+        step.produced[(s, mb, "B")] = got
+        step.produced.pop((s, mb, ACT), None)
         for a, names in self.local_grads[s]:
-            grads[(a, mb)].extend((n, got[n]) for n in names)
+            step.grads[(a, mb)].extend((n, got[n]) for n in names)
+
+    def _run_optimizer_step(self, ins: OptimizerStep, step: "_StepValues") -> None:
+        for actor in step.send_actors.values():
+            actor.drain()
+        self.grad_hooks.run()  # gradients are final: where eager's hooks have run
+        self._optimizer_step()
+
+    def _run_clip_grad_norm(self, ins: ClipGradNorm, step: "_StepValues") -> None:
+        self.grad_hooks.run()
+        self._unscale()
+        self._clip_grad_norm(ins)
+
+    def _run_inside_compute(self, ins, step: "_StepValues") -> None:
+        """A conversion or a unit event: run inside the compute listed before (NOTE: ZeRO units)."""
+
+    def _run_all_gather(self, ins: AllGather, step: "_StepValues") -> None:
+        self.zero.gather(ins)
+
+    def _run_release(self, ins: ReleaseParams, step: "_StepValues") -> None:
+        self.zero.release(ins)
+
+    def _run_grad_sync(self, ins: AllReduce, step: "_StepValues") -> None:
+        self.grad_sync.wait(ins)
 
     def _clip_grad_norm(self, ins: ClipGradNorm) -> None:
         """clip_grad_norm_ over the whole model: this rank's share of the squared norm, summed
@@ -576,16 +598,14 @@ def _prefetches(instructions) -> Dict[int, List[AllGather]]:
     stands). See NOTE: ZeRO stage 3 in zero.py."""
     out: Dict[int, List[AllGather]] = defaultdict(list)
     last_compute, released_since = 0, set()
-    for i, ins in enumerate(instructions):
-        if isinstance(ins, COMPUTE):
+    for i, ins in enumerate(instructions):   # by run entry: a unit event runs inside its compute
+        if ins.runs in COMPUTE_RUNS:
             last_compute, released_since = i, set()
-        elif isinstance(ins, UNIT_EVENTS):
-            continue
-        elif isinstance(ins, ReleaseParams):
+        elif ins.runs == ReleaseParams.runs:
             released_since |= {t.name for t in ins.tensors}
-        elif isinstance(ins, AllGather) and not released_since & {t.name for t in ins.tensors}:
+        elif ins.runs == AllGather.runs and not released_since & {t.name for t in ins.tensors}:
             out[last_compute].append(ins)
-        elif isinstance(ins, OptimizerStep):
+        elif ins.runs == OptimizerStep.runs:
             break
     return dict(out)
 

@@ -138,12 +138,12 @@ def _check_plan_digests(store, prefix: str, everyone: Dict[int, Dict[str, Any]],
         "what it says to graphc.")
 
 
-def step_facts(compiled, config, steps: Optional[int], rank: Optional[int] = None) -> Dict[str, Any]:
-    """What every rank must agree on for a compiled graph; with `rank`, also its plan's
-    digests, which its peers' must match (See NOTE: Plan digests)."""
+def step_facts(compiled, options, steps: Optional[int], rank: Optional[int] = None) -> Dict[str, Any]:
+    """What every rank must agree on for a compiled graph run with `options` (RunOptions);
+    with `rank`, also its plan's digests, which its peers' must match (See NOTE: Plan digests)."""
     facts = {"input shapes and dtypes": [[list(s), str(d)] for s, d in compiled.input_meta],
-             "gradient accumulation steps": config.gradient_accumulation_steps,
-             "pipeline schedule": config.pipeline_schedule,
+             "gradient accumulation steps": options.gradient_accumulation_steps,
+             "pipeline schedule": options.pipeline_schedule,
              "compile key": compiled.key.digest if compiled.key is not None else None,
              # GRAPHC_VERIFY_PLANS: a rank holding its own plan exchanges groups and channels
              # with the others at start (collectives), one holding every plan does not

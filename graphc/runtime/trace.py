@@ -104,9 +104,10 @@ class Tracer:
         self.wall_offset = time.time() - time.perf_counter()
 
     @staticmethod
-    def from_config(config, rank: int) -> "Tracer":
-        record, path = trace_setting(getattr(config, "trace_path", None))
-        return Tracer(rank, path, record, getattr(config, "trace_steps", DEFAULT_STEPS))
+    def for_options(options, rank: int) -> "Tracer":
+        """The tracer a graph's RunOptions (runtime/options.py) ask for, else GRAPHC_TRACE's."""
+        record, path = trace_setting(options.trace_path)
+        return Tracer(rank, path, record, options.trace_steps)
 
     def after_step(self, stats) -> None:
         """Collective while tracing to a file: every rank must call it after the same step."""

@@ -21,6 +21,8 @@ model state over the data-parallel axis (ZeRO, DeepSpeed; OneFlow's enable_zero)
   their own); stage 2 frees them after the reduce-scatter;
 - the optimizer steps on the shards, which writes this rank's rows of the parameters;
   ALL_GATHER after OPTIMIZER_STEP brings every rank's rows to every rank.
+At stages 2 and 3 on a gloo group both run rank by rank on views, without a packed bucket
+(See NOTE: ZeRO rows in place, zero_rows.py).
 A reduce-scatter and an all-gather send what one all-reduce sends ((d-1)/d of the bucket
 each, in a ring), so the bytes per step equal data parallel's. Gradient clipping counts each
 shard's gradient on its own rank (insert_grad_clip) and scales the shards'.
@@ -74,8 +76,16 @@ post-accumulate hook fills), and only this rank's rows of the master and of Adam
   whole_parameters(), which gathers every rank's float32 rows into the master for the
   block, then keeps this rank's rows in the shard, rounds the master into the parameter and
   frees it again. The optimizer's state is saved as row shards (NOTE: ZeRO state in
-  checkpoints, dcp.py).
-Stage 3 frees the bf16 parameters between uses as well; with masters it is refused.
+  checkpoints, checkpoint/dcp.py).
+At stage 3 the bf16 parameters are freed between uses as well, beside the master rows:
+every ALL_GATHER before a use (whole stage or unit) moves this rank's float32 rows rounded to
+the parameter's dtype (what copy_back rounds them to) into the bf16 parameter, so the plan's
+gathers say bf16, half the bytes of float32; the gradients reach the
+masters' float32 .grad through the hook and are reduce-scattered in float32 (or
+set_grad_reduce_dtype's dtype); no gather follows the step. whole_parameters() keeps a
+master's rows from the gathered master, never from the parameter's rounding. Same ops in the
+same order as the replicated set_param_dtype run: equal to it bit for bit at 2 ranks
+(tests/zero/test_zero3_param_dtype.py).
 """
 from __future__ import annotations
 
@@ -92,6 +102,7 @@ from ..plan.instructions import AllGather, OptimizerStep, ReduceScatter, Release
 from ..plan.plan import ZERO_NOTE
 from ..sbp.layout import chunk_range
 from .collectives import GradSync
+from .zero_rows import in_place_group, launch_broadcast_rows, launch_reduce_rows, reducible_in_place
 
 
 @dataclass
@@ -151,7 +162,8 @@ class Shard:
         parameter its master rounded, and the master's storage freed again."""
         m = self.master.data
         self.shard.data.copy_(m[self.start:self.start + self.rows])
-        self.param.data.copy_(m)
+        if not self.released:    # (stage 3: a freed parameter is the next gather's rounding)
+            self.param.data.copy_(m)
         m.untyped_storage().resize_(0)
 
     def keep_rows(self) -> None:
@@ -286,6 +298,12 @@ class ZeroShards:
         width = sum(s.part_numel for s in shards)
         first = next((p.grad for p in params if p.grad is not None), params[0])
         dtype = getattr(torch, ins.tensors[0].dtype)   # summed in (NOTE: Gradient reduce dtype)
+        grads = self._reducible_in_place(shards, params, dtype)
+        if grads is not None:        # rank by rank on views of the gradients (NOTE: ZeRO rows in place)
+            for p in params:
+                p.grad = None
+            out = torch.empty(width, dtype=dtype, device=grads[0].device)
+            return launch_reduce_rows(shards, grads, out), out, None
         if keep is None and _in_place(shards, params[0].grad, dtype):
             # one tensor, even rows: its gradient is the packed bucket already (no copy)
             packed = params[0].grad.view(d, width)
@@ -309,6 +327,14 @@ class ZeroShards:
         out = torch.empty(width, dtype=packed.dtype, device=packed.device)
         work = _reduce_scatter(out, packed, shards[0].ranks)
         return work, out, packed
+
+    def _rows_in_place(self, shards: List[Shard]) -> bool:
+        """Stages 2 and 3 on a gloo group: the bucket's collectives run rank by rank on views
+        (See NOTE: ZeRO rows in place in zero_rows.py)."""
+        return self.stage in (2, 3) and in_place_group(shards[0].ranks)
+
+    def _reducible_in_place(self, shards: List[Shard], params, dtype) -> Optional[List[torch.Tensor]]:
+        return reducible_in_place(shards, params, dtype) if self._rows_in_place(shards) else None
 
     def take_grads(self, ins: ReduceScatter, out: torch.Tensor) -> None:
         """This rank's summed rows (`out`) become the shard parameters' gradients (views)."""
@@ -359,6 +385,9 @@ class ZeroShards:
         stepped on them); gather() waits for it."""
         shards = [self.by_name[t.name] for t in ins.tensors]
         ref = shards[0].param
+        if self._rows_in_place(shards):   # straight into the parameters (NOTE: ZeRO rows in place)
+            self.gathering[ins] = launch_broadcast_rows(shards), None, None
+            return
         if self.stage == 3 and all(_in_place([s], s.param, s.param.dtype) for s in shards):
             self.gathering[ins] = _launch_into(shards)
             return
@@ -371,7 +400,7 @@ class ZeroShards:
         if ins not in self.gathering:
             self.launch_gather(ins)
         work, packed, _ = self.gathering.pop(ins)
-        if isinstance(work, list):   # gathered into the parameters themselves (_launch_into)
+        if isinstance(work, list):   # gathered into the parameters themselves (_launch_into, rows)
             for w in work:
                 if w is not None:
                     w.wait()
@@ -444,13 +473,15 @@ def whole_parameters(params) -> Iterator[None]:
     try:
         yield
     finally:
+        for s in rows_only:      # (stage 3: before its parameter is freed again)
+            s.keep_master_rows()
         for s in chosen:
-            if not s.released:   # (a plan run inside the block may have released it itself)
+            # (a plan run inside the block may have released it itself; a master's rows are
+            # kept from the master, not from their rounding)
+            if not s.released and s.master is None:
                 s.keep_rows()
         for s in freed:
             s.release()
-        for s in rows_only:
-            s.keep_master_rows()
 
 
 def _by_group(shards) -> List[Shard]:
@@ -491,20 +522,14 @@ def _in_place(shards: List[Shard], t: Optional[torch.Tensor], dtype: torch.dtype
 
 def _launch_into(shards: List[Shard]) -> tuple:
     """Stage 3: starts gathering every rank's rows of each shard straight into its whole
-    parameter (its storage given back first): no packed copy. ([works], None, None)."""
+    parameter (its storage given back first): no packed copy. ([works], None, None). (On
+    gloo every bucket goes rank by rank instead: NOTE: ZeRO rows in place.)"""
     works = []
-    w = world.current()
-    by_broadcast = isinstance(w, world.TorchWorld) and len(shards[0].ranks) > 1 and w.is_gloo(shards[0].ranks)
     for s in shards:
         s.materialize()
         blocks = s.param.data.view(len(s.ranks), -1)
-        if not by_broadcast:
-            works.append(_all_gather(blocks, s.shard.data.reshape(-1), s.ranks))
-            continue
-        # gloo: one broadcast per rank's rows, straight into them (its all-gather would hold a
-        # scratch copy of the whole parameter)
-        blocks[s.ranks.index(w.rank)].copy_(s.shard.data.reshape(-1))
-        works.extend(w.broadcast_from(blocks[k], r, s.ranks, async_op=True) for k, r in enumerate(s.ranks))
+        mine = s.shard.data.reshape(-1).to(s.param.dtype)   # a float32 master's rows rounded
+        works.append(_all_gather(blocks, mine, s.ranks))
     return works, None, None
 
 
@@ -521,13 +546,13 @@ def _shard_parameter(name: str, p: torch.nn.Parameter, master: Optional[torch.nn
     """The parameter the optimizer steps for `p`: a view of its rows (stages 1, 2), a copy of
     them (stage 3), or a copy of its float32 master's rows, whose whole storage is then freed
     (See NOTE: ZeRO with master parameters)."""
+    if stage == 3:
+        _own_storage(name, p)
     if master is not None:
         _own_storage(name, master)
         shard = torch.nn.Parameter(master.data[start:start + rows].clone(), requires_grad=master.requires_grad)
         master.data.untyped_storage().resize_(0)
         return shard
-    if stage == 3:
-        _own_storage(name, p)
     rows_now = p.data[start:start + rows]
     return torch.nn.Parameter(rows_now.clone() if stage == 3 else rows_now, requires_grad=p.requires_grad)
 
@@ -572,37 +597,19 @@ def _made_shards(optimizer) -> Dict[int, torch.nn.Parameter]:
 def _reduce_scatter(out: torch.Tensor, packed: torch.Tensor, ranks: Tuple[int, ...], flat: bool = True):
     """Rank k's `out` = the sum over `ranks` of their `packed[k]`. In the torch world
     asynchronous (it overlaps the rest of the backward), the flat form unless `flat` is False:
-    the list form is slower on gloo but holds half the flat one's scratch (a unit's gradient,
-    reduced inside the backward: NOTE: ZeRO units); a local world's list form returns when
-    done."""
+    the list form holds half the flat one's scratch (a unit's gradient, reduced inside the
+    backward: NOTE: ZeRO units; on gloo stage 3 reduces rank by rank instead, NOTE: ZeRO rows
+    in place); a local world's list form returns when done."""
     w = world.current()
     if len(ranks) == 1:
         out.copy_(packed[0])
         return None
-    if isinstance(w, world.TorchWorld) and not flat and w.is_gloo(ranks):
-        # one reduce per rank's rows, in place in `packed` (gloo's reduce-scatter holds
-        # scratch of the whole bucket, its reduce of one rank's rows)
-        works = [w.reduce_to(row, r, ranks, async_op=True) for row, r in zip(packed.unbind(0), ranks)]
-        return _Reduced(works, out, packed[ranks.index(w.rank)])
     if isinstance(w, world.TorchWorld) and not flat:
         return w.reduce_scatter(out, list(packed.unbind(0)), ranks, async_op=True)
     if isinstance(w, world.TorchWorld):
         return w.reduce_scatter_from(out, packed.view(-1), ranks, async_op=True)
     w.reduce_scatter(out, list(packed.unbind(0)), ranks)
     return None
-
-
-class _Reduced:
-    """The works of a reduce-scatter done as one reduce per rank: wait() waits for them and
-    copies this rank's sum into `out`."""
-
-    def __init__(self, works: list, out: torch.Tensor, mine: torch.Tensor):
-        self.works, self.out, self.mine = works, out, mine
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-        self.out.copy_(self.mine)
 
 
 def _all_gather(packed: torch.Tensor, mine: torch.Tensor, ranks: Tuple[int, ...]):

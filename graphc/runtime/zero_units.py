@@ -36,11 +36,14 @@ At run time the stage's UnitGatherer does what the running compute lists:
   plan's order is gathered then: correct, only later than planned;
 - a checkpointed micro-batch's recompute, in its backward, makes each unit whole at
   begin(k) and keeps it for the backward;
-- on gloo a unit of one parameter with even rows is gathered into the parameter itself (a
-  broadcast per rank's rows) and reduced from its gradient itself (a reduce per rank's
-  rows): gloo's all-gather and reduce-scatter hold a scratch copy of the whole tensor.
-A rank holding several chunks, a zero-bubble split backward, or several data-parallel groups
-in one stage keeps the whole-stage gathers (the plan's zero note says which).
+- on gloo every unit is gathered into its parameters themselves (a broadcast per parameter
+  and rank's rows) and reduced from its gradients themselves (a reduce per parameter and
+  rank's rows): gloo's all-gather and reduce-scatter hold a scratch copy of the whole bucket
+  (See NOTE: ZeRO rows in place, zero_rows.py).
+A rank holding several chunks (interleaved) has a UnitGatherer per chunk, each driving its
+own stage's computes; the group's reduce-scatters are one per unit, in the order the units'
+gradients become final over the chunks. A zero-bubble split backward, or several data-
+parallel groups in one stage keeps the whole-stage gathers (the plan's zero note says which).
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 from ..ops.zero_units import gathering_units
-from ..plan.instructions import ACT, COMPUTE, GRAD, UNIT_EVENTS, AllGather, Forward, UnitGather
+from ..plan.instructions import ACT, COMPUTE_RUNS, GRAD, UNIT_EVENTS, AllGather, Forward, UnitGather, UnitRelease
 from .zero import Shard, ZeroShards
 
 
@@ -81,22 +84,23 @@ class UnitGatherer:
         self.reached = None   # called when the backward reaches a unit (finishes the reduce-scatters)
 
     @staticmethod
-    def from_plan(plan, zero: Optional[ZeroShards]) -> Optional["UnitGatherer"]:
-        """The plan's units and per-compute events (None: no unit events in it)."""
+    def from_plan(plan, zero: Optional[ZeroShards]) -> Dict[int, "UnitGatherer"]:
+        """Each local stage's units and per-compute events, by stage (a rank holding several
+        chunks has one for each chunk with units; empty: no unit events in the plan)."""
         if zero is None or not any(isinstance(ins, UNIT_EVENTS) for ins in plan.instructions):
-            return None
-        units: Dict[int, AllGather] = {}
-        events: Dict[Tuple[str, int], Tuple[List[int], Set[int]]] = {}
+            return {}
+        found: Dict[int, tuple] = {}   # stage -> (units, events)
         current = None
-        for ins in plan.instructions:
-            if isinstance(ins, COMPUTE):
+        for ins in plan.instructions:   # by kind exactly: a UnitGather is an AllGather too
+            if ins.runs in COMPUTE_RUNS:
+                _, events = found.setdefault(ins.stage, ({}, {}))
                 current = events.setdefault((_direction(ins), ins.microbatch), ([], set()))
-            elif isinstance(ins, UnitGather):
-                units.setdefault(ins.unit, AllGather(ins.ranks, ins.tensors))
+            elif type(ins) is UnitGather:
+                found[ins.stage][0].setdefault(ins.unit, AllGather(ins.ranks, ins.tensors))
                 current[0].append(ins.unit)
-            elif isinstance(ins, UNIT_EVENTS):
+            elif type(ins) is UnitRelease:
                 current[1].add(ins.unit)
-        return UnitGatherer(zero, units, events)
+        return {s: UnitGatherer(zero, units, events) for s, (units, events) in found.items() if units}
 
     # -- a compute ---------------------------------------------------------------------
     @contextmanager

@@ -19,6 +19,7 @@ from typing import List, Optional
 import torch
 import torch.fx as fx
 
+from .experts import moe_experts
 from .context import Candidate, RuleCtx
 from .layout import B, P, S, chunk_sizes
 
@@ -142,6 +143,36 @@ def index_add(ctx: RuleCtx) -> List[Candidate]:
     return cands
 
 
+def experts(ctx: RuleCtx) -> List[Candidate]:
+    """moe_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj): each token's
+    row from its own k pairs, so tokens split alike keep the split with the experts whole;
+    with the stacked weights split over the experts (declared: their producer is S(0)), the
+    expert-parallel form, whose local form exchanges the tokens (See NOTE: Expert parallel,
+    graphc/ops/experts.py). No partial form: the experts' MLP is not linear."""
+    hidden, index, weights, gate_up, down = ctx.node.args[:5]
+    mh, mg = ctx.meta(hidden), ctx.meta(gate_up)
+    if mh is None or mg is None:
+        return None
+    cands: List[Candidate] = []
+    tokens = {hidden: S(0), index: S(0), weights: S(0)}
+    if all(ctx.prod.get(p) == S(0) for p in (gate_up, down)) and ctx.divisible(mg.shape[0]):
+        cands.append(({**tokens, gate_up: S(0), down: S(0)}, S(0)))
+    if ctx.splits(mh.shape[0]):
+        cands.append(({**tokens, gate_up: B, down: B}, S(0)))
+    return cands
+
+
+def histc(ctx: RuleCtx) -> List[Candidate]:
+    """torch.histc(x, bins, min, max) with fixed bounds counts every entry (the aux loss of a
+    router counts its tokens' experts): each rank's counts of its shard are addends, S(d) -> P.
+    Bounds from the data (min == max) differ per shard: no split form."""
+    x = ctx.node.args[0]
+    low, high = ctx.arg(2, "min", 0), ctx.arg(3, "max", 0)
+    if ctx.meta(x) is None or not isinstance(low, (int, float)) or low == high:
+        return None
+    return [({x: S(d)}, P) for d, size in enumerate(ctx.meta(x).shape) if ctx.splits(size)]
+
+
 def index_by_tensor(ctx: RuleCtx, x: fx.Node, index: fx.Node) -> List[Candidate]:
     """x[ids] with one integer tensor (the experts' weights looked up by the tokens' expert
     ids): out[i..., :] = x[ids[i...], :]. Split ids give split rows (x whole); x split
@@ -169,4 +200,6 @@ ROUTING_OPS = {
     one_hot: (torch.nn.functional.one_hot,),
     gather: (torch.gather, "gather"),
     index_add: (torch.index_add, "index_add"),
+    experts: (moe_experts,),
+    histc: (torch.histc, "histc"),
 }

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..meta import META_PIECES, META_SBP, META_TENSOR
 from . import local_ops, routing
+from .context_parallel import sequence_signature
 from .context import Candidate, RuleCtx  # noqa: F401 (rules and their callers read them here)
 from .layout import B, P, S, chunk_sizes
 
@@ -439,7 +440,8 @@ def _aligned(ctx: RuleCtx, t, d: int, r: int, size: int, allow_fewer: bool = Fal
 def attention(ctx: RuleCtx) -> List[Candidate]:
     """scaled_dot_product_attention(q, k, v, attn_mask, ...) on [..., heads, L, E]: split any
     batch or head dim (Megatron's heads split), never L or E (a query reads every key; the
-    causal mask counts global positions along L and S). Nonlinear: never partial."""
+    causal mask counts global positions along L and S), unless context parallelism
+    stamped the call: then also L (See NOTE: Context parallel). Nonlinear: never partial."""
     q, k, v = ctx.node.args[0], ctx.arg(1, "key"), ctx.arg(2, "value")
     mask, out = ctx.arg(3, "attn_mask"), ctx.out
     if out is None or any(ctx.meta(t) is None for t in (q, k, v)):
@@ -457,7 +459,7 @@ def attention(ctx: RuleCtx) -> List[Candidate]:
             req[mask] = _aligned(ctx, mask, d, r, out.shape[d])
         if all(s is not None for s in req.values()) and req[q] != B:
             cands.append((req, S(d)))
-    return cands
+    return cands + sequence_signature(ctx)
 
 
 def triangular(ctx: RuleCtx) -> List[Candidate]:

@@ -77,20 +77,24 @@ def prefer_sequence_split(node: fx.Node, cands: List[tuple], best: tuple, prod: 
     parameter as laid out (`keeps`), so a row-parallel Linear stays partial and its
     reduce-scatter goes where its result meets the residual stream (See NOTE: Sequence parallel)."""
     if isinstance(best[1], Split) or not is_sequence_value(node):
-        return _no_partial_from_split(cands, best, prod, cost)
+        return no_partial_from_split(cands, best, prod, cost)
     seq = [c for c in cands if c[1] == Split(SEQUENCE_DIM) and keeps(c)]
     return min(seq, key=cost) if seq else best
 
 
-def _no_partial_from_split(cands: List[tuple], best: tuple, prod: Dict[fx.Node, object],
-                           cost: Callable[[tuple], float]) -> tuple:
+def no_partial_from_split(cands: List[tuple], best: tuple, prod: Dict[fx.Node, object],
+                           cost: Callable[[tuple], float], split_only: bool = False) -> tuple:
     """Where the split residual stream leaves the region through an op that cannot keep the
     split (the LM head's logits viewed as [B*T, V]), a partial_sum made of it by zero-padding
     (S -> P, local) defers a reduction of the whole value (an all-reduce of the logits) that
     gathering or re-splitting it now does for half the bytes or less: the cheapest candidate
-    that makes nothing partial instead."""
+    that makes nothing partial instead. split_only (context parallelism, where no rank
+    should hold the whole sequence's values): the cheapest that keeps the value split."""
     if not isinstance(best[1], PartialSum) or not any(
             isinstance(prod.get(a), Split) and isinstance(r, PartialSum) for a, r in best[0].items()):
         return best
     whole = [c for c in cands if not isinstance(c[1], PartialSum)]
+    split = [c for c in whole if isinstance(c[1], Split)]
+    if split_only and split:
+        return min(split, key=cost)
     return min(whole, key=cost) if whole else best

@@ -55,19 +55,28 @@ class CostModel:
                          {s: backward for s in range(num_stages)})
 
     def compute(self, ins: Instruction, rank: int) -> float:
-        if isinstance(ins, Forward):
-            return self.forward.get(ins.stage, 0.0) + self.overhead
-        if isinstance(ins, Backward):
-            return self.backward.get(ins.stage, 0.0) + self.overhead
-        if isinstance(ins, BackwardInput):
-            return self._half(self.backward_input, ins.stage) + self.overhead
-        if isinstance(ins, BackwardWeight):
-            return self._half(self.backward_weight, ins.stage) + self.overhead
-        if isinstance(ins, OverlapFB):
-            return self.compute(ins.forward, rank) + self.compute(ins.backward, rank)
-        if isinstance(ins, OptimizerStep):
-            return self.optimizer.get(self.stage_of_rank.get(rank, -1), 0.0)
-        return 0.0
+        """Seconds of compute `ins` takes on `rank`, by the run entry its class names (`runs`,
+        plan/instructions.py): a kind whose entry has no cost here computes nothing."""
+        cost = getattr(self, f"_cost_{ins.runs}", None)
+        return cost(ins, rank) if cost is not None else 0.0
+
+    def _cost_forward(self, ins: Forward, rank: int) -> float:
+        return self.forward.get(ins.stage, 0.0) + self.overhead
+
+    def _cost_backward(self, ins: Backward, rank: int) -> float:
+        return self.backward.get(ins.stage, 0.0) + self.overhead
+
+    def _cost_backward_input(self, ins: BackwardInput, rank: int) -> float:
+        return self._half(self.backward_input, ins.stage) + self.overhead
+
+    def _cost_backward_weight(self, ins: BackwardWeight, rank: int) -> float:
+        return self._half(self.backward_weight, ins.stage) + self.overhead
+
+    def _cost_overlap(self, ins: OverlapFB, rank: int) -> float:
+        return self.compute(ins.forward, rank) + self.compute(ins.backward, rank)
+
+    def _cost_optimizer_step(self, ins: OptimizerStep, rank: int) -> float:
+        return self.optimizer.get(self.stage_of_rank.get(rank, -1), 0.0)
 
     def _half(self, measured: Dict[int, float], stage: int) -> float:
         return measured[stage] if stage in measured else self.backward.get(stage, 0.0) / 2

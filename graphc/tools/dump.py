@@ -56,7 +56,8 @@ def write_all(graph, compiled, folder: str, mode) -> List[str]:
           f"files to {folder}", flush=True)
     if why:
         print(f"graphc plan: {name}: {why}", flush=True)
-    idle = [p.rank for p in compiled.plans if not p.local_stages]
+    staged = {r for s in compiled.stages for r in s.ranks}
+    idle = [r for r in range(len(compiled.plans)) if r not in staged]
     if idle:
         print(f"graphc plan: {name}: rank(s) {ranges(idle)} of --nproc {len(compiled.plans)} hold no "
               "stage (no placement names them): they only call the graph", flush=True)
@@ -134,12 +135,12 @@ def write_programs(compiled, folder: str) -> List[str]:
 
 def rank_notes(compiled):
     """rank -> what it runs ("stage 1", "stages 0, 4", "idle"), for chart rows."""
-    notes = {r: "idle" for r in range(len(compiled.plans))}
-    for p in compiled.plans:
-        held = p.local_stages
-        if held:
-            notes[p.rank] = ("stage " if len(held) == 1 else "stages ") + ", ".join(map(str, held))
-    return notes
+    held = {r: [] for r in range(len(compiled.plans))}
+    for s in compiled.stages:
+        for r in s.ranks:
+            held[r].append(s.stage_id)
+    return {r: ("stage " if len(ids) == 1 else "stages ") + ", ".join(map(str, ids)) if ids else "idle"
+            for r, ids in held.items()}
 
 
 def write_schedule_chart(compiled, folder: str, name: str) -> List[str]:

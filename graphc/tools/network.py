@@ -97,6 +97,10 @@ class Network:
 
 
 def ring_steps(kind: str, n: int) -> int:
+    """Latencies one collective pays; a context-parallel ring step (`send_recv`: each rank
+    sends its block to the next, NOTE: Context parallel) pays one."""
+    if kind == "send_recv":
+        return 1
     return 2 * (n - 1) if kind == "all_reduce" else n - 1
 
 
@@ -104,7 +108,7 @@ def collective_seconds(kind: str, sent: int, whole: int, n: int, link: Tuple[flo
     """Seconds of one collective (see NOTE: Collective costs in the module docstring).
 
     Args:
-        kind: all_reduce, all_gather, reduce_scatter or all_to_all.
+        kind: all_reduce, all_gather, reduce_scatter, all_to_all or send_recv.
         sent: bytes each rank sends in the ring algorithm.
         whole: the global buffer's bytes (for the tree all-reduce).
         n: the group's size.

@@ -1,7 +1,7 @@
 """`graphc plan SCRIPT [SCRIPT_ARGS...] --nproc N --out DIR [--simulate [HOW]] [--ranks R]`.
 
 Runs SCRIPT in this process (runpy, sys.argv = [SCRIPT, *SCRIPT_ARGS]) in plan mode (see
-graphc/plan_mode.py): every Graph it compiles is compiled for N ranks and written to DIR, and
+graphc/modes.py): every Graph it compiles is compiled for N ranks and written to DIR, and
 its first training step ends the script. graphc's own options may stand before or after
 the script's; a script option spelled like one of them goes after `--`.
 """
@@ -109,7 +109,7 @@ def run_plan(script: str, script_args: List[str], nproc: int, out: str,
              simulate: str = None, chart: bool = True, ranks: str = None, auto=None) -> int:
     """Runs `script` in plan mode; returns 0 once at least one graph's plans are written."""
     from .costs import DEVICES
-    from ..plan_mode import PlanModeExit, plan_mode
+    from ..modes import PlanModeExit, plan_mode
     from .dump import parse_ranks, write_all
     if not os.path.isfile(script):
         raise GraphcError(f"graphc plan: script {script!r} not found")

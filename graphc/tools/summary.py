@@ -47,7 +47,8 @@ def stage_summary(name: str, compiled, written: Sequence[int] = ()) -> str:
         block = _stage_lines(held, ranks, plans, labels, set(written))
         block[-1:-1] = [f"  {replicated[s]}" for s in held if s in replicated]  # before "plans written"
         lines += block
-    idle = [p.rank for p in plans if not p.local_stages]
+    staged = {r for s in stages for r in s.ranks}
+    idle = [r for r in range(len(plans)) if r not in staged]
     if idle:
         lines.append(f"idle: ranks {ranges(idle)} hold no stage")
     return "\n".join(lines)
@@ -57,9 +58,16 @@ def _stage_lines(held: List[int], ranks: List[int], plans, labels, written) -> L
     what = "stage" if len(held) == 1 else "stages"
     out = [f"{what} {', '.join(map(str, held))}: ranks {ranges(ranks)} ({len(ranks)} rank(s))"]
     variants: Dict[tuple, List[int]] = {}
+    # of a world of templates, each rank's template: the same labels (NOTE: Plan templates),
+    # read once per template
+    labelled = getattr(plans, "plan_or_template", plans.__getitem__)
+    shapes: Dict[int, tuple] = {}
     for r in ranks:
-        shape = tuple(labels.get(id(i)) or labels.setdefault(id(i), i.label)
-                      for i in plans[r].instructions)
+        plan = labelled(r)
+        shape = shapes.get(id(plan))
+        if shape is None:
+            shape = shapes[id(plan)] = tuple(labels.get(id(i)) or labels.setdefault(id(i), i.label)
+                                             for i in plan.instructions)
         variants.setdefault(shape, []).append(r)
     if len(variants) > 1:
         out.append(f"  {len(variants)} instruction sequences: " + "; ".join(
@@ -81,19 +89,24 @@ def _counts(instructions: Sequence[Instruction]) -> str:
     return f"{len(instructions)} instructions a step: " + ", ".join(parts)
 
 
+# the kinds that reduce (or gather) gradients over a group: AllReduce and every kind built on it
+_GRADIENT_COLLECTIVES = frozenset(cls for cls in INSTRUCTIONS if issubclass(cls, AllReduce))
+
+
 def _traffic(instructions: Sequence[Instruction], stages) -> List[str]:
     """Bytes sent and received per peer stage, and collectives by kind and group size."""
     sent, got, colls, count = Counter(), Counter(), Counter(), Counter()
-    for ins in instructions:
-        if isinstance(ins, Send):
+    for ins in instructions:   # by kind exactly
+        kind = type(ins)
+        if kind is Send:
             sent[ins.peer_stage] += ins.nbytes
-        elif isinstance(ins, Recv):
+        elif kind is Recv:
             got[ins.peer_stage] += ins.nbytes
-        elif isinstance(ins, Collective):      # a conversion: the bytes this rank sends
+        elif kind is Collective:      # a conversion: the bytes this rank sends
             key = (ins.kind, len(ins.ranks), "sent")
             colls[key] += ins.nbytes
             count[key] += 1
-        elif isinstance(ins, AllReduce):       # gradients (tie, clip): the buffer reduced
+        elif kind in _GRADIENT_COLLECTIVES:   # gradients (tie, clip, ZeRO): the buffer reduced
             key = (ins.word.lower(), len(ins.ranks), "reduced")
             colls[key] += sum(t.nbytes for t in ins.tensors)
             count[key] += 1

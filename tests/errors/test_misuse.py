@@ -14,7 +14,7 @@ import torch.nn as nn
 import graphc
 from graphc import GraphcError, compiler
 from graphc import sbp as S
-from graphc.state import GraphState
+from graphc.checkpoint.graph_state import GraphState
 from models import PipelineGraph, SkipNet
 
 P = graphc.placement
@@ -682,10 +682,10 @@ def test_config_values_of_the_wrong_type():
 def test_bad_numeric_graphc_environment_variable(monkeypatch, name, value, expected):
     from graphc.runtime import comm, watchdog
     from graphc.runtime.dist_env import timeout_seconds
-    from graphc import plan_mode
+    from graphc import modes
     read = {"GRAPHC_SHM_MAX_MB": comm.shm_max_bytes, "GRAPHC_DEBUG": compiler.debug_level,
             "GRAPHC_TIMEOUT": timeout_seconds, "GRAPHC_HEARTBEAT_TIMEOUT": watchdog.heartbeat_timeout_seconds,
-            "GRAPHC_PLAN_NPROC": plan_mode.active}[name]
+            "GRAPHC_PLAN_NPROC": modes.active_plan}[name]
     monkeypatch.setenv(name, value)
     with raises(name, repr(value), expected):
         read()

@@ -12,6 +12,7 @@ import torch
 import graphc
 from graphc import compiler
 from graphc.plan.instructions import AllReduce
+from graphc.plan.templates import PlanWorld
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from layouts import Pair, SquaredError, assert_same, batches, eager, train  # noqa: E402
@@ -61,3 +62,15 @@ def test_every_rank_may_verify_the_whole_world(monkeypatch):
     assert_same(got, eager(_seeded_pair(), data), "pp2")
     assert all(g.compiled.whole_world and len(g.compiled.plans) == 2 for g in graphs)
     assert [r.name for r in graphs[0].compiled.history].count("verify_plans") == 1
+
+
+def test_every_rank_verifying_a_world_of_templates_trains_as_eager(monkeypatch):
+    # pipeline 2 x data 2: each rank holds the world as templates (NOTE: Plan templates) and
+    # runs its instance, which trains exactly as eager on the whole batch (float64, 1e-10)
+    monkeypatch.setenv("GRAPHC_VERIFY_PLANS", "world")
+    data = batches(2)
+    graphs = []
+    got = train("pp2xdp2", lambda layout: SquaredError(_seeded_pair(), layout), data, graphs=graphs)
+    assert_same(got, eager(_seeded_pair(), data), "pp2xdp2")
+    assert all(isinstance(g.compiled.plans, PlanWorld) and sorted(g.compiled.plans.templates) == [0, 2]
+               for g in graphs)

@@ -60,3 +60,17 @@ def test_conversion_between_pair_is_listed_in_the_plan(pair):
                 "all_to_all": full // 4}[ins.kind]
         assert ins.ranks == (0, 1) and ins.nbytes == want
         assert f"ranks=[0, 1] bytes={want}" in str(ins)
+
+
+def test_an_inner_split_of_the_dim_an_outer_axis_cuts_is_gathered_and_cut_again():
+    """(P, S(0)) -> (S(0), S(0)): a reduce-scatter of axis 0 would cut within axis 1's rows
+    (rank (i, j) holding rows j*T/2 + i*T/4.., not i*T/2 + j*T/4..): axis 1 is gathered
+    first and cut again last (HF Llama's logits on cp2 x tp2 with sequence parallelism)."""
+    from graphc.passes.insert_boxing import _conversion_steps
+    P, S0, S1, B = PartialSum(), Split(0), Split(1), Broadcast()
+    assert _conversion_steps((P, S0), (S0, S0)) == [(1, B), (0, S0), (1, S0)]
+    assert _conversion_steps((S0, S0), (B, S0)) == [(1, B), (0, B), (1, S0)]
+    assert _conversion_steps((S1, S0), (S1, S1)) == [(1, S1)]          # another dim: as before
+    assert _conversion_steps((P, S0), (S1, S0)) == [(0, S1)]
+    # both axes move the sequence split to rows: the inner one is whole while the outer moves
+    assert _conversion_steps((S1, S1), (S0, S0)) == [(1, S0), (1, B), (0, S0), (1, S0)]

@@ -17,7 +17,7 @@ from graphc.meta import META_GRAD_PARTIAL, META_STAGE
 from graphc.plan.instructions import (AllReduce, OptimizerStep, Send, TieAllReduce, instruction_from_json,
                                       parse_instruction)
 from graphc.plan.plan import ExecutionPlan
-from graphc.state import GraphState
+from graphc.checkpoint.graph_state import GraphState
 from transformer_models import GPTGraph, SharedGraph, SharedNet, TinyGPT, token_batches
 
 IDX, TARGETS = token_batches(1)[0]

@@ -3,7 +3,7 @@ every class in INSTRUCTIONS prints, parses and serialises back to itself, its JS
 that class alone, and its timeline kind, count word and label come from the class."""
 import pytest
 
-from graphc.plan.instructions import (INSTRUCTIONS, STAGE_COMPUTES, AllReduce, Backward,
+from graphc.plan.instructions import (INSIDE_COMPUTE, INSTRUCTIONS, STAGE_COMPUTES, AllReduce, Backward,
                                       BackwardInput, BackwardWeight, ClipGradNorm, Collective,
                                       Forward, OptimizerStep, OverlapFB, Recv, Send, TensorSpec,
                                       TieAllReduce, instruction_from_json, parse_instruction,
@@ -40,3 +40,15 @@ def test_kinds_and_letters_come_from_the_classes():
     assert [c.word for c in STAGE_COMPUTES] == ["F", "B", "I", "W"]
     assert OverlapFB(Forward(2, 3), Backward(1, 1)).caption == "F3|B1"
     assert Collective("all_reduce", 0, 0, "B", (0, 1), "n", "P", "B", 8).span_kind == "collective"
+
+
+def test_every_class_names_its_run_entry():
+    """The runtime runs each kind through the entry its class names, `Runtime._run_<runs>`:
+    a subclass (AllGather, ClipGradNorm under AllReduce) is told apart by its own entry, not
+    by where an isinstance chain tests it."""
+    from graphc.runtime.actors import Runtime
+    for cls in INSTRUCTIONS:
+        assert callable(getattr(Runtime, f"_run_{cls.runs}", None)), cls.__name__
+    assert {c.runs for c in (Collective, UnitGather, UnitRelease)} == {INSIDE_COMPUTE}
+    assert len({AllReduce.runs, AllGather.runs, ClipGradNorm.runs}) == 3
+    assert ReduceScatter.runs == TieAllReduce.runs == AllReduce.runs

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from graphc.sbp import local_ops
+from graphc.sbp.experts import moe_experts
 from rule_check import Sample
 
 
@@ -343,6 +344,19 @@ SAMPLES += [Sample("squeeze", _with_a_one, label="every 1")]
 SAMPLES += [Sample(F.one_hot, lambda rng: (_ints(4, *dims(rng, 2)),), first_and(4))]
 SAMPLES += [Sample(k, _gather, lambda ts, s: ((ts[0], 2, ts[1]), {})) for k in (torch.gather, "gather")]
 SAMPLES += [Sample(k, _index_add, lambda ts, s: ((ts[0], 2, ts[1], ts[2]), {})) for k in (torch.index_add, "index_add")]
+def _experts(rng):
+    tokens, hidden, inner, experts = dims(rng, 4)
+    experts += 1   # two slots a token, two experts at least
+    return (randn(tokens, hidden), _ints(experts, tokens, 2), randn(tokens, 2),
+            randn(experts, 2 * inner, hidden), randn(experts, hidden, inner))
+
+
+def _histc(rng):
+    return (randn(*_rank(rng)),)
+
+
+SAMPLES += [Sample(moe_experts, _experts)]
+SAMPLES += [Sample(k, _histc, lambda ts, s: ((ts[0], 5, -2.0, 2.0), {})) for k in (torch.histc, "histc")]
 SAMPLES += [Sample("__getitem__", _lookup), Sample(operator.getitem, _lookup, label="index tensor")]
 SAMPLES += [Sample(k, ANY_RANK) for k in ("long", "int", "short", "bool")]
 SAMPLES += [Sample("byte", lambda rng: (randn(*_rank(rng)).abs() * 10,))]

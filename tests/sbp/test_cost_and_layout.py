@@ -79,7 +79,7 @@ def test_unequal_pieces_hold_each_pieces_shard():
 def test_unequal_pieces_checkpoint_as_blocks_at_their_offsets():
     """graph.state_dict() of a tensor in unequal pieces goes to DCP as one block per piece at
     its global offset (graphc/dcp.py)."""
-    from graphc.dcp import Layout, _pieces_wrapper
+    from graphc.checkpoint.dcp import Layout, _pieces_wrapper
     full = torch.arange(16.).view(8, 2)
     layout = Layout((8, 2), (Split(0),), (0, 1), "cpu", pieces=Pieces((4, 2, 2), 0))
     local = local_component(full, layout.sbp, layout.mesh, 1, pieces=layout.pieces)

@@ -116,6 +116,19 @@ def test_pipeline_holds_the_schedules_micro_batches_in_flight():
     assert first.parts["activations"] <= act + 2 * inputs   # one recomputed, the others' inputs
 
 
+def test_memory_events_name_instruction_kinds_exactly():
+    """The memory model tells kinds apart by class, not by an isinstance order: every key is
+    an instruction class, and a subclass is listed with what it does (a unit gather gathers,
+    a clip's all-reduce is a sum's, a reduce-scatter scatters)."""
+    from graphc.plan.instructions import (INSTRUCTIONS, AllGather, ClipGradNorm, ReduceScatter,
+                                          UnitGather, UnitRelease)
+    from graphc.tools.simulate.peak import MEMORY_EVENTS
+    assert set(MEMORY_EVENTS) <= set(INSTRUCTIONS)
+    assert MEMORY_EVENTS[UnitGather] == MEMORY_EVENTS[AllGather] == "gather"
+    assert MEMORY_EVENTS[ClipGradNorm] == "reduce" and MEMORY_EVENTS[ReduceScatter] == "scatter"
+    assert MEMORY_EVENTS[UnitRelease] == "release"
+
+
 def test_fit_report_says_what_to_change():
     graph, compiled = _compiled("pp2")
     result = simulate(compiled.plans, device_costs(compiled, "h100"),

@@ -86,6 +86,7 @@ def test_plan_writes_every_rank_with_the_schedule(tmp_path, n, schedule):
 EXAMPLE_ARGS = {"train_resume.py": ["--ckpt-dir", "{tmp}"],
                 "gpt.py": ["--pp", "2", "--steps", "1"],       # its first documented launch
                 "hf_llama.py": ["--pp", "2", "--steps", "1"],
+                "long_context.py": ["--cp", "4", "--steps", "1", "--seq", "32", "--layers", "1"],
                 "resnet.py": ["--pp", "2", "--steps", "1"]}
 
 
@@ -260,7 +261,7 @@ def test_measured_costs_run_on_one_ranks_shards(monkeypatch, tmp_path):
     """A tensor-parallel stage is timed on its local shards: Megatron's fc1 output is half as
     wide on 2 ranks, so the activations autograd saves shrink (whole parameters would not
     even run against the shards the collectives return)."""
-    from graphc.plan_mode import PlanModeExit, plan_mode
+    from graphc.modes import PlanModeExit, plan_mode
     from graphc.tools.costs import measure_costs
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import plan_scale

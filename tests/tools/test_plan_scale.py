@@ -12,7 +12,7 @@ from graphc.plan.verify import verify_plans
 from graphc.tools.simulate import engine as sim
 from graphc.tools.costs import device_costs
 from graphc.tools.dump import select_ranks
-from graphc.plan_mode import PlanModeExit, plan_mode
+from graphc.modes import PlanModeExit, plan_mode
 from graphc.tools.rows import fold_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -2,7 +2,8 @@
 graphc/runtime/zero_units.py) equals eager PyTorch on the whole batch in float64 at 1e-10
 (helpers.py): in the one-process local world, data 2 with reshard-after-forward on and off,
 gathered per micro-batch and once per step, accumulation 1 and 2, clipping, activation
-checkpointing, a weight tied within the stage, and pipeline 2 x data 2; on real gloo ranks,
+checkpointing, a weight tied within the stage, pipeline 2 x data 2, and two chunks a rank
+(interleaved 1F1B on pipeline 2 x data 2: each chunk gathered per unit); on real gloo ranks,
 data 2. The plan lists each unit's gathers and releases inside its computes and prints, parses
 and verifies; a per-unit plan holds fewer whole parameter bytes at once than the whole stage's.
 """
@@ -267,3 +268,68 @@ def test_enable_zero_refuses_units_below_stage_3_and_bad_options():
         graph.config.enable_zero(True, stage=3, unit_bytes=2**20, gather_per="layer")
     graph.config.enable_zero(True, stage=3, unit_bytes=2**20, reshard_after_forward={0: False, 1: True})
     assert graph.config.zero_reshard_after_forward == ((0, False), (1, True))
+
+
+class InterleavedUnitGraph(UnitGraph):
+    """Two chunks a rank (interleaved 1F1B): fc1 (stage 0) and fc2 (stage 2) on ranks 0, 1, norm
+    (stage 1) and head (stage 3) on ranks 2, 3, each data 2."""
+
+    def __init__(self, model, opt, reshard):
+        super().__init__(model, opt, 2, reshard=reshard)
+        first, second = graphc.placement("cpu", [0, 1]), graphc.placement("cpu", [2, 3])
+        for s, (module, where) in enumerate([(self.model.fc1, first), (self.model.norm, second),
+                                             (self.model.fc2, first), (self.model.head, second)]):
+            module.config.set_stage(s, where)
+        self.config.set_pipeline_schedule("interleaved_1f1b")
+
+
+@pytest.mark.parametrize("reshard", [True, pytest.param(False, marks=pytest.mark.slow)])  # CI time
+def test_units_on_ranks_with_two_chunks_in_a_local_world_equal_eager(reshard):
+    data = batches()
+
+    def make():
+        torch.manual_seed(0)
+        model = Net()
+        return InterleavedUnitGraph(model, OPTIMIZERS["adam"](model.parameters()), reshard)
+
+    def inputs(rank, step):
+        x, y = data[step]
+        return (graphc.to_global(rows(x, rank % 2, 2), placement=graphc.placement("cpu", [0, 1]),
+                                 sbp=graphc.sbp.split(0)),
+                graphc.to_global(rows(y, rank % 2, 2), placement=graphc.placement("cpu", [2, 3]),
+                                 sbp=graphc.sbp.split(0)))
+
+    run = graphc.testing.local_world(make, inputs, 4, steps=len(data))
+    ref_losses, ref_state = eager("adam", False)
+    assert_same_as_eager(run.losses, run.state, ref_losses, ref_state, f"units, two chunks a rank, reshard {reshard}")
+    for graph in run.graphs:      # every chunk with sharded parameters gathers per unit
+        plan = graph.plan
+        assert not any(type(i) in (AllGather, ReleaseParams) for i in plan.instructions), str(plan)
+        unit_stages = {i.stage for i in plan.instructions if isinstance(i, UnitGather)}
+        assert unit_stages == ({0, 2} if plan.rank < 2 else {3}), (plan.rank, unit_stages)
+
+
+def _gloo_two_chunks(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    graph = InterleavedUnitGraph(model, OPTIMIZERS["adam"](model.parameters()), True)
+    losses = []
+    for x, y in batches():
+        xs = graphc.to_global(rows(x, rank % 2, 2), placement=graphc.placement("cpu", [0, 1]), sbp=graphc.sbp.split(0))
+        ys = graphc.to_global(rows(y, rank % 2, 2), placement=graphc.placement("cpu", [2, 3]), sbp=graphc.sbp.split(0))
+        loss = graph(xs, ys).to_local()
+        losses.append(loss.item() if loss.numel() else None)
+    return {"losses": losses, "state": graph.full_state_dict(),
+            "units": {i.stage for i in graph.plan.instructions if isinstance(i, UnitGather)}}
+
+
+@pytest.mark.world
+@pytest.mark.slow   # CI time: the local world above runs the same plans by default
+def test_units_on_ranks_with_two_chunks_on_gloo_equal_eager():
+    ref_losses, ref_state = eager("adam", False)
+    for rank, res in enumerate(run_world(_gloo_two_chunks, 4)):
+        assert res["units"] == ({0, 2} if rank < 2 else {3})
+        losses = [v for v in res["losses"] if v is not None]
+        assert len(losses) == (len(ref_losses) if rank >= 2 else 0)   # the loss: on the last stage
+        assert_same_as_eager(losses or ref_losses, res["state"], ref_losses, ref_state,
+                             f"gloo units, two chunks a rank, rank {rank}")

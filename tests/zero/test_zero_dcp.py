@@ -1,5 +1,5 @@
 """Checkpoints of ZeRO graphs in torch.distributed.checkpoint (DCP) move to other layouts and
-back (See NOTE: ZeRO state in checkpoints, graphc/dcp.py).
+back (See NOTE: ZeRO state in checkpoints, graphc/checkpoint/dcp.py).
 
 tests/zero/test_zero_numerics.py's Net (fc1 33 x 16 and fc2 24 x 33 uneven over 2 ranks,
 head 3 x 24: 2 rows and 1) trains N steps in eager PyTorch on the whole batch with Adam and

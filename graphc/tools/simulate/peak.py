@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from ...plan.instructions import (AllGather, AllReduce, Backward, BackwardInput, BackwardWeight,
-                                  Forward, OptimizerStep, OverlapFB, ReduceScatter, ReleaseParams,
-                                  TieAllReduce)
+                                  ClipGradNorm, Forward, OptimizerStep, OverlapFB, ReduceScatter,
+                                  ReleaseParams, TieAllReduce, UnitGather, UnitRelease)
 from ...plan.plan import ExecutionPlan, checkpointed_microbatches
 from ...sbp.layout import chunk_range
 from ..cost_model import CostModel
@@ -78,7 +78,7 @@ class _Held:
         if total > self.peak:
             self.peak, self.at = total, where
             self.at_parts = {k: self.parts.get(k, 0) + extra.get(k, 0)
-                             for k in set(self.parts) | set(extra)}
+                             for k in [*self.parts, *(k for k in extra if k not in self.parts)]}   # in a fixed order
 
 
 def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostModel,
@@ -110,16 +110,17 @@ def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostMod
     parts: Dict[int, int] = {}              # REDUCE_SCATTER parts kept as shard gradients
     for i, ins in enumerate(plan.instructions):
         label = f"{i}: {ins}"[:80]
-        for part in (ins.forward, ins.backward) if isinstance(ins, OverlapFB) else (ins,):
-            if isinstance(part, Forward):
+        for part in (ins.forward, ins.backward) if ins.runs == OverlapFB.runs else (ins,):
+            if part.runs == Forward.runs:
                 key = (part.stage, part.microbatch)
                 saved[key] = inputs.get(part.stage, 0) if part.microbatch in recomputed \
                     else act.get(part.stage, 0)
                 held.add("activations", saved[key])
                 held.mark(label)
-            elif isinstance(part, (Backward, BackwardInput, BackwardWeight)):
+            elif part.runs in _BACKWARDS:
                 _backward(held, part, label, saved, act, graded, grads_of)
-        if isinstance(ins, ReduceScatter):
+        event = MEMORY_EVENTS.get(type(ins))
+        if event == "scatter":
             whole = sum(_grad_bytes(by_name[t.name]) for t in ins.tensors)
             padded = ins.padded_nbytes
             part_bytes = padded // len(ins.ranks)
@@ -128,11 +129,11 @@ def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostMod
             if stage != 1:
                 parts[i] = part_bytes
                 held.add("gradients", part_bytes)
-        elif isinstance(ins, (AllReduce, TieAllReduce)) and not isinstance(ins, AllGather):
+        elif event == "reduce":
             held.mark(label)
             held.add("gradients", -sum(_grad_bytes(by_name[t.name]) for t in ins.tensors
                                        if t.name in by_name))
-        elif isinstance(ins, OptimizerStep):
+        elif event == "step":
             if stage in (1, 2):
                 for g in (x for x in plan.instructions if isinstance(x, AllGather)):
                     buf = _gather_buffer(g, gather_copies)
@@ -143,7 +144,7 @@ def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostMod
                 held.add("gradients", -sum(parts.values()))
                 parts.clear()
             held.mark(label)
-        elif isinstance(ins, AllGather):
+        elif event == "gather":
             if stage == 3:
                 buf = _gather_buffer(ins, gather_copies)
                 whole = {t.name: by_name[t.name].nbytes - _rows_bytes(by_name[t.name], ins, plan.rank)
@@ -154,10 +155,19 @@ def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostMod
             elif launched:
                 held.add("communication", -launched.pop(0))
             held.mark(label)
-        elif isinstance(ins, ReleaseParams):
+        elif event == "release":
             held.add("gathered parameters", -sum(gathered.pop(t.name, 0) for t in ins.tensors))
     parts_at = {k: v for k, v in held.at_parts.items() if v}
     return MemoryPeak(plan.rank, base, held.peak, held.at, parts_at)
+
+
+# What each instruction kind does to a rank's memory, by its class exactly (no isinstance
+# order: a unit gather gathers, a clip's all-reduce frees gradients as a sum's does); a kind
+# not listed holds nothing beyond its compute (tests/tools check every key is an instruction).
+MEMORY_EVENTS = {ReduceScatter: "scatter", AllReduce: "reduce", TieAllReduce: "reduce",
+                 ClipGradNorm: "reduce", OptimizerStep: "step", AllGather: "gather",
+                 UnitGather: "gather", ReleaseParams: "release", UnitRelease: "release"}
+_BACKWARDS = frozenset(cls.runs for cls in (Backward, BackwardInput, BackwardWeight))
 
 
 def _backward(held: _Held, part, label: str, saved, act, graded: Set[int], grads_of) -> None:
@@ -180,9 +190,9 @@ def _reduced_names(plan: ExecutionPlan) -> Set[str]:
     reduced; any other trained parameter keeps a gradient buffer between steps)."""
     out: Set[str] = set()
     for ins in plan.instructions:
-        if isinstance(ins, ReduceScatter) or type(ins) is AllReduce:
+        if type(ins) in (ReduceScatter, AllReduce):   # by kind exactly
             out |= {t.name for t in ins.tensors}
-        elif isinstance(ins, TieAllReduce):
+        elif type(ins) is TieAllReduce:
             out |= set(ins.params)
     return out
 

@@ -24,13 +24,13 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from . import world as ranks
-from .dcp import user_prefix
-from .errors import GraphcError
-from .global_tensor import GlobalTensor
-from .log import warn_user
-from .placement import Broadcast, Split
-from .sbp.layout import coord, flat, place_shard
+from .. import world as ranks
+from ..checkpoint.dcp import user_prefix
+from ..errors import GraphcError
+from ..global_tensor import GlobalTensor
+from ..log import warn_user
+from ..placement import Broadcast, Split
+from ..sbp.layout import coord, flat, place_shard
 
 # relative tolerance by the parameters' dtype: graphc only reorders sums (helpers.py's oracle)
 RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -114,7 +114,7 @@ class FirstStepCheck:
 
 def warn_if_random(compiled) -> bool:
     """True when the plan draws random numbers (then eager cannot draw the same)."""
-    from .ops.random_ops import seeded
+    from ..ops.random_ops import seeded
     random = any(n.target is seeded for p in compiled.programs for n in p.module.graph.nodes)
     if random:
         warn_user("config.set_check_microbatching: the plan has random ops (dropout), which draw "
@@ -160,7 +160,7 @@ def _sbps(x: GlobalTensor) -> tuple:
 
 
 def _broadcast():
-    from .placement import sbp
+    from ..placement import sbp
     return sbp.broadcast
 
 

@@ -1,4 +1,7 @@
-"""Plan-only mode, the setting: `graphc plan` (or GRAPHC_PLAN_*) turns it on, Graph reads it.
+"""The two modes a script runs in under graphc's command line, as settings the Graph reads:
+plan mode (`graphc plan`) and check mode (`graphc check`, below).
+
+Plan-only mode: `graphc plan` (or GRAPHC_PLAN_*) turns it on, Graph reads it.
 
 In plan mode `Graph._compile` compiles for a world of `nproc` ranks in this one process
 (no torch.distributed, no accelerator: only shapes are propagated, on fake tensors),
@@ -14,6 +17,13 @@ GRAPHC_PLAN_RANKS=0,7,-1 for the ranks whose plan files are written), so
 
 This module is the setting only, a value below the API; the files are written by the
 tools (See NOTE: Plan-mode writer).
+
+Check mode: `graphc check` (and graphc.testing.check) turn it on. Every graph call is also
+run eagerly (NOTE: Checked steps, graphc/checking/every_step.py): rank 0 keeps an eager copy
+of the graph's model, optimizer and LR scheduler, steps it on the whole batch, and compares
+the loss and every parameter with graphc's step. Each graph's comparisons are collected in
+its report (`CheckMode.reports`), and after `steps` calls of any graph the run stops with
+CheckDone, which the caller catches.
 """
 from __future__ import annotations
 
@@ -21,7 +31,9 @@ import importlib
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
+
+import torch
 
 from .errors import GraphcError
 
@@ -71,18 +83,18 @@ def named_writer() -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-_ACTIVE: Optional[PlanMode] = None
+_PLAN: Optional[PlanMode] = None
 
 
-def active() -> Optional[PlanMode]:
+def active_plan() -> Optional[PlanMode]:
     """The plan mode in force, from plan_mode(...) or the GRAPHC_PLAN_* variables; else None."""
-    global _ACTIVE
-    if _ACTIVE is None and os.environ.get("GRAPHC_PLAN_NPROC"):
-        _ACTIVE = PlanMode(_nproc(os.environ["GRAPHC_PLAN_NPROC"], "GRAPHC_PLAN_NPROC"),
+    global _PLAN
+    if _PLAN is None and os.environ.get("GRAPHC_PLAN_NPROC"):
+        _PLAN = PlanMode(_nproc(os.environ["GRAPHC_PLAN_NPROC"], "GRAPHC_PLAN_NPROC"),
                            os.environ.get("GRAPHC_PLAN_OUT", "graphc_plan"),
                            os.environ.get("GRAPHC_PLAN_SIMULATE") or None,
                            ranks=os.environ.get("GRAPHC_PLAN_RANKS") or None)
-    return _ACTIVE
+    return _PLAN
 
 
 @contextmanager
@@ -94,13 +106,13 @@ def plan_mode(nproc: int, out: str, simulate: Optional[str] = None, chart: bool 
     write: what writes a compiled graph's files, called as write(graph, compiled, folder,
     mode); by default graphc/tools/dump.write_all (See NOTE: Plan-mode writer).
     """
-    global _ACTIVE
-    previous, _ACTIVE = _ACTIVE, PlanMode(_nproc(nproc), out, simulate, chart, ranks, write=write,
-                                          auto=auto)
+    global _PLAN
+    previous, _PLAN = _PLAN, PlanMode(_nproc(nproc), out, simulate, chart, ranks, write=write,
+                                      auto=auto)
     try:
-        yield _ACTIVE
+        yield _PLAN
     finally:
-        _ACTIVE = previous
+        _PLAN = previous
 
 
 def _nproc(value, source: str = "plan mode") -> int:
@@ -116,6 +128,44 @@ def _nproc(value, source: str = "plan mode") -> int:
 
 def stop_before_step(graph) -> None:
     """The graph's first step in plan mode: everything is written, so end the script here."""
-    mode = active()
+    mode = active_plan()
     raise PlanModeExit(f"graphc plan: stopped before {type(graph).__name__}'s first step; "
                        f"plans written to {', '.join(mode.written) if mode else '?'}")
+
+
+# -- check mode ----------------------------------------------------------------------
+# per dtype of the compared values: |graphc - eager| <= ATOL + RTOL * |eager| (the tests'
+# oracle in float64, tests/helpers.py; in float32 graphc's reordered sums differ by rounding)
+TOLERANCE: Dict[torch.dtype, float] = {torch.float64: 1e-10, torch.float32: 1e-4,
+                                       torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+class CheckDone(Exception):
+    """Raised at a graph call after the checked steps: the comparison is complete."""
+
+
+@dataclass
+class CheckMode:
+    steps: Optional[int] = 3                    # calls compared per graph; None: all
+    reports: List[object] = field(default_factory=list)   # one StepReport per graph (rank 0)
+    tolerance: Optional[float] = None           # None: TOLERANCE by the values' dtype
+
+    def bound(self, dtype: torch.dtype) -> float:
+        return self.tolerance if self.tolerance is not None else TOLERANCE.get(dtype, 1e-2)
+
+
+_CHECKS: List[CheckMode] = []
+
+
+def active_check() -> Optional[CheckMode]:
+    return _CHECKS[-1] if _CHECKS else None
+
+
+@contextmanager
+def check_mode(mode: CheckMode):
+    """Within the block, every graph call is compared with eager (See the module's doc)."""
+    _CHECKS.append(mode)
+    try:
+        yield mode
+    finally:
+        _CHECKS.remove(mode)

@@ -1,9 +1,9 @@
 """Check mode's comparison of every graph call with an eager twin (`graphc check`,
-graphc.testing.local_world(check=True); the setting is graphc/check_mode.py).
+graphc.testing.local_world(check=True); the setting is graphc/modes.py).
 
 NOTE: Checked steps
 In check mode every call of a graph is compared, not only the first: rank 0 keeps an
-EagerTwin (graphc/check_step.py: a copy of the model, of the optimizer with the same
+EagerTwin (graphc/checking/first_step.py: a copy of the model, of the optimizer with the same
 hyperparameters and of the LR scheduler, made from the graph's state before its first
 step) and steps it on the whole batch after each graphc step, then compares the loss and
 every parameter (gathered with full_state_dict). The twin goes on from its own state, so a
@@ -12,7 +12,7 @@ parameter and its first departing value: every rank kept each Forward's outputs 
 step (Runtime.captured), which are gathered then, and only then, and compared with the
 twin's module outputs on the same rows (_locate). Every rank gets the step's verdict.
 A job with config.enable_amp has its twin run build() under the same autocast (backward
-outside it, EagerTwin._amp), compared at the amp dtype's tolerance (check_step.amp_bound).
+outside it, EagerTwin._amp), compared at the amp dtype's tolerance (first_step.amp_bound).
 """
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-from . import world as ranks
-from .check_step import EagerTwin, _first_scalar, _rank_world, amp_bound, gathered_loss, user_prefix, whole_batch
-from .placement import Broadcast, Split
-from .runtime.local_world import sum_in_order
-from .sbp.layout import flat
+from .. import modes, world as ranks
+from ..modes import CheckDone
+from .first_step import (EagerTwin, FirstStepCheck, _first_scalar, _rank_world, amp_bound, gathered_loss,
+                         optimizer_groups, user_prefix, warn_if_random, whole_batch)
+from ..placement import Broadcast, Split
+from ..runtime.local_world import sum_in_order
+from ..sbp.layout import flat
 
 
 @dataclass
@@ -216,8 +218,8 @@ def _locate(compiled, captured, boundary, seen, bound) -> str:
     """The first stage output (in stage order, then micro-batch, then rank) whose value
     departs from the eager twin's module output on the same rows; or where to look when every
     one agrees. Split and broadcast values are compared (a partial sum is skipped)."""
-    from .meta import META_ROWS, META_SBP
-    from .sbp.layout import local_component
+    from ..meta import META_ROWS, META_SBP
+    from ..sbp.layout import local_component
     nodes = {n.name: n for n in compiled.gm.graph.nodes}
     m = compiled.num_microbatches
     compared = 0
@@ -268,3 +270,46 @@ def _locate(compiled, captured, boundary, seen, bound) -> str:
     return (f"the {compared} stage output(s) compared agree with eager, so the step departs "
             "inside a stage's backward, the gradient reduction or the optimizer step")
 
+
+
+class StepChecks:
+    """A call's comparisons with eager PyTorch: the first step's (config.check_microbatching,
+    NOTE: Checked first step) and, in check mode, every step's (NOTE: Checked steps)."""
+
+    def __init__(self, graph, first: Optional[FirstStepCheck], checking):
+        self.graph, self.first, self.checking = graph, first, checking
+        self.checker: Optional[StepChecker] = None
+
+    @staticmethod
+    def before_call(graph) -> "StepChecks":
+        """Made before the call compiles: the eager twins copy the model and the optimizer's
+        groups as they are before the first compile takes them over."""
+        first, checking = None, modes.active_check()
+        if graph._compiled is None:
+            if graph.config.check_microbatching:
+                first = FirstStepCheck(graph, optimizer_groups(graph))
+            if checking is not None and graph._checker is None:
+                object.__setattr__(graph, "_checker", StepChecker(graph, optimizer_groups(graph), checking.bound))
+        return StepChecks(graph, first, checking)
+
+    def start(self, inputs) -> None:
+        """Once compiled, before the step: the twins take the call's inputs."""
+        graph, checking = self.graph, self.checking
+        self.first = self.first if self.first is not None and not warn_if_random(graph._compiled) else None
+        if self.first is not None:
+            self.first.start(inputs)
+        self.checker = graph._checker if checking is not None else None
+        if self.checker is not None:
+            self.checker.start(inputs)
+            if self.checker.report not in checking.reports and graph._rank == 0:
+                checking.reports.append(self.checker.report)
+
+    def compare(self, outputs) -> None:
+        """After the step: graphc's against eager's; check mode ends after its steps."""
+        if self.first is not None:
+            self.first.compare(outputs)
+        if self.checker is not None:
+            self.checker.compare(outputs)
+            rows = len(self.checker.report.rows)
+            if self.checking.steps is not None and rows >= self.checking.steps:
+                raise CheckDone(f"{type(self.graph).__name__}: {rows} step(s) checked")

@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from .dcp import to_local_form
-from .errors import GraphcError
+from ..errors import GraphcError
 
 
 def save(obj: Any, path: str) -> None:

@@ -1,4 +1,4 @@
-"""Rules of products, layers, losses and tensor creation (see graphc/rows/rules.py)."""
+"""Rules of products, layers, losses and tensor creation (see graphc/batch_rows/rules.py)."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional

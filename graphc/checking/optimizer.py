@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import GraphcError
+from ..errors import GraphcError
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, lr_sch) -> None:

@@ -1,7 +1,7 @@
 """Rules of elementwise ops, reductions, ops along a dim, and ops that move dims.
 
-Each rule takes a Ctx (graphc/rows/context.py) and returns the node's Rows (a tuple or
-Each for several tensors, None for a non-tensor); see graphc/rows/rules.py for the table.
+Each rule takes a Ctx (graphc/batch_rows/context.py) and returns the node's Rows (a tuple or
+Each for several tensors, None for a non-tensor); see graphc/batch_rows/rules.py for the table.
 """
 from __future__ import annotations
 

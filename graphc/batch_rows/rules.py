@@ -1,4 +1,4 @@
-"""How each op moves the batch's rows (see graphc/rows/__init__.py); used by find_batch_dims.
+"""How each op moves the batch's rows (see graphc/batch_rows/__init__.py); used by find_batch_dims.
 
 `rows_of(ctx)` returns a node's value: a Rows for a tensor, a tuple or Each for sequences
 of tensors, None for anything else. Rules are looked up by the op's name (torch.add,
@@ -57,6 +57,7 @@ RULES.update({n: elementwise(True) for n in _LINEAR})
 RULES.update({n: elementwise(False) for n in _NONLINEAR})
 RULES.update({n: reduction(at, True) for n, at in _LINEAR_REDUCE.items()})
 RULES.update({n: reduction(at, False, n in _TUPLE_REDUCE) for n, at in _OTHER_REDUCE.items()})
+RULES["histc"] = reduction(9, True)   # counts every entry (it takes no dim): a batch sum
 RULES.update({
     "mul": multiply, "imul": multiply, "truediv": divide, "div": divide, "divide": divide,
     "true_divide": divide, "itruediv": divide,

@@ -1,4 +1,4 @@
-"""Rules of ops that pick, place or route entries by index (see graphc/rows/rules.py).
+"""Rules of ops that pick, place or route entries by index (see graphc/batch_rows/rules.py).
 
 NOTE: Indexing along a dim. Picking entries by index along a dim that holds no row of the
 batch (index_select over features, gather over classes, a lookup into a table) keeps the

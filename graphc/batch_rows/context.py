@@ -1,6 +1,6 @@
 """The context an op rule sees: its node's inputs as Rows, shapes, and the symbol table.
 
-Shared helpers of the rules (graphc/rows/shapes.py, layers.py): dims normalised, the
+Shared helpers of the rules (graphc/batch_rows/shapes.py, layers.py): dims normalised, the
 broadcast of row dims (unifying the symbols it lines up), and the reduced symbols of a
 combination with the couplings it implies.
 """

@@ -9,17 +9,17 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import world
+from .. import world
 from .dcp import DCP_FORMAT, class_name, load_dcp_state_dict, load_into
-from .errors import GraphcError
-from .global_tensor import declared_layout
-from .sbp.declared import declared_in
-from .placement import Split
-from .runtime.agreement import check_agreement, fingerprint_tensor, step_facts
-from .runtime.dist_env import timeout_seconds
-from .runtime.master_params import MasterParams
-from .meta import META_PIECES
-from .sbp.layout import coord, flat, local_component, place_shard
+from ..errors import GraphcError
+from ..global_tensor import declared_layout
+from ..sbp.declared import declared_in
+from ..placement import Split
+from ..runtime.agreement import check_agreement, fingerprint_tensor, step_facts
+from ..runtime.dist_env import timeout_seconds
+from ..runtime.master_params import MasterParams
+from ..meta import META_PIECES
+from ..sbp.layout import coord, flat, local_component, place_shard
 
 STATE_FORMAT = "graphc.state/1"  # graphc.save files of older graphc: per rank, by index
 # the entries of such a checkpoint; optimizer_class is absent from still older ones
@@ -119,10 +119,10 @@ class GraphState:
         return {k: self.masters.master_of(t) for k, t in tensors.items()}
 
     # -- checkpoints -------------------------------------------------------------------
-    def agree(self, compiled, config, what: str, tag: str, with_parameters: bool) -> None:
+    def agree(self, compiled, options, what: str, tag: str, with_parameters: bool) -> None:
         """Every rank runs the same plans from equal replicas (See NOTE: Rank agreement):
         the step facts, and (the first time) this rank's replicated parameters."""
-        facts = step_facts(compiled, config, self.steps, self.rank)
+        facts = step_facts(compiled, options, self.steps, self.rank)
         holders: Dict[str, List[int]] = {}
         if with_parameters:
             tensors = self.root.state_dict(keep_vars=True)

@@ -61,11 +61,11 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import world
-from .errors import GraphcError
-from .placement import Broadcast, Split
-from .plan.instructions import ReduceScatter
-from .sbp.layout import Pieces, chunk_range, local_component, mesh_shape, shard_slices
+from .. import world
+from ..errors import GraphcError
+from ..placement import Broadcast, Split
+from ..plan.instructions import ReduceScatter
+from ..sbp.layout import Pieces, chunk_range, local_component, mesh_shape, shard_slices
 
 DCP_FORMAT = "graphc.state/2"
 ENTRIES = ("format", "model", "optim", "optimizer_class", "lr_scheduler", "steps", "rng",

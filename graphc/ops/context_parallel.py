@@ -1,0 +1,203 @@
+"""Attention over a sequence split across a mesh axis (See NOTE: Context parallel, in
+graphc/sbp/context_parallel.py): the function localize_ops puts in place of a
+scaled_dot_product_attention call whose q, k and v are split along the sequence.
+
+Each rank holds [B, H, Lk, E] queries, keys and values of its shard k of the sequence
+(torch.chunk's: rank k of n holds positions chunk_range(T, n, k)), and an explicit mask's
+rows of those queries with every key column ([..., Lk, T]).
+
+ring: forward keeps q and passes (k, v) around the ring; at step s the rank holds the block of
+rank (k - s) mod n and merges its softmax block into the output by log-sum-exp:
+
+    lse = logaddexp(lse_a, lse_b),  out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)
+
+Backward (the flash-attention gradient per block, with the forward's final lse and
+D = rowsum(dO * O)) passes (k, v, dk, dv) around the ring: each rank adds its queries' part
+of the block's dk, dv to the partial sums that travel with the block, and after n steps one
+more exchange hands each block's dk, dv to its owner.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import world
+from ..sbp.layout import chunk_range, chunk_sizes
+from .conversions import _SHAPES_ONLY, box, my_group
+
+RING_TAG = 0x7C0000   # apart from the pipeline's transfer tags (one queue per peer and tag)
+
+
+def context_parallel_attention(q, k, v, attn_mask, groups: tuple, method: str, seq_len: int,
+                               is_causal: bool = False, scale: Optional[float] = None,
+                               enable_gqa: bool = False) -> torch.Tensor:
+    """This rank's output rows of scaled_dot_product_attention(q, k, v, attn_mask, is_causal,
+    scale) on the whole sequence of `seq_len` positions, split over this rank's group among
+    `groups` (See NOTE: Context parallel)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if method == "all_to_all":
+        return _ulysses(q, k, v, attn_mask, groups, is_causal, scale, enable_gqa)
+    return _RingAttention.apply(q, k, v, attn_mask, groups, seq_len, is_causal, scale)
+
+
+# -- all_to_all (Ulysses) ---------------------------------------------------------------
+def _ulysses(q, k, v, attn_mask, groups, is_causal, scale, enable_gqa):
+    """Sequence shards traded for head shards (dim -2 -> dim -3), whole-sequence attention on
+    this rank's heads, and the output traded back; each trade's backward is the reverse."""
+    seq, heads = q.dim() - 2, q.dim() - 3
+    q, k, v = (box(t, "all_to_all", groups, t.dim() - 2, t.dim() - 3) for t in (q, k, v))
+    if attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.shape[-3] > 1:
+        attn_mask = _my_heads(attn_mask, groups)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return box(out, "all_to_all", groups, heads, seq)
+
+
+def _my_heads(mask, groups):
+    _, me, n = my_group(groups)
+    start, size = chunk_range(mask.shape[-3], n, me)
+    return mask.narrow(-3, start, size)
+
+
+# -- ring -------------------------------------------------------------------------------
+class _Ring:
+    """This rank's place on the ring of its group: who it sends to and receives from."""
+
+    def __init__(self, groups: tuple, seq_len: int):
+        self.group, self.me, self.n = my_group(groups)
+        self.next, self.prev = self.group[(self.me + 1) % self.n], self.group[(self.me - 1) % self.n]
+        self.seq_len = seq_len
+
+    def owner(self, step: int) -> int:
+        """Whose block this rank holds at ring step `step` (0: its own)."""
+        return (self.me - step) % self.n
+
+    def rows(self, index: int) -> Tuple[int, int]:
+        """(start, length) of position block `index` of the sequence."""
+        return chunk_range(self.seq_len, self.n, index)
+
+    def pass_on(self, tensors: Sequence[torch.Tensor], from_block: int) -> List[torch.Tensor]:
+        """Sends `tensors` to the next rank and receives the previous rank's, which hold
+        sequence block `from_block` (its length sizes the buffers)."""
+        size = chunk_sizes(self.seq_len, self.n)[from_block]
+        shapes = [_with_rows(t.shape, size) for t in tensors]
+        if _SHAPES_ONLY:
+            return [t.new_zeros(s) for t, s in zip(tensors, shapes)]
+        me = world.current()
+        got = [t.new_empty(s) for t, s in zip(tensors, shapes)]
+        waits = [me.irecv(g, self.prev, RING_TAG, ranks=self.group) for g in got]
+        sends = [me.isend(t.contiguous(), self.next, RING_TAG, ranks=self.group) for t in tensors]
+        for w in waits + sends:
+            w.wait()
+        return got
+
+
+def _with_rows(shape, rows: int) -> list:
+    shape = list(shape)
+    shape[-2] = rows
+    return shape
+
+
+def _block_scores(q, kb, mask, ring: _Ring, block: int, is_causal: bool, scale: float):
+    """Scores of this rank's queries against key block `block`, masked; None where the causal
+    mask hides the whole block (every key after every query)."""
+    q_start, q_len = ring.rows(ring.me)
+    k_start, k_len = ring.rows(block)
+    if is_causal and k_start > q_start + q_len - 1:
+        return None
+    kb = _repeat_heads(kb, q.shape[-3])
+    s = torch.matmul(q, kb.transpose(-2, -1)) * scale
+    if mask is not None:
+        cols = mask if mask.shape[-1] == 1 else mask.narrow(-1, k_start, k_len)
+        s = s.masked_fill(~cols, float("-inf")) if cols.dtype == torch.bool else s + cols
+    if is_causal:
+        qi = torch.arange(q_start, q_start + q_len).unsqueeze(-1)
+        ki = torch.arange(k_start, k_start + k_len).unsqueeze(0)
+        s = s.masked_fill(ki > qi, float("-inf"))
+    return s
+
+
+def _repeat_heads(t, heads: int):
+    """Grouped-query keys/values [.., Hk, S, E] repeated to the queries' heads."""
+    return t if t.shape[-3] == heads else t.repeat_interleave(heads // t.shape[-3], dim=-3)
+
+
+def _fold_heads(g, heads: int):
+    """The gradient of _repeat_heads: the repeated heads' gradients summed per key head."""
+    if g.shape[-3] == heads:
+        return g
+    shape = list(g.shape)
+    shape[-3:-2] = [heads, g.shape[-3] // heads]
+    return g.reshape(shape).sum(-3)
+
+
+def _probabilities(s, lse):
+    """exp(s - lse) with rows that see no key (lse -inf) left zero, not NaN."""
+    seen = torch.isfinite(lse).unsqueeze(-1)
+    return torch.where(seen, torch.exp(s - torch.where(seen, lse.unsqueeze(-1), 0)), 0)
+
+
+def merge(out, lse, block_out, block_lse):
+    """The softmax over the union of two key sets, from each one's output and log-sum-exp."""
+    new = torch.logaddexp(lse, block_lse)
+    seen = torch.isfinite(new)
+    wa = torch.where(seen, torch.exp(lse - torch.where(seen, new, 0)), 0).unsqueeze(-1)
+    wb = torch.where(seen, torch.exp(block_lse - torch.where(seen, new, 0)), 0).unsqueeze(-1)
+    return out * wa + block_out * wb, new
+
+
+def _ring_forward(q, k, v, mask, ring: _Ring, is_causal: bool, scale: float):
+    """(output, lse) of this rank's queries over the whole ring."""
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    kb, vb = k, v
+    for step in range(ring.n):
+        block = ring.owner(step)
+        s = _block_scores(q, kb, mask, ring, block, is_causal, scale)
+        if s is not None:
+            block_lse = torch.logsumexp(s, -1)
+            block_out = torch.matmul(_probabilities(s, block_lse), _repeat_heads(vb, q.shape[-3]))
+            out, lse = merge(out, lse, block_out, block_lse)
+        if step < ring.n - 1:
+            kb, vb = ring.pass_on((kb, vb), ring.owner(step + 1))
+    return out, lse
+
+
+def _ring_backward(dout, q, k, v, mask, out, lse, ring: _Ring, is_causal: bool, scale: float):
+    """(dq, dk, dv): the block gradients of flash attention, keys' parts travelling with them."""
+    d = (dout * out).sum(-1, keepdim=True)
+    dq = torch.zeros_like(q)
+    kb, vb, dkb, dvb = k, v, torch.zeros_like(k), torch.zeros_like(v)
+    heads = q.shape[-3]
+    for step in range(ring.n):
+        block = ring.owner(step)
+        s = _block_scores(q, kb, mask, ring, block, is_causal, scale)
+        if s is not None:
+            p = _probabilities(s, lse)
+            dvb = dvb + _fold_heads(torch.matmul(p.transpose(-2, -1), dout), kb.shape[-3])
+            ds = p * (torch.matmul(dout, _repeat_heads(vb, heads).transpose(-2, -1)) - d)
+            dq = dq + torch.matmul(ds, _repeat_heads(kb, heads)) * scale
+            dkb = dkb + _fold_heads(torch.matmul(ds.transpose(-2, -1), q), kb.shape[-3]) * scale
+        if step < ring.n - 1:
+            kb, vb, dkb, dvb = ring.pass_on((kb, vb, dkb, dvb), ring.owner(step + 1))
+    dk, dv = ring.pass_on((dkb, dvb), ring.me) if ring.n > 1 else (dkb, dvb)
+    return dq, dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, groups, seq_len, is_causal, scale):
+        ring = _Ring(groups, seq_len)
+        out, lse = _ring_forward(q, k, v, mask, ring, is_causal, scale)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.ring, ctx.is_causal, ctx.scale = ring, is_causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, mask, out, lse, ctx.ring,
+                                    ctx.is_causal, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None

@@ -2,12 +2,15 @@
 
     graphc plan examples/auto_layout.py --nproc 8 --out plans --auto --device h100
     torchrun --nproc_per_node 8 examples/auto_layout.py --layout plans/layout.json
+    torchrun --nproc_per_node 8 examples/auto_layout.py --auto-parallel h100   # search at run time
 
 The first command searches stages, tensor and data parallelism, ZeRO, the schedule, the
 micro-batches and checkpointing for 8 ranks, and writes plans/layout.json, plans/auto.md (the
 candidates, their simulated steps and peaks) and the winner's plans. The second trains on it:
 the Graph below declares no layout of its own; config.load_layout places everything, and each
-rank passes the whole batch (graphc takes the rank's rows). Every step's loss is compared
+rank passes the whole batch (graphc takes the rank's rows). The third searches when the graph
+is first called (config.enable_auto_parallel: rank 0 searches, or reads the search cache, and
+every rank trains on its layout). Every step's loss is compared
 with eager PyTorch on the whole batch.
 """
 import argparse
@@ -22,11 +25,13 @@ from gpt import GPT, GPTConfig, lm_loss  # noqa: E402
 
 
 class AutoGPT(graphc.Graph):
-    def __init__(self, model, optimizer, layout_path=None):
+    def __init__(self, model, optimizer, layout_path=None, auto_device=None):
         super().__init__()
         self.model = model
         if layout_path:
             self.config.load_layout(layout_path)
+        elif auto_device:
+            self.config.enable_auto_parallel(True, device=auto_device)
         self.add_optimizer(optimizer)
 
     def build(self, idx, targets):
@@ -50,6 +55,8 @@ def batches(args):
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--layout", default=None, help="a layout.json from graphc plan --auto")
+    p.add_argument("--auto-parallel", default=None, metavar="DEVICE",
+                   help="search the layout at the first step for this device preset (h100, cpu, ...)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--block", type=int, default=64)
@@ -59,7 +66,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     model = make(args)
-    graph = AutoGPT(model, torch.optim.AdamW(model.parameters(), lr=1e-3), args.layout)
+    graph = AutoGPT(model, torch.optim.AdamW(model.parameters(), lr=1e-3), args.layout, args.auto_parallel)
     eager = make(args)
     opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
     pairs = []

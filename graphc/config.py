@@ -89,6 +89,7 @@ class GraphConfig:
         self.sequence_parallel = False      # enable_sequence_parallel (NOTE: Sequence parallel)
         self.context_parallel = None        # set_context_parallel: a ContextParallel (NOTE: Context parallel)
         self.layout = None                  # load_layout: a graphc.auto.Layout (NOTE: Auto layouts)
+        self.auto = None                    # enable_auto_parallel: an AutoRequest (NOTE: Run-time search)
 
     def _set_switch(self, what: str, attr: str, enabled) -> None:
         """An on/off option: checked open and a bool, then set."""
@@ -210,6 +211,38 @@ class GraphConfig:
         from .auto.layout import Layout
         self._check_open("load_layout")
         self.layout = layout if isinstance(layout, Layout) else Layout.load(layout)
+
+    def enable_auto_parallel(self, enabled: bool = True, device: str = "h100",
+                             memory: Optional[float] = None, top: int = 8,
+                             cache: Optional[str] = None) -> None:
+        """Trains on the layout graphc searches for this model and world: pipeline stages,
+        tensor and data degrees, ZeRO, schedule, micro-batches and checkpointing, as `graphc
+        plan --auto` would choose them (See NOTE: Run-time search in graphc/auto/layout.py).
+
+        At the first call, rank 0 finds the layout (in the search cache, or by a search of
+        some seconds to a minute) and every rank trains on it; pass the whole batch on every
+        rank as plain tensors, as with load_layout.
+
+        Args:
+            enabled: True to search; False to train as declared.
+            device: the device preset the search models ("h100", "h200", "a100", "cpu").
+            memory: GiB per rank every layout must fit (default: the device's memory).
+            top: how many of the best estimates are compiled and simulated.
+            cache: the folder of searched layouts (default GRAPHC_AUTO_CACHE, else
+                ~/.cache/graphc/auto); a search is kept per model, inputs, world and device.
+
+        Example:
+            self.config.enable_auto_parallel(True, device="h100", memory=40)
+        """
+        from .auto.layout import AutoRequest
+        self._check_open("enable_auto_parallel")
+        if not isinstance(enabled, bool):
+            raise GraphcError(f"enable_auto_parallel expects True or False, found {enabled!r}")
+        if not isinstance(top, int) or top < 1:
+            raise GraphcError(f"enable_auto_parallel: top must be a positive int, found {top!r}")
+        if memory is not None and not (isinstance(memory, (int, float)) and memory > 0):
+            raise GraphcError(f"enable_auto_parallel: memory is GiB per rank, a positive number; found {memory!r}")
+        self.auto = AutoRequest(device, None if memory is None else float(memory), top, cache) if enabled else None
 
     def set_whole_inputs(self, *names: str) -> None:
         """build() arguments passed whole to every micro-batch under gradient accumulation.

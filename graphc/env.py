@@ -153,6 +153,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("GRAPHC_PLAN_CACHE", "", "a folder", "keep each rank's compiled plans there, keyed "
              "by its inputs, so a restart does not lower them again; a stale or unreadable entry "
              "is ignored with a warning (graphc/plan_cache.py, NOTE: Plan cache)", _text),
+    Variable("GRAPHC_AUTO_CACHE", "", "a folder", "where enable_auto_parallel keeps searched "
+             "layouts, keyed by the model and the cluster (unset: ~/.cache/graphc/auto; "
+             "graphc/auto/cache.py, NOTE: Search cache)", _text),
 )}
 
 

@@ -142,7 +142,7 @@ def node_note(node: fx.Node) -> str:
     if meta.get(META_GRAD_PARTIAL):
         parts.append(f"grad partial_sum on axes {list(meta[META_GRAD_PARTIAL])}")
     if meta.get(META_PIECES):
-        parts.append("pieces %d along dim %d" % tuple(meta[META_PIECES]))
+        parts.append(str(meta[META_PIECES]))
     if meta.get(META_BOXING) is not None:
         box = meta[META_BOXING]
         parts.append(f"boxing {box.kind} {fmt(box.src)}->{fmt(box.dst)} axis {box.axis}"

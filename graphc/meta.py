@@ -79,7 +79,7 @@ META_ARRIVAL = "graphc_arrival"      # {stage: (sbp, mesh)}: how a value arrives
                                      # mesh shape (insert_boxing; see NOTE: Reshard pieces)
 META_CONTEXT_PARALLEL = "graphc_context_parallel"  # ContextParallel on an attention call whose
                                      # sequence may split (NOTE: Context parallel)
-META_PIECES = "graphc_pieces"        # (k, dim): a split parameter stored as k pieces along dim, each
+META_PIECES = "graphc_pieces"        # sbp.layout.Pieces: a split parameter stored in pieces along a dim, each
                                      # split alike (fused q/k/v; see NOTE: fused pieces, docs/sbp.md)
 
 

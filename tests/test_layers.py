@@ -292,3 +292,11 @@ def test_plan_mode_writer_is_the_tools_write_all():
     from graphc import modes
     from graphc.tools.dump import write_all
     assert modes.named_writer() is write_all
+
+
+def test_run_time_searcher_is_the_searchs_run_time_layout():
+    """enable_auto_parallel reaches the search (above the API) by name, as plan mode reaches
+    its writer (See NOTE: Run-time search): the name must keep resolving."""
+    from graphc.auto.layout import named_searcher
+    from graphc.auto.search import run_time_layout
+    assert named_searcher() is run_time_layout

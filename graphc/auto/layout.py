@@ -46,6 +46,36 @@ ROW_NAMES = ("o", "o_proj", "out_proj", "proj", "c_proj", "down_proj", "fc2", "w
              "lin2", "dense_4h_to_h")
 
 
+# NOTE: Run-time search
+# `config.enable_auto_parallel(True, device=..., memory=...)` records an AutoRequest; the
+# Graph resolves it at its first call (or compile), before it splits the batch: rank 0 looks
+# the layout up in the search cache (graphc/auto/cache.py, keyed by the model, its inputs, the
+# world and the device) or searches (NOTE: Layout search; bounded by a count of candidates,
+# not by seconds, so it is the same on every machine), and every rank trains on the layout
+# rank 0 broadcasts, as load_layout would. The search compiles and simulates (the tools), and
+# the API never imports the tools (docs/design.md: Layers), so the Graph finds it by the name
+# SEARCHER, as plan mode finds its writer (NOTE: Plan-mode writer, graphc/modes.py);
+# tests/test_layers.py checks that the name resolves.
+SEARCHER = "graphc.auto.search:run_time_layout"
+
+
+@dataclass(frozen=True)
+class AutoRequest:
+    """What enable_auto_parallel asked for (See NOTE: Run-time search)."""
+
+    device: str = "h100"                  # the device preset the search models
+    memory_gib: Optional[float] = None    # per rank; None: the device's memory
+    top: int = 8                          # candidates compiled and simulated
+    cache: Optional[str] = None           # the search cache's folder; None: GRAPHC_AUTO_CACHE or ~/.cache
+
+
+def named_searcher():
+    """The run-time search SEARCHER names (See NOTE: Run-time search)."""
+    import importlib
+    module, name = SEARCHER.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @dataclass(frozen=True)
 class Layout:
     """A whole parallel layout (See NOTE: Auto layouts)."""
@@ -268,6 +298,6 @@ def constraints_of(spec) -> Dict[str, int]:
     return {"stages": len(stages)} if stages else {}
 
 
-__all__ = ["Layout", "apply_layout", "input_stages", "batched_inputs", "batch_layouts", "layer_list", "megatron_pairs", "even_boundaries",
+__all__ = ["AutoRequest", "SEARCHER", "named_searcher", "Layout", "apply_layout", "input_stages", "batched_inputs", "batch_layouts", "layer_list", "megatron_pairs", "even_boundaries",
            "with_layers", "constraints_of", "V_SCHEDULES", "LOOPED_SCHEDULES"]
 

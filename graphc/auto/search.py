@@ -30,6 +30,7 @@ and micro-batch of one activation (the saved bytes of a layer over 8).
 """
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -111,11 +112,12 @@ class AutoResult:
 
 def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
            optimizer=None, device: str = "h100", memory: Optional[int] = None,
-           budget_s: float = 60.0, top: int = 8, progress: bool = True) -> AutoResult:
+           budget_s: Optional[float] = 60.0, top: int = 8, progress: bool = True) -> AutoResult:
     """The fastest layout of `spec` on `nproc` ranks of `device` that fits `memory` bytes per
     rank (None: the device's memory) (See NOTE: Layout search).
 
-    batched: per input, whether it is split over the data-parallel ranks (its dim 0 the batch)."""
+    batched: per input, whether it is split over the data-parallel ranks (its dim 0 the batch).
+    budget_s: seconds for round 2; None: no bound but `top` (the same answer on any machine)."""
     from ..tools.costs import DEVICES
     if device not in DEVICES:
         raise GraphcError(f"graphc plan --auto: unknown device {device!r}; choose one of {sorted(DEVICES)}")
@@ -135,7 +137,7 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
     best, best_compiled = None, None
     read_at: dict = {}        # stage cut -> the stage reading each input
     for c in _diverse(fitting, top):
-        if tried and time.perf_counter() - t0 > budget_s:
+        if tried and budget_s is not None and time.perf_counter() - t0 > budget_s:
             _say(progress, f"graphc auto: budget of {budget_s:.0f} s spent after {len(tried)} candidates")
             break
         compiled = _simulate(c, spec, example_inputs, nproc, batched, optimizer, device, capacity, read_at)
@@ -284,6 +286,33 @@ def memory_estimate(lay: Layout, f: ModelFacts) -> int:
 
 def _divisors(n: int) -> List[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def run_time_layout(spec, inputs: Sequence, nproc: int, batched: Sequence[bool], optimizer, request) -> Layout:
+    """What enable_auto_parallel trains on (See NOTE: Run-time search in layout.py): the
+    cached answer for this model and cluster (NOTE: Search cache), else a search bounded by
+    `request.top` candidates alone, so that any rank would find the same; stored for next time."""
+    from ..tools.costs import DEVICES
+    from .cache import cache_folder, entry_path, load_layout, search_key, store_layout
+    if request.device not in DEVICES:
+        raise GraphcError(f"enable_auto_parallel: unknown device {request.device!r}; choose one of {sorted(DEVICES)}")
+    memory = int(request.memory_gib * 2 ** 30) if request.memory_gib is not None else \
+        int(DEVICES[request.device].memory_gib * 2 ** 30)
+    key = search_key(spec, inputs, nproc, batched, optimizer, repr(DEVICES[request.device]), memory, request.top)
+    path = entry_path(cache_folder(request.cache), spec.name, key)
+    cached = load_layout(path, key)
+    if cached is not None:
+        _say(True, f"graphc auto: {spec.name}: {cached.describe()} from the search cache ({path})")
+        return cached
+    # each candidate's trace leaves its constants on the root it traces (_tensor_constant<i>):
+    # a shallow copy takes them, so rank 0's own compile then names them as the others' do
+    searched = replace(spec, root=copy.copy(spec.root))
+    result = search(searched, inputs, nproc, batched, optimizer, request.device, memory, budget_s=None,
+                    top=request.top)
+    store_layout(path, key, result.best.layout, result.report())
+    _say(True, f"graphc auto: {spec.name}: {result.best.layout.describe()} (searched in "
+               f"{result.seconds:.1f} s; kept in {path})")
+    return result.best.layout
 
 
 def plan_mode_search(device: str = "h100", memory_gib: Optional[float] = None, budget_s: float = 60.0):

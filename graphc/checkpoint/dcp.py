@@ -65,7 +65,7 @@ from .. import world
 from ..errors import GraphcError
 from ..placement import Broadcast, Split
 from ..plan.instructions import ReduceScatter
-from ..sbp.layout import chunk_range, local_component, mesh_shape, shard_slices
+from ..sbp.layout import Pieces, chunk_range, local_component, mesh_shape, shard_slices
 
 DCP_FORMAT = "graphc.state/2"
 ENTRIES = ("format", "model", "optim", "optimizer_class", "lr_scheduler", "steps", "rng",
@@ -75,14 +75,14 @@ ENTRIES = ("format", "model", "optim", "optimizer_class", "lr_scheduler", "steps
 @dataclass(frozen=True)
 class Layout:
     """How a split tensor lies on this rank: its global shape, sbp and the mesh of the stage
-    here; pieces=(k, dim) for a tensor stored in pieces (See NOTE: fused pieces); zero_rows=
+    here; pieces (sbp.layout.Pieces) for a tensor stored in pieces (See NOTE: fused pieces); zero_rows=
     (start, rows) for ZeRO's optimizer state, those rows of the local component (See NOTE:
     ZeRO state in checkpoints)."""
     shape: tuple
     sbp: tuple
     mesh: tuple
     device_type: str
-    pieces: Optional[tuple] = None
+    pieces: Optional[Pieces] = None
     zero_rows: Optional[Tuple[int, int]] = None
 
 
@@ -248,16 +248,16 @@ def _pieces_wrapper(local: torch.Tensor, layout: Layout, rank: int):
     one: this rank holds one block per piece. torch's LocalShardsWrapper (the local part
     DCP accepts with several blocks, each at its global offset) carries them."""
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-    k, dim = layout.pieces
-    piece = list(layout.shape)
-    piece[dim] //= k
-    blocks, offsets = [], []
-    for i, block in enumerate(local.chunk(k, dim)):
+    pieces = layout.pieces
+    blocks = local.split(pieces.local_sizes(layout.shape, layout.sbp, layout.mesh, rank), pieces.dim)
+    offsets, at = [], 0
+    for size in pieces.sizes:
+        piece = [size if d == pieces.dim else n for d, n in enumerate(layout.shape)]
         start = [s.start for s in shard_slices(piece, layout.sbp, layout.mesh, rank)]
-        start[dim] += i * piece[dim]
-        blocks.append(block)
+        start[pieces.dim] += at
         offsets.append(tuple(start))
-    return LocalShardsWrapper(blocks, offsets)
+        at += size
+    return LocalShardsWrapper(list(blocks), offsets)
 
 
 def _zero_rows_wrapper(local: torch.Tensor, layout: Layout, rank: int):

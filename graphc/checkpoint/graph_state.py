@@ -307,7 +307,7 @@ class GraphState:
 
 
 def stored_pieces(gm) -> Dict[int, tuple]:
-    """id(parameter) -> (k, dim) for the parameters stored in pieces (See NOTE: fused pieces)."""
+    """id(parameter) -> its Pieces, for the parameters stored in pieces (See NOTE: fused pieces)."""
     return {id(gm.get_parameter(n.target)): n.meta[META_PIECES] for n in gm.graph.nodes
             if n.op == "get_attr" and META_PIECES in n.meta}
 

@@ -139,8 +139,8 @@ def _in_projections(gm, node, mod, first: list, like: TensorMeta, packed: bool) 
         cut.meta[META_TENSOR] = None
         return [copy_meta(node, gm.graph.call_function(operator.getitem, (cut, i)),
                            _shaped(like, shape[:2] + (mod.embed_dim,))) for i in range(3)]
-    ws = param_pieces(gm, node, "in_proj_weight", mod.in_proj_weight, 3)
-    bs = param_pieces(gm, node, "in_proj_bias", mod.in_proj_bias, 3) if bias else [None] * 3
+    ws = param_pieces(gm, node, "in_proj_weight", mod.in_proj_weight, [mod.embed_dim] * 3)
+    bs = param_pieces(gm, node, "in_proj_bias", mod.in_proj_bias, [mod.embed_dim] * 3) if bias else [None] * 3
     out = []
     for (t, shape), w, b in zip(first, ws, bs):
         out.append(call(gm, node, F.linear, [t, w] + ([b] if b is not None else [])))

@@ -5,7 +5,7 @@ Conv1d/2d/3d (zero padding), BatchNorm, GroupNorm, pooling or Flatten module; ea
 its torch.nn.functional form reading its parameters and buffers through get_attr nodes,
 so SBP rules see them as ordinary inputs. A Linear whose weight is declared split(1)
 (row-parallel) becomes `linear(x, w) + b`, so its partial product takes the bias once; a
-column-parallel Linear cut into equal pieces (split, chunk or slices) becomes one linear
+column-parallel Linear cut into pieces (split, chunk or slices) becomes one linear
 per piece (See NOTE: fused pieces, fused_linear.py); a BatchNorm with batch statistics becomes sum, statistics, normalise and
 running update (See NOTE: synchronised batch norm, sbp/local_ops.py); a MultiheadAttention
 becomes q/k/v projections, heads, scaled_dot_product_attention and out_proj, so heads split

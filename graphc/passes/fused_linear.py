@@ -1,4 +1,4 @@
-"""A column-parallel Linear whose output is only cut into equal pieces becomes one linear per
+"""A column-parallel Linear whose output is only cut into pieces becomes one linear per
 piece (decompose_modules' rewrite for fused q/k/v and gate/up projections).
 
 NOTE: fused pieces
@@ -8,12 +8,16 @@ nanoGPT computes q, k, v with one Linear(C, 3C) and cuts its output:
 Declared column-parallel (weight split(0)), a plain contiguous shard would give rank 0 all
 of q and half of k, and no rank a whole head. So, as Megatron stores its fused QKV weight,
 graphc stores such a weight (and a split bias) in pieces: rank r holds shard r of each of
-the k pieces, concatenated (META_PIECES = (k, 0) on its get_attr node). The Linear becomes
-one linear per piece on `torch.chunk(w, k, 0)`, whose local form is the chunk of the local
-shard, so every piece comes out split(-1) with no communication. The layout is used only
-when the Linear is called once, its output is used by nothing but that cut into equal
-pieces along the last dim (split, chunk, or static slices that tile it), each divisible by
-the ranks, and no other module holds its weight. checkpoint/graph_state.py shards and gathers it piece by
+the k pieces, concatenated (META_PIECES = sbp.layout.Pieces(sizes, 0) on its get_attr node).
+The Linear becomes one linear per piece on `torch.split(w, sizes, 0)`, whose local form cuts
+the local component at the pieces' local sizes (localize_ops), so every piece comes out
+split(-1) with no communication. Under grouped-query attention the pieces differ (Phi-3 with
+4 query and 2 key/value heads: q 4 heads wide, k and v 2 each); rank r then holds query
+heads r*H/n.. and key/value heads r*K/n.., the ones its query heads read after repeat_kv,
+as Megatron's grouped QKV does. The layout is used only when the Linear is called once, its
+output is used by nothing but that cut into pieces along the last dim (split, chunk, or
+static slices that tile it), each divisible by the ranks, and no other module holds its
+weight. checkpoint/graph_state.py shards and gathers it piece by
 piece, so full_state_dict() and the user's module see the usual layout; graph.state_dict()
 holds the pieced local component (as Megatron's checkpoints do).
 """
@@ -37,15 +41,15 @@ Cut = Tuple[List[fx.Node], List[fx.Node]]   # (the k pieces in order, the nodes 
 
 def fused_linear(gm, node: fx.Node, mod: nn.Module, mesh: tuple):
     """One linear per piece of the weight for a column-parallel Linear whose output is only
-    cut into equal pieces (See NOTE: fused pieces). None when the pattern does not hold."""
+    cut into pieces (See NOTE: fused pieces). None when the pattern does not hold."""
     cut = _pieced_cut(gm, node, mod, mesh)
     if cut is None:
         return None
     pieces, cutters = cut
-    k = len(pieces)
+    sizes = [piece.meta[META_TENSOR].shape[-1] for piece in pieces]
     x = node.args[0]
-    ws = param_pieces(gm, node, "weight", mod.weight, k)
-    bs = param_pieces(gm, node, "bias", mod.bias, k) if mod.bias is not None else [None] * k
+    ws = param_pieces(gm, node, "weight", mod.weight, sizes)
+    bs = param_pieces(gm, node, "bias", mod.bias, sizes) if mod.bias is not None else [None] * len(sizes)
     outs = []
     for i, piece in enumerate(pieces):
         outs.append(copy_meta(node, gm.graph.call_function(
@@ -58,8 +62,8 @@ def fused_linear(gm, node: fx.Node, mod: nn.Module, mesh: tuple):
 
 def _pieced_cut(gm, node: fx.Node, mod: nn.Module, mesh: tuple) -> Optional[Cut]:
     """The pieces if `node` calls a Linear with weight split(0) on one mesh axis (bias alike
-    or whole), once, and its output is only cut into k >= 2 equal pieces along the last dim,
-    each divisible by the axis' ranks; else None."""
+    or whole), once, and its output is only cut into k >= 2 pieces along the last dim, each
+    divisible by the axis' ranks; else None."""
     if type(mod) is not nn.Linear or len(node.args) != 1 or node.kwargs:
         return None
     declared = declared_in(gm)
@@ -76,18 +80,18 @@ def _pieced_cut(gm, node: fx.Node, mod: nn.Module, mesh: tuple) -> Optional[Cut]
         return None
     cut = _split_cut(node, mod.out_features) or _sliced_cut(node, mod.out_features)
     n = mesh_shape(mesh)[axes[0]]
-    if cut is None or len(cut[0]) < 2 or (mod.out_features // len(cut[0])) % n:
+    if cut is None or len(cut[0]) < 2 or any(p.meta[META_TENSOR].shape[-1] % n for p in cut[0]):
         return None
     return cut
 
 
 def _split_cut(src: fx.Node, size: int) -> Optional[Cut]:
-    """src's only user is src.split(size/k, dim=-1) (or a list of k equal sizes) or
+    """src's only user is src.split(size/k, dim=-1) (or a list of k sizes) or
     src.chunk(k, -1), unpacked into its k items: those items."""
     if len(src.users) != 1:
         return None
     cut = next(iter(src.users))
-    k = _equal_split(cut, src, size)
+    k = _split_count(cut, src, size)
     if k is None:
         return None
     pieces = list(cut.users)
@@ -97,8 +101,8 @@ def _split_cut(src: fx.Node, size: int) -> Optional[Cut]:
     return sorted(pieces, key=lambda u: u.args[1]), [cut]
 
 
-def _equal_split(cut: fx.Node, src: fx.Node, size: int) -> Optional[int]:
-    """k if `cut` is src.split(size/k, dim=-1) (or a list of k equal sizes) or src.chunk(k, -1)."""
+def _split_count(cut: fx.Node, src: fx.Node, size: int) -> Optional[int]:
+    """k if `cut` is src.split(size/k, dim=-1) (or a list of k sizes) or src.chunk(k, -1)."""
     name = cut.target if isinstance(cut.target, str) else getattr(cut.target, "__name__", "")
     if cut.op not in ("call_method", "call_function") or name not in ("split", "chunk") or \
             not cut.args or cut.args[0] is not src or len(cut.args) < 2:
@@ -112,14 +116,14 @@ def _equal_split(cut: fx.Node, src: fx.Node, size: int) -> Optional[int]:
         return arg if isinstance(arg, int) and size % arg == 0 else None
     if isinstance(arg, int):
         return size // arg if size % arg == 0 else None
-    if isinstance(arg, (list, tuple)) and len(set(arg)) == 1 and sum(arg) == size:
+    if isinstance(arg, (list, tuple)) and all(isinstance(a, int) for a in arg) and sum(arg) == size:
         return len(arg)
     return None
 
 
 def _sliced_cut(src: fx.Node, size: int) -> Optional[Cut]:
     """Every user of src is `src[..., a:b]` with static bounds along the last dim (Phi-3's
-    `qkv[..., :q_end]`), and the slices tile [0, size) in equal pieces: those users, by a."""
+    `qkv[..., :q_end]`), and the slices tile [0, size): those users, by a."""
     ndim = len(src.meta[META_TENSOR].shape)
     spans = []
     for user in src.users:
@@ -128,9 +132,8 @@ def _sliced_cut(src: fx.Node, size: int) -> Optional[Cut]:
             return None
         spans.append((span, user))
     spans.sort(key=lambda s: s[0])
-    widths = {b - a for (a, b), _ in spans}
     tiled = all(spans[i][0][1] == spans[i + 1][0][0] for i in range(len(spans) - 1))
-    if not spans or len(widths) != 1 or spans[0][0][0] != 0 or spans[-1][0][1] != size or not tiled:
+    if not spans or spans[0][0][0] != 0 or spans[-1][0][1] != size or not tiled:
         return None
     return [user for _, user in spans], []
 

@@ -326,7 +326,7 @@ def _is_parameter(a: fx.Node) -> bool:
     if a.op == "get_attr":
         return True
     whole = a.args[0] if a.target is operator.getitem and a.args else None
-    return (isinstance(whole, fx.Node) and whole.target is torch.chunk
+    return (isinstance(whole, fx.Node) and whole.target is torch.split
             and isinstance(whole.args[0], fx.Node) and whole.args[0].op == "get_attr")
 
 
@@ -443,11 +443,11 @@ def _whole_step(u: fx.Node, axis: int, members: set) -> bool:
 
 def _piece_views(param: fx.Node) -> List[fx.Node]:
     """The nodes through which ops read a parameter: itself, or for one read only through
-    torch.chunk the pieces (one stored in pieces, See NOTE: fused pieces; a whole one cut
+    torch.split the pieces (one stored in pieces, See NOTE: fused pieces; a whole one cut
     alike, as MultiheadAttention's in_proj into q, k and v), whose gradients make up its
     gradient: a piece read by sharded ops is synchronised with the parameter after backward,
     not reduced on its own."""
-    if not param.users or any(c.target is not torch.chunk for c in param.users):
+    if not param.users or any(c.target is not torch.split for c in param.users):
         return [param]
     return [g for c in param.users for g in c.users]
 

@@ -6,7 +6,8 @@ split dim divides a local sum by the global count; view/reshape/unflatten get lo
 shapes (a dim split unevenly takes its input's local size at run time); size()/shape/numel() of a split value read the global sizes; an embedding with a
 vocabulary-split table masks indices outside this rank's rows; attention over a split
 sequence exchanges keys and values (NOTE: Context parallel); experts split over a mesh
-axis exchange the tokens with the ranks holding their experts (See NOTE: Expert parallel).
+axis exchange the tokens with the ranks holding their experts (See NOTE: Expert parallel);
+a parameter stored in pieces is cut at the pieces' local sizes.
 Requires: insert_boxing (inputs already arrive in the signature's SBP).
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..errors import GraphcError
-from ..meta import META_CONTEXT_PARALLEL, META_SBP, META_TENSOR
+from ..meta import META_CONTEXT_PARALLEL, META_PIECES, META_SBP, META_TENSOR
 from ..ops.context_parallel import context_parallel_attention
 from ..placement import PartialSum, Split
 from ..ops.conversions import RankGroups, box, vocab_parallel_embedding
@@ -62,9 +63,21 @@ def localize_ops(gm: fx.GraphModule) -> fx.GraphModule:
             _localize_attention(node, sig)
         elif node.target is moe_experts:
             _localize_experts(node, sig)
+        elif node.target is torch.split and META_PIECES in getattr(node.args[0], "meta", {}):
+            _localize_pieces(node, sig)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _localize_pieces(node: fx.Node, sig) -> None:
+    """torch.split of a parameter stored in pieces into those pieces cuts the local component
+    at each piece's local size (See NOTE: fused pieces)."""
+    x, sizes, dim = node.args
+    pieces = x.meta[META_PIECES]
+    need = sig.needs(x.name)
+    if any(isinstance(s, Split) and s.dim == dim for s in need):
+        node.args = (x, pieces.local_sizes(x.meta[META_TENSOR].shape, need, sig.mesh), dim)
 
 
 def _localize_expand(node: fx.Node, sig) -> None:

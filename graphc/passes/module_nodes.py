@@ -2,7 +2,7 @@
 
 Each new node copies the module call's stage, grad mode, autocast region and stack trace,
 so later passes and messages see it where the module was; a parameter is read through a
-get_attr of its qualified name, and one stored in pieces is cut by torch.chunk (See NOTE:
+get_attr of its qualified name, and one stored in pieces is cut by torch.split (See NOTE:
 fused pieces, decompose_modules.py).
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch.fx as fx
 from ..meta import META_AUTOCAST, META_GRAD_ENABLED, META_PIECES, META_STAGE, META_STAGE_WHY, META_TENSOR, TensorMeta
 from ..placement import Split
 from ..sbp.declared import declared_in
+from ..sbp.layout import Pieces
 
 
 def copy_meta(src: fx.Node, dst: fx.Node, tensor=None) -> fx.Node:
@@ -37,16 +38,15 @@ def call(gm, node, fn, args, kwargs=None) -> fx.Node:
     return copy_meta(node, gm.graph.call_function(fn, tuple(args), kwargs or {}))
 
 
-def param_pieces(gm, node: fx.Node, name: str, t, k: int) -> list:
-    """The module's parameter `name` cut into k pieces along dim 0; declared split, it is
-    stored so (META_PIECES), each rank holding its shard of every piece."""
+def param_pieces(gm, node: fx.Node, name: str, t, sizes: list) -> list:
+    """The module's parameter `name` cut into pieces of `sizes` along dim 0; declared split,
+    it is stored so (META_PIECES), each rank holding its shard of every piece."""
     p = attr(gm, node, name, t)
     layout = declared_in(gm).of(f"{node.target}.{name}")
     if layout and any(isinstance(s, Split) for s in layout[1]):
-        p.meta[META_PIECES] = (k, 0)
-    chunks = call(gm, node, torch.chunk, [p, k, 0])
-    chunks.meta[META_TENSOR] = None
-    piece = TensorMeta((t.shape[0] // k,) + tuple(t.shape[1:]), str(t.dtype).replace("torch.", ""),
-                       t.requires_grad)
-    return [copy_meta(node, gm.graph.call_function(operator.getitem, (chunks, i)), piece)
-            for i in range(k)]
+        p.meta[META_PIECES] = Pieces(tuple(sizes), 0)
+    cut = call(gm, node, torch.split, [p, list(sizes), 0])
+    cut.meta[META_TENSOR] = None
+    return [copy_meta(node, gm.graph.call_function(operator.getitem, (cut, i)),
+                      TensorMeta((n,) + tuple(t.shape[1:]), str(t.dtype).replace("torch.", ""), t.requires_grad))
+            for i, n in enumerate(sizes)]

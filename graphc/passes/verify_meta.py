@@ -31,6 +31,7 @@ from ..meta import (META_ARRIVAL, META_AUTOCAST, META_BATCHED, META_BOXING, META
                     META_STAGE_WHY, META_TENSOR, META_INPUT_STAGES, BoxingInfo, RowsMeta, SbpSignature, TensorMeta,
                     is_backward)
 from ..placement import Broadcast, PartialSum, Split, mesh_shape, placement
+from ..sbp.layout import Pieces
 from ..ops.conversions import box
 from ..sbp.context_parallel import ContextParallel
 from ..plan.program import StageProgram
@@ -116,8 +117,8 @@ def _arrival(v, ctx) -> Problem:
 
 
 def _pieces(v, ctx) -> Problem:
-    return None if isinstance(v, tuple) and len(v) == 2 and all(_is_int(x) for x in v) else \
-        "expected a (pieces, dim) pair of ints"
+    return None if isinstance(v, Pieces) and all(_is_int(x) for x in v.sizes + (v.dim,)) else \
+        "expected sbp.layout.Pieces(sizes, dim) of ints"
 
 
 def _input_stages(v, ctx) -> Problem:

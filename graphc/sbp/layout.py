@@ -9,6 +9,7 @@ axis 1 columns; when two axes split the same tensor dim, axis 0 splits first (ou
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, List, Sequence, Tuple
 
 import torch
@@ -130,22 +131,45 @@ def shard_slices(shape: Sequence[int], sbp: tuple, mesh: tuple, rank: int) -> tu
     return tuple(slice(a, a + n) for a, n in zip(starts, sizes))
 
 
-def local_component(full, sbp: tuple, mesh: tuple, rank: int, pieces=None):
-    """`rank`'s local component of a full (broadcast) tensor laid out as `sbp` (no partial).
+@dataclass(frozen=True)
+class Pieces:
+    """A split tensor stored in pieces along `dim` (See NOTE: fused pieces): `sizes` are the
+    pieces' global sizes there (q, k and v of a fused projection; unequal under grouped-query
+    attention), each laid out as the tensor's sbp, and a rank's local component is its shard
+    of every piece, concatenated."""
+    sizes: Tuple[int, ...]
+    dim: int = 0
 
-    pieces=(k, dim): a tensor stored in k pieces along dim, each laid out as `sbp`; the local
-    component is this rank's shards of the pieces, concatenated (See NOTE: fused pieces)."""
+    def cut(self, full):
+        """The global pieces of a full tensor."""
+        return full.split(list(self.sizes), self.dim)
+
+    def local_sizes(self, shape: Sequence[int], sbp: tuple, mesh: tuple, rank=None) -> List[int]:
+        """Each piece's size along `dim` in `rank`'s local component (shape: the whole tensor's)."""
+        return [local_shape(_with(shape, self.dim, n), sbp, mesh, rank)[self.dim] for n in self.sizes]
+
+    def __str__(self) -> str:
+        return f"pieces {list(self.sizes)} along dim {self.dim}"
+
+
+def _with(shape: Sequence[int], dim: int, n: int) -> tuple:
+    return tuple(n if d == dim else s for d, s in enumerate(shape))
+
+
+def local_component(full, sbp: tuple, mesh: tuple, rank: int, pieces: "Pieces" = None):
+    """`rank`'s local component of a full (broadcast) tensor laid out as `sbp` (no partial);
+    for a tensor stored in pieces, this rank's shards of the pieces, concatenated (See NOTE:
+    fused pieces)."""
     if pieces:
-        k, dim = pieces
-        return torch.cat([local_component(p, sbp, mesh, rank) for p in full.chunk(k, dim)], dim)
+        return torch.cat([local_component(p, sbp, mesh, rank) for p in pieces.cut(full)], pieces.dim)
     return full[shard_slices(full.shape, sbp, mesh, rank)]
 
 
-def place_shard(full, value, sbp: tuple, mesh: tuple, rank: int, pieces=None) -> None:
+def place_shard(full, value, sbp: tuple, mesh: tuple, rank: int, pieces: "Pieces" = None) -> None:
     """Writes `rank`'s local component `value` into the full tensor (local_component's inverse)."""
     if pieces:
-        k, dim = pieces
-        for whole, part in zip(full.chunk(k, dim), value.chunk(k, dim)):
+        parts = value.split(pieces.local_sizes(full.shape, sbp, mesh, rank), pieces.dim)
+        for whole, part in zip(pieces.cut(full), parts):
             whole[shard_slices(whole.shape, sbp, mesh, rank)] = part
         return
     full[shard_slices(full.shape, sbp, mesh, rank)] = value

@@ -393,16 +393,24 @@ def cat(ctx: RuleCtx) -> List[Candidate]:
 
 def split_op(ctx: RuleCtx) -> List[Candidate]:
     """split/chunk: pieces along `dim` keep any other split. A parameter stored in pieces
-    (META_PIECES, see NOTE: fused pieces) chunked into those pieces keeps its split too."""
+    (META_PIECES, see NOTE: fused pieces) split into those pieces keeps its split too."""
     x = ctx.node.args[0]
     mx = ctx.meta(x)
     nd = len(mx.shape)
     dim = ctx.arg(2, "dim", 0) % nd
-    pieces = (ctx.node.target in (torch.chunk, "chunk") and isinstance(x, fx.Node)
-              and x.meta.get(META_PIECES) == (ctx.arg(1, "chunks"), dim))
     return [({x: P}, P)] + [({x: S(d)}, S(d)) for d in range(nd)
                             if (d != dim and ctx.splits(mx.shape[d]))
-                            or (d == dim and pieces and ctx.divisible(mx.shape[d]))]
+                            or (d == dim and _cuts_own_pieces(ctx, x, dim))]
+
+
+def _cuts_own_pieces(ctx: RuleCtx, x, dim: int) -> bool:
+    """Is the node torch.split(x, sizes, dim) of a parameter stored in pieces of those sizes
+    along dim, each piece divisible over the axis (See NOTE: fused pieces)?"""
+    pieces = x.meta.get(META_PIECES) if isinstance(x, fx.Node) else None
+    sizes = ctx.arg(1, "split_size_or_sections")
+    return (pieces is not None and ctx.node.target in (torch.split, "split") and pieces.dim == dim
+            and isinstance(sizes, (list, tuple)) and tuple(sizes) == pieces.sizes
+            and all(ctx.divisible(n) for n in sizes))
 
 
 def passthrough(ctx: RuleCtx) -> List[Candidate]:

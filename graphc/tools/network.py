@@ -9,6 +9,14 @@ Numbers per GPU and per direction, from the vendors' datasheets:
 | h200 | 989 TFLOP/s | 67 TFLOP/s | 4,800 GB/s | 450 GB/s (NVLink 4) | 50 GB/s (DGX H200: as DGX H100) |
 | a100 | 312 TFLOP/s | 19.5 TFLOP/s | 2,039 GB/s | 300 GB/s (NVLink 3: 600 GB/s both ways) | 25 GB/s (DGX A100: a 200 Gb/s ConnectX-6 HDR port per GPU) |
 
+| cpu | 0.1 TFLOP/s | 0.1 TFLOP/s | 20 GB/s | 5 GB/s (ranks of one host: shared memory or gloo over loopback) | 1.25 GB/s (10 GbE) |
+
+The cpu row is one x86 core per rank (an AVX2 core's FMA peak is about 0.1 TFLOP/s in float32;
+measured 0.03 float32, 0.012 float64 on a loaded 2-core build machine), 64 ranks a host, 30 us
+per step between ranks of a host and 50 us between hosts, 16 GiB a rank: assumptions for
+`graphc plan --auto --device cpu` and `enable_auto_parallel(device="cpu")`, where the
+search weighs compute against communication on CPU ranks (benchmarks/auto_quality.py).
+
 The fp32 column is the SXM parts' plain fp32 rate: PyTorch's default for float32 matmuls
 (torch.backends.cuda.matmul.allow_tf32 is False), so a float32 program runs there and a
 program under autocast (enable_amp) runs its matmuls and convolutions at the bf16 rate
@@ -64,6 +72,9 @@ DEVICES: Dict[str, DevicePreset] = {
                          net_gbps=50, memory_gib=141),
     "a100": DevicePreset("a100", tflops=312, hbm_gbps=2039, link_gbps=300, latency_us=5,
                          net_gbps=25, fp32_tflops=19.5, memory_gib=80),
+    # one CPU core per rank (See the cpu row above: assumptions, not a datasheet)
+    "cpu": DevicePreset("cpu", tflops=0.1, hbm_gbps=20, link_gbps=5, latency_us=30, gpus_per_node=64,
+                        net_gbps=1.25, net_latency_us=50, fp32_tflops=0.1, memory_gib=16),
 }
 
 

@@ -73,7 +73,7 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="folder for rank<r>.json/.txt, stage<s>.py, charts")
     p.add_argument("--simulate", nargs="?", const="measure", default=None,
                    help="predict the step: 'measure' (time the stages on this machine, default) "
-                        "or a device preset (h100, h200, a100)")
+                        "or a device preset (h100, h200, a100, cpu)")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG/SVG charts")
     p.add_argument("--ranks", default=None,
                    help="whose rank<r>.json/.txt to write: a list like 0,7,-1 (negative: from "
@@ -83,7 +83,7 @@ def parse(argv: List[str]) -> argparse.Namespace:
                    help="search the layout (stages, tensor, data parallelism, ZeRO, schedule, "
                         "micro-batches, checkpointing) that the simulator finds fastest and that "
                         "fits; writes DIR/layout.json and DIR/auto.md (NOTE: Layout search)")
-    p.add_argument("--device", default="h100", help="--auto: the device preset (h100, h200, a100)")
+    p.add_argument("--device", default="h100", help="--auto: the device preset (h100, h200, a100, cpu)")
     p.add_argument("--memory", type=float, default=None,
                    help="--auto: GiB per rank a layout must fit (default: the device's memory)")
     p.add_argument("--budget-s", type=float, default=60.0,

@@ -3,7 +3,7 @@ import torch
 
 from graphc.placement import Broadcast, PartialSum, Split
 from graphc.sbp.cost import boxing_cost, conversion_cost, moved_bytes
-from graphc.sbp.layout import (axis_groups, coord, local_component, local_shape, place_shard,
+from graphc.sbp.layout import (Pieces, axis_groups, coord, local_component, local_shape, place_shard,
                                shard_slices)
 
 B, P = Broadcast(), PartialSum()
@@ -54,9 +54,37 @@ def test_2d_mesh_groups_coordinates_and_nested_shards():
 def test_a_tensor_stored_in_pieces_holds_each_pieces_shard():
     """See NOTE: fused pieces: rank r holds shard r of each of q, k and v."""
     full = torch.arange(12.).view(6, 2)            # q rows 0-1, k rows 2-3, v rows 4-5
-    shards = [local_component(full, (Split(0),), (0, 1), r, pieces=(3, 0)) for r in (0, 1)]
+    shards = [local_component(full, (Split(0),), (0, 1), r, pieces=Pieces((2, 2, 2), 0)) for r in (0, 1)]
     assert shards[0][:, 0].tolist() == [0, 4, 8] and shards[1][:, 0].tolist() == [2, 6, 10]
     back = torch.zeros(6, 2)
     for r in (0, 1):
-        place_shard(back, shards[r], (Split(0),), (0, 1), r, pieces=(3, 0))
+        place_shard(back, shards[r], (Split(0),), (0, 1), r, pieces=Pieces((2, 2, 2), 0))
     assert torch.equal(back, full)
+
+
+def test_unequal_pieces_hold_each_pieces_shard():
+    """Grouped-query q/k/v (See NOTE: fused pieces): pieces of 4, 2 and 2 rows on 2 ranks;
+    rank r holds rows r*2.. of q and row r of k and of v, and place_shard puts them back."""
+    full = torch.arange(16.).view(8, 2)            # q rows 0-3, k rows 4-5, v rows 6-7
+    pieces = Pieces((4, 2, 2), 0)
+    shards = [local_component(full, (Split(0),), (0, 1), r, pieces=pieces) for r in (0, 1)]
+    assert shards[0][:, 0].tolist() == [0, 2, 8, 12] and shards[1][:, 0].tolist() == [4, 6, 10, 14]
+    assert pieces.local_sizes((8, 2), (Split(0),), (0, 1), 1) == [2, 1, 1]
+    back = torch.zeros(8, 2)
+    for r in (0, 1):
+        place_shard(back, shards[r], (Split(0),), (0, 1), r, pieces=pieces)
+    assert torch.equal(back, full)
+
+
+def test_unequal_pieces_checkpoint_as_blocks_at_their_offsets():
+    """graph.state_dict() of a tensor in unequal pieces goes to DCP as one block per piece at
+    its global offset (graphc/dcp.py)."""
+    from graphc.checkpoint.dcp import Layout, _pieces_wrapper
+    full = torch.arange(16.).view(8, 2)
+    layout = Layout((8, 2), (Split(0),), (0, 1), "cpu", pieces=Pieces((4, 2, 2), 0))
+    local = local_component(full, layout.sbp, layout.mesh, 1, pieces=layout.pieces)
+    wrapper = _pieces_wrapper(local, layout, 1)
+    assert wrapper.local_offsets() == [torch.Size([2, 0]), torch.Size([5, 0]), torch.Size([7, 0])]
+    for block, offset in zip(wrapper.local_shards(), wrapper.local_offsets()):
+        assert torch.equal(block, full[offset[0]:offset[0] + block.shape[0]])
+    assert torch.equal(torch.cat(wrapper.local_shards()), local)

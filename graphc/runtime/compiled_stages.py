@@ -1,0 +1,313 @@
+"""config.set_compile_stages(True): each stage program's compute compiled with Inductor.
+
+NOTE: Compiled stages
+A stage program is an fx graph of static shapes, run once per micro-batch: the input
+Inductor wants. `compile_program` cuts it into *pieces* and hands the executor a program
+of the same interface (inputs, outputs, parameters) that runs them in order:
+
+- compiled pieces: maximal runs of plain torch ops, each compiled by
+  `torch._inductor.compile_fx.compile_fx` (what `torch.compile(backend="inductor")` calls
+  after Dynamo). Through AOTAutograd that gives a forward and a backward kernel program
+  per piece, joined to the rest of the stage by one autograd node, so the executor's own
+  backward (whole, split, or after a recompute) runs the compiled backward unchanged.
+- eager pieces, run as traced: every graphc op (communication boxes, sends of tensor
+  parallelism, the losses graphc writes, seeded random ops, set_autocast), random ops
+  (Inductor draws other numbers than eager's generator), and every op inside an autocast
+  region (Inductor's low-precision kernels compute in float32 and round once, eager
+  rounds after each op: close, not equal).
+
+Why compile_fx and not torch.compile on the piece: Dynamo would trace again what fx has
+already traced, and its guards would check every call what the plan has fixed. The one
+thing a call may change is what AOTAutograd bakes into a compiled piece: grad mode, which
+inputs need a gradient (a checkpointed micro-batch's forward runs under no_grad, its
+recompute records), the autocast state, and the inputs' shapes and strides. Each piece
+keeps one compiled variant per such key (`_variant_key`), built at the first call that
+needs it and reused for every later call and step of the plan.
+
+The numbers: a compiled piece computes the same ops in another order of floating-point
+operations (fused loops, reductions vectorised), so it is not bitwise eager: in float64
+the losses and parameters agree with eager to ~1e-15 relative, and the tests hold them to
+the repository's 1e-10 (tests/runtime/test_compiled_stages.py).
+
+Caching: Inductor's FX graph cache and AOTAutograd's cache (on by default in torch 2.13,
+under TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_<user>) key each piece by its
+graph's code, its inputs' shapes, dtypes and strides, the grad mode and torch's and
+Inductor's configuration: a second process compiling the same plan loads the kernels from
+disk. The compile time of each stage (cached or not) is logged once per variant and kept
+in `StepStats.compile_seconds`.
+
+What runs uncompiled, with a warning naming it (`compile_blockers`): a stage under ZeRO
+stage 3 (its parameters change storage between gathers, which a compiled piece's saved
+parameters would not follow). Split backward (zero-bubble schedules) runs compiled, but a
+piece's backward is one kernel program: W runs it a second time for the parameters'
+gradients (NOTE: Weight gradients), so it computes the same numbers at more cost; the
+warning says so.
+"""
+from __future__ import annotations
+
+import operator
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+import torch.fx as fx
+
+from ..log import get_logger, warn_user
+from ..ops.autocast import autocast_state, set_autocast
+from ..ops.random_ops import RANDOM_FUNCTIONS, RANDOM_METHODS
+from ..plan.instructions import BackwardInput
+from ..plan.plan import ExecutionPlan
+
+_RANDOM_TARGETS = {id(fn) for fn in RANDOM_FUNCTIONS.values()}
+_DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                    torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+# Inductor's compile reads and writes process-wide state (its virtualized graph, the
+# tracing context): ranks of the local world (threads) compile one at a time
+_COMPILE_LOCK = threading.Lock()
+_LOG = get_logger("runtime")
+
+
+@dataclass
+class CompileRecord:
+    """What compiling one stage's pieces took, and which nodes stayed eager."""
+
+    stage: int
+    pieces: int = 0
+    eager_nodes: int = 0
+    seconds: float = 0.0        # all compiles so far
+    fresh: float = 0.0          # compiles not yet reported in a step's stats
+
+
+def compile_program(module: fx.GraphModule, stage: int) -> "tuple[fx.GraphModule, CompileRecord]":
+    """The stage program cut into compiled and eager pieces (NOTE: Compiled stages): a
+    GraphModule taking and returning what `module` does, sharing its parameters."""
+    record = CompileRecord(stage)
+    eager = _eager_nodes(module)
+    record.eager_nodes = len(eager)
+    top = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    pieces: Dict[str, torch.nn.Module] = {}
+
+    def value(n: fx.Node) -> fx.Node:
+        if n not in env:   # a parameter read by an eager node
+            env[n] = top.get_attr(n.target)
+        return env[n]
+    for run, compiled in _runs(module.graph, eager):
+        if not compiled:
+            for node in run:
+                env[node] = top.node_copy(node, value)
+            continue
+        name = f"piece_{len(pieces)}"
+        piece, inputs, outputs = _piece(module, run)
+        pieces[name] = CompiledPiece(piece, f"stage {stage} {name} ({_line(run[0])})", record)
+        call = top.call_module(name, tuple(value(n) for n in inputs))
+        for i, node in enumerate(outputs):
+            env[node] = top.call_function(operator.getitem, (call, i))
+    record.pieces = len(pieces)
+    root = _holding(module, top, own=pieces)
+    return fx.GraphModule(root, top, class_name=f"CompiledStage{stage}"), record
+
+
+def _eager_nodes(module: fx.GraphModule) -> set:
+    """The nodes that run as traced: graphc ops, random ops, autocast regions."""
+    eager, state = set(), ()
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target is set_autocast:
+            state = node.args[0]
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if state or _graphc_op(node) or _draws(module, node):
+            eager.add(node)
+    return eager
+
+
+def _graphc_op(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__module__", "").startswith("graphc.")
+
+
+def _draws(module: fx.GraphModule, node: fx.Node) -> bool:
+    """A random op (seed_random_ops rewrites those of several ranks into graphc's `seeded`;
+    one rank's draw from its own generator, as eager does, and must stay eager's)."""
+    if node.op == "call_function":
+        if node.target is torch.nn.functional.scaled_dot_product_attention:
+            p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+            return isinstance(p, fx.Node) or p != 0.0
+        return id(node.target) in _RANDOM_TARGETS
+    if node.op == "call_method":
+        return node.target in RANDOM_METHODS
+    if node.op == "call_module":
+        return isinstance(module.get_submodule(node.target), _DROPOUT_MODULES)
+    return False
+
+
+def _runs(graph: fx.Graph, eager: set):
+    """The program's compute nodes in order, cut into (run of nodes, compiled?) where the
+    eager kind changes. get_attr nodes go where they are read (see _piece)."""
+    run: List[fx.Node] = []
+    compiled = None
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            continue
+        if node.op in ("placeholder", "output"):
+            if run:
+                yield run, compiled
+                run = []
+            yield [node], False
+            continue
+        kind = node not in eager
+        if run and kind != compiled:
+            yield run, compiled
+            run = []
+        run.append(node)
+        compiled = kind
+    if run:
+        yield run, compiled
+
+
+def _piece(module: fx.GraphModule, run: List[fx.Node]):
+    """A GraphModule of one run of nodes: its inputs are the values defined before it that
+    it reads, its outputs the values it defines that later nodes read. Parameters and
+    buffers it reads are its own attributes (the same tensors)."""
+    inside = set(run)
+    reads = [a for node in run for a in node.all_input_nodes if a not in inside]
+    inputs = list(dict.fromkeys(a for a in reads if a.op != "get_attr"))
+    graph = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {n: graph.placeholder(n.name) for n in inputs}
+    for attr in dict.fromkeys(a for a in reads if a.op == "get_attr"):
+        env[attr] = graph.get_attr(attr.target)
+    for node in run:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    outputs = [n for n in run if any(u not in inside for u in n.users)]
+    graph.output(tuple(env[n] for n in outputs))
+    return fx.GraphModule(_holding(module, graph), graph), inputs, outputs
+
+
+def _holding(module: fx.GraphModule, graph: fx.Graph, own: Dict[str, torch.nn.Module] = {}) -> torch.nn.Module:
+    """A module holding the attributes `graph` reads: the very objects of `module`, and the
+    sub-modules `own` (the compiled pieces)."""
+    root = torch.nn.Module()
+    for name, piece in own.items():
+        root.add_module(name, piece)
+    for name, value in _attributes(module, graph, skip=own).items():
+        _set_nested(root, name, value)
+    return root
+
+
+def _attributes(module: fx.GraphModule, graph: fx.Graph, skip=()) -> Dict[str, object]:
+    """Every attribute a graph's get_attr and call_module nodes read, from `module`, but
+    those named in `skip`."""
+    out = {}
+    for node in graph.nodes:
+        if node.target in skip:
+            continue
+        if node.op == "get_attr":
+            out[node.target] = _get_nested(module, node.target)
+        elif node.op == "call_module":
+            out[node.target] = module.get_submodule(node.target)
+    return out
+
+
+def _get_nested(module: torch.nn.Module, target: str):
+    *path, last = target.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return getattr(module, last)
+
+
+def _set_nested(root: torch.nn.Module, target: str, value) -> None:
+    *path, last = target.split(".")
+    for part in path:
+        if not hasattr(root, part):
+            root.add_module(part, torch.nn.Module())
+        root = getattr(root, part)
+    if isinstance(value, torch.nn.Parameter):
+        root.register_parameter(last, value)
+    elif isinstance(value, torch.nn.Module):
+        root.add_module(last, value)
+    elif isinstance(value, torch.Tensor):
+        root.register_buffer(last, value)
+    else:
+        setattr(root, last, value)
+
+
+class CompiledPiece(torch.nn.Module):
+    """One run of plain ops, compiled by Inductor once per variant key (NOTE: Compiled stages)."""
+
+    def __init__(self, piece: fx.GraphModule, name: str, record: CompileRecord):
+        super().__init__()
+        self.piece = piece
+        self.name = name
+        self.record = record
+        self.variants: Dict[tuple, object] = {}
+
+    def forward(self, *args):
+        key = _variant_key(args)
+        run = self.variants.get(key)
+        if run is None:
+            run = self.variants[key] = self._compile(args)
+        out = run(*args)
+        return out if isinstance(out, (tuple, list)) else (out,)
+
+    def _compile(self, args):
+        from torch._inductor.compile_fx import compile_fx   # imports Inductor only when asked for
+        start = time.perf_counter()
+        try:
+            with _COMPILE_LOCK:
+                compiled = compile_fx(self.piece, list(args))
+        except Exception as exc:   # Inductor's own limits: this piece runs as traced, and says so
+            first = (str(exc).strip().splitlines() or [""])[0]
+            warn_user(f"config.set_compile_stages: {self.name} runs uncompiled: Inductor failed "
+                      f"({type(exc).__name__}: {first})")
+            compiled = self.piece
+        spent = time.perf_counter() - start
+        self.record.seconds += spent
+        self.record.fresh += spent
+        return compiled
+
+
+def _line(node: fx.Node) -> str:
+    """The user's line a node was traced from, else its name."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    return trace[-1].strip() if trace else f"node '{node.name}'"
+
+
+def _variant_key(args) -> tuple:
+    """What AOTAutograd bakes into a compiled piece and a call may change."""
+    return (torch.is_grad_enabled(), autocast_state(),
+            tuple((a.requires_grad, a.dtype, a.shape, a.stride()) if isinstance(a, torch.Tensor) else a
+                  for a in args))
+
+
+def take_compile_seconds(records: Dict[int, CompileRecord]) -> Dict[int, float]:
+    """Each stage's compile time since the last call (a step's share), logged, then reset."""
+    out = {s: r.fresh for s, r in records.items() if r.fresh}
+    for s, seconds in out.items():
+        r = records[s]
+        _LOG.info(f"stage {s}: Inductor compiled {r.pieces} piece(s) in {seconds:.1f} s "
+                  f"({r.seconds:.1f} s so far; {r.eager_nodes} node(s) run eagerly: "
+                  "communication, random ops, autocast regions)")
+        r.fresh = 0.0
+    return out
+
+
+def compile_stages(executors: Dict, plan: ExecutionPlan, zero_stage: int) -> Dict[int, CompileRecord]:
+    """Each executor's program cut into compiled pieces (NOTE: Compiled stages), or all of
+    them left as they are with a warning saying why; each stage's record."""
+    stages = sorted(executors)
+    if zero_stage == 3:
+        warn_user(f"config.set_compile_stages: stage(s) {stages} run uncompiled: ZeRO stage 3 "
+                  "gives parameters new storage at every gather, which the tensors a compiled "
+                  "piece saves for its backward would not follow. Fix: enable_zero with stage 1 "
+                  "or 2, or no compile_stages.")
+        return {}
+    if any(isinstance(ins, BackwardInput) for ins in plan.instructions):
+        warn_user(f"config.set_compile_stages: the split backward of schedule "
+                  f"'{plan.schedule}' runs each compiled piece's backward twice (I for the "
+                  "inputs' gradients, W again for the parameters'): a compiled backward is one "
+                  "kernel program and is not split in two. Same numbers, more compute.")
+    records = {}
+    for s, ex in executors.items():
+        ex.compute, records[s] = compile_program(ex.program.module, s)
+    return records

@@ -48,7 +48,8 @@ from __future__ import annotations
 import operator
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Dict, List
 
 import torch
@@ -75,7 +76,7 @@ class CompileRecord:
 
     stage: int
     pieces: int = 0
-    eager_nodes: int = 0
+    eager: Dict[str, int] = field(default_factory=dict)   # nodes run as traced, by why
     seconds: float = 0.0        # all compiles so far
     fresh: float = 0.0          # compiles not yet reported in a step's stats
 
@@ -85,7 +86,8 @@ def compile_program(module: fx.GraphModule, stage: int) -> "tuple[fx.GraphModule
     GraphModule taking and returning what `module` does, sharing its parameters."""
     record = CompileRecord(stage)
     eager = _eager_nodes(module)
-    record.eager_nodes = len(eager)
+    record.eager = dict(Counter(eager.values()))
+    _warn_autocast(stage, eager)
     top = fx.Graph()
     env: Dict[fx.Node, fx.Node] = {}
     pieces: Dict[str, torch.nn.Module] = {}
@@ -110,17 +112,33 @@ def compile_program(module: fx.GraphModule, stage: int) -> "tuple[fx.GraphModule
     return fx.GraphModule(root, top, class_name=f"CompiledStage{stage}"), record
 
 
-def _eager_nodes(module: fx.GraphModule) -> set:
-    """The nodes that run as traced: graphc ops, random ops, autocast regions."""
-    eager, state = set(), ()
+GRAPHC_OPS, RANDOM_OPS, AUTOCAST = "graphc ops (communication, losses)", "random ops", "autocast regions"
+
+
+def _eager_nodes(module: fx.GraphModule) -> Dict[fx.Node, str]:
+    """The nodes that run as traced, each with why (NOTE: Compiled stages)."""
+    eager, state = {}, ()
     for node in module.graph.nodes:
         if node.op == "call_function" and node.target is set_autocast:
             state = node.args[0]
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        if state or _graphc_op(node) or _draws(module, node):
-            eager.add(node)
+        if _graphc_op(node):
+            eager[node] = GRAPHC_OPS
+        elif _draws(module, node):
+            eager[node] = RANDOM_OPS
+        elif state:
+            eager[node] = AUTOCAST
     return eager
+
+
+def _warn_autocast(stage: int, eager: Dict[fx.Node, str]) -> None:
+    inside = [n for n, why in eager.items() if why == AUTOCAST]
+    if inside:
+        warn_user(f"config.set_compile_stages: stage {stage} runs {len(inside)} op(s) inside "
+                  f"torch.autocast uncompiled (the first: {_line(inside[0])}): Inductor's "
+                  "low-precision kernels compute in float32 and round once, eager rounds after "
+                  "every op, so their numbers differ from eager autocast.")
 
 
 def _graphc_op(node: fx.Node) -> bool:
@@ -285,9 +303,9 @@ def take_compile_seconds(records: Dict[int, CompileRecord]) -> Dict[int, float]:
     out = {s: r.fresh for s, r in records.items() if r.fresh}
     for s, seconds in out.items():
         r = records[s]
+        eager = ", ".join(f"{n} {why}" for why, n in r.eager.items()) or "none"
         _LOG.info(f"stage {s}: Inductor compiled {r.pieces} piece(s) in {seconds:.1f} s "
-                  f"({r.seconds:.1f} s so far; {r.eager_nodes} node(s) run eagerly: "
-                  "communication, random ops, autocast regions)")
+                  f"({r.seconds:.1f} s so far); nodes run as traced: {eager}")
         r.fresh = 0.0
     return out
 

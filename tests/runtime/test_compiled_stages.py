@@ -6,7 +6,8 @@ bitwise eager; in float64 it differs by rounding alone (~1e-15 relative measured
 test holds it to the repository's oracle, eager PyTorch on the whole batch at 1e-10 (check
 mode, NOTE: Checked steps). Each layout runs in a local world (threads); compiling dominates
 the time (seconds per piece on a loaded 2-core machine, less from Inductor's disk cache), so
-the default run has one 2-rank tensor-parallel check and the layouts of the issue are slow.
+the default run has one 2-rank tensor-parallel check (and the cheap refusals: nothing
+compiles there) and the layouts of the issue are slow.
 """
 import os
 import sys
@@ -138,7 +139,6 @@ def test_layouts_compiled_equal_eager(config):
     assert split == any("runs each compiled piece's backward twice" in w for w in warned)
 
 
-@pytest.mark.slow
 @pytest.mark.world
 def test_autocast_regions_run_uncompiled_with_a_warning():
     """Under enable_amp every op sits in an autocast region: nothing compiles, the numbers
@@ -149,9 +149,10 @@ def test_autocast_regions_run_uncompiled_with_a_warning():
     assert all(r.pieces == 0 for g in run.graphs for r in g._runtime.compiled.values())
 
 
-@pytest.mark.slow
 @pytest.mark.world
 def test_zero_stage_3_runs_uncompiled_with_a_warning():
+    """ZeRO stage 3 regathers parameters into new storage: the stages run as traced, and a
+    warning says so (nothing is compiled, so these two checks are cheap and run by default)."""
     run, warned = _compiled(sweep.Config("skip", dp=2, acc=2, zero=3))
     assert run.ok, run.text()
     assert any("ZeRO stage 3" in w and "run uncompiled" in w for w in warned)

@@ -269,11 +269,10 @@ class CompiledPiece(torch.nn.Module):
         return out if isinstance(out, (tuple, list)) else (out,)
 
     def _compile(self, args):
-        from torch._inductor.compile_fx import compile_fx   # imports Inductor only when asked for
         start = time.perf_counter()
         try:
             with _COMPILE_LOCK:
-                compiled = compile_fx(self.piece, list(args))
+                compiled = _inductor(self.piece, args)
         except Exception as exc:   # Inductor's own limits: this piece runs as traced, and says so
             first = (str(exc).strip().splitlines() or [""])[0]
             warn_user(f"config.set_compile_stages: {self.name} runs uncompiled: Inductor failed "
@@ -283,6 +282,21 @@ class CompiledPiece(torch.nn.Module):
         self.record.seconds += spent
         self.record.fresh += spent
         return compiled
+
+
+def _inductor(piece: fx.GraphModule, args):
+    """compile_fx on `piece` for inputs like `args`, static shapes, in a tracing context whose
+    fake mode has a ShapeEnv as Dynamo's has: without one, Inductor's FX graph cache and
+    AOTAutograd's cache bypass ("No shape env"), and with one, real example inputs would be
+    traced with symbolic sizes. Imports Inductor only when asked for."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    fakes = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+    with tracing(TracingContext(fake_mode)):
+        return compile_fx(piece, fakes)
 
 
 def _line(node: fx.Node) -> str:

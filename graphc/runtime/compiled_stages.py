@@ -29,19 +29,23 @@ operations (fused loops, reductions vectorised), so it is not bitwise eager: in 
 the losses and parameters agree with eager to ~1e-15 relative, and the tests hold them to
 the repository's 1e-10 (tests/runtime/test_compiled_stages.py).
 
-Caching: Inductor's FX graph cache and AOTAutograd's cache (on by default in torch 2.13,
-under TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_<user>) key each piece by its
-graph's code, its inputs' shapes, dtypes and strides, the grad mode and torch's and
-Inductor's configuration: a second process compiling the same plan loads the kernels from
-disk. The compile time of each stage (cached or not) is logged once per variant and kept
-in `StepStats.compile_seconds`.
+Caching: Inductor's FX graph cache (on by default, under TORCHINDUCTOR_CACHE_DIR, default
+/tmp/torchinductor_<user>) keys each compiled forward and backward by its AOT graph, its
+inputs' shapes, dtypes and strides, and torch's and Inductor's configuration, so a second
+process compiling the same plan loads the kernels from disk instead of generating and
+building C++ (GPT, one stage: 29 s cold, 18 s cached, `fxgraph_cache_hit` 2). It needs a
+ShapeEnv in the tracing context, which Dynamo would supply (`_inductor`). AOTAutograd's own
+cache accepts only Dynamo-shaped graphs and bypasses graphc's, so the joint graph is traced
+again in each process. The compile time of each stage is logged once per step that
+compiled, and kept in `StepStats.compile_seconds`.
 
-What runs uncompiled, with a warning naming it (`compile_blockers`): a stage under ZeRO
-stage 3 (its parameters change storage between gathers, which a compiled piece's saved
-parameters would not follow). Split backward (zero-bubble schedules) runs compiled, but a
-piece's backward is one kernel program: W runs it a second time for the parameters'
-gradients (NOTE: Weight gradients), so it computes the same numbers at more cost; the
-warning says so.
+What runs uncompiled, each with a warning naming it and why: every stage of a plan under
+ZeRO stage 3 (`compile_stages`: its parameters change storage between gathers, which the
+tensors a compiled piece saves for its backward would not follow); the ops inside autocast
+regions (`_warn_autocast`); a piece Inductor fails on (`CompiledPiece._compile`). Split
+backward (zero-bubble schedules) runs compiled, but a piece's backward is one kernel
+program: W runs it a second time for the parameters' gradients (NOTE: Weight gradients),
+the same numbers at more compute, and the warning says so.
 """
 from __future__ import annotations
 

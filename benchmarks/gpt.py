@@ -4,8 +4,8 @@
     python benchmarks/gpt.py --compile --embd 256      # + torch.compile, + compiled stages
 
 One process, the same model, batches and AdamW; each iteration runs one step of every
-contender (each trains its own copy of the model), one after the other, so all see the
-same machine load. Prints the median step time and tokens/s of each and the ratio graphc /
+contender (each trains its own copy of the model), one after the other and each first in
+turn, so all see the same machine load. Prints the median step time and tokens/s of each and the ratio graphc /
 eager (target <= 1.05: a one-stage graph adds only its plan walk).
 
 --compile adds two contenders: the eager model under `torch.compile(backend="inductor")`
@@ -79,10 +79,11 @@ def main(argv=None):
     torch.set_num_threads(1)
     runs = contenders(gpt.make_model(vocab, opts), opts, args)
     times = {name: [] for name in runs}
+    names = list(runs)
     for i, (x, y) in enumerate(gpt.batches(ids, opts.batch, opts.block, args.warmup + args.iters)):
-        for name, step in runs.items():
+        for name in names[i % len(names):] + names[:i % len(names)]:   # each goes first in turn
             t0 = time.perf_counter()
-            step(x, y)
+            runs[name](x, y)
             times[name].append(time.perf_counter() - t0)
     report(times, args, opts.batch * opts.block)
 

@@ -106,6 +106,23 @@ def test_eager_nodes_named_by_why():
     assert {id(p) for p in compiled.parameters()} == {id(p) for p in module.parameters()}
 
 
+def test_a_piece_inductor_fails_on_runs_as_traced(monkeypatch):
+    """Inductor raising on a piece (its own limits) leaves that piece as traced, with a
+    warning naming it; the program's numbers are then eager's exactly."""
+    from graphc.runtime import compiled_stages
+
+    def fails(piece, args):
+        raise RuntimeError("an op Inductor has no lowering for")
+    monkeypatch.setattr(compiled_stages, "_inductor", fails)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    module = torch.fx.symbolic_trace(net)
+    compiled, record = compile_program(module, 3)
+    x = torch.randn(2, 4)
+    with pytest.warns(UserWarning, match="stage 3 piece_0 .* runs uncompiled: Inductor failed .RuntimeError"):
+        out = compiled(x)
+    assert torch.equal(out, net(x)) and record.pieces == 1
+
+
 def _compiled(config):
     make, inputs = sweep.BUILD[config.model](config)
 

@@ -44,8 +44,10 @@ ZeRO stage 3 (`compile_stages`: its parameters change storage between gathers, w
 tensors a compiled piece saves for its backward would not follow); the ops inside autocast
 regions (`_warn_autocast`); a piece Inductor fails on (`CompiledPiece._compile`). Split
 backward (zero-bubble schedules) runs compiled, but a piece's backward is one kernel
-program: W runs it a second time for the parameters' gradients (NOTE: Weight gradients),
-the same numbers at more compute, and the warning says so.
+program that computes its inputs' and its parameters' gradients together: I runs it, and
+W only accumulates the parameters' gradients I computed (NOTE: Weight gradients). The
+numbers and the schedule are unchanged, the compute moves from W into I (no work is left
+for W to fill the bubbles with), and the warning says so.
 """
 from __future__ import annotations
 
@@ -340,9 +342,10 @@ def compile_stages(executors: Dict, plan: ExecutionPlan, zero_stage: int) -> Dic
         return {}
     if any(isinstance(ins, BackwardInput) for ins in plan.instructions):
         warn_user(f"config.set_compile_stages: the split backward of schedule "
-                  f"'{plan.schedule}' runs each compiled piece's backward twice (I for the "
-                  "inputs' gradients, W again for the parameters'): a compiled backward is one "
-                  "kernel program and is not split in two. Same numbers, more compute.")
+                  f"'{plan.schedule}' computes a compiled piece's parameter gradients in I, "
+                  "with its input gradients (a compiled backward is one kernel program, not "
+                  "split in two); W only accumulates them. Same numbers, less work left for W "
+                  "to fill the pipeline's bubbles with.")
     records = {}
     for s, ex in executors.items():
         ex.compute, records[s] = compile_program(ex.program.module, s)

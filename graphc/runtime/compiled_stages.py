@@ -85,12 +85,15 @@ class CompileRecord:
     eager: Dict[str, int] = field(default_factory=dict)   # nodes run as traced, by why
     seconds: float = 0.0        # all compiles so far
     fresh: float = 0.0          # compiles not yet reported in a step's stats
+    keeps_graph: bool = False   # a backward runs twice on the graph (split backward's I, W)
 
 
-def compile_program(module: fx.GraphModule, stage: int) -> "tuple[fx.GraphModule, CompileRecord]":
+def compile_program(module: fx.GraphModule, stage: int,
+                    keeps_graph: bool = False) -> "tuple[fx.GraphModule, CompileRecord]":
     """The stage program cut into compiled and eager pieces (NOTE: Compiled stages): a
-    GraphModule taking and returning what `module` does, sharing its parameters."""
-    record = CompileRecord(stage)
+    GraphModule taking and returning what `module` does, sharing its parameters.
+    `keeps_graph`: its backward runs with retain_graph (a split backward)."""
+    record = CompileRecord(stage, keeps_graph=keeps_graph)
     eager = _eager_nodes(module)
     record.eager = dict(Counter(eager.values()))
     _warn_autocast(stage, eager)
@@ -278,7 +281,7 @@ class CompiledPiece(torch.nn.Module):
         start = time.perf_counter()
         try:
             with _COMPILE_LOCK:
-                compiled = _inductor(self.piece, args)
+                compiled = _inductor(self.piece, args, self.record.keeps_graph)
         except Exception as exc:   # Inductor's own limits: this piece runs as traced, and says so
             first = (str(exc).strip().splitlines() or [""])[0]
             warn_user(f"config.set_compile_stages: {self.name} runs uncompiled: Inductor failed "
@@ -290,18 +293,20 @@ class CompiledPiece(torch.nn.Module):
         return compiled
 
 
-def _inductor(piece: fx.GraphModule, args):
+def _inductor(piece: fx.GraphModule, args, keeps_graph: bool):
     """compile_fx on `piece` for inputs like `args`, static shapes, in a tracing context whose
     fake mode has a ShapeEnv as Dynamo's has: without one, Inductor's FX graph cache and
     AOTAutograd's cache bypass ("No shape env"), and with one, real example inputs would be
-    traced with symbolic sizes. Imports Inductor only when asked for."""
+    traced with symbolic sizes. A backward that keeps its graph (split backward: I with
+    retain_graph, then W) may not donate saved buffers to its outputs, which AOTAutograd
+    refuses at run time. Imports Inductor only when asked for."""
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     fakes = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-    with tracing(TracingContext(fake_mode)):
+    with tracing(TracingContext(fake_mode)), torch._functorch.config.patch(donated_buffer=not keeps_graph):
         return compile_fx(piece, fakes)
 
 
@@ -340,7 +345,8 @@ def compile_stages(executors: Dict, plan: ExecutionPlan, zero_stage: int) -> Dic
                   "piece saves for its backward would not follow. Fix: enable_zero with stage 1 "
                   "or 2, or no compile_stages.")
         return {}
-    if any(isinstance(ins, BackwardInput) for ins in plan.instructions):
+    split = any(isinstance(ins, BackwardInput) for ins in plan.instructions)
+    if split:
         warn_user(f"config.set_compile_stages: the split backward of schedule "
                   f"'{plan.schedule}' computes a compiled piece's parameter gradients in I, "
                   "with its input gradients (a compiled backward is one kernel program, not "
@@ -348,5 +354,5 @@ def compile_stages(executors: Dict, plan: ExecutionPlan, zero_stage: int) -> Dic
                   "to fill the pipeline's bubbles with.")
     records = {}
     for s, ex in executors.items():
-        ex.compute, records[s] = compile_program(ex.program.module, s)
+        ex.compute, records[s] = compile_program(ex.program.module, s, keeps_graph=split)
     return records

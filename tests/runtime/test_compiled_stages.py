@@ -112,7 +112,7 @@ def test_a_piece_inductor_fails_on_runs_as_traced(monkeypatch):
     warning naming it; the program's numbers are then eager's exactly."""
     from graphc.runtime import compiled_stages
 
-    def fails(piece, args):
+    def fails(piece, args, keeps_graph):
         raise RuntimeError("an op Inductor has no lowering for")
     monkeypatch.setattr(compiled_stages, "_inductor", fails)
     net = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
@@ -130,7 +130,7 @@ def test_split_backward_runs_a_compiled_piece_once():
     whole eager backward's at 1e-10 (NOTE: Weight gradients)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-    program, _ = compile_program(torch.fx.symbolic_trace(net), 0)
+    program, _ = compile_program(torch.fx.symbolic_trace(net), 0, keeps_graph=True)
     x = torch.randn(3, 4, requires_grad=True)
     y = program(x)
     runs = []
@@ -166,7 +166,9 @@ def _compiled(config):
 LAYOUTS = [sweep.Config("gpt"), sweep.Config("gpt", pp=2, acc=2), sweep.Config("gpt", dp=2, acc=2),
            sweep.Config("gpt", tp=2, acc=2), sweep.Config("skip", pp=2, schedule="zbv", acc=4),
            sweep.Config("skip", pp=2, acc=2, checkpointing="always"),
-           sweep.Config("skip", pp=2, schedule="zero_bubble", acc=4, checkpointing="except_last")]
+           sweep.Config("skip", pp=2, schedule="zero_bubble", acc=4, checkpointing="except_last"),
+           # a split backward over pieces whose backward donates buffers, between boxes
+           sweep.Config("gpt", pp=2, tp=2, schedule="zero_bubble", acc=2)]
 
 
 @pytest.mark.slow

@@ -258,6 +258,8 @@ def main(argv=None):
                         help="mixed precision: build() under autocast to this dtype")
     parser.add_argument("--reduce-dtype", default="fp32", choices=tuple(DTYPES),
                         help="the dtype data-parallel gradients are all-reduced in")
+    parser.add_argument("--compile-stages", action="store_true",
+                        help="compile each stage program with Inductor (config.set_compile_stages)")
     args = parser.parse_args(argv)
 
     layout = Layout(args.pp, args.tp, args.dp)
@@ -271,6 +273,7 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     graph = GPTGraph(model, opt, layout, args.accumulation, args.schedule, args.zero, args.amp,
                      args.reduce_dtype)
+    graph.config.set_compile_stages(args.compile_stages)
     losses = []
     for step, (x, y) in enumerate(batches(ids, args.batch, args.block, args.steps, args.seed)):
         start = time.perf_counter()

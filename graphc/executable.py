@@ -235,7 +235,8 @@ class Executable:
         self.tracer = Tracer.for_options(options, rank)
         self.runtime = Runtime(plan, programs, p2p, self.device(rank), optimizer, lr_scheduler,
                                options.recv_window, self.tracer.record, grad_scaler, masters,
-                               cuda_graphs=options.cuda_graphs, memory_stats=options.memory_stats)
+                               cuda_graphs=options.cuda_graphs, memory_stats=options.memory_stats,
+                               compile_stages=options.compile_stages)
 
     def check(self) -> Optional[Guard]:
         """The first guard that no longer holds (None: this executable may run)."""

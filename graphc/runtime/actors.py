@@ -36,6 +36,8 @@ from ..ops.conversions import all_reduce_sum
 from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
 from .collectives import GradSync
+from .compiled_stages import CompileRecord, take_compile_seconds
+from .compiled_stages import compile_stages as compile_stages_of
 from .cuda_graphs import StepGraph, compute_prefix
 from .device import place_programs
 from .executor import StageExecutor
@@ -53,6 +55,7 @@ class StepStats:
     max_live_activations: Dict[int, int] = field(default_factory=dict)
     max_live_bytes: Dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
+    compile_seconds: Dict[int, float] = field(default_factory=dict)   # NOTE: Compiled stages
     events: List[Tuple[str, float, float]] = field(default_factory=list)
 
 
@@ -194,7 +197,8 @@ class Runtime:
 
     def __init__(self, plan: ExecutionPlan, programs: Dict[int, StageProgram], p2p, device,
                  optimizer=None, lr_scheduler=None, window: int = 2, trace: bool = False,
-                 grad_scaler=None, masters=None, cuda_graphs: bool = False, memory_stats: bool = False):
+                 grad_scaler=None, masters=None, cuda_graphs: bool = False, memory_stats: bool = False,
+                 compile_stages: bool = False):
         self.plan, self.p2p, self.device = plan, p2p, device
         self.masters = masters   # set_param_dtype's float32 masters (NOTE: Master parameters)
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
@@ -212,6 +216,7 @@ class Runtime:
             s: StageExecutor(prog, plan.training, prog.loss_weight(m), ckpt, memory_stats)
             for s, prog in programs.items()}
         self.memory_stats = memory_stats   # config.set_memory_stats: StepStats.max_live_bytes
+        self.compiled: Dict[int, CompileRecord] = {}   # NOTE: Compiled stages, filled below
         # ZeRO's shards (See NOTE: ZeRO in zero.py): the optimizer holds them from here on
         self.zero = (ZeroShards.from_plan(plan, list(programs.values()), optimizer, masters)
                      if plan.training else None)
@@ -223,6 +228,8 @@ class Runtime:
         self.warned_whole = False
         self.not_gathered = self._gathered_elsewhere()
         self.prefetch = _prefetches(plan.instructions) if self.zero is not None and self.zero.stage == 3 else {}
+        if compile_stages:
+            self.compiled = compile_stages_of(self.executors, plan, self.zero.stage if self.zero else 0)
         # ... or, gathered per unit, the gathers and releases inside its computes (NOTE: ZeRO units)
         units = UnitGatherer.from_plan(plan, self.zero)   # by stage: one per chunk with units
         for s, ex in self.executors.items():
@@ -414,6 +421,7 @@ class Runtime:
             if self.memory_stats:
                 stats.max_live_bytes[s] = ex.max_live_bytes
             ex.max_live = ex.max_live_bytes = 0
+        stats.compile_seconds = take_compile_seconds(self.compiled)
         stats.seconds = time.perf_counter() - start
         return dict(step.results), stats
 

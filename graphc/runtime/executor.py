@@ -70,6 +70,8 @@ class StageExecutor:
         self._state = list(module.parameters()) + list(module.buffers())
         self._buffers = dict(module.named_buffers())
         self.units = None   # ZeRO stage 3 gathered per unit: a UnitGatherer (NOTE: ZeRO units)
+        # what a forward calls: the program itself, or its compiled pieces (NOTE: Compiled stages)
+        self.compute = module
 
     # -- forward ---------------------------------------------------------------------
     def forward(self, mb: int, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -85,12 +87,12 @@ class StageExecutor:
             args.append(t)
         if not self.training:
             with torch.no_grad(), drawing(*self.draw, mb):
-                return dict(zip(prog.outputs, prog.module(*args)))
+                return dict(zip(prog.outputs, self.compute(*args)))
         if mb in self.checkpointed:
             buffers = {n: b.clone() for n, b in self._buffers.items()} if self._buffers else None
             versions = {n: b._version for n, b in self._buffers.items()}
             with torch.no_grad(), drawing(*self.draw, mb):
-                out = prog.module(*args)
+                out = self.compute(*args)
             outs = dict(zip(prog.outputs, out))
             saved = _Saved(leaves, outs, args, buffers, self._bytes_of(args) if self.count_bytes else 0,
                            versions)
@@ -99,7 +101,7 @@ class StageExecutor:
             count = self._counter(seen) if self.count_bytes else _identity
             saving = self._saving(count) if self.count_bytes or self.units is not None else nullcontext()
             with torch.enable_grad(), drawing(*self.draw, mb), saving:
-                out = prog.module(*args)
+                out = self.compute(*args)
             outs = dict(zip(prog.outputs, out))
             saved = _Saved(leaves, outs, nbytes=sum(seen.values()))
         self.saved[mb] = saved
@@ -240,7 +242,7 @@ class StageExecutor:
         saving = nullcontext() if self.units is None else self._saving(_identity)
         try:
             with torch.enable_grad(), drawing(*self.draw, mb), recomputing, saving:
-                out = self.program.module(*saved.inputs)
+                out = self.compute(*saved.inputs)
         finally:
             if current is not None:
                 # only what the forward wrote (running statistics) goes back: a buffer it read

@@ -21,3 +21,4 @@ class RunOptions:
     trace_steps: int = 5                 # ... for this many steps
     cuda_graphs: bool = False            # NOTE: CUDA graphs
     memory_stats: bool = False           # StepStats.max_live_bytes
+    compile_stages: bool = False         # NOTE: Compiled stages

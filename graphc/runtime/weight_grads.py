@@ -26,6 +26,11 @@ branch leaves the graph above the input closure (a stage whose inputs need no gr
 or a branch that hangs off an output) take the stage's outputs as roots as well.
 The result is the whole backward's gradient, summed in the same places; float64 tests
 compare it with a whole backward (tests/runtime/test_weight_grads.py).
+
+An intermediate whose backward already gave I every gradient of its parameter branches (a
+compiled piece's: one kernel program computes them all, NOTE: Compiled stages) is not run
+again: a post-hook keeps what it gave, and W starts from its edges into those branches with
+those gradients. An eager node computes only what I asked for, so W runs it as above.
 """
 from __future__ import annotations
 
@@ -39,9 +44,11 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 class WeightGroups:
     """What W needs, found before I runs, and the gradients I leaves for it."""
 
-    def __init__(self, groups: List[Tuple[List[Node], List[torch.Tensor], bool]]):
+    def __init__(self, groups: List[Tuple[List[Node], List[torch.Tensor], bool]], closure: Set[Node] = frozenset()):
         self.groups = groups     # (intermediates, parameters, also from the outputs)
+        self.closure = closure   # the input closure: the nodes I runs
         self.kept: Dict[Node, Tuple] = {}
+        self.given: Dict[Node, Tuple] = {}   # what an intermediate computed in I, per next edge
         self._handles: list = []
 
     @staticmethod
@@ -56,18 +63,41 @@ class WeightGroups:
                 continue        # no root leads to it: it gets no gradient
             met, top = _meet(node, parents, inputs)
             by_param.append((p, met, top))
-        return WeightGroups(_group(by_param))
+        return WeightGroups(_group(by_param), inputs)
 
     def keep(self) -> None:
         """Registers the pre-hooks that keep each intermediate's incoming gradient during I."""
         for inter, _, _ in self.groups:
             for node in inter:
                 self._handles.append(node.register_prehook(self._keeper(node)))
+                self._handles.append(node.register_hook(self._catcher(node)))
 
     def _keeper(self, node: Node):
         def hook(grad_outputs):
             self.kept[node] = tuple(grad_outputs)
         return hook
+
+    def _catcher(self, node: Node):
+        def hook(grad_inputs, _grad_outputs):
+            self.given[node] = tuple(grad_inputs)
+        return hook
+
+    def _branches(self, node: Node):
+        """The parameters' branches below `node` with the gradients I already computed for
+        them: a compiled piece's backward (NOTE: Compiled stages) computes every input's
+        gradient, so W need not run it again. None where I left one out (an eager node
+        computes only the gradients asked for)."""
+        given = self.given.get(node)
+        if given is None:
+            return None
+        out = []
+        for (nxt, nr), g in zip(node.next_functions, given):
+            if nxt is None or nxt in self.closure:
+                continue
+            if g is None:
+                return None
+            out.append((GradientEdge(nxt, nr), g))
+        return out
 
     def release(self) -> None:
         for h in self._handles:
@@ -78,8 +108,14 @@ class WeightGroups:
         """W: each group's parameters' gradients, accumulated into .grad."""
         self.release()
         for inter, params, from_outputs in self.groups:
-            edges, grads = [], []
+            edges, grads, rerun = [], [], []
             for node in inter:
+                branches = self._branches(node)
+                if branches is not None:    # start below it, from what I computed
+                    edges += [e for e, _ in branches]
+                    grads += [g for _, g in branches]
+                    continue
+                rerun.append(node)
                 for i, g in enumerate(self.kept.get(node, ())):
                     if g is not None:
                         edges.append(GradientEdge(node, i))
@@ -90,13 +126,13 @@ class WeightGroups:
             if not edges:
                 continue
             clamps = [node.register_prehook(lambda _, kept=self.kept.get(node): kept)
-                      for node in inter if len(edges) > 1 and node in self.kept]
+                      for node in rerun if len(edges) > 1 and node in self.kept]
             try:
                 torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)
             finally:
                 for h in clamps:
                     h.remove()
-        self.kept = {}
+        self.kept, self.given = {}, {}
 
 
 def _reverse_edges(roots: Sequence[torch.Tensor]) -> Tuple[Dict[Node, List[Node]], Set[Node]]:

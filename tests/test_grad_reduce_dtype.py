@@ -112,7 +112,7 @@ def _run(rank, world, amp):
     graph(*(graphc.to_global(t[rank * rows:(rank + 1) * rows], placement=where, sbp=graphc.sbp.split(0))
             for t in (x, y)))
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    dtypes = {t.dtype for ins in graph.plan.instructions if isinstance(ins, AllReduce) for t in ins.tensors}
+    dtypes = {t.dtype for ins in graph.plan.instructions if type(ins) is AllReduce for t in ins.tensors}
     return grads, addends, dtypes
 
 

@@ -7,9 +7,11 @@ Per layout: predicted, before and apart from the run, by graphc's own measured c
 point-to-point transport and gloo's all-reduce measured between two processes: NOTE:
 Calibrated collectives) and simulate() over 8 steady steps; measured: the same graph on 2
 spawned processes (gloo, one torch thread each, as torchrun sets OMP_NUM_THREADS=1), the
-median of each rank's step after 5 warm-up steps, the slower rank's. Prints predicted /
-measured per layout and the machine's load before and after (a busy machine slows the
-run, not the prediction). No constant is fitted to the runs being predicted.
+median of each rank's step after 5 warm-up steps, the slower rank's. Each layout is
+predicted then measured --repeat times, alternating, and prints predicted / measured each
+time, their median, and the machine's load before and after (a busy machine slows the run
+and the cost replay alike, but not at the same moments). No constant is fitted to the runs
+being predicted.
 
 Layouts: `pipeline` examples/pipeline.py's two stages, 1F1B, 4 micro-batches, batch 64;
 `data` an MLP 512-1024-1024-1024-10 (2.6M parameters, one 10 MiB gradient bucket) on
@@ -111,33 +113,38 @@ def _rank(rank: int, port: int, layout: str, steps: int, out) -> None:
         t0 = time.perf_counter()
         graph(*args)
         times.append(time.perf_counter() - t0)
-    out.put((rank, statistics.median(times[WARMUP:])))
+    out.put((rank, statistics.median(times[WARMUP:]), min(times[WARMUP:])))
     torch.distributed.destroy_process_group()
 
 
-def measure(layout: str, steps: int) -> float:
+def measure(layout: str, steps: int):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     mp.start_processes(_rank, args=(port, layout, steps, out), nprocs=2, start_method="spawn")
-    return max(out.get()[1] for _ in range(2))
+    ranks = [out.get() for _ in range(2)]
+    return max(r[1] for r in ranks), max(r[2] for r in ranks)   # (median, fastest), the slower rank's
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeat", type=int, default=3, help="predict-then-measure rounds per layout")
     args = parser.parse_args(argv)
     for layout in args.layouts:
-        load = os.getloadavg()[0]
-        predicted = predict(layout)
-        measured = measure(layout, args.steps)
-        print(f"{layout:9s} predicted {predicted * 1e3:8.2f} ms  measured {measured * 1e3:8.2f} ms  "
-              f"predicted/measured {predicted / measured:5.2f}  load {load:.1f} -> {os.getloadavg()[0]:.1f}",
-              flush=True)
-
+        ratios = []
+        for _ in range(args.repeat):   # alternated, so both sides see the same load
+            load = os.getloadavg()[0]
+            predicted = predict(layout)
+            measured, fastest = measure(layout, args.steps)
+            ratios.append(predicted / measured)
+            print(f"{layout:9s} predicted {predicted * 1e3:8.2f} ms  measured {measured * 1e3:8.2f} ms "
+                  f"(fastest step {fastest * 1e3:.2f})  predicted/measured {predicted / measured:5.2f}  "
+                  f"load {load:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+        print(f"{layout:9s} median predicted/measured over {args.repeat}: {statistics.median(ratios):.2f}", flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())

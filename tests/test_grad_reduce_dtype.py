@@ -66,8 +66,10 @@ def _plans(reduce_dtype):
 
 
 def _buckets(plan):
-    """The gradient buckets (not a conversion's all_reduce, which names its node)."""
-    return [d for d in plan.to_json()["instructions"] if d["op"] == "all_reduce" and "node" not in d]
+    """The gradient buckets (not a conversion's all_reduce, which names its node, nor the
+    loss's sum once a step, an output's)."""
+    return [d for d in plan.to_json()["instructions"]
+            if d["op"] == "all_reduce" and "node" not in d and d.get("purpose") != "output"]
 
 
 def test_plan_lists_buckets_in_the_reduce_dtype_with_half_the_bytes():

@@ -52,6 +52,7 @@ from .passes.insert_checkpoints import insert_checkpoints
 from .passes.insert_grad_clip import insert_grad_clip
 from .passes.insert_grad_modes import insert_grad_modes
 from .passes.insert_grad_sync import DEFAULT_BUCKET_BYTES, insert_grad_sync
+from .passes.insert_output_reduce import insert_output_reduce
 from .passes.insert_tie_sync import insert_tie_sync
 from .passes.insert_zero_sync import insert_zero_sync
 from .passes.insert_zero_units import UnitOptions, insert_zero_units
@@ -437,6 +438,8 @@ def _lower_ranks(run: _Compilation, spec: CompileSpec, gm, programs, stages, mes
     # clipping by the global grad norm (one scalar all-reduce), once gradients are final
     plans = _step(run, "insert_grad_clip", insert_grad_clip, plans, programs, meshes,
                   spec.grad_clip_norm, declared, grad_dtype)
+    # build()'s partial_sum results (a data-parallel loss) summed once a step, not per micro-batch
+    plans = _step(run, "insert_output_reduce", insert_output_reduce, plans, gm)
     # each conversion's collectives listed where its compute issues them (SBP, ranks, bytes)
     plans = _step(run, "list_collectives", list_collectives, plans, programs)
     # the stages nobody wrote down (found from placements), kept on every rank's plan

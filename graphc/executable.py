@@ -28,7 +28,7 @@ from .guards import (Guard, GuardSet, first_call_differs, global_guards, hook_gu
                      requires_grad_guard, settle_own_writes, structure_of)
 from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .passes.trace_build import forward_replaced
-from .placement import Layout
+from .placement import Layout, PartialSum
 from .placement import placement as Placement
 from .ops.conversions import compiled_groups, create_groups, from_every_rank
 from .runtime.actors import Runtime
@@ -272,7 +272,7 @@ class Executable:
             sig = node.meta.get(META_SBP)
             mesh = sig.mesh if sig else tuple(stage.ranks)
             where = Placement(stage.device_type, [list(r) if isinstance(r, tuple) else r for r in mesh])
-            sbp = sig.out if sig else (_broadcast(),)
+            sbp = _summed(sig.out) if sig else (_broadcast(),)   # partial_sum: the plan summed it
             if node.name not in results:
                 return GlobalTensor(torch.empty(0), where, sbp, ())
             return global_from_local(merge(results[node.name], node.meta.get(META_ROWS)), where, sbp,
@@ -341,6 +341,11 @@ def check_cuda_available(spec: compiler.CompileSpec, specs: Sequence[InputSpec])
                 f"(torch.cuda.is_available() is False); a \"cuda\" placement needs one GPU per "
                 f"rank. Fix: use graphc.placement(\"cpu\", ranks={_ranks_repr(where)}), or run on "
                 "a machine with GPUs.")
+
+
+def _summed(sbp: tuple) -> tuple:
+    """A result's layout once its OutputAllReduce ran: partial_sum axes broadcast."""
+    return tuple(_broadcast() if isinstance(s, PartialSum) else s for s in sbp)
 
 
 def _ranks_repr(where: Placement) -> list:

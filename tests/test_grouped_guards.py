@@ -11,15 +11,38 @@ import graphc
 from graphc.guards.values import grouped_check, sequential_check
 
 
+class Config:
+    """A small settings object (as an HF config): guarded by its attributes, through an
+    object matcher (NOTE: Object matchers)."""
+
+    def __init__(self):
+        self.gain = 1.5
+        self.act = "relu"
+        self.id2label = {0: "a", 1: "b"}
+        self.rope = {"theta": 1e4, "kind": None}
+
+
+class Gain(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def forward(self, x):
+        return x * self.config.gain
+
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.norm = nn.LayerNorm(4)
         self.scale = 2.0
+        self.config = Config()
+        self.gain = Gain(self.config)        # the same config read by two modules
+        self.offset = torch.zeros(4)         # a plain tensor attribute: guarded by identity
 
     def forward(self, x):
-        out = self.norm(self.lin(x)) * self.scale
+        out = self.gain(self.norm(self.lin(x)) * self.scale * self.config.gain) + self.offset
         return out if self.training else out.detach()
 
 
@@ -58,7 +81,20 @@ CHANGES = {
     "class attribute shadowed": (_shadow_class_attribute, "model.lin._compiled_call_impl"),
     "forward hook": (lambda m: m.lin.register_forward_hook(lambda *a: None), "module hooks"),
     "requires_grad": (lambda m: m.lin.bias.requires_grad_(False), "requires_grad of the parameters"),
+    "config setting": (lambda m: setattr(m.config, "gain", 2.5), "model.config"),
+    "config setting's type": (lambda m: setattr(m.config, "act", b"relu"), "model.config"),
+    "config dict entry": (lambda m: m.config.id2label.update({1: "c"}), "model.config"),
+    "config nested value": (lambda m: m.config.rope.update(kind="linear"), "model.config"),
+    "config attribute added": (lambda m: setattr(m.config, "extra", 1), "model.config"),
+    "config of one reader": (lambda m: setattr(m.gain, "config", _changed_copy(m.config)), "model.gain.config"),
+    "tensor attribute": (lambda m: setattr(m, "offset", torch.zeros(4)), "model.offset"),
 }
+
+
+def _changed_copy(config):
+    other = Config()
+    other.gain = config.gain + 1
+    return other
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
@@ -75,3 +111,23 @@ def test_grouped_check_agrees_with_the_one_by_one_check(change):
     assert fast({}) is False
     failed = guards.failing()
     assert failed is not None and failed.where.startswith(where), (failed and failed.where)
+
+
+def test_an_equal_config_object_still_holds():
+    """A config replaced by an equal copy fingerprints alike: the object matcher (built for
+    the first object) does not match it by identity, and the check still says all hold."""
+    model = Net()
+    graph = Step(model)
+    graph.compile(torch.randn(2, 4))
+    model.gain.config = Config()
+    assert grouped_check(graph.compiled.guards.guards)({}) is True and graph.compiled.guards.failing() is None
+
+
+def test_autocast_state_is_checked_inline():
+    model = Net()
+    graph = Step(model)
+    graph.compile(torch.randn(2, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        failed = graph.compiled.guards.failing()
+    assert failed is not None and failed.where == "autocast state (cpu)"
+    assert graph.compiled.guards.failing() is None

@@ -140,11 +140,16 @@ class ReadLog:
             return
         base = self.names.get(id(obj), "?") if prefix is None else prefix
         where = f"{base}.{name}" if base else name
-        self.reads[key] = (where, obj, fingerprint(value))
+        # a tensor, module or function compares by identity whatever its state: the guard
+        # keeps the object and checks with `is`, in the grouped check's identity vector
+        fp = fingerprint(value)
+        by_identity = isinstance(value, (torch.Tensor, nn.Module)) or (
+            callable(value) and fp[0] == "id")   # (a functools.partial compares by its parts)
+        self.reads[key] = (where, obj, fp, value if by_identity else MISSING)
 
     def guards(self) -> List[Guard]:
-        return [Guard(where, _attr_reader(obj, name), fp, source=_attr_source(obj, name))
-                for (_, name), (where, obj, fp) in self.reads.items()] + list(self.frames.guards.values())
+        return [Guard(where, _attr_reader(obj, name), fp, same=same, source=_attr_source(obj, name))
+                for (_, name), (where, obj, fp, same) in self.reads.items()] + list(self.frames.guards.values())
 
 
 _ACTIVE: List[ReadLog] = []

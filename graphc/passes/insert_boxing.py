@@ -5,7 +5,8 @@ the producer's layout differs, a chain of `ops.conversions.box` nodes (one per m
 mesh axis, each carrying META_BOXING) converts it on the consumer's stage; a broadcast
 value read by an op with a sharded output gets a `grad_all_reduce` box (identity forward,
 all-reduce of its partial_sum gradient backward) unless it is a parameter whose gradient
-is synchronised after backward; partial_sum results of build() are reduced to broadcast.
+is synchronised after backward; partial_sum results of build() are left partial, for
+insert_output_reduce to sum once per step.
 A value read by a stage of another mesh shape arrives there in pieces, in its first
 reader's layout (META_ARRIVAL; NOTE: Reshard pieces). A to_global() conversion point stays an identity node after its boxes, on the stage of its
 target placement (so a value moved to another placement is returned from there).
@@ -33,8 +34,7 @@ def insert_boxing(gm: fx.GraphModule) -> fx.GraphModule:
     shared: Dict[tuple, fx.Node] = {}  # (value, layout, stage) -> its conversion: NOTE: shared boxes
     for node in list(gm.graph.nodes):
         if node.op == "output":
-            _reduce_outputs(gm, node)
-            continue
+            continue   # a partial_sum result stays partial: summed once a step (insert_output_reduce)
         sig = node.meta.get(META_SBP)
         if sig is None or node.op in ("placeholder", "get_attr"):
             continue
@@ -220,19 +220,3 @@ def _box_node(gm, value: fx.Node, consumer: fx.Node, mesh: tuple, axis: int, kin
 def _op_name(node: fx.Node) -> str:
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "?")
     return f"{node.name} ({target})"
-
-
-def _reduce_outputs(gm, out: fx.Node) -> None:
-    """A partial_sum result is reduced before it is returned, so a loss is the full loss."""
-    for a in list(out.all_input_nodes):
-        sig = a.meta.get(META_SBP)
-        if sig is None or not any(isinstance(s, PartialSum) for s in sig.out):
-            continue
-        value = a
-        cur = sig.out
-        for axis, s in enumerate(cur):
-            if isinstance(s, PartialSum):
-                after = cur[:axis] + (B,) + cur[axis + 1:]
-                value = _box_node(gm, value, out, sig.mesh, axis, "all_reduce", cur, after)
-                cur = after
-        out.replace_input_with(a, value)

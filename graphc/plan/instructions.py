@@ -366,6 +366,26 @@ class TieAllReduce(AllReduce):
 
 
 @dataclass(frozen=True)
+class OutputAllReduce(AllReduce):
+    """Sums build()'s partial_sum results over `ranks`, once per step (see
+    insert_output_reduce): each tensor holds every micro-batch's value, one row each, so a
+    loss under data parallelism costs one small all-reduce a step instead of a blocking one
+    in every micro-batch's forward. Launched after this rank's last compute of the stage that
+    makes them, waited for when the step ends."""
+
+    word: ClassVar[str] = "OUTPUT_ALL_REDUCE"
+    runs: ClassVar[str] = "output_sum"
+    purpose: ClassVar[str] = "output"
+    TEXT: ClassVar[re.Pattern] = re.compile(r"OUTPUT_ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\]")
+
+    def __str__(self) -> str:
+        return f"OUTPUT_ALL_REDUCE ranks={list(self.ranks)} [{' '.join(map(str, self.tensors))}]"
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "purpose": self.purpose}
+
+
+@dataclass(frozen=True)
 class ClipGradNorm(AllReduce):
     """Gradient clipping by the global norm: an all-reduce of one scalar, then a local scale.
 
@@ -658,13 +678,13 @@ class Collective(Instruction):
                    d.get("dtype", ""))
 
 
-_PURPOSES = (TieAllReduce.purpose, ClipGradNorm.purpose)   # AllReduce kinds told apart in JSON
+_PURPOSES = (TieAllReduce.purpose, ClipGradNorm.purpose, OutputAllReduce.purpose)   # AllReduce kinds told apart in JSON
 
 STAGE_COMPUTES = (Forward, Backward, BackwardInput, BackwardWeight)
 COMPUTE = STAGE_COMPUTES + (OverlapFB,)
 COMPUTE_RUNS = frozenset(cls.runs for cls in COMPUTE)   # the run entries of compute
 # every instruction class, the most frequent first (the order parse_instruction tries them)
-INSTRUCTIONS = COMPUTE + (Send, Recv, Collective, AllReduce, TieAllReduce, ClipGradNorm,
+INSTRUCTIONS = COMPUTE + (Send, Recv, Collective, AllReduce, TieAllReduce, ClipGradNorm, OutputAllReduce,
                           OptimizerStep, ReduceScatter, AllGather, ReleaseParams, UnitGather, UnitRelease)
 
 

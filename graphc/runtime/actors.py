@@ -31,11 +31,11 @@ from ..meta import META_SBP
 from ..placement import Broadcast
 from ..plan.instructions import (ACT, COMPUTE_RUNS, GRAD, INSIDE_COMPUTE, INSTRUCTIONS, AllGather, AllReduce,
                                  Backward, BackwardInput, BackwardWeight, ClipGradNorm, Forward, OptimizerStep,
-                                 OverlapFB, Recv, ReleaseParams, Send)
+                                 OutputAllReduce, OverlapFB, Recv, ReleaseParams, Send)
 from ..ops.conversions import all_reduce_sum
 from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
-from .collectives import GradSync
+from .collectives import GradSync, OutputSums
 from .compiled_stages import CompileRecord, take_compile_seconds
 from .compiled_stages import compile_stages as compile_stages_of
 from .cuda_graphs import StepGraph, compute_prefix
@@ -222,6 +222,7 @@ class Runtime:
                      if plan.training else None)
         self.grad_sync = (GradSync.from_plan(plan, list(programs.values()), masters) if self.zero is None  # None without synced grads
                           else ZeroGradSync.for_shards(plan, list(programs.values()), self.zero, masters))
+        self.output_sums = OutputSums()   # build()'s partial_sum results, once a step
         # the user's post-accumulate-grad hooks, called once a step (NOTE: Post-accumulate-grad hooks)
         self.grad_hooks = UserGradHooks(_local_parameters(programs.values()), self._not_whole(programs))
         # ZeRO stage 3's gathers, each launched before the compute ahead of it (NOTE: ZeRO stage 3)
@@ -414,6 +415,7 @@ class Runtime:
         profiling = torch.autograd.profiler._is_profiler_enabled  # checked once per step: cheap
         for i in range(first, len(self.plan.instructions)):
             self._execute(i, step, profiling)
+        self.output_sums.finish(step.results)
         for actor in send_actors.values():
             actor.drain()
         for s, ex in self.executors.items():
@@ -513,6 +515,9 @@ class Runtime:
 
     def _run_release(self, ins: ReleaseParams, step: "_StepValues") -> None:
         self.zero.release(ins)
+
+    def _run_output_sum(self, ins: OutputAllReduce, step: "_StepValues") -> None:
+        self.output_sums.launch(ins, step.results)   # finished when the step ends
 
     def _run_grad_sync(self, ins: AllReduce, step: "_StepValues") -> None:
         self.grad_sync.wait(ins)

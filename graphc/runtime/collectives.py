@@ -177,3 +177,32 @@ class GradSync:
         if wide is None or wide.shape != flat.shape or wide.device != flat.device or wide.dtype != dtype:
             wide = self.wides[i] = torch.empty(flat.shape, dtype=dtype, device=flat.device)
         return wide.copy_(flat)
+
+
+# -- build()'s partial_sum results ---------------------------------------------------------
+class OutputSums:
+    """The OutputAllReduce instructions of a step (See insert_output_reduce): each launches
+    one all-reduce of its results' per-micro-batch values, stacked, without waiting;
+    `finish` waits for them when the step ends and puts the sums back in the results."""
+
+    def __init__(self):
+        self.pending: List[Tuple[object, torch.Tensor, List[str], List[int]]] = []
+
+    def launch(self, ins, results: Dict[str, List[torch.Tensor]]) -> None:
+        names = [t.name for t in ins.tensors]
+        if any(name in pending_names for _, _, pending_names, _ in self.pending for name in names):
+            self.finish(results)   # a result partial on two mesh axes: one axis's sum, then the next
+        rows = [torch.stack(results[name]) for name in names]
+        flat = torch.cat([r.reshape(-1) for r in rows])
+        group, _, n = my_group((tuple(ins.ranks),))
+        work = world.current().all_reduce(flat, group, async_op=True) if n > 1 else None
+        self.pending.append((work, flat, names, [r.numel() for r in rows]))
+
+    def finish(self, results: Dict[str, List[torch.Tensor]]) -> None:
+        for work, flat, names, sizes in self.pending:
+            if work is not None:
+                work.wait()
+            for name, part in zip(names, flat.split(sizes)):
+                before = results[name]
+                results[name] = list(part.view((len(before),) + before[0].shape).unbind(0))
+        self.pending = []

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..errors import GraphcError
-from ..plan.instructions import (Backward, BackwardInput, BackwardWeight, Forward,
+from ..plan.instructions import (AllReduce, Backward, BackwardInput, BackwardWeight, Forward,
                                  Instruction, OptimizerStep, OverlapFB, Send)
 from .cost_model import CostModel
 from .network import DEVICES, DevicePreset, Network  # noqa: F401 (DEVICES: API)
@@ -98,7 +98,10 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
     if transport is not None:
         sizes = sorted({t.nbytes for p in compiled.plans for ins in p.instructions
                         if isinstance(ins, Send) for t in ins.tensors})
-        tc = measure_transport(transport, max(sizes) if sizes else 4, threads=threads or 1)
+        buckets = [sum(t.nbytes for t in ins.tensors) for p in compiled.plans for ins in p.instructions
+                   if isinstance(ins, AllReduce)]
+        tc = measure_transport(transport, max(sizes) if sizes else 4, threads=threads or 1,
+                               reduce_bytes=max(buckets, default=1 << 20))
         costs = tc.apply(costs)
     return _for_ranks(costs, compiled)
 

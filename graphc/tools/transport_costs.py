@@ -10,7 +10,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, replace
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,13 +31,18 @@ class TransportCosts:
     recv_per_byte: float
     latency: float
     poll_delay: List[Tuple[float, float]]
+    # gloo's all-reduce between the two processes, as the link collective_seconds charges
+    # (NOTE: Calibrated collectives): (bytes per second, seconds per ring step)
+    collective_link: Optional[Tuple[float, float]] = None
 
     def apply(self, costs: CostModel) -> CostModel:
+        link = self.collective_link or costs.collective_link
         return replace(costs, send_overhead=self.send_overhead, send_per_byte=self.send_per_byte,
                        recv_overhead=self.recv_overhead, recv_per_byte=self.recv_per_byte,
                        latency=self.latency, bandwidth=float("inf"), poll_delay=self.poll_delay,
-                       sends_complete_on_delivery=self.kind == "gloo",
-                       source=costs.source + f", {self.kind} transport measured")
+                       sends_complete_on_delivery=self.kind == "gloo", collective_link=link,
+                       source=costs.source + f", {self.kind} transport"
+                       + (" and gloo all-reduce" if self.collective_link else "") + " measured")
 
 
 def transport_kind(transport: str = "auto") -> str:
@@ -56,14 +61,16 @@ WAITS_S = (0.0, 2e-4, 5e-4, 1e-3, 2e-3, 4e-3)   # receiver waits at which the de
 
 
 def measure_transport(transport: str = "auto", nbytes: int = 1 << 15, repeats: int = 30,
-                      threads: int = 1) -> TransportCosts:
+                      threads: int = 1, reduce_bytes: int = 1 << 20) -> TransportCosts:
     """Measures a transport with two spawned processes (one torch thread each).
 
     Per message size (16 bytes and `nbytes`): the sender's isend() time, the receiver's
     wait() time when the data is already there (its copy out), fitted as fixed + per byte;
     then, with the receiver waiting, how long after isend() returned it sees the data, for
     waits of WAITS_S: the delay at the shortest wait is the latency, the growth over it the
-    polling delay (both processes read one clock, CLOCK_MONOTONIC).
+    polling delay (both processes read one clock, CLOCK_MONOTONIC). Then gloo's blocking
+    all-reduce of 8 bytes and of `reduce_bytes` (the largest gradient bucket), fitted as
+    the link of a 2-rank ring (NOTE: Calibrated collectives).
     """
     import subprocess
     import sys
@@ -76,14 +83,16 @@ def measure_transport(transport: str = "auto", nbytes: int = 1 << 15, repeats: i
            k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     with tempfile.TemporaryDirectory() as outdir:
         code = (f"from graphc.tools.transport_costs import _spawn_pair; "
-                f"_spawn_pair({kind!r}, {nbytes}, {repeats}, {threads}, {outdir!r})")
+                f"_spawn_pair({kind!r}, {nbytes}, {repeats}, {threads}, {outdir!r}, {reduce_bytes})")
         subprocess.run([sys.executable, "-c", code], check=True, env=child_env, timeout=300)
         return TransportCosts(**torch.load(os.path.join(outdir, "transport.pt")))
 
 
-def _spawn_pair(kind: str, nbytes: int, repeats: int, threads: int, outdir: str) -> None:
+def _spawn_pair(kind: str, nbytes: int, repeats: int, threads: int, outdir: str,
+                reduce_bytes: int = 1 << 20) -> None:
     import torch.multiprocessing as mp
-    mp.start_processes(_transport_worker, args=(kind, nbytes, repeats, threads, _free_port(), outdir),
+    mp.start_processes(_transport_worker, args=(kind, nbytes, repeats, threads, _free_port(), outdir,
+                                                reduce_bytes),
                        nprocs=2, join=True, start_method="spawn")
 
 
@@ -103,7 +112,7 @@ class _Gloo:
 
 
 def _transport_worker(rank: int, kind: str, nbytes: int, repeats: int, threads: int,
-                      port: int, outdir: str) -> None:
+                      port: int, outdir: str, reduce_bytes: int = 1 << 20) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -170,6 +179,7 @@ def _transport_worker(rank: int, kind: str, nbytes: int, repeats: int, threads: 
                 d.append((sent_at - began, seen - sent_at - got[nbytes]))
             d = d[1:]
             delays.append((statistics.median(x for x, _ in d), statistics.median(y for _, y in d)))
+        link = _all_reduce_link(reduce_bytes, repeats)
         if rank == 0:
             fit = lambda c: (max(0.0, c[16] - 16 * (c[nbytes] - c[16]) / (nbytes - 16)),  # noqa: E731
                              max(0.0, (c[nbytes] - c[16]) / (nbytes - 16)))
@@ -177,8 +187,49 @@ def _transport_worker(rank: int, kind: str, nbytes: int, repeats: int, threads: 
             poll = [(max(w, 0.0), max(0.0, x - latency)) for w, x in delays[1:]]
             (so, sb), (ro, rb) = fit(sent), fit(got)
             torch.save(dict(kind=kind, send_overhead=so, send_per_byte=sb, recv_overhead=ro,
-                            recv_per_byte=rb, latency=latency, poll_delay=sorted(poll)),
+                            recv_per_byte=rb, latency=latency, poll_delay=sorted(poll),
+                            collective_link=link),
                        os.path.join(outdir, "transport.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+# NOTE: Calibrated collectives
+# The simulator charges an all-reduce collective_seconds over a (bandwidth, latency) link
+# (graphc/tools/network.py): for 2 ranks the ring's B / bandwidth + 2 x latency. On a CPU
+# host that link is gloo over loopback, whose costs (a per-call overhead of tens of
+# microseconds, memory copies and the sum at a few GB/s) no datasheet gives: the defaults
+# CPU_LINK_* modelled data parallel's gradient all-reduce too cheap (a 2-rank data-parallel
+# step predicted 0.75 of the measured). measure_transport times gloo's blocking all-reduce
+# of 8 bytes and of the largest gradient bucket between its two processes, and fits the
+# link so that collective_seconds gives those two times: bandwidth = (B1 - B0) / (t1 - t0),
+# latency = (t0 - B0 / bandwidth) / 2. A group of more ranks then scales by the ring's step
+# count, as on a GPU.
+def _all_reduce_link(reduce_bytes: int, repeats: int) -> Tuple[float, float]:
+    """(bandwidth, latency) of gloo's all-reduce here, fitted to 8 bytes and `reduce_bytes`
+    (medians, the slower rank's); both ranks call it."""
+    sizes = (8, max(64, reduce_bytes))
+    times = []
+    for n in sizes:
+        t = torch.zeros(max(1, n // 4))
+        d = []
+        dist.barrier()
+        for _ in range(repeats + 1):   # back to back, as a step's buckets run: no barrier's skew
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            d.append(time.perf_counter() - t0)
+        times.append(statistics.median(d[1:]))
+    both = [None, None]
+    dist.all_gather_object(both, times)
+    return link_through(sizes, [max(a, b) for a, b in zip(*both)])
+
+
+def link_through(sizes: Sequence[int], seconds: Sequence[float]) -> Tuple[float, float]:
+    """The (bandwidth, latency) under which a 2-rank all-reduce of sizes[i] bytes takes
+    seconds[i] by collective_seconds (NOTE: Calibrated collectives); a time that does not
+    grow with size (noise) gives an unbounded bandwidth, a negative latency zero."""
+    (b0, b1), (t0, t1) = sizes, seconds
+    per_byte = max(0.0, (t1 - t0) / (b1 - b0))
+    bandwidth = 1.0 / per_byte if per_byte > 0 else float("inf")
+    return bandwidth, max(0.0, (t0 - b0 * per_byte) / 2)

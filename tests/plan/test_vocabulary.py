@@ -5,7 +5,7 @@ import pytest
 
 from graphc.plan.instructions import (INSIDE_COMPUTE, INSTRUCTIONS, STAGE_COMPUTES, AllReduce, Backward,
                                       BackwardInput, BackwardWeight, ClipGradNorm, Collective,
-                                      Forward, OptimizerStep, OverlapFB, Recv, Send, TensorSpec,
+                                      Forward, OptimizerStep, OutputAllReduce, OverlapFB, Recv, Send, TensorSpec,
                                       TieAllReduce, instruction_from_json, parse_instruction,
                                       AllGather, ReduceScatter, ReleaseParams, UnitGather, UnitRelease)
 from graphc.runtime.trace import COMPUTE_KINDS, KINDS
@@ -17,6 +17,7 @@ SAMPLES = [Forward(1, 3), Backward(1, 3), BackwardInput(0, 2), BackwardWeight(0,
            Collective("all_gather", 1, 0, "F", (0, 1), "box_1", "S(0)", "B", 128, "fallback: x"),
            AllReduce((0, 1), (H,)), TieAllReduce((0, 3), (H,), ("lm_head.weight",)),
            ClipGradNorm((0, 1), (TensorSpec("grad_norm_sq", (), "float64"),), 0.5, ("w",)),
+           OutputAllReduce((0, 1), (TensorSpec("loss", (4,), "float64"),)),
            OptimizerStep(), ReduceScatter((0, 1), (H,)), AllGather((0, 1), (H,)), ReleaseParams((H,)),
            UnitGather((0, 1), (H,), 1, 2, "B", 3), UnitRelease((H,), 1, 2, "F", 3)]
 

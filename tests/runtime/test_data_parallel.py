@@ -79,7 +79,7 @@ def _train(rank, world):
         opt = OPTIMIZERS[opt_name](model.parameters())
         graph = DataParallelGraph(model, opt, make_sched(opt), acc, bucket)
         losses, state = graphc_train(graph, make_batches(STEPS), feed=feed_split(where, rank))
-        syncs = [ins for ins in graph.plan.instructions if isinstance(ins, AllReduce)]
+        syncs = [ins for ins in graph.plan.instructions if type(ins) is AllReduce]
         out[(acc, opt_name, bucket, kind)] = {
             "losses": losses, "state": state,
             "synced": sorted(t.name for ins in syncs for t in ins.tensors),

@@ -251,7 +251,7 @@ def _train(rank, world):
             loss = graph(*feed(x, y)).to_local()
             if loss.numel():
                 losses.append(loss.item())
-        syncs = [t.name for ins in graph.plan.instructions if isinstance(ins, AllReduce)
+        syncs = [t.name for ins in graph.plan.instructions if type(ins) is AllReduce
                  for t in ins.tensors]
         out[name] = {"losses": losses, "state": graph.full_state_dict(), "synced": syncs,
                      "plan": str(graph.plan), "printed": str(graph)}

@@ -217,7 +217,7 @@ def fixed_transport(monkeypatch):
     """Transport costs without the two processes measure_transport spawns (not the subject)."""
     from graphc.tools import costs
     from graphc.tools.transport_costs import TransportCosts
-    monkeypatch.setattr(costs, "measure_transport", lambda kind, nbytes, threads=1: TransportCosts(
+    monkeypatch.setattr(costs, "measure_transport", lambda kind, nbytes, threads=1, **_: TransportCosts(
         "shm", 5e-6, 1e-10, 5e-6, 1e-10, 2e-5, []))
 
 

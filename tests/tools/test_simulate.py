@@ -1,12 +1,15 @@
 """simulate(): bubble fractions, communication delays, live activations, deadlock."""
+from dataclasses import replace
+
 import pytest
 
 from graphc import PlanError
 from graphc.passes.lower_plan import lower_plan
-from graphc.plan.instructions import Recv, TensorSpec
+from graphc.plan.instructions import AllReduce, Recv, TensorSpec
 from graphc.plan.plan import StageInfo
 from graphc.plan.program import StageProgram
 from graphc.tools.costs import CostModel
+from graphc.sbp.cost import moved_bytes
 from graphc.tools.simulate import simulate
 
 SPEC = TensorSpec("h", (4, 1024), "float32")    # 16 KiB
@@ -178,3 +181,20 @@ def test_measure_transport_between_two_processes():
     costs = tc.apply(CostModel.uniform(2))
     assert costs.send_cost(SPEC.nbytes) == pytest.approx(tc.send_overhead + tc.send_per_byte * SPEC.nbytes)
     assert not costs.sends_complete_on_delivery
+    bandwidth, latency = tc.collective_link      # gloo's all-reduce, calibrated alongside
+    assert bandwidth > 0 and latency >= 0 and costs.collective_link == tc.collective_link
+
+
+def test_the_collective_link_reproduces_the_measured_all_reduces():
+    """NOTE: Calibrated collectives: the fitted link charges a 2-rank all-reduce of each
+    measured size the time measured for it, and larger groups by the ring's steps."""
+    from graphc.tools.network import collective_seconds
+    from graphc.tools.transport_costs import link_through
+    sizes, seconds = (8, 1 << 20), (150e-6, 1.2e-3)
+    link = link_through(sizes, seconds)
+    for b, t in zip(sizes, seconds):
+        assert collective_seconds("all_reduce", moved_bytes("all_reduce", b, 2), b, 2, link) == pytest.approx(t)
+    assert link_through(sizes, (2e-4, 1e-4)) == (float("inf"), 1e-4)   # noise: no negative bandwidth
+    ins = AllReduce((0, 1), (TensorSpec("g", (1 << 18,), "float32"),))
+    calibrated = replace(CostModel.uniform(1), collective_link=link)
+    assert calibrated.collective(ins) == pytest.approx(seconds[1])

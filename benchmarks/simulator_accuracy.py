@@ -1,0 +1,150 @@
+"""The simulator's predicted step against the measured one, on three 2-rank CPU layouts.
+
+    python benchmarks/simulator_accuracy.py [--layouts pipeline data tensor] [--steps 30]
+
+Per layout: predicted, before and apart from the run, by graphc's own measured costs
+(graphc.tools.costs.measure_costs: each stage's compute replayed here with one thread, the
+point-to-point transport and gloo's all-reduce measured between two processes: NOTE:
+Calibrated collectives) and simulate() over 8 steady steps; measured: the same graph on 2
+spawned processes (gloo, one torch thread each, as torchrun sets OMP_NUM_THREADS=1), the
+median of each rank's step after 5 warm-up steps, the slower rank's. Each layout is
+predicted then measured --repeat times, alternating, and prints predicted / measured each
+time, their median, and the machine's load before and after (a busy machine slows the run
+and the cost replay alike, but not at the same moments). No constant is fitted to the runs
+being predicted.
+
+Layouts: `pipeline` examples/pipeline.py's two stages, 1F1B, 4 micro-batches, batch 64;
+`data` an MLP 512-1024-1024-1024-10 (2.6M parameters, one 10 MiB gradient bucket) on
+data 2, batch 128 per rank; `tensor` a Megatron MLP 512-2048-512 (column- then
+row-parallel, an all-reduce in each forward and backward) on tensor 2, batch 128,
+2 micro-batches.
+"""
+import argparse
+import importlib.util
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WARMUP, STEADY = 5, 8
+P01 = graphc.placement("cpu", [0, 1])
+
+
+class Step(graphc.Graph):
+    def __init__(self, model, accumulation=1):
+        super().__init__()
+        self.model = model
+        self.config.set_gradient_accumulation_steps(accumulation)
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+
+    def build(self, x, y):
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def _pipeline():
+    spec = importlib.util.spec_from_file_location("pipeline_example", os.path.join(ROOT, "examples", "pipeline.py"))
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    model = ex.PipelineModule()
+    graph = ex.PipelineGraph(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                             graphc.placement("cpu", [0]), graphc.placement("cpu", [1]), 4, "1f1b")
+    x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    return graph, lambda rank: (x, y)
+
+
+def _data():
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                          nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    graph = Step(graphc.to_global(model, placement=P01, sbp=graphc.sbp.broadcast))
+    x, y = torch.randn(256, 512), torch.randint(0, 10, (256,))
+
+    def inputs(rank):   # rank None: the global inputs (what compile sees)
+        return tuple(graphc.GlobalTensor(t.chunk(2)[rank or 0], P01, (graphc.sbp.split(0),), tuple(t.shape))
+                     for t in (x, y))
+    return graph, inputs
+
+
+def _tensor():
+    model = graphc.to_global(nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)),
+                             placement=P01, sbp=graphc.sbp.broadcast)
+    graphc.to_global(model[0], placement=P01, sbp=graphc.sbp.split(0))
+    graphc.to_global(model[2].weight, placement=P01, sbp=graphc.sbp.split(1))
+    graph = Step(model, accumulation=2)
+    x, y = torch.randn(128, 512), torch.randint(0, 512, (128,))
+    return graph, lambda rank: (x, y)
+
+
+LAYOUTS = {"pipeline": _pipeline, "data": _data, "tensor": _tensor}
+
+
+def predict(layout: str) -> float:
+    from graphc import compiler
+    from graphc.executable import input_specs
+    from graphc.tools.costs import measure_costs
+    from graphc.tools.simulate import simulate
+    torch.manual_seed(0)
+    graph, inputs = LAYOUTS[layout]()
+    specs = input_specs(list(inputs(None)))
+    compiled = compiler.compile(graph, [s.example() for s in specs], 2, [s.layout for s in specs])
+    costs = measure_costs(compiled, graph._optimizer, repeats=9, transport="auto")
+    return simulate(compiled.plans, costs, steps=STEADY, cores=os.cpu_count()).step_time
+
+
+def _rank(rank: int, port: int, layout: str, steps: int, out) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    graph, inputs = LAYOUTS[layout]()
+    args = inputs(rank)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        graph(*args)
+        times.append(time.perf_counter() - t0)
+    out.put((rank, statistics.median(times[WARMUP:]), min(times[WARMUP:])))
+    torch.distributed.destroy_process_group()
+
+
+def measure(layout: str, steps: int):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_rank, args=(port, layout, steps, out), nprocs=2, start_method="spawn")
+    ranks = [out.get() for _ in range(2)]
+    return max(r[1] for r in ranks), max(r[2] for r in ranks)   # (median, fastest), the slower rank's
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeat", type=int, default=3, help="predict-then-measure rounds per layout")
+    args = parser.parse_args(argv)
+    for layout in args.layouts:
+        ratios = []
+        for _ in range(args.repeat):   # alternated, so both sides see the same load
+            load = os.getloadavg()[0]
+            predicted = predict(layout)
+            measured, fastest = measure(layout, args.steps)
+            ratios.append(predicted / measured)
+            print(f"{layout:9s} predicted {predicted * 1e3:8.2f} ms  measured {measured * 1e3:8.2f} ms "
+                  f"(fastest step {fastest * 1e3:.2f})  predicted/measured {predicted / measured:5.2f}  "
+                  f"load {load:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+        print(f"{layout:9s} median predicted/measured over {args.repeat}: {statistics.median(ratios):.2f}", flush=True)
+
+if __name__ == "__main__":
+    sys.exit(main())

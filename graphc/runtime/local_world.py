@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import itertools
 import threading
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -112,6 +113,9 @@ class _Pending:
         return self.completed
 
 
+_WORLDS = itertools.count()   # every local world made in this process, numbered
+
+
 class LocalWorld:
     """N ranks as threads of this process (See NOTE: Local world)."""
 
@@ -119,6 +123,7 @@ class LocalWorld:
         if size < 1:
             raise GraphcError(f"a local world needs at least one rank, asked for {size}")
         self.size = size
+        self.serial = next(_WORLDS)   # names this world for per-process state (not id(): reused)
         self.cond = threading.Condition()
         self.owner: Optional[int] = None            # the rank running Python (holds the baton)
         self.waiting: Dict[int, Tuple[Callable[[], str], Callable[[], bool]]] = {}
@@ -399,7 +404,7 @@ class LocalRank:
     @property
     def process_key(self) -> tuple:
         """Names this rank's 'process': state kept per process (graph counters) is per rank."""
-        return (id(self.world), self.rank)
+        return (self.world.serial, self.rank)
 
 
 class LocalStore:

@@ -71,7 +71,6 @@ def _batches():
     return [(torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(STEPS)]
 
 
-@pytest.mark.world
 def test_tensor_parallel_stage_compiled_between_its_all_reduces():
     """The default check: a tensor-parallel stage (an all-reduce box inside its program) runs
     compiled pieces around the box, forward and backward, equal to eager at 1e-10; compiled
@@ -172,7 +171,6 @@ LAYOUTS = [sweep.Config("gpt"), sweep.Config("gpt", pp=2, acc=2), sweep.Config("
 
 
 @pytest.mark.slow
-@pytest.mark.world
 @pytest.mark.parametrize("config", LAYOUTS, ids=lambda c: c.id)
 def test_layouts_compiled_equal_eager(config):
     """The issue's layouts: one process, pp2, dp2, tp2, ZBV, checkpointing (under 1F1B, and
@@ -185,7 +183,6 @@ def test_layouts_compiled_equal_eager(config):
     assert split == any("computes a compiled piece's parameter gradients in I" in w for w in warned)
 
 
-@pytest.mark.world
 def test_autocast_regions_run_uncompiled_with_a_warning():
     """Under enable_amp every op sits in an autocast region: nothing compiles, the numbers
     are eager autocast's, and a warning says which ops and why."""
@@ -195,7 +192,6 @@ def test_autocast_regions_run_uncompiled_with_a_warning():
     assert all(r.pieces == 0 for g in run.graphs for r in g._runtime.compiled.values())
 
 
-@pytest.mark.world
 def test_zero_stage_3_runs_uncompiled_with_a_warning():
     """ZeRO stage 3 regathers parameters into new storage: the stages run as traced, and a
     warning says so (nothing is compiled, so these two checks are cheap and run by default)."""

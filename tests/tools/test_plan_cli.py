@@ -87,6 +87,7 @@ EXAMPLE_ARGS = {"train_resume.py": ["--ckpt-dir", "{tmp}"],
                 "gpt.py": ["--pp", "2", "--steps", "1"],       # its first documented launch
                 "hf_llama.py": ["--pp", "2", "--steps", "1"],
                 "long_context.py": ["--cp", "4", "--steps", "1", "--seq", "32", "--layers", "1"],
+                "moe.py": ["--ep", "2", "--steps", "1"],
                 "resnet.py": ["--pp", "2", "--steps", "1"]}
 
 

@@ -101,4 +101,5 @@ def test_stage_3_gathered_once_per_step_moves_data_parallels_bytes(world):
         gather = next(i for i, ins in enumerate(plan.instructions) if isinstance(ins, AllGather))
         release = next(i for i, ins in enumerate(plan.instructions) if isinstance(ins, ReleaseParams))
         computes = [i for i, ins in enumerate(plan.instructions) if type(ins).__name__ in ("Forward", "Backward")]
-        assert gather == computes[0] - 1 and release == computes[-1] + 1
+        between = {type(ins).__name__ for ins in plan.instructions[computes[-1] + 1:release]}
+        assert gather == computes[0] - 1 and release > computes[-1] and between <= {"OutputAllReduce"}   # the loss's sum may come first

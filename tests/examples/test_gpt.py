@@ -87,6 +87,7 @@ def _check(results, names, extra=()):
                 assert "fallback" not in got["plan"], f"{name}: an op fell back to broadcast"
 
 
+@pytest.mark.slow   # CI time: the GPT on pp2 (1f1b) and dp2 runs by default in the local sweep (tests/local/test_sweep.py), held bitwise to gloo by tests/local/test_local_vs_gloo.py
 def test_gpt_on_two_ranks_matches_eager():
     configs = {"pp2-1f1b": (2, 1, 1, "1f1b"), "dp2": (1, 1, 2, "1f1b")}
     _check(run_world(_train, 2, configs), configs)

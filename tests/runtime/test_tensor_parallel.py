@@ -261,7 +261,7 @@ def _train(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])   # CI time: hybrid layouts run in test_global_tensors and the sweep
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])   # CI time: tensor 2 and hybrid layouts run by default in test_global_tensors and the local sweep (tests/local/test_sweep.py), held bitwise to gloo with tp2 by tests/local/test_local_vs_gloo.py
 def test_tensor_and_hybrid_parallel_match_eager(world):
     results = run_world(_train, world)
     for name, (_, make, shape, _) in CONFIGS[world].items():

@@ -29,11 +29,10 @@ from ..checkpoint.dcp import user_prefix
 from ..errors import GraphcError
 from ..global_tensor import GlobalTensor
 from ..log import warn_user
+from ..modes import FIRST_STEP_TOLERANCE
 from ..placement import Broadcast, Split
 from ..sbp.layout import coord, flat, place_shard
 
-# relative tolerance by the parameters' dtype: graphc only reorders sums (helpers.py's oracle)
-RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
 def amp_bound(graph, bound: Callable[[torch.dtype], float]) -> Callable[[torch.dtype], float]:
@@ -83,7 +82,7 @@ class FirstStepCheck:
         out, want = EagerTwin(graph, self.groups, self.before).step(self.inputs, self.tree)
         want_loss = _first_scalar(out)
         prefix = user_prefix(graph._root)  # full_state_dict's keys drop it; the report names it
-        rtol = amp_bound(graph, lambda dtype: RTOL.get(dtype, 1e-2))
+        rtol = amp_bound(graph, lambda dtype: FIRST_STEP_TOLERANCE.get(dtype, 1e-2))
         rows = []
         for k, v in want.items():
             got = after.get(k)

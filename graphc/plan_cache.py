@@ -43,7 +43,7 @@ class CompileKey:
 
     @property
     def digest(self) -> str:
-        return _sha("\n".join(f"{name}={h}" for name, h in self.parts))
+        return sha("\n".join(f"{name}={h}" for name, h in self.parts))
 
     def changed(self, other: Dict[str, str]) -> List[str]:
         """The parts whose hash differs from `other`'s (a cached entry's)."""
@@ -52,13 +52,19 @@ class CompileKey:
     @staticmethod
     def of(texts: Dict[str, str]) -> "CompileKey":
         """Each part's text hashed; object addresses are dropped, since they differ by process."""
-        return CompileKey(tuple((name, _sha(_ADDRESS.sub("", text))) for name, text in texts.items()))
+        return CompileKey(tuple((name, sha(without_addresses(text))) for name, text in texts.items()))
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def _sha(text: str) -> str:
+def without_addresses(text: str) -> str:
+    """`text` less its object addresses (' at 0x7f..'), which differ by process."""
+    return _ADDRESS.sub("", text)
+
+
+def sha(text: str) -> str:
+    """A short hex digest of `text` (cache keys and file names)."""
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -87,7 +93,7 @@ def cache_dir() -> Optional[str]:
 def entry_path(folder: str, name: str, slot: str) -> str:
     """The file of one (graph, inputs, world, lowered ranks): `slot` hashes all but the graph name."""
     safe = re.sub(r"[^\w.-]", "_", name)
-    return os.path.join(folder, f"{safe}-{_sha(slot)[:16]}.json")
+    return os.path.join(folder, f"{safe}-{sha(slot)[:16]}.json")
 
 
 def load_plans(path: str, key: CompileKey, ranks: Sequence[int]) -> Optional[List[ExecutionPlan]]:
@@ -118,10 +124,15 @@ def load_plans(path: str, key: CompileKey, ranks: Sequence[int]) -> Optional[Lis
 def store_plans(path: str, key: CompileKey, plans: Sequence[ExecutionPlan]) -> None:
     """Writes the entry whole or not at all (a temporary file renamed), so a reader never
     sees half of one."""
+    write_entry(path, {"format": CACHE_FORMAT, "key": key.digest, "parts": dict(key.parts),
+                       "plans": [p.to_json() for p in plans]})
+
+
+def write_entry(path: str, entry: dict, indent: Optional[int] = None) -> None:
+    """`entry` as JSON at `path`, whole or not at all (a temporary file renamed): a reader
+    never sees half of one. Shared by the plan cache and the layout search's cache."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    entry = {"format": CACHE_FORMAT, "key": key.digest, "parts": dict(key.parts),
-             "plans": [p.to_json() for p in plans]}
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump(entry, f)
+        json.dump(entry, f, indent=indent)
     os.replace(tmp, path)

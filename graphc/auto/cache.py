@@ -17,17 +17,14 @@ replaced (rank 0 alone reads and writes it; the other ranks receive its layout).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 from dataclasses import asdict
 from typing import Optional, Sequence
 
 from .layout import Layout
 
 CACHE_FORMAT = "graphc.auto-cache/1"
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")    # object addresses differ by process
 
 
 def cache_folder(folder: Optional[str]) -> str:
@@ -40,12 +37,12 @@ def cache_folder(folder: Optional[str]) -> str:
 def search_key(spec, inputs: Sequence, nproc: int, batched: Sequence[bool], optimizer,
                device_numbers: str, memory: int, top: int) -> dict:
     """The question a search answers, part by part (See NOTE: Search cache)."""
-    from ..plan_cache import graphc_sources
+    from ..plan_cache import graphc_sources, sha, without_addresses
     params = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in spec.root.named_parameters()]
     stages = sorted({m.stage_id for m in spec.modules.values() if m.stage_id is not None})
     return {
-        "model": _sha(_ADDRESS.sub("", repr(spec.root)) + repr(params)),
-        "options": _sha(repr((len(stages), spec.amp_dtype, spec.param_dtype, spec.whole_inputs))),
+        "model": sha(without_addresses(repr(spec.root)) + repr(params)),
+        "options": sha(repr((len(stages), spec.amp_dtype, spec.param_dtype, spec.whole_inputs))),
         "optimizer": type(optimizer).__name__ if optimizer is not None else "none",
         "inputs": repr([(tuple(getattr(t, "shape", ())), str(getattr(t, "dtype", type(t).__name__)), b)
                         for t, b in zip(inputs, batched)]),
@@ -55,7 +52,8 @@ def search_key(spec, inputs: Sequence, nproc: int, batched: Sequence[bool], opti
 
 
 def entry_path(folder: str, name: str, key: dict) -> str:
-    return os.path.join(folder, f"{name}-{_sha(json.dumps(key, sort_keys=True))[:16]}.json")
+    from ..plan_cache import sha
+    return os.path.join(folder, f"{name}-{sha(json.dumps(key, sort_keys=True))[:16]}.json")
 
 
 def load_layout(path: str, key: dict) -> Optional[Layout]:
@@ -71,13 +69,6 @@ def load_layout(path: str, key: dict) -> Optional[Layout]:
 
 
 def store_layout(path: str, key: dict, layout: Layout, report: str) -> None:
-    """Writes the entry whole or not at all (a temporary file renamed)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"format": CACHE_FORMAT, "key": key, "layout": asdict(layout), "report": report}, f, indent=1)
-    os.replace(tmp, path)
-
-
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    """Writes the entry whole or not at all (plan_cache.write_entry)."""
+    from ..plan_cache import write_entry
+    write_entry(path, {"format": CACHE_FORMAT, "key": key, "layout": asdict(layout), "report": report}, indent=1)

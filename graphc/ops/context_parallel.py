@@ -25,7 +25,7 @@ import torch
 
 from .. import world
 from ..sbp.layout import chunk_range, chunk_sizes
-from .conversions import _SHAPES_ONLY, box, my_group
+from .conversions import box, counting_shapes, my_group
 
 RING_TAG = 0x7C0000   # apart from the pipeline's transfer tags (one queue per peer and tag)
 
@@ -83,7 +83,7 @@ class _Ring:
         sequence block `from_block` (its length sizes the buffers)."""
         size = chunk_sizes(self.seq_len, self.n)[from_block]
         shapes = [_with_rows(t.shape, size) for t in tensors]
-        if _SHAPES_ONLY:
+        if counting_shapes():
             return [t.new_zeros(s) for t, s in zip(tensors, shapes)]
         me = world.current()
         got = [t.new_empty(s) for t, s in zip(tensors, shapes)]
@@ -113,8 +113,8 @@ def _block_scores(q, kb, mask, ring: _Ring, block: int, is_causal: bool, scale: 
         cols = mask if mask.shape[-1] == 1 else mask.narrow(-1, k_start, k_len)
         s = s.masked_fill(~cols, float("-inf")) if cols.dtype == torch.bool else s + cols
     if is_causal:
-        qi = torch.arange(q_start, q_start + q_len).unsqueeze(-1)
-        ki = torch.arange(k_start, k_start + k_len).unsqueeze(0)
+        qi = torch.arange(q_start, q_start + q_len, device=s.device).unsqueeze(-1)
+        ki = torch.arange(k_start, k_start + k_len, device=s.device).unsqueeze(0)
         s = s.masked_fill(ki > qi, float("-inf"))
     return s
 
@@ -133,25 +133,27 @@ def _fold_heads(g, heads: int):
     return g.reshape(shape).sum(-3)
 
 
+def _exp_less(x, lse):
+    """exp(x - lse), zero (not NaN) where lse is -inf: a row that sees no key."""
+    seen = torch.isfinite(lse)
+    return torch.where(seen, torch.exp(x - torch.where(seen, lse, 0)), 0)
+
+
 def _probabilities(s, lse):
-    """exp(s - lse) with rows that see no key (lse -inf) left zero, not NaN."""
-    seen = torch.isfinite(lse).unsqueeze(-1)
-    return torch.where(seen, torch.exp(s - torch.where(seen, lse.unsqueeze(-1), 0)), 0)
+    """The block's softmax probabilities under the whole row's log-sum-exp."""
+    return _exp_less(s, lse.unsqueeze(-1))
 
 
 def merge(out, lse, block_out, block_lse):
     """The softmax over the union of two key sets, from each one's output and log-sum-exp."""
     new = torch.logaddexp(lse, block_lse)
-    seen = torch.isfinite(new)
-    wa = torch.where(seen, torch.exp(lse - torch.where(seen, new, 0)), 0).unsqueeze(-1)
-    wb = torch.where(seen, torch.exp(block_lse - torch.where(seen, new, 0)), 0).unsqueeze(-1)
-    return out * wa + block_out * wb, new
+    return out * _exp_less(lse, new).unsqueeze(-1) + block_out * _exp_less(block_lse, new).unsqueeze(-1), new
 
 
 def _ring_forward(q, k, v, mask, ring: _Ring, is_causal: bool, scale: float):
     """(output, lse) of this rank's queries over the whole ring."""
     out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
     kb, vb = k, v
     for step in range(ring.n):
         block = ring.owner(step)

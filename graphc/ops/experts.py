@@ -69,10 +69,7 @@ def exchange_rows(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], gro
 
 def _exchange_counts(counts: torch.Tensor, group, n: int) -> torch.Tensor:
     """[n, E/n] per-expert counts of my rows for each member -> the members' counts for my experts."""
-    parts = list(counts.view(n, -1).unbind(0))
-    got = [torch.empty_like(p) for p in parts]
-    world.current().all_to_all(got, [p.contiguous() for p in parts], group)
-    return torch.stack(got)
+    return exchange_rows(counts.view(n, -1), [1] * n, [1] * n, group)
 
 
 def expert_parallel(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -101,7 +98,7 @@ def _local_experts(rows: torch.Tensor, received_counts: torch.Tensor, gate_up: t
                    down: torch.Tensor, act: str) -> torch.Tensor:
     """Rows from every member (each member's rows by expert) through this rank's experts;
     the results in the rows' order."""
-    local = torch.arange(gate_up.shape[0]).repeat(received_counts.shape[0])
+    local = torch.arange(gate_up.shape[0], device=rows.device).repeat(received_counts.shape[0])
     expert_of_row = local.repeat_interleave(received_counts.reshape(-1))
     by_expert = torch.argsort(expert_of_row, stable=True)
     sizes: List[int] = received_counts.sum(0).tolist()

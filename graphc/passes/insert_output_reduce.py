@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ..meta import META_SBP, META_STAGE, META_TENSOR
 from ..placement import PartialSum
-from ..plan.instructions import COMPUTE, UNIT_EVENTS, Collective, OutputAllReduce, OverlapFB, TensorSpec
+from ..plan.instructions import COMPUTE, UNIT_EVENTS, Collective, OutputAllReduce, TensorSpec
 from ..plan.plan import ExecutionPlan
 from ..sbp.layout import axis_groups, local_shape
 
@@ -69,5 +69,4 @@ def _after_last_compute(plan: ExecutionPlan, stage: int) -> int:
 
 
 def _runs(ins, stage: int) -> bool:
-    parts = (ins.forward, ins.backward) if isinstance(ins, OverlapFB) else (ins,)
-    return any(p.stage == stage for p in parts)
+    return any(p.stage == stage for p in ins.parts)

@@ -107,6 +107,11 @@ class Instruction:
         """The listing up to its first space: `1F3`, `0SEND_F3`, `1F0.ALL_GATHER`, `ALL_REDUCE`."""
         return str(self).split(" ", 1)[0]
 
+    @property
+    def parts(self) -> Tuple["Instruction", ...]:
+        """What it runs, one after the other: itself (an OverlapFB: its two halves)."""
+        return (self,)
+
     def to_json(self) -> dict:
         return {"op": self.op}
 
@@ -214,6 +219,10 @@ class OverlapFB(Instruction):
     def caption(self) -> str:
         """Both halves' captions, as a chart box shows them: `F3|B1`."""
         return f"{self.forward.caption}|{self.backward.caption}"
+
+    @property
+    def parts(self) -> Tuple[Instruction, ...]:
+        return (self.forward, self.backward)
 
     def __str__(self) -> str:
         return f"({self.forward};{self.backward})OVERLAP_F_B"

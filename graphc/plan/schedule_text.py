@@ -19,7 +19,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from ..errors import GraphcError
 from .instructions import (COMPUTE, Backward, BackwardInput, BackwardWeight, Forward, Instruction,
-                           OverlapFB, parse_instruction)
+                           parse_instruction)
 from .schedules import (INTERLEAVED_LAYOUT, ONE_STAGE_LAYOUT, V_LAYOUT, LayoutFamily, Schedule,
                         compute_order)
 
@@ -41,7 +41,7 @@ def schedule_from_text(name: str, text: str) -> Schedule:
     """
     orders = _parse(name, text)
     p = len(orders)
-    pairs = {(part.stage, part.microbatch) for order in orders for ins in order for part in _parts(ins)}
+    pairs = {(part.stage, part.microbatch) for order in orders for ins in order for part in ins.parts}
     n = max(s for s, _ in pairs) + 1
     m = max(i for _, i in pairs) + 1
     family = _family(name, orders, p, n)
@@ -95,13 +95,9 @@ def _parse(name: str, text: str) -> List[List[Instruction]]:
     return orders
 
 
-def _parts(ins: Instruction) -> Tuple[Instruction, ...]:
-    return (ins.forward, ins.backward) if isinstance(ins, OverlapFB) else (ins,)
-
-
 def _family(name: str, orders, p: int, n: int) -> LayoutFamily:
     """The layout family whose layout gives each rank the stages its order runs."""
-    held = [sorted({part.stage for ins in order for part in _parts(ins)}) for order in orders]
+    held = [sorted({part.stage for ins in order for part in ins.parts}) for order in orders]
     for family in FAMILIES:
         if family.num_stages(p) in (None, n) and n % p == 0 and family.layout(p, n) == held:
             return family
@@ -116,7 +112,7 @@ def _check_rank(name: str, rank: int, order: Sequence[Instruction], stages: Sequ
     """Each (stage, micro-batch) of the rank runs F, then B or I then W, once."""
     ran: Dict[Tuple[int, int], str] = {}
     for k, ins in enumerate(order):
-        for part in _parts(ins):
+        for part in ins.parts:
             key = (part.stage, part.microbatch)
             done = ran.get(key, "") + _PASS[type(part)]
             if not ("FIW".startswith(done) or done == "FB"):

@@ -313,7 +313,7 @@ def peak_live(order: Sequence[Instruction]) -> int:
     """
     live = peak = 0
     for ins in order:
-        for part in (ins.forward, ins.backward) if isinstance(ins, OverlapFB) else (ins,):
+        for part in ins.parts:
             if isinstance(part, Forward):
                 live += 1
                 peak = max(peak, live)

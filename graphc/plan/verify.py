@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PlanError
 from .instructions import (COMPUTE, STAGE_COMPUTES, AllReduce, Backward, BackwardInput, BackwardWeight,
-                           Collective, Forward, Instruction, OverlapFB, Recv, Send)
+                           Collective, Forward, Instruction, Recv, Send)
 from .plan import ExecutionPlan
 
 
@@ -86,7 +86,7 @@ def _check_compute_order(plan: ExecutionPlan) -> None:
     seen: Dict[Tuple[int, int], str] = {}
     last: Dict[Tuple[int, int], int] = {}
     for i, ins in enumerate(plan.instructions):
-        parts = (ins.forward, ins.backward) if isinstance(ins, OverlapFB) else (ins,)
+        parts = ins.parts
         for part in parts:
             if type(part) not in STAGE_COMPUTES:
                 continue

@@ -188,10 +188,8 @@ def _replay_stage_here(prog, compiled, optimizer, repeats: int, rank: int) -> _S
 
 def _parts(ins: Instruction) -> tuple:
     """The compute (and optimizer step) an instruction runs: an OverlapFB's two halves."""
-    if isinstance(ins, OverlapFB):
-        return ins.forward, ins.backward
-    return (ins,) if isinstance(ins, (Forward, Backward, BackwardInput, BackwardWeight,
-                                      OptimizerStep)) else ()
+    return ins.parts if isinstance(ins, (OverlapFB, Forward, Backward, BackwardInput, BackwardWeight,
+                                         OptimizerStep)) else ()
 
 
 def _rebuild_optimizer(module, graph_opt):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Dict, Sequence, Tuple
 
-from ...plan.instructions import Backward, BackwardInput, BackwardWeight, Forward, OverlapFB, Recv
+from ...plan.instructions import Backward, BackwardInput, BackwardWeight, Forward, Recv
 from ...plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..cost_model import CostModel
 
@@ -30,7 +30,7 @@ def activation_peak(plan: ExecutionPlan, costs: CostModel) -> int:
     held: Dict[Tuple[int, int], int] = {}
     live = peak = 0
     for ins in plan.instructions:
-        for part in (ins.forward, ins.backward) if isinstance(ins, OverlapFB) else (ins,):
+        for part in ins.parts:
             if not isinstance(part, (Forward, Backward, BackwardInput, BackwardWeight)):
                 continue
             key, whole = (part.stage, part.microbatch), act.get(part.stage, 0)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from ...plan.instructions import (AllGather, AllReduce, Backward, BackwardInput, BackwardWeight,
-                                  ClipGradNorm, Forward, OptimizerStep, OverlapFB, ReduceScatter,
+                                  ClipGradNorm, Forward, OptimizerStep, ReduceScatter,
                                   ReleaseParams, TieAllReduce, UnitGather, UnitRelease)
 from ...plan.plan import ExecutionPlan, checkpointed_microbatches
 from ...sbp.layout import chunk_range
@@ -110,7 +110,7 @@ def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostMod
     parts: Dict[int, int] = {}              # REDUCE_SCATTER parts kept as shard gradients
     for i, ins in enumerate(plan.instructions):
         label = f"{i}: {ins}"[:80]
-        for part in (ins.forward, ins.backward) if ins.runs == OverlapFB.runs else (ins,):
+        for part in ins.parts:
             if part.runs == Forward.runs:
                 key = (part.stage, part.microbatch)
                 saved[key] = inputs.get(part.stage, 0) if part.microbatch in recomputed \

@@ -258,8 +258,8 @@ def _vectors(guards: Sequence[Guard]):
             same.append((table, key, g.same))
         elif table is not None and key in table and _inline(g.expected):
             plain.append((table, key, g.expected))
-        elif table is not None and key in table and _plain_tuple(g.expected) is not None:
-            tuples.append((table, key, _plain_tuple(g.expected)))
+        elif table is not None and key in table and (values := _plain_tuple(g.expected)) is not None:
+            tuples.append((table, key, values))
         elif (table is not None and len(g.source) == 3 and g.same is MISSING and _inline(g.expected)
               and hasattr(g.source[2], key)):
             absent.append((table, key))
@@ -324,7 +324,7 @@ def _guard_lines(i: int, g: Guard, scope: Dict[str, Any], fail: str) -> List[str
     kind, raw = g.expected if isinstance(g.expected, tuple) and len(g.expected) == 2 else (None, None)
     if kind in (bool, type(None)):
         return lines + [f"    if v is not {raw!r}: {fail}"]
-    if kind in _INLINE_TYPES and not (kind is float and math.isnan(raw)):
+    if _inline(g.expected):
         scope[f"t{i}"], scope[f"x{i}"] = kind, raw
         return lines + [f"    if type(v) is not t{i} or v != x{i}: {fail}"]
     if _plain_tuple(g.expected) is not None:   # a tuple of plain values (an autocast state)

@@ -10,6 +10,9 @@ stamps its traces, and shows the step's result in the form a reader needs:
 - execution plans: `str(plan)` of every rank, or of the first rank of each stage when there
   are more than PLANS_SHOWN_UP_TO ranks (a stage's ranks differ only in peers and groups);
 - anything else (the stages, the meshes): its `str`, one item a line.
+
+A compile of some ranks' plans (a rank's own, at startup) keeps each step's name and time
+without its text (See NOTE: History of a rank's compile, compiler.py).
 """
 from __future__ import annotations
 

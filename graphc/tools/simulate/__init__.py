@@ -32,6 +32,7 @@ The package, by concern:
   * model_state.py: model-state bytes per rank (parameters, gradients, optimizer state);
   * peak.py: the step's predicted peak memory per rank and the instruction holding it;
   * folding.py: rank folding (classes of ranks that share one timeline);
+  * classes.py: a world of plan templates simulated by its templates (NOTE: Simulated classes);
   * result.py: what a simulation returns (SimResult, RankSummary, SimTimeline);
   * codes.py: the op tuples the engine runs, one per instruction, and their codes.
 
@@ -45,9 +46,11 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ...plan.plan import ExecutionPlan
+from ...plan.templates import PlanWorld
 # the timeline vocabulary, shared with the measured traces the runtime writes
 from ...runtime.trace import Span, Timeline
 from ..cost_model import CostModel
+from .classes import simulate_classes
 from .engine import _Simulation
 from .memory import activation_peak, stage_input_bytes
 from .model_state import ModelInputs, ModelState, ParamSpec, model_inputs, model_state
@@ -77,6 +80,10 @@ def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, found {steps}")
+    if isinstance(plans, PlanWorld):   # templates: one timeline per class (NOTE: Simulated classes)
+        result = simulate_classes(plans, costs, steps, cores, model)
+        if result is not None:
+            return result
     sim = _Simulation(plans, costs, steps, cores)
     sim.run()
     result = sim.result()

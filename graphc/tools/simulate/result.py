@@ -33,6 +33,9 @@ class SimResult:
     step_ends: List[float] = field(default_factory=list)   # when the last rank ended each step
     steps: int = 1
     model_note: str = ""       # where the optimizer's state count came from (with model state)
+    # template rank -> the ranks it stands for, where the world was simulated by its templates
+    # (NOTE: Simulated classes): the table shows one row per class
+    classes: Optional[Dict[int, List[int]]] = None
 
     @property
     def first_step_time(self) -> float:
@@ -53,8 +56,10 @@ class SimResult:
         if model:
             head += (f"  {'params MiB':>10}  {'grads MiB':>10}  {'optim MiB':>10}  {'model MiB':>10}"
                      f"  {'peak MiB':>10}  peak at")
+        if self.classes is not None:
+            head += "  stands for"
         rows = [head]
-        for r in self.ranks:
+        for r in self._shown_ranks():
             row = (f"{r.rank:>4}  {','.join(map(str, r.stages)) or '-':>6}  "
                    f"{r.busy * scale:>12.3f}  {r.finish * scale:>12.3f}  {r.bubble:>7.1%}  "
                    f"{r.peak_live_microbatches:>7}  {r.peak_activation_bytes / 2**20:>12.3f}")
@@ -63,6 +68,8 @@ class SimResult:
                 row += "".join(f"  {b / 2**20:>10.3f}" for b in (m.params, m.grads, m.optimizer, m.total))
             if r.memory is not None:
                 row += f"  {r.memory.peak / 2**20:>10.3f}  {r.memory.at}"
+            if self.classes is not None:
+                row += f"  {_progression(self.classes[r.rank])}"
             rows.append(row)
         what = (f"steady-state step time (period over {self.steps} steps; first step "
                 f"{self.first_step_time * scale:.3f} {unit})" if self.steps > 1 else "step time")
@@ -73,7 +80,26 @@ class SimResult:
                         f"at the optimizer step, optimizer state ({self.model_note}); peak: the "
                         "step's predicted highest bytes and the instruction holding it "
                         "(NOTE: Peak memory model)")
+        if self.classes is not None:
+            rows.append(f"{len(self.ranks)} ranks simulated as {len(self.classes)} classes: each row is a "
+                        "template rank and every rank its plan stands for (NOTE: Simulated classes)")
         return "\n".join(rows)
+
+    def _shown_ranks(self) -> List[RankSummary]:
+        """Every rank's row, or one per class (its template's) where classes were simulated."""
+        if self.classes is None:
+            return self.ranks
+        return [r for r in self.ranks if r.rank in self.classes]
+
+
+def _progression(ranks: List[int]) -> str:
+    """[1, 5, 9, 13] -> '1, 5, ..., 13 (4 ranks)'; a short list as it is."""
+    if len(ranks) <= 3:
+        return ", ".join(map(str, ranks))
+    steps = {b - a for a, b in zip(ranks, ranks[1:])}
+    if len(steps) == 1:
+        return f"{ranks[0]}, {ranks[1]}, ..., {ranks[-1]} ({len(ranks)} ranks)"
+    return f"{ranks[0]}, {ranks[1]}, ... ({len(ranks)} ranks)"
 
 
 class SimTimeline(Mapping):

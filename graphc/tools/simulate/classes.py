@@ -133,7 +133,7 @@ class ClassTimeline(Mapping):
         self._signatures: Dict[int, tuple] = {}
 
     def __getitem__(self, rank: int) -> List[Span]:
-        return [s._replace(rank=rank) for s in self._templates[self._template_of[rank]]]
+        return self._templates.spans(self._template_of[rank], shown_as=rank)
 
     def __iter__(self) -> Iterator[int]:
         return iter(sorted(self._template_of))

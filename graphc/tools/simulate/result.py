@@ -110,9 +110,14 @@ class SimTimeline(Mapping):
         self._plans, self._shown, self._starts, self._ends = plans, shown, starts, ends
 
     def __getitem__(self, rank: int) -> List[Span]:
+        return self.spans(rank)
+
+    def spans(self, rank: int, shown_as: Optional[int] = None) -> List[Span]:
+        """rank's Spans, each under the rank `shown_as` (default its own): a rank of a class
+        shows its template's (NOTE: Simulated classes)."""
         labels, kinds, mbs = self._shown[rank]
-        n = len(labels)
-        return [Span(rank, k % n, labels[k % n], kinds[k % n], mbs[k % n], t0, t1, k // n)
+        n, shown_as = len(labels), rank if shown_as is None else shown_as
+        return [Span(shown_as, k % n, labels[k % n], kinds[k % n], mbs[k % n], t0, t1, k // n)
                 for k, (t0, t1) in enumerate(zip(self._starts[rank], self._ends[rank]))]
 
     def __iter__(self) -> Iterator[int]:

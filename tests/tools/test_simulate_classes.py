@@ -55,7 +55,10 @@ def test_the_classes_simulate_every_rank(monkeypatch):
     assert classes.classes is not None and len(classes.classes) == 4
     assert every.classes is None
     _same(classes, every)
-    assert "stands for" in classes.table() and len(classes.table().splitlines()) < len(every.table().splitlines())
+    assert classes.table() == every.table()            # a small world: a row per rank
+    folded = classes.table(every_rank=False).splitlines()
+    assert "stands for" in folded[0] and len(folded) == len(every.table().splitlines()) - 16 + 4 + 1
+    assert folded[2].split()[0] == "1" and folded[2].endswith("1, 3, ..., 7 (4 ranks)")
 
 
 def test_costs_that_differ_by_row_simulate_every_rank(monkeypatch):

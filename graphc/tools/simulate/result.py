@@ -12,6 +12,9 @@ from .model_state import ModelState
 from .peak import MemoryPeak
 
 
+EVERY_RANK_BELOW = 64   # a simulated world this small gets a table row per rank, classes or not
+
+
 @dataclass
 class RankSummary:
     rank: int
@@ -47,19 +50,24 @@ class SimResult:
         working = [r.bubble for r in self.ranks if r.stages]
         return sum(working) / len(working) if working else 0.0
 
-    def table(self, unit: str = "ms", scale: float = 1e3) -> str:
+    def table(self, unit: str = "ms", scale: float = 1e3, every_rank: Optional[bool] = None) -> str:
         """A per-rank table: compute, finish, bubble, peak live micro-batches and memory (and
-        model state: parameters, gradients, optimizer state, where simulated)."""
+        model state: parameters, gradients, optimizer state, where simulated).
+
+        every_rank: a row per rank, or (False) one per class where the world was simulated
+        by classes; None: per rank below EVERY_RANK_BELOW ranks."""
         model = any(r.model_state is not None for r in self.ranks)
+        folded = self.classes is not None and not (
+            every_rank if every_rank is not None else len(self.ranks) < EVERY_RANK_BELOW)
         head = (f"{'rank':>4}  {'stages':>6}  {'compute ' + unit:>12}  {'finish ' + unit:>12}  "
                 f"{'bubble':>7}  {'live mb':>7}  {'peak act MiB':>12}")
         if model:
             head += (f"  {'params MiB':>10}  {'grads MiB':>10}  {'optim MiB':>10}  {'model MiB':>10}"
                      f"  {'peak MiB':>10}  peak at")
-        if self.classes is not None:
+        if folded:
             head += "  stands for"
         rows = [head]
-        for r in self._shown_ranks():
+        for r in self._shown_ranks(folded):
             row = (f"{r.rank:>4}  {','.join(map(str, r.stages)) or '-':>6}  "
                    f"{r.busy * scale:>12.3f}  {r.finish * scale:>12.3f}  {r.bubble:>7.1%}  "
                    f"{r.peak_live_microbatches:>7}  {r.peak_activation_bytes / 2**20:>12.3f}")
@@ -68,7 +76,7 @@ class SimResult:
                 row += "".join(f"  {b / 2**20:>10.3f}" for b in (m.params, m.grads, m.optimizer, m.total))
             if r.memory is not None:
                 row += f"  {r.memory.peak / 2**20:>10.3f}  {r.memory.at}"
-            if self.classes is not None:
+            if folded:
                 row += f"  {_progression(self.classes[r.rank])}"
             rows.append(row)
         what = (f"steady-state step time (period over {self.steps} steps; first step "
@@ -80,16 +88,14 @@ class SimResult:
                         f"at the optimizer step, optimizer state ({self.model_note}); peak: the "
                         "step's predicted highest bytes and the instruction holding it "
                         "(NOTE: Peak memory model)")
-        if self.classes is not None:
-            rows.append(f"{len(self.ranks)} ranks simulated as {len(self.classes)} classes: each row is a "
+        if folded:
+            rows.append(f"simulated as classes: {len(self.ranks)} ranks in {len(self.classes)}, each row a "
                         "template rank and every rank its plan stands for (NOTE: Simulated classes)")
         return "\n".join(rows)
 
-    def _shown_ranks(self) -> List[RankSummary]:
-        """Every rank's row, or one per class (its template's) where classes were simulated."""
-        if self.classes is None:
-            return self.ranks
-        return [r for r in self.ranks if r.rank in self.classes]
+    def _shown_ranks(self, folded: bool) -> List[RankSummary]:
+        """Every rank's row, or one per class (its template's)."""
+        return [r for r in self.ranks if r.rank in self.classes] if folded else self.ranks
 
 
 def _progression(ranks: List[int]) -> str:

@@ -155,6 +155,12 @@ class PlanWorld(Sequence):
         return self._invariant(group)
 
     @property
+    def instances_made(self) -> int:
+        """How many ranks' plans were made from their templates so far (tools that read
+        the templates alone make none: NOTE: Simulated classes)."""
+        return sum(1 for r in self._made if r not in self.templates)
+
+    @property
     def replaced_ranks(self) -> List[int]:
         """Ranks whose plan was replaced alone (__setitem__): no template stands for them."""
         return sorted(self._replaced)

@@ -5,6 +5,8 @@ import dataclasses
 import os
 import sys
 
+import pytest
+
 from graphc import compiler
 from graphc.executable import input_specs
 from graphc.plan.templates import PlanWorld
@@ -16,15 +18,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmar
 import plan_scale  # noqa: E402
 
 
-def _world(monkeypatch, pp, dp, tp, m=4):
-    world = pp * dp * tp
-    for k, v in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", world)):
-        monkeypatch.setenv(k, str(v))
-    graph, inputs = plan_scale.mlp_graph(pp, dp, tp, m)
-    specs = input_specs(inputs)
-    compiled = compiler.compile(graph, [s.example() for s in specs], world, [s.layout for s in specs])
-    assert isinstance(compiled.plans, PlanWorld)
-    return compiled
+@pytest.fixture(scope="module")
+def compiled():
+    """The MLP on pipeline 2 x data 4 x tensor 2 (16 ranks: 4 templates stand for 4 rows),
+    compiled for the whole world once for the file."""
+    pp, dp, tp, world = 2, 4, 2, 16
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", world)):
+            mp.setenv(k, str(v))
+        graph, inputs = plan_scale.mlp_graph(pp, dp, tp, 4)
+        specs = input_specs(inputs)
+        out = compiler.compile(graph, [s.example() for s in specs], world, [s.layout for s in specs])
+    assert isinstance(out.plans, PlanWorld)
+    return out
 
 
 def _costs(compiled, ranks_per_node):
@@ -45,8 +51,7 @@ def _same(classes, every):
         assert classes.timeline[rank] == every.timeline[rank], f"rank {rank}"
 
 
-def test_the_classes_simulate_every_rank(monkeypatch):
-    compiled = _world(monkeypatch, 2, 4, 2)           # 16 ranks: 4 templates stand for 4 rows
+def test_the_classes_simulate_every_rank(compiled):
     costs = _costs(compiled, ranks_per_node=8)          # each row's groups inside one node
     model = model_inputs(compiled)                     # model state and peak memory too
     classes = simulate(compiled.plans, costs, steps=3, model=model)
@@ -61,8 +66,7 @@ def test_the_classes_simulate_every_rank(monkeypatch):
     assert folded[2].split()[0] == "1" and folded[2].endswith("1, 3, ..., 7 (4 ranks)")
 
 
-def test_costs_that_differ_by_row_simulate_every_rank(monkeypatch):
-    compiled = _world(monkeypatch, 2, 4, 2)
+def test_costs_that_differ_by_row_simulate_every_rank(compiled):
     costs = _costs(compiled, ranks_per_node=3)          # row 1's tensor group {2, 3} crosses nodes
     result = simulate(compiled.plans, costs, steps=2)
     assert result.classes is None

@@ -216,6 +216,9 @@ class Runtime:
             s: StageExecutor(prog, plan.training, prog.loss_weight(m), ckpt, memory_stats)
             for s, prog in programs.items()}
         self.memory_stats = memory_stats   # config.set_memory_stats: StepStats.max_live_bytes
+        # called as (instruction index, step values) after each instruction: a measurement
+        # (the memory probe of NOTE: Measured peak memory) or None
+        self.after_instruction = None
         self.compiled: Dict[int, CompileRecord] = {}   # NOTE: Compiled stages, filled below
         # ZeRO's shards (See NOTE: ZeRO in zero.py): the optimizer holds them from here on
         self.zero = (ZeroShards.from_plan(plan, list(programs.values()), optimizer, masters)
@@ -442,6 +445,8 @@ class Runtime:
             self.zero.launch_gather(gather)
         with record_function(range_name) if profiling and range_name else _NO_RANGE:
             self.run_entries[ins.runs](ins, step)
+        if self.after_instruction is not None:
+            self.after_instruction(i, step)
         if self.trace:
             step.stats.events.append((str(ins), t0, time.perf_counter()))
 

@@ -69,6 +69,7 @@ class StageExecutor:
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._state = list(module.parameters()) + list(module.buffers())
         self._buffers = dict(module.named_buffers())
+        self.watch_saved = None   # called with each activation autograd saves (with count_bytes)
         self.units = None   # ZeRO stage 3 gathered per unit: a UnitGatherer (NOTE: ZeRO units)
         # what a forward calls: the program itself, or its compiled pieces (NOTE: Compiled stages)
         self.compute = module
@@ -141,6 +142,8 @@ class StageExecutor:
             ptr = storage.data_ptr()
             if ptr not in fixed and ptr not in seen:
                 seen[ptr] = storage.nbytes()
+                if self.watch_saved is not None:
+                    self.watch_saved(t)
             return t
         return pack
 

@@ -239,31 +239,29 @@ def _output_grads(prog, outs) -> List:
 class _SavedBytes:
     """Counts the bytes autograd saves for backward: a stage's activation memory.
 
-    Parameters saved for backward (a linear's weight, or a view of it) are weights, not
-    activations, and are skipped.
+    Each saved storage counts once and whole (views of one tensor, as a split's q, k and v,
+    share it), as a running rank holds it (NOTE: Measured peak memory). Parameters saved for
+    backward (a linear's weight, or a view of it) are weights, not activations, and are
+    skipped.
     """
 
     def __init__(self, module, fake_params=()):
-        self.param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self.fake_params = {id(p) for p in fake_params}
-
-    def _key(self, t):
-        from torch._subclasses.fake_tensor import FakeTensor
-        if isinstance(t, FakeTensor):       # fake tensors have no storage address
-            base = t._base if t._base is not None else t
-            return None if id(base) in self.fake_params else id(t)
-        ptr = t.untyped_storage().data_ptr()
-        return None if ptr in self.param_storages else (ptr, t.dtype, tuple(t.shape), t.stride())
+        # a storage by its StorageImpl (fake tensors have no address)
+        self.param_storages = {p.untyped_storage()._cdata
+                               for p in [*module.parameters(), *fake_params]}
 
     def __enter__(self):
         self.nbytes = 0
+        self.kept = []      # the counted storages alive, so no address is reused while counting
         seen = set()
 
         def pack(t):
-            key = self._key(t)
-            if key is not None and key not in seen:
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key not in self.param_storages and key not in seen:
                 seen.add(key)
-                self.nbytes += t.numel() * t.element_size()
+                self.kept.append(storage)
+                self.nbytes += storage.nbytes()
             return t
 
         self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)

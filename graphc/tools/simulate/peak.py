@@ -53,6 +53,7 @@ class MemoryPeak:
     peak: int                    # the step's highest bytes
     at: str                      # the instruction whose end (or inside) holds the peak
     parts: Dict[str, int] = field(default_factory=dict)   # the peak by kind of tensor
+    series: Tuple[int, ...] = ()   # bytes held at the end of each instruction, in plan order
 
     def fits(self, capacity: int) -> bool:
         return self.peak <= capacity
@@ -95,9 +96,7 @@ def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostMod
     state = model_state(plan, params)
     stage = zero_stage(plan) if plan.training else 0
     by_name = {n: p for p in params for n in p.names}
-    reduced = _reduced_names(plan)
-    kept = _kept_grad_bytes(plan, stage) + sum(
-        _grad_bytes(p) for p in {id(p): p for p in params}.values() if not set(p.names) & reduced)
+    kept = _kept_grad_bytes(plan, stage)
     held = _Held({"parameters": state.params, "optimizer": state.optimizer, "gradient buffers": kept})
     base = held.total
     act, inputs = costs.activation_bytes, stage_input_bytes(plan, costs)
@@ -107,6 +106,7 @@ def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostMod
     graded: Set[int] = set()
     gathered: Dict[str, int] = {}           # stage 3: whole parameters gathered, until RELEASE
     launched: List[int] = []                # gathers launched by the optimizer step
+    series: List[int] = []
     parts: Dict[int, int] = {}              # REDUCE_SCATTER parts kept as shard gradients
     for i, ins in enumerate(plan.instructions):
         label = f"{i}: {ins}"[:80]
@@ -140,10 +140,9 @@ def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostMod
                     launched.append(buf)
                     held.add("communication", buf)
                     held.mark(label)
-            if stage in (2, 3):
-                held.add("gradients", -sum(parts.values()))
-                parts.clear()
+            parts.clear()
             held.mark(label)
+            held.add("gradients", -held.parts.get("gradients", 0))   # zero_grad(set_to_none)
         elif event == "gather":
             if stage == 3:
                 buf = _gather_buffer(ins, gather_copies)
@@ -157,8 +156,9 @@ def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostMod
             held.mark(label)
         elif event == "release":
             held.add("gathered parameters", -sum(gathered.pop(t.name, 0) for t in ins.tensors))
+        series.append(held.total)
     parts_at = {k: v for k, v in held.at_parts.items() if v}
-    return MemoryPeak(plan.rank, base, held.peak, held.at, parts_at)
+    return MemoryPeak(plan.rank, base, held.peak, held.at, parts_at, tuple(series))
 
 
 # What each instruction kind does to a rank's memory, by its class exactly (no isinstance
@@ -183,18 +183,6 @@ def _backward(held: _Held, part, label: str, saved, act, graded: Set[int], grads
     if not isinstance(part, BackwardInput):
         held.add("activations", -saved.pop(key, 0))
     held.mark(label)
-
-
-def _reduced_names(plan: ExecutionPlan) -> Set[str]:
-    """The parameters some gradient collective names (their gradients are dropped once
-    reduced; any other trained parameter keeps a gradient buffer between steps)."""
-    out: Set[str] = set()
-    for ins in plan.instructions:
-        if type(ins) in (ReduceScatter, AllReduce):   # by kind exactly
-            out |= {t.name for t in ins.tensors}
-        elif type(ins) is TieAllReduce:
-            out |= set(ins.params)
-    return out
 
 
 def _kept_grad_bytes(plan: ExecutionPlan, stage: int) -> int:

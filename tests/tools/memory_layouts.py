@@ -99,8 +99,10 @@ def predicted_peaks(layout: str) -> Dict[int, MemoryPeak]:
     reads: the whole parameters, no process group)."""
     graph = Gpt(layout)
     compiled = compile_graph(graph, _inputs(layout), LAYOUTS[layout])
-    params, costs = model_inputs(compiled, graph._optimizer).params, device_costs(compiled, "h100")
-    return {p.rank: memory_peak(p, params[p.rank], costs) for p in compiled.plans}
+    model, costs = model_inputs(compiled, graph._optimizer), device_costs(compiled, "h100")
+    # the local world's gathers copy nothing beyond their packed parts
+    return {p.rank: memory_peak(p, model.params[p.rank], costs, gather_copies=0,
+                                batch=model.batch[p.rank]) for p in compiled.plans}
 
 
 def rank_peaks(layout: str, steps: int = 3) -> List[RankPeak]:
@@ -115,7 +117,7 @@ def rank_peaks(layout: str, steps: int = 3) -> List[RankPeak]:
             graph(*_inputs(layout, rank))
         plan, mine = graph.plan, predicted[rank]
         series = tuple((str(plan.instructions[i])[:60], mine.series[i], b) for i, b in probe.series)
-        return RankPeak(rank, mine.peak, probe.peak, mine.at, probe.at, series)
+        return RankPeak(rank, mine.between, probe.peak, mine.between_at, probe.at, series)
     return LocalWorld(LAYOUTS[layout]).run(rank_main)
 
 

@@ -84,6 +84,7 @@ def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
         by_rank = {p.rank: p for p in plans}
         for r in result.ranks:
             r.model_state = model_state(by_rank[r.rank], model.params.get(r.rank, ()))
-            r.memory = memory_peak(by_rank[r.rank], model.params.get(r.rank, ()), costs)
+            r.memory = memory_peak(by_rank[r.rank], model.params.get(r.rank, ()), costs,
+                                   batch=model.batch.get(r.rank, 0))
         result.model_note = model.optimizer
     return result

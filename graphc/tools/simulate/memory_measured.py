@@ -23,7 +23,7 @@ tests/tools/test_memory_measured.py compares the two per rank (tolerance stated 
 from __future__ import annotations
 
 from collections import deque
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -48,10 +48,12 @@ class MemoryProbe:
         self.runtime, self.optimizer = runtime, optimizer
         self.saved: Dict[int, Tuple[StorageWeakRef, int]] = {}   # address -> (storage, bytes)
         self.series: List[Tuple[int, int]] = []   # this step's (instruction index, bytes)
-        runtime.after_instruction = self._measure
+        self.step = None      # the running step's values
+        self.now = 0          # the running instruction
+        runtime.probe = self
         for ex in runtime.executors.values():
             ex.count_bytes = True
-            ex.watch_saved = self._saw
+            ex.watch_saved, ex.recomputed = self._saw, self._inside
 
     @classmethod
     def attach(cls, graph) -> "MemoryProbe":
@@ -65,17 +67,24 @@ class MemoryProbe:
     @property
     def at(self) -> str:
         """The instruction whose end holds the peak, as memory_peak names it."""
-        i, _ = max(self.series, key=lambda ib: ib[1])
+        i, _ = max(self.series, key=lambda ib: ib[1])   # the first of equal ones
         return f"{i}: {self.runtime.plan.instructions[i]}"[:80]
 
     def _saw(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         self.saved[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
 
-    def _measure(self, i: int, step) -> None:
+    def before(self, i: int, step) -> None:
         if i == 0:
             self.series = []
+        self.step, self.now = step, i
+
+    def after(self, i: int, step) -> None:
         self.series.append((i, self.held_bytes(step)))
+
+    def _inside(self) -> None:
+        """A point inside the running instruction (a checkpointed micro-batch recomputed)."""
+        self.series.append((self.now, self.held_bytes(self.step)))
 
     def held_bytes(self, step=None) -> int:
         """Bytes of the distinct live storages this rank holds now."""
@@ -150,8 +159,3 @@ def _fields(obj) -> list:
         for name in getattr(cls, "__slots__", ()):
             out.append(getattr(obj, name, None))
     return out
-
-
-def measured_peak(probe: MemoryProbe) -> Optional[Tuple[int, str]]:
-    """(bytes, instruction) of the probe's last step, None before one ran."""
-    return (probe.peak, probe.at) if probe.series else None

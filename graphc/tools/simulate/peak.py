@@ -32,16 +32,13 @@ real gloo ranks (the profiler's allocator events) and states the tolerance.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Sequence, Tuple
 
-from ...plan.instructions import (AllGather, AllReduce, Backward, BackwardInput, BackwardWeight,
-                                  ClipGradNorm, Forward, OptimizerStep, ReduceScatter,
-                                  ReleaseParams, TieAllReduce, UnitGather, UnitRelease)
-from ...plan.plan import ExecutionPlan, checkpointed_microbatches
-from ...sbp.layout import chunk_range
+from ...plan.instructions import AllReduce, ReduceScatter
+from ...plan.plan import ExecutionPlan
 from ..cost_model import CostModel
-from .memory import stage_input_bytes
-from .model_state import ParamSpec, model_state, zero_stage
+from .memory_walk import Walk
+from .model_state import ParamSpec, zero_stage
 
 
 @dataclass(frozen=True)
@@ -54,36 +51,15 @@ class MemoryPeak:
     at: str                      # the instruction whose end (or inside) holds the peak
     parts: Dict[str, int] = field(default_factory=dict)   # the peak by kind of tensor
     series: Tuple[int, ...] = ()   # bytes held at the end of each instruction, in plan order
+    between: int = 0             # the highest where a probe measures (NOTE: Measured peak memory)
+    between_at: str = ""
 
     def fits(self, capacity: int) -> bool:
         return self.peak <= capacity
 
 
-class _Held:
-    """Bytes held by kind while the walk goes; the highest total seen and where."""
-
-    def __init__(self, base: Dict[str, int]):
-        self.parts = dict(base)
-        self.peak, self.at, self.at_parts = self.total, "step start", dict(self.parts)
-
-    @property
-    def total(self) -> int:
-        return sum(self.parts.values())
-
-    def add(self, kind: str, nbytes: int) -> None:
-        self.parts[kind] = self.parts.get(kind, 0) + nbytes
-
-    def mark(self, where: str, extra: Optional[Dict[str, int]] = None) -> None:
-        extra = extra or {}
-        total = self.total + sum(extra.values())
-        if total > self.peak:
-            self.peak, self.at = total, where
-            self.at_parts = {k: self.parts.get(k, 0) + extra.get(k, 0)
-                             for k in [*self.parts, *(k for k in extra if k not in self.parts)]}   # in a fixed order
-
-
 def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostModel,
-                gather_copies: int = 1) -> MemoryPeak:
+                gather_copies: int = 1, recv_window: int = 2, batch: int = 0) -> MemoryPeak:
     """The rank's predicted peak over one steady step (See NOTE: Peak memory model).
 
     Args:
@@ -91,136 +67,17 @@ def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostMod
         params: the rank's ParamSpecs (model_inputs(compiled, optimizer).params[rank]).
         costs: a CostModel with activation_bytes (and input_bytes) per stage.
         gather_copies: extra copies of a gathered bucket the transport makes (gloo's
-            all-gather into one tensor copies the gathered parts once: 1; NCCL: 0).
+            all-gather into one tensor copies the gathered parts once: 1; NCCL and the local
+            world: 0).
+        recv_window: receives posted ahead per peer (config.set_recv_window).
+        batch: bytes of the user's inputs the rank reads (ModelInputs.batch).
     """
-    state = model_state(plan, params)
-    stage = zero_stage(plan) if plan.training else 0
-    by_name = {n: p for p in params for n in p.names}
-    kept = _kept_grad_bytes(plan, stage)
-    held = _Held({"parameters": state.params, "optimizer": state.optimizer, "gradient buffers": kept})
-    base = held.total
-    act, inputs = costs.activation_bytes, stage_input_bytes(plan, costs)
-    recomputed = checkpointed_microbatches(plan.checkpointing, plan.num_microbatches)
-    grads_of = _stage_grad_bytes(plan, params)
-    saved: Dict[Tuple[int, int], int] = {}
-    graded: Set[int] = set()
-    gathered: Dict[str, int] = {}           # stage 3: whole parameters gathered, until RELEASE
-    launched: List[int] = []                # gathers launched by the optimizer step
-    series: List[int] = []
-    parts: Dict[int, int] = {}              # REDUCE_SCATTER parts kept as shard gradients
-    for i, ins in enumerate(plan.instructions):
-        label = f"{i}: {ins}"[:80]
-        for part in ins.parts:
-            if part.runs == Forward.runs:
-                key = (part.stage, part.microbatch)
-                saved[key] = inputs.get(part.stage, 0) if part.microbatch in recomputed \
-                    else act.get(part.stage, 0)
-                held.add("activations", saved[key])
-                held.mark(label)
-            elif part.runs in _BACKWARDS:
-                _backward(held, part, label, saved, act, graded, grads_of)
-        event = MEMORY_EVENTS.get(type(ins))
-        if event == "scatter":
-            whole = sum(_grad_bytes(by_name[t.name]) for t in ins.tensors)
-            padded = ins.padded_nbytes
-            part_bytes = padded // len(ins.ranks)
-            held.mark(label, {"communication": padded + part_bytes})
-            held.add("gradients", -whole)
-            if stage != 1:
-                parts[i] = part_bytes
-                held.add("gradients", part_bytes)
-        elif event == "reduce":
-            held.mark(label)
-            held.add("gradients", -sum(_grad_bytes(by_name[t.name]) for t in ins.tensors
-                                       if t.name in by_name))
-        elif event == "step":
-            if stage in (1, 2):
-                for g in (x for x in plan.instructions if isinstance(x, AllGather)):
-                    buf = _gather_buffer(g, gather_copies)
-                    launched.append(buf)
-                    held.add("communication", buf)
-                    held.mark(label)
-            parts.clear()
-            held.mark(label)
-            held.add("gradients", -held.parts.get("gradients", 0))   # zero_grad(set_to_none)
-        elif event == "gather":
-            if stage == 3:
-                buf = _gather_buffer(ins, gather_copies)
-                whole = {t.name: by_name[t.name].nbytes - _rows_bytes(by_name[t.name], ins, plan.rank)
-                         for t in ins.tensors}
-                held.mark(label, {"communication": buf, "gathered parameters": sum(whole.values())})
-                gathered.update(whole)
-                held.add("gathered parameters", sum(whole.values()))
-            elif launched:
-                held.add("communication", -launched.pop(0))
-            held.mark(label)
-        elif event == "release":
-            held.add("gathered parameters", -sum(gathered.pop(t.name, 0) for t in ins.tensors))
-        series.append(held.total)
+    walk = Walk(plan, params, costs, gather_copies, recv_window, batch)
+    walk.run()
+    held = walk.held
     parts_at = {k: v for k, v in held.at_parts.items() if v}
-    return MemoryPeak(plan.rank, base, held.peak, held.at, parts_at, tuple(series))
-
-
-# What each instruction kind does to a rank's memory, by its class exactly (no isinstance
-# order: a unit gather gathers, a clip's all-reduce frees gradients as a sum's does); a kind
-# not listed holds nothing beyond its compute (tests/tools check every key is an instruction).
-MEMORY_EVENTS = {ReduceScatter: "scatter", AllReduce: "reduce", TieAllReduce: "reduce",
-                 ClipGradNorm: "reduce", OptimizerStep: "step", AllGather: "gather",
-                 UnitGather: "gather", ReleaseParams: "release", UnitRelease: "release"}
-_BACKWARDS = frozenset(cls.runs for cls in (Backward, BackwardInput, BackwardWeight))
-
-
-def _backward(held: _Held, part, label: str, saved, act, graded: Set[int], grads_of) -> None:
-    key = (part.stage, part.microbatch)
-    whole = act.get(part.stage, 0)
-    if not isinstance(part, BackwardWeight):
-        held.add("activations", whole - saved.get(key, 0))   # a checkpointed one recomputes
-        saved[key] = whole
-        held.mark(label)
-    if part.stage not in graded and not isinstance(part, BackwardInput):
-        graded.add(part.stage)
-        held.add("gradients", grads_of.get(part.stage, 0))
-    if not isinstance(part, BackwardInput):
-        held.add("activations", -saved.pop(key, 0))
-    held.mark(label)
-
-
-def _kept_grad_bytes(plan: ExecutionPlan, stage: int) -> int:
-    """The gradient buffers kept between steps: each ALL_REDUCE bucket (data parallel, ties)
-    and, at ZeRO stage 1, each REDUCE_SCATTER's packed bucket."""
-    out = 0
-    for ins in plan.instructions:
-        if isinstance(ins, ReduceScatter) and stage == 1:
-            out += ins.padded_nbytes
-        elif type(ins) in (AllReduce, TieAllReduce):
-            out += sum(t.nbytes for t in ins.tensors)
-    return out
-
-
-def _stage_grad_bytes(plan: ExecutionPlan, params: Sequence[ParamSpec]) -> Dict[int, int]:
-    """stage -> bytes of its trained parameters' whole gradients on this rank (a rank with
-    several stages: its parameters split evenly by name prefix is not known, so all of them
-    go to the first stage that runs a backward)."""
-    total = sum(_grad_bytes(p) for p in {id(p): p for p in params}.values())
-    stages = sorted(plan.local_stages)
-    return {stages[0]: total} if stages else {}
-
-
-def _grad_bytes(p: ParamSpec) -> int:
-    return p.nbytes if p.trained else 0
-
-
-def _gather_buffer(ins: AllGather, copies: int) -> int:
-    """What a launched gather holds until it unpacks: the packed d parts, this rank's part,
-    and the transport's own copies of the packed parts."""
-    padded = ins.padded_nbytes
-    return padded * (1 + copies) + padded // len(ins.ranks)
-
-
-def _rows_bytes(p: ParamSpec, ins: AllGather, rank: int) -> int:
-    """This rank's rows of `p` (torch.chunk's, as ZeRO shards them)."""
-    rows = p.shape[0] if p.shape else 1
-    return chunk_range(rows, len(ins.ranks), sorted(ins.ranks).index(rank))[1] * p.row_bytes
+    return MemoryPeak(plan.rank, walk.base, held.peak, held.at, parts_at, tuple(held.series),
+                      held.between, held.between_at)
 
 
 def fit_report(peaks: Dict[int, MemoryPeak], capacity: int, device: str, plan: ExecutionPlan) -> str:

@@ -51,7 +51,8 @@ from ..cost_model import CostModel
 from .engine import _Simulation
 from .memory import activation_peak, stage_input_bytes
 from .model_state import ModelInputs, ModelState, ParamSpec, model_inputs, model_state
-from .peak import MemoryPeak, fit_report, memory_peak
+from .memory_fit import fit_report
+from .peak import MemoryPeak, memory_peak
 from .result import RankSummary, SimResult, SimTimeline
 
 __all__ = ["simulate", "SimResult", "RankSummary", "SimTimeline", "Span", "Timeline",

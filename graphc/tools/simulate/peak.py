@@ -32,13 +32,12 @@ real gloo ranks (the profiler's allocator events) and states the tolerance.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
-from ...plan.instructions import AllReduce, ReduceScatter
 from ...plan.plan import ExecutionPlan
 from ..cost_model import CostModel
 from .memory_walk import Walk
-from .model_state import ParamSpec, zero_stage
+from .model_state import ParamSpec
 
 
 @dataclass(frozen=True)
@@ -78,43 +77,3 @@ def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostMod
     parts_at = {k: v for k, v in held.at_parts.items() if v}
     return MemoryPeak(plan.rank, walk.base, held.peak, held.at, parts_at, tuple(held.series),
                       held.between, held.between_at)
-
-
-def fit_report(peaks: Dict[int, MemoryPeak], capacity: int, device: str, plan: ExecutionPlan) -> str:
-    """Whether every rank's predicted peak fits `capacity` bytes: the highest rank, the
-    instruction holding its peak, its parts, and what to change when it does not fit."""
-    if not peaks:
-        return ""
-    worst = max(peaks.values(), key=lambda m: m.peak)
-    parts = ", ".join(f"{k} {_size(v)}" for k, v in sorted(worst.parts.items(), key=lambda kv: -kv[1]))
-    head = (f"memory on {device} ({_size(capacity)}): highest rank {worst.rank}, peak "
-            f"{_size(worst.peak)} at {worst.at} ({parts})")
-    if worst.fits(capacity):
-        return f"{head}: fits, {_size(capacity - worst.peak)} free"
-    over = [r for r, m in sorted(peaks.items()) if not m.fits(capacity)]
-    return "\n".join([f"{head}: DOES NOT FIT on ranks {over[:8]}{' ...' if len(over) > 8 else ''}, "
-                      f"{_size(worst.peak - capacity)} over"] + _advice(worst, plan))
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2**20:.2f} MiB"
-
-
-def _advice(worst: MemoryPeak, plan: ExecutionPlan) -> List[str]:
-    """What to change, from the largest parts of the peak."""
-    parts, stage = worst.parts, zero_stage(plan) if plan.training else 0
-    out = []
-    if parts.get("activations", 0) >= max(parts.values()) / 2:
-        if plan.checkpointing != "always":
-            out.append("  - activations dominate: module.config.set_activation_checkpointing(True) "
-                       "or graph.config.set_activation_checkpointing(\"always\")")
-        out.append("  - fewer rows per micro-batch: more gradient accumulation steps "
-                   "(config.set_gradient_accumulation_steps), or more data-parallel ranks")
-    if parts.get("optimizer", 0) + parts.get("gradients", 0) + parts.get("gradient buffers", 0) \
-            >= max(parts.values()) / 2 and stage < 3:
-        data_parallel = any(isinstance(i, (AllReduce, ReduceScatter)) for i in plan.instructions)
-        out.append(f"  - model state dominates: config.enable_zero(True, stage={min(stage + 1, 3)}) "
-                   "shards it over the data-parallel ranks"
-                   + ("" if data_parallel else " (this stage has none: give it several ranks)"))
-    out.append("  - more pipeline stages or tensor parallelism split the parameters and their state")
-    return out

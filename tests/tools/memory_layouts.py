@@ -20,7 +20,7 @@ from helpers import compile_graph, global_input
 # layout -> ranks; pp: stage 0 = the input layer and the first half of the blocks
 LAYOUTS = {"dp2": 2, "zero1": 2, "zero2": 2, "zero3": 2, "zero3units": 2, "pp2": 2,
            "pp2ckpt": 2, "pp2xdp2": 4, "tp2": 2}
-BATCH, T, C, LAYERS, D_IN, CLASSES = 8, 16, 32, 4, 16, 8
+BATCH, T, C, LAYERS, D_IN, CLASSES = 8, 16, 32, 2, 16, 8
 MICROBATCHES = 4
 
 

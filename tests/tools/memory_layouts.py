@@ -89,8 +89,13 @@ def _inputs(layout: str, rank=None):
     readers = readers.get("dp2" if layout.startswith("zero") else layout)
     if readers is None:
         return x, y
-    return tuple(global_input(t, graphc.placement("cpu", ranks), sbp.split(0),
-                              rank if rank in ranks else None)
+    if rank is None:
+        return tuple(global_input(t, graphc.placement("cpu", ranks), sbp.split(0))
+                     for t, ranks in zip((x, y), readers))
+    # a rank's own rows, a tensor of their own (as a data loader gives them), not a view of
+    # the whole batch, which the probe would count whole
+    return tuple(graphc.to_global(t.chunk(len(ranks))[ranks.index(rank) if rank in ranks else 0].clone(),
+                                  placement=graphc.placement("cpu", ranks), sbp=sbp.split(0))
                  for t, ranks in zip((x, y), readers))
 
 

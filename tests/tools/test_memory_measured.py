@@ -1,5 +1,5 @@
-"""The predicted peak (NOTE: Peak memory model) against the measured one (NOTE: Measured peak
-memory), per rank, on running ranks of the local world: a small GPT (2 blocks, float64, Adam)
+"""The predicted peak (NOTE: Peak memory model) against the measured one
+(NOTE: Measured peak memory), per rank, on running ranks of the local world: a small GPT (2 blocks, float64, Adam)
 on each layout of tests/tools/memory_layouts.py.
 
 Tolerance: 5%, both ways: 0.95 <= predicted / measured <= 1.05 on every rank, the measured

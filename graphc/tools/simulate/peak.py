@@ -4,30 +4,37 @@ NOTE: Peak memory model
 `memory_peak(plan, params, costs)` answers "will it fit": the bytes of tensors a rank holds
 at the end of each instruction of its plan, and the highest of them, named by instruction.
 It starts from what the rank holds between steps (NOTE: Model-state bytes: parameters, the
-gradient buffers kept between steps, the optimizer state) and follows what the runtime
-allocates and frees (graphc/runtime/executor.py, grad_hooks.py, zero.py):
-  * FORWARD keeps its micro-batch's saved activations (CostModel.activation_bytes; only
-    the stage's inputs for a checkpointed micro-batch);
-  * BACKWARD recomputes a checkpointed micro-batch's activations first, then frees them; the
-    first backward of a stage in a step creates its parameters' whole gradients (later
-    micro-batches accumulate into them); a trained parameter no collective names also keeps
-    a gradient buffer of its size between steps (NOTE: Model-state bytes);
+gradient buckets kept between steps, the optimizer state) plus the step's batch, and follows
+what the runtime allocates and frees (graphc/runtime/executor.py, collectives.py, zero.py;
+the walk is memory_walk.py, one entry per instruction kind):
+  * FORWARD keeps its micro-batch's activations (CostModel.activation_bytes: the storages
+    autograd saves and the stage's outputs, the backward's roots, each once; only the
+    stage's inputs for a checkpointed micro-batch);
+  * BACKWARD recomputes a checkpointed micro-batch's activations first (a point of its own),
+    then frees them; the first backward of a stage in a step creates its parameters' whole
+    gradients (later micro-batches accumulate into them);
+  * the backward that makes a REDUCE_SCATTER's bucket final launches it (GradSync's hooks):
+    the gradients are packed (d parts, padded; stage 1 into its kept bucket) and dropped,
+    and this rank's part is received into a buffer; the REDUCE_SCATTER instruction waits,
+    the part becoming the shards' gradients (stages 2 and 3). Gathered per unit, one is in
+    flight at a time and, without clipping, each unit's shards step and drop it at once;
   * ALL_REDUCE / TIE_ALL_REDUCE: the bucket's gradients are summed in the bucket kept between
-    steps, and the parameters' own gradients are dropped;
-  * REDUCE_SCATTER packs the bucket (every rank's part, padded) and receives this rank's
-    summed part; the whole gradients are dropped once packed; the part stays as the shards'
-    gradients (stages 2 and 3) until the optimizer step, or is written into the kept packed
-    bucket (stage 1);
-  * ALL_GATHER: a gather holds its packed buffer (d parts, padded) and this rank's part from
-    its launch until it unpacks; at stage 3 the unpacked parameters stay whole until RELEASE;
-    at stages 1 and 2 the optimizer step launches every bucket's gather as it steps, so all
-    of them are held at the end of OPTIMIZER_STEP;
-  * OPTIMIZER_STEP drops the shards' gradients (stages 2 and 3).
-Within an instruction the model takes the larger of its start and end (a backward frees a
-layer's activations as it creates that layer's gradients), so transients smaller than one
-layer's tensors (an op's temporary, the gradient flowing between two layers) are not
-counted; tests/tools/test_memory_model.py compares the prediction with the peak measured on
-real gloo ranks (the profiler's allocator events) and states the tolerance.
+    steps, and the parameters' own are dropped;
+  * OPTIMIZER_STEP (stages 1, 2) launches every bucket's ALL_GATHER as it steps: the packed d
+    parts and this rank's part (and the transport's copies: `gather_copies`) are held until
+    the ALL_GATHER unpacks; then zero_grad(set_to_none) drops every gradient;
+  * stage 3: an ALL_GATHER makes its parameters whole beside the shards' own rows (a copy)
+    until RELEASE; a tensor whose rows split evenly is gathered straight into it;
+  * RECV: each peer's next `recv_window` receives are posted ahead (buffers held), and a
+    received value is held until the compute that reads it.
+`between` is the highest over the points a running rank's probe measures too
+(NOTE: Measured peak memory); `peak` adds what an instruction holds only inside itself (a gather's
+buffer, the gathers launched while the step still holds its gradients, a unit's gather
+inside its compute). What neither counts: an op's temporaries, the gradient flowing between
+two layers inside a backward. The model follows the packed form of ZeRO's collectives (NCCL,
+the local world); on a gloo group ZeRO stages 2 and 3 run rank by rank on views (NOTE: ZeRO
+rows in place), holding less than predicted. tests/tools/test_memory_measured.py holds the
+prediction to 5% of the measured peak per rank on nine layouts.
 """
 from __future__ import annotations
 

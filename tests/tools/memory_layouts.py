@@ -42,7 +42,7 @@ class RankPeak:
     def __str__(self) -> str:
         return (f"rank {self.rank}: predicted {self.predicted / 2**20:.3f} MiB at {self.predicted_at}; "
                 f"measured {self.measured / 2**20:.3f} MiB at {self.measured_at} "
-                f"(ratio {self.ratio:.3f})")
+                f"(ratio {self.ratio:.4f}, {self.predicted - self.measured:+d} B)")
 
 
 class Gpt(TokenLossGraph):

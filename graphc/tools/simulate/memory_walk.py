@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...plan.instructions import (INSIDE_COMPUTE, AllGather, AllReduce, Backward, BackwardInput, BackwardWeight,
                                   ClipGradNorm, Forward, Instruction, OptimizerStep, Recv,
-                                  ReduceScatter, ReleaseParams, TieAllReduce, UnitGather,
+                                  ReduceScatter, ReleaseParams, Send, TieAllReduce, UnitGather,
                                   UnitRelease)
 from ...plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..cost_model import CostModel
@@ -80,6 +80,7 @@ class Walk:
         # gathered per unit without clipping: each unit's shards step once reduced (NOTE: ZeRO units)
         self.steps_per_unit = self.units and not any(type(i) is ClipGradNorm for i in plan.instructions)
         self.recvs = _Receives(plan, recv_window, self.held)
+        self.sent: set = set()
         self.label = ""
 
     def run(self) -> None:
@@ -177,6 +178,18 @@ class Walk:
         elif ins in self.gathering:
             self.held.add("communication", -self.gathering.pop(ins))
 
+    def send(self, ins: Send) -> None:
+        """A backward's input gradients stay among the step's values until its end (the
+        runtime's `produced`), whichever peers they go to; a forward's outputs are its
+        activations."""
+        if ins.direction == "F":
+            return
+        for t in ins.tensors:
+            key = (ins.stage, ins.microbatch, t.name)
+            if key not in self.sent:
+                self.sent.add(key)
+                self.held.add("sent gradients", t.nbytes)
+
     def release(self, ins: ReleaseParams) -> None:
         self.held.add("gathered parameters", -sum(self.gathered.pop(t.name, 0) for t in ins.tensors))
 
@@ -268,7 +281,7 @@ def _stage_grad_bytes(plan: ExecutionPlan, params: Sequence[ParamSpec]) -> Dict[
 # What each compute part does, by its run entry; what each other kind does, by its class
 COMPUTES = {Forward.runs: Walk.forward, Backward.runs: Walk.backward,
             BackwardInput.runs: Walk.backward, BackwardWeight.runs: Walk.backward}
-EFFECTS = {Recv: lambda walk, ins: walk.recvs.take(ins),
+EFFECTS = {Recv: lambda walk, ins: walk.recvs.take(ins), Send: Walk.send,
            ReduceScatter: Walk.scatter, AllReduce: Walk.reduce, TieAllReduce: Walk.reduce,
            ClipGradNorm: Walk.reduce, OptimizerStep: Walk.optimizer_step,
            AllGather: Walk.gather, UnitGather: Walk.gather,

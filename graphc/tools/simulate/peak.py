@@ -26,7 +26,8 @@ the walk is memory_walk.py, one entry per instruction kind):
   * stage 3: an ALL_GATHER makes its parameters whole beside the shards' own rows (a copy)
     until RELEASE; a tensor whose rows split evenly is gathered straight into it;
   * RECV: each peer's next `recv_window` receives are posted ahead (buffers held), and a
-    received value is held until the compute that reads it.
+    received value is held until the compute that reads it; a backward's input gradients
+    sent to a peer (SEND_B) stay among the step's values until the step ends.
 `between` is the highest over the points a running rank's probe measures too
 (NOTE: Measured peak memory); `peak` adds what an instruction holds only inside itself (a gather's
 buffer, the gathers launched while the step still holds its gradients, a unit's gather

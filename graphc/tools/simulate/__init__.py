@@ -30,7 +30,11 @@ The package, by concern:
   * engine.py: the event engine (links, collectives, the worklist of ranks, the times);
   * memory.py: memory accounting (live micro-batches, peak activation bytes);
   * model_state.py: model-state bytes per rank (parameters, gradients, optimizer state);
-  * peak.py: the step's predicted peak memory per rank and the instruction holding it;
+  * peak.py: the step's predicted peak memory per rank and the instruction holding it
+    (NOTE: Peak memory model), walked by memory_walk.py (one entry per instruction kind);
+  * memory_fit.py: will it fit a device, and what to change when it does not;
+  * memory_measured.py: the peak measured on a running rank, to check the prediction
+    (NOTE: Measured peak memory);
   * folding.py: rank folding (classes of ranks that share one timeline);
   * result.py: what a simulation returns (SimResult, RankSummary, SimTimeline);
   * codes.py: the op tuples the engine runs, one per instruction, and their codes.

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ...plan.instructions import (INSIDE_COMPUTE, AllGather, AllReduce, Backward, BackwardInput, BackwardWeight,
-                                  ClipGradNorm, Forward, Instruction, OptimizerStep, Recv,
-                                  ReduceScatter, ReleaseParams, Send, TieAllReduce, UnitGather,
-                                  UnitRelease)
+from ...plan.instructions import (INSIDE_COMPUTE, AllGather, AllReduce, Backward, BackwardInput,
+                                  BackwardWeight, ClipGradNorm, Forward, Instruction,
+                                  OptimizerStep, Recv, ReduceScatter, ReleaseParams, Send,
+                                  TieAllReduce, UnitGather, UnitRelease)
 from ...plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..cost_model import CostModel
 from .memory import stage_input_bytes
@@ -75,7 +75,8 @@ class Walk:
         self.gathered: Dict[str, int] = {}       # stage 3: whole parameters, until released
         self.gathering: Dict[AllGather, int] = {}   # gathers launched by the optimizer step
         self.scattering: Dict[ReduceScatter, int] = {}   # reduce-scatters in flight: their buffers
-        self.launches = _scatter_launches(plan)
+        self.launches = _scatter_launches(plan)     # backward index -> the scatters it launches
+        self.launched = {s for group in self.launches.values() for s in group}
         self.units = any(type(i) is UnitGather for i in plan.instructions)
         # gathered per unit without clipping: each unit's shards step once reduced (NOTE: ZeRO units)
         self.steps_per_unit = self.units and not any(type(i) is ClipGradNorm for i in plan.instructions)
@@ -144,14 +145,10 @@ class Walk:
             self.held.add("gradients", ins.padded_nbytes // len(ins.ranks))
 
     def scatter(self, ins: ReduceScatter) -> None:
-        if ins not in self.scattering and ins not in self.launched_scatters:
+        if ins not in self.scattering and ins not in self.launched:
             self._launch_scatter(ins)       # no backward launched it (an unused bucket)
         if ins in self.scattering:
             self._finish_scatter(ins)
-
-    @property
-    def launched_scatters(self) -> set:
-        return {s for group in self.launches.values() for s in group}
 
     def reduce(self, ins: AllReduce) -> None:
         """The bucket's gradients are summed in the bucket kept between steps and the

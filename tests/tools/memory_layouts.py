@@ -4,7 +4,7 @@ measured one, for tests/tools/test_memory_measured.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -33,7 +33,7 @@ class RankPeak:
     measured: int
     predicted_at: str
     measured_at: str
-    series: tuple = ()     # (instruction, predicted bytes, measured bytes) after each
+    series: tuple = ()     # (instruction index, predicted bytes, measured bytes) after each
 
     @property
     def ratio(self) -> float:
@@ -99,31 +99,51 @@ def _inputs(layout: str, rank=None):
                  for t, ranks in zip((x, y), readers))
 
 
-def predicted_peaks(layout: str) -> Dict[int, MemoryPeak]:
+def predicted_peaks(layout: str, transport: str = "local") -> Dict[int, MemoryPeak]:
     """Each rank's predicted peak, from a one-process compile (what `graphc plan --simulate`
     reads: the whole parameters, no process group)."""
     graph = Gpt(layout)
     compiled = compile_graph(graph, _inputs(layout), LAYOUTS[layout])
     model, costs = model_inputs(compiled, graph._optimizer), device_costs(compiled, "h100")
-    # the local world's gathers copy nothing beyond their packed parts
-    return {p.rank: memory_peak(p, model.params[p.rank], costs, gather_copies=0,
+    return {p.rank: memory_peak(p, model.params[p.rank], costs, transport=transport,
                                 batch=model.batch[p.rank]) for p in compiled.plans}
 
 
-def rank_peaks(layout: str, steps: int = 3) -> List[RankPeak]:
-    """Every rank's predicted peak and the one measured over the last of `steps` steps."""
-    predicted = predicted_peaks(layout)
-
-    def rank_main(rank: int) -> RankPeak:
-        graph = Gpt(layout)
+def measured_peak(layout: str, rank: int, steps: int) -> Tuple[int, str, tuple]:
+    """(peak, instruction, (index, bytes) after each instruction) over the last of `steps`
+    steps, measured on this running rank by a MemoryProbe attached after the first."""
+    graph = Gpt(layout)
+    graph(*_inputs(layout, rank))
+    probe = MemoryProbe.attach(graph)
+    for _ in range(steps - 1):
         graph(*_inputs(layout, rank))
-        probe = MemoryProbe.attach(graph)
-        for _ in range(steps - 1):
-            graph(*_inputs(layout, rank))
-        plan, mine = graph.plan, predicted[rank]
-        series = tuple((str(plan.instructions[i])[:60], mine.series[i], b) for i, b in probe.series)
-        return RankPeak(rank, mine.between, probe.peak, mine.between_at, probe.at, series)
-    return LocalWorld(LAYOUTS[layout]).run(rank_main)
+    return probe.peak, probe.at, tuple(probe.series)
+
+
+def rank_peaks(layout: str, steps: int = 3) -> List[RankPeak]:
+    """Every rank's predicted peak and the one measured, in the local world."""
+    measured = LocalWorld(LAYOUTS[layout]).run(lambda rank: measured_peak(layout, rank, steps))
+    return _compared(predicted_peaks(layout, "local"), measured)
+
+
+def gloo_rank_peaks(layout: str, steps: int = 2) -> List[RankPeak]:
+    """The same on gloo processes (tests/helpers.py run_world)."""
+    from helpers import run_world
+    measured = run_world(_gloo_rank, LAYOUTS[layout], layout, steps)
+    return _compared(predicted_peaks(layout, "gloo"), measured)
+
+
+def _gloo_rank(rank: int, world: int, layout: str, steps: int):
+    return measured_peak(layout, rank, steps)
+
+
+def _compared(predicted: Dict[int, MemoryPeak], measured) -> List[RankPeak]:
+    out = []
+    for rank, (peak, at, series) in enumerate(measured):
+        mine = predicted[rank]
+        rows = tuple((i, mine.series[i], b) for i, b in series)
+        out.append(RankPeak(rank, mine.between, peak, mine.between_at, at, rows))
+    return out
 
 
 if __name__ == "__main__":
@@ -132,5 +152,5 @@ if __name__ == "__main__":
         for peak in rank_peaks(name):
             print(name, peak, flush=True)
             if "-v" in sys.argv[1:]:
-                for ins, p, m in peak.series:
-                    print(f"   {p / 2**20:8.3f} {m / 2**20:8.3f} {p - m:+9d}  {ins}")
+                for i, p, m in peak.series:
+                    print(f"   {p / 2**20:8.3f} {m / 2**20:8.3f} {p - m:+9d}  instruction {i}")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graphc.tools.simulate.memory_measured import held_storages
-from memory_layouts import rank_peaks
+from memory_layouts import gloo_rank_peaks, rank_peaks
 
 TOLERANCE = 0.05
 DEFAULT = ("zero3", "pp2ckpt")
@@ -36,6 +36,16 @@ def test_predicted_peak_within_5_percent_of_the_measured_one(layout):
 @pytest.mark.parametrize("layout", SLOW)
 def test_predicted_peak_within_5_percent_on_more_layouts(layout):
     _assert_within(layout)
+
+
+@pytest.mark.world
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["zero2", "zero3"])
+def test_predicted_peak_within_5_percent_on_gloo_processes(layout):
+    """On gloo, ZeRO stages 2 and 3 reduce and gather rank by rank on views (NOTE: ZeRO rows
+    in place): the prediction for transport="gloo" against real processes."""
+    for peak in gloo_rank_peaks(layout):
+        assert abs(peak.ratio - 1) <= TOLERANCE, f"{layout} on gloo {peak}"
 
 
 def test_probe_counts_each_storage_once_and_a_released_one_not_at_all():

@@ -8,6 +8,7 @@ holds nothing beyond its compute. tests/tools/test_memory_model.py checks every 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...plan.instructions import (INSIDE_COMPUTE, AllGather, AllReduce, Backward, BackwardInput,
@@ -18,6 +19,17 @@ from ...plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..cost_model import CostModel
 from .memory import stage_input_bytes
 from .model_state import ParamSpec, model_state, zero_stage
+
+
+@dataclass(frozen=True)
+class Transport:
+    """What a transport's ZeRO collectives hold (graphc/runtime/zero.py, zero_rows.py)."""
+
+    gather_copies: int      # its own copies of a gathered bucket (gloo's all-gather into one tensor: 1)
+    rows_in_place: bool     # stages 2 and 3 rank by rank on views (NOTE: ZeRO rows in place)
+
+
+TRANSPORTS = {"gloo": Transport(1, True), "nccl": Transport(0, False), "local": Transport(0, False)}
 
 
 class Held:
@@ -59,9 +71,10 @@ class Walk:
     """One rank's plan walked once (See NOTE: Peak memory model)."""
 
     def __init__(self, plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostModel,
-                 gather_copies: int, recv_window: int, batch: int):
-        self.plan, self.copies = plan, gather_copies
+                 transport: Transport, recv_window: int, batch: int):
+        self.plan, self.copies = plan, transport.gather_copies
         self.stage = zero_stage(plan) if plan.training else 0
+        self.in_place = transport.rows_in_place and self.stage in (2, 3)
         self.by_name = {n: p for p in params for n in p.names}
         state = model_state(plan, params)
         self.held = Held({"parameters": state.params, "optimizer": state.optimizer,
@@ -127,20 +140,24 @@ class Walk:
     # -- gradient collectives -----------------------------------------------------------
     def _launch_scatter(self, ins: ReduceScatter) -> None:
         """Launched by the backward that makes its bucket final: the gradients packed (d parts,
-        padded; stage 1 packs into its kept bucket) and dropped, this rank's part received
-        into a buffer of its own."""
+        padded; stage 1 packs into its kept bucket) and dropped, or (rows in place) reduced
+        where they are, and this rank's part received into a buffer of its own."""
         packed, part = ins.padded_nbytes, ins.padded_nbytes // len(ins.ranks)
-        self.held.add("gradients", -self._grad_bytes(ins))
+        if not self.in_place:
+            self.held.add("gradients", -self._grad_bytes(ins))
         if self.units:          # one in flight: the one before finishes (NOTE: ZeRO units)
             for flying in list(self.scattering):
                 self._finish_scatter(flying)
-        self.scattering[ins] = part + (packed if self.stage != 1 else 0)
+        self.scattering[ins] = part + (packed if self.stage != 1 and not self.in_place else 0)
         self.held.add("communication", self.scattering[ins])
 
     def _finish_scatter(self, ins: ReduceScatter) -> None:
         """This rank's summed part becomes its shards' gradients (stages 2 and 3; stage 1 copies
-        it into its row of the kept bucket); per unit, they step and drop it at once."""
+        it into its row of the kept bucket); per unit, they step and drop it at once. Rows in
+        place, the whole gradients are dropped here."""
         self.held.add("communication", -self.scattering.pop(ins))
+        if self.in_place:
+            self.held.add("gradients", -self._grad_bytes(ins))
         if self.stage != 1 and not self.steps_per_unit:
             self.held.add("gradients", ins.padded_nbytes // len(ins.ranks))
 
@@ -193,10 +210,10 @@ class Walk:
     # -- sizes --------------------------------------------------------------------------
     def _gather_buffer(self, ins: AllGather) -> int:
         """What a launched gather holds until it unpacks: the packed d parts and this rank's
-        part, and the transport's own copies of the packed parts; none at stage 3 when every
-        tensor's rows split evenly (gathered straight into the parameter)."""
+        part, and the transport's own copies of the packed parts; none rows in place, or at
+        stage 3 when every tensor's rows split evenly (gathered straight into the parameter)."""
         d = len(ins.ranks)
-        if self.stage == 3 and all(t.shape and t.shape[0] % d == 0 for t in ins.tensors):
+        if self.in_place or self.stage == 3 and all(t.shape and t.shape[0] % d == 0 for t in ins.tensors):
             return 0
         padded = ins.padded_nbytes
         return padded * (1 + self.copies) + padded // d

@@ -21,8 +21,8 @@ the walk is memory_walk.py, one entry per instruction kind):
   * ALL_REDUCE / TIE_ALL_REDUCE: the bucket's gradients are summed in the bucket kept between
     steps, and the parameters' own are dropped;
   * OPTIMIZER_STEP (stages 1, 2) launches every bucket's ALL_GATHER as it steps: the packed d
-    parts and this rank's part (and the transport's copies: `gather_copies`) are held until
-    the ALL_GATHER unpacks; then zero_grad(set_to_none) drops every gradient;
+    parts and this rank's part (and the transport's own copy of the parts: gloo's) are held
+    until the ALL_GATHER unpacks; then zero_grad(set_to_none) drops every gradient;
   * stage 3: an ALL_GATHER makes its parameters whole beside the shards' own rows (a copy)
     until RELEASE; a tensor whose rows split evenly is gathered straight into it;
   * RECV: each peer's next `recv_window` receives are posted ahead (buffers held), and a
@@ -32,19 +32,20 @@ the walk is memory_walk.py, one entry per instruction kind):
 (NOTE: Measured peak memory); `peak` adds what an instruction holds only inside itself (a gather's
 buffer, the gathers launched while the step still holds its gradients, a unit's gather
 inside its compute). What neither counts: an op's temporaries, the gradient flowing between
-two layers inside a backward. The model follows the packed form of ZeRO's collectives (NCCL,
-the local world); on a gloo group ZeRO stages 2 and 3 run rank by rank on views (NOTE: ZeRO
-rows in place), holding less than predicted. tests/tools/test_memory_measured.py holds the
-prediction to 5% of the measured peak per rank on nine layouts.
+two layers inside a backward. The transport decides ZeRO's buffers (`TRANSPORTS`): NCCL and
+a local world pack a bucket; on a gloo group stages 2 and 3 run rank by rank on views (NOTE:
+ZeRO rows in place): a reduce-scatter holds the whole gradients and this rank's part until it
+is waited for, a gather writes straight into the parameters. tests/tools/test_memory_measured.py
+holds the prediction to 5% of the measured peak per rank on nine layouts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from ...plan.plan import ExecutionPlan
 from ..cost_model import CostModel
-from .memory_walk import Walk
+from .memory_walk import TRANSPORTS, Walk
 from .model_state import ParamSpec
 
 
@@ -66,20 +67,21 @@ class MemoryPeak:
 
 
 def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostModel,
-                gather_copies: int = 1, recv_window: int = 2, batch: int = 0) -> MemoryPeak:
+                transport: Optional[str] = None, recv_window: int = 2, batch: int = 0) -> MemoryPeak:
     """The rank's predicted peak over one steady step (See NOTE: Peak memory model).
 
     Args:
         plan: the rank's ExecutionPlan.
         params: the rank's ParamSpecs (model_inputs(compiled, optimizer).params[rank]).
         costs: a CostModel with activation_bytes (and input_bytes) per stage.
-        gather_copies: extra copies of a gathered bucket the transport makes (gloo's
-            all-gather into one tensor copies the gathered parts once: 1; NCCL and the local
-            world: 0).
+        transport: what runs the collectives, as TRANSPORTS says: "gloo", "nccl" or "local"
+            (a local world); None: the plan's device type's (cpu: gloo, cuda: nccl).
         recv_window: receives posted ahead per peer (config.set_recv_window).
         batch: bytes of the user's inputs the rank reads (ModelInputs.batch).
     """
-    walk = Walk(plan, params, costs, gather_copies, recv_window, batch)
+    if transport is None:
+        transport = "nccl" if any(s.device_type == "cuda" for s in plan.stages) else "gloo"
+    walk = Walk(plan, params, costs, TRANSPORTS[transport], recv_window, batch)
     walk.run()
     held = walk.held
     parts_at = {k: v for k, v in held.at_parts.items() if v}

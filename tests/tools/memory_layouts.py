@@ -19,7 +19,7 @@ from helpers import compile_graph, global_input
 
 # layout -> ranks; pp: stage 0 = the input layer and the first half of the blocks
 LAYOUTS = {"dp2": 2, "zero1": 2, "zero2": 2, "zero3": 2, "zero3units": 2, "pp2": 2,
-           "pp2ckpt": 2, "pp2xdp2": 4, "tp2": 2}
+           "pp2ckpt": 2, "pp2xdp2": 4, "tp2": 2, "pp2xdp2zero3": 4, "pp2xdp2zero1": 4}
 BATCH, T, C, LAYERS, D_IN, CLASSES = 8, 16, 32, 2, 16, 8
 MICROBATCHES = 4
 
@@ -56,7 +56,7 @@ class Gpt(TokenLossGraph):
 def _declare(graph: Gpt, layout: str) -> None:
     cpu = graphc.placement
     if layout.startswith("pp2"):
-        first, last = ([0, 1], [2, 3]) if layout == "pp2xdp2" else ([0], [1])
+        first, last = ([0, 1], [2, 3]) if layout.startswith("pp2xdp2") else ([0], [1])
         graph.model.inp.config.set_stage(0, cpu("cpu", first))
         for i, block in enumerate(graph.model.blocks):
             s = int(i >= LAYERS // 2)
@@ -70,8 +70,8 @@ def _declare(graph: Gpt, layout: str) -> None:
         megatron(graph.model, cpu("cpu", [0, 1]))
     else:
         graph.model.config.set_stage(0, cpu("cpu", [0, 1]))
-    if layout.startswith("zero"):
-        stage = int(layout[4])
+    if "zero" in layout:
+        stage = int(layout[layout.index("zero") + 4])
         graph.config.enable_zero(True, stage=stage, shard_min_size=256,
                                  unit_bytes=2 ** 14 if layout == "zero3units" else 0)
 
@@ -86,7 +86,7 @@ def _inputs(layout: str, rank=None):
     """The call's arguments on `rank` (None: as a one-process compile reads them)."""
     x, y = _batch()
     readers = {"dp2": ([0, 1], [0, 1]), "pp2xdp2": ([0, 1], [2, 3])}
-    readers = readers.get("dp2" if layout.startswith("zero") else layout)
+    readers = readers.get("dp2" if layout.startswith("zero") else layout.split("zero")[0])
     if readers is None:
         return x, y
     if rank is None:

@@ -5,9 +5,9 @@ on each layout of tests/tools/memory_layouts.py.
 Tolerance: 5%, both ways: 0.95 <= predicted / measured <= 1.05 on every rank, the measured
 peak being the highest bytes of the tensors the rank's runtime holds after an instruction
 (or once a checkpointed micro-batch is recomputed) over the last of two steps. Observed:
-0.986 - 1.000 on every layout (what is left is the step's small values: a loss, a token
-count). The default suite runs two layouts (ZeRO-3 and a checkpointed pipeline); the other
-seven are `-m slow`.
+0.9998 - 0.9999 on every layout (what is left, 72-152 bytes, is the step's scalars: a loss,
+Adam's step counts). The default suite runs two layouts (ZeRO-3 and a checkpointed pipeline);
+the other nine, and three on gloo processes, are `-m slow`.
 """
 import pytest
 import torch
@@ -17,7 +17,7 @@ from memory_layouts import gloo_rank_peaks, rank_peaks
 
 TOLERANCE = 0.05
 DEFAULT = ("zero3", "pp2ckpt")
-SLOW = ("dp2", "zero1", "zero2", "zero3units", "pp2", "pp2xdp2", "tp2")
+SLOW = ("dp2", "zero1", "zero2", "zero3units", "pp2", "pp2xdp2", "tp2", "pp2xdp2zero1", "pp2xdp2zero3")
 
 
 def _assert_within(layout):

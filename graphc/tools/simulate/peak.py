@@ -36,7 +36,7 @@ two layers inside a backward. The transport decides ZeRO's buffers (`TRANSPORTS`
 a local world pack a bucket; on a gloo group stages 2 and 3 run rank by rank on views (NOTE:
 ZeRO rows in place): a reduce-scatter holds the whole gradients and this rank's part until it
 is waited for, a gather writes straight into the parameters. tests/tools/test_memory_measured.py
-holds the prediction to 5% of the measured peak per rank on nine layouts.
+holds the prediction to 5% of the measured peak per rank on eleven layouts.
 """
 from __future__ import annotations
 

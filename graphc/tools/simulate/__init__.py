@@ -30,7 +30,11 @@ The package, by concern:
   * engine.py: the event engine (links, collectives, the worklist of ranks, the times);
   * memory.py: memory accounting (live micro-batches, peak activation bytes);
   * model_state.py: model-state bytes per rank (parameters, gradients, optimizer state);
-  * peak.py: the step's predicted peak memory per rank and the instruction holding it;
+  * peak.py: the step's predicted peak memory per rank and the instruction holding it
+    (NOTE: Peak memory model), walked by memory_walk.py (one entry per instruction kind);
+  * memory_fit.py: will it fit a device, and what to change when it does not;
+  * memory_measured.py: the peak measured on a running rank, to check the prediction
+    (NOTE: Measured peak memory);
   * folding.py: rank folding (classes of ranks that share one timeline);
   * result.py: what a simulation returns (SimResult, RankSummary, SimTimeline);
   * codes.py: the op tuples the engine runs, one per instruction, and their codes.
@@ -51,7 +55,8 @@ from ..cost_model import CostModel
 from .engine import _Simulation
 from .memory import activation_peak, stage_input_bytes
 from .model_state import ModelInputs, ModelState, ParamSpec, model_inputs, model_state
-from .peak import MemoryPeak, fit_report, memory_peak
+from .memory_fit import fit_report
+from .peak import MemoryPeak, memory_peak
 from .result import RankSummary, SimResult, SimTimeline
 
 __all__ = ["simulate", "SimResult", "RankSummary", "SimTimeline", "Span", "Timeline",
@@ -84,6 +89,7 @@ def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
         by_rank = {p.rank: p for p in plans}
         for r in result.ranks:
             r.model_state = model_state(by_rank[r.rank], model.params.get(r.rank, ()))
-            r.memory = memory_peak(by_rank[r.rank], model.params.get(r.rank, ()), costs)
+            r.memory = memory_peak(by_rank[r.rank], model.params.get(r.rank, ()), costs,
+                                   batch=model.batch.get(r.rank, 0))
         result.model_note = model.optimizer
     return result

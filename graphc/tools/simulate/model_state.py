@@ -22,7 +22,7 @@ tests/zero/test_zero_model_state.py checks these against the tensors on real ran
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -67,6 +67,7 @@ class ModelInputs:
 
     params: Mapping[int, Sequence[ParamSpec]]
     optimizer: str
+    batch: Mapping[int, int] = field(default_factory=dict)   # rank -> bytes of the inputs it reads
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,29 @@ def model_inputs(compiled, optimizer=None) -> ModelInputs:
                 if key not in seen:
                     seen[key] = param.on(plan.rank)
         out[plan.rank] = list(seen.values())
-    return ModelInputs(out, note)
+    return ModelInputs(out, note, batch_bytes(compiled))
+
+
+def batch_bytes(compiled) -> Dict[int, int]:
+    """rank -> bytes of the user's inputs its stages read, whole for the step (a rank holds its
+    component of the batch while the step runs; its micro-batches are views of it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from ..costs import stage_inputs
+    m = compiled.plans[0].num_microbatches if compiled.plans else 1
+    per_stage: Dict[int, Dict[str, int]] = {}
+    with FakeTensorMode():
+        for prog in compiled.programs:
+            one = stage_inputs(prog, compiled)
+            per_stage[prog.stage] = {
+                n: one[n].nbytes * (1 if n in prog.whole_inputs or one[n].dim() == 0 else m)
+                for n in prog.user_inputs}
+    out = {}
+    for plan in compiled.plans:
+        names: Dict[str, int] = {}
+        for s in plan.local_stages:
+            names.update(per_stage.get(s, {}))
+        out[plan.rank] = sum(names.values())
+    return out
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,10 @@ class PlanWorld(Sequence):
         j, _, t = self._where[template]
         return sorted(row[t] for row in self.symmetry.meshes[j])
 
+    def row_of(self, rank: int) -> int:
+        """The row of replicas `rank` is in (an idle rank: 0, its own template)."""
+        return self._where[rank][1] if rank in self._where else 0
+
     def renaming(self, d: int):
         """rho_d, rank -> rank, on the ranks that templates name (row 0's; others are fixed)."""
         return self._rho(d)

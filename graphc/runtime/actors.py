@@ -216,6 +216,9 @@ class Runtime:
             s: StageExecutor(prog, plan.training, prog.loss_weight(m), ckpt, memory_stats)
             for s, prog in programs.items()}
         self.memory_stats = memory_stats   # config.set_memory_stats: StepStats.max_live_bytes
+        # a measurement around each instruction (NOTE: Measured peak memory): an object with
+        # before(i, step) and after(i, step), or None
+        self.probe = None
         self.compiled: Dict[int, CompileRecord] = {}   # NOTE: Compiled stages, filled below
         # ZeRO's shards (See NOTE: ZeRO in zero.py): the optimizer holds them from here on
         self.zero = (ZeroShards.from_plan(plan, list(programs.values()), optimizer, masters)
@@ -440,8 +443,12 @@ class Runtime:
         t0 = time.perf_counter() if self.trace else 0.0
         for gather in self.prefetch.get(i, ()):
             self.zero.launch_gather(gather)
+        if self.probe is not None:
+            self.probe.before(i, step)
         with record_function(range_name) if profiling and range_name else _NO_RANGE:
             self.run_entries[ins.runs](ins, step)
+        if self.probe is not None:
+            self.probe.after(i, step)
         if self.trace:
             step.stats.events.append((str(ins), t0, time.perf_counter()))
 

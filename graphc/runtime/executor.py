@@ -69,6 +69,9 @@ class StageExecutor:
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._state = list(module.parameters()) + list(module.buffers())
         self._buffers = dict(module.named_buffers())
+        # a memory probe's (NOTE: Measured peak memory): called with each activation autograd
+        # saves (with count_bytes), and once a checkpointed micro-batch is recomputed
+        self.watch_saved = self.recomputed = None
         self.units = None   # ZeRO stage 3 gathered per unit: a UnitGatherer (NOTE: ZeRO units)
         # what a forward calls: the program itself, or its compiled pieces (NOTE: Compiled stages)
         self.compute = module
@@ -141,6 +144,8 @@ class StageExecutor:
             ptr = storage.data_ptr()
             if ptr not in fixed and ptr not in seen:
                 seen[ptr] = storage.nbytes()
+                if self.watch_saved is not None:
+                    self.watch_saved(t)
             return t
         return pack
 
@@ -239,7 +244,8 @@ class StageExecutor:
                         b.copy_(saved.buffers[n])
             versions = {n: b._version for n, b in self._buffers.items()}
         recomputing = nullcontext() if self.units is None else self.units.recomputing_forward()
-        saving = nullcontext() if self.units is None else self._saving(_identity)
+        count = self._counter({}) if self.count_bytes else _identity
+        saving = self._saving(count) if self.count_bytes or self.units is not None else nullcontext()
         try:
             with torch.enable_grad(), drawing(*self.draw, mb), recomputing, saving:
                 out = self.compute(*saved.inputs)
@@ -254,6 +260,8 @@ class StageExecutor:
                             b.copy_(current[n])
         saved.outs = dict(zip(self.program.outputs, out))
         saved.inputs = saved.buffers = saved.versions = None
+        if self.recomputed is not None:
+            self.recomputed()
 
     @staticmethod
     def _input_grads(saved: _Saved) -> Dict[str, torch.Tensor]:

@@ -239,31 +239,31 @@ def _output_grads(prog, outs) -> List:
 class _SavedBytes:
     """Counts the bytes autograd saves for backward: a stage's activation memory.
 
-    Parameters saved for backward (a linear's weight, or a view of it) are weights, not
-    activations, and are skipped.
+    Each saved storage counts once and whole (views of one tensor, as a split's q, k and v,
+    share it), as a running rank holds it (NOTE: Measured peak memory), and so do the
+    outputs (`add`: the backward's roots). Parameters saved for backward (a linear's weight,
+    or a view of it) are weights, not activations, and are skipped, as is the batch.
     """
 
-    def __init__(self, module, fake_params=()):
-        self.param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self.fake_params = {id(p) for p in fake_params}
+    def __init__(self, module, not_saved=()):
+        # a storage by its StorageImpl (fake tensors have no address); `not_saved`: more
+        # tensors that are no activations (fake parameters, the batch)
+        self.seen = {p.untyped_storage()._cdata for p in [*module.parameters(), *not_saved]}
 
-    def _key(self, t):
-        from torch._subclasses.fake_tensor import FakeTensor
-        if isinstance(t, FakeTensor):       # fake tensors have no storage address
-            base = t._base if t._base is not None else t
-            return None if id(base) in self.fake_params else id(t)
-        ptr = t.untyped_storage().data_ptr()
-        return None if ptr in self.param_storages else (ptr, t.dtype, tuple(t.shape), t.stride())
+    def add(self, *tensors) -> None:
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage._cdata not in self.seen:
+                self.seen.add(storage._cdata)
+                self.kept.append(storage)   # alive, so no address is reused while counting
+                self.nbytes += storage.nbytes()
 
     def __enter__(self):
         self.nbytes = 0
-        seen = set()
+        self.kept = []
 
         def pack(t):
-            key = self._key(t)
-            if key is not None and key not in seen:
-                seen.add(key)
-                self.nbytes += t.numel() * t.element_size()
+            self.add(t)
             return t
 
         self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
@@ -362,9 +362,13 @@ def _count_stage(prog, compiled):
         args = [inputs[n].requires_grad_(inputs[n].is_floating_point() and compiled.training)
                 for n in prog.inputs]
         counter = CountFlops()
-        with counter, _SavedBytes(prog.module, params.values()) as saved, \
+        # the user's inputs are the batch, held whole for the step, not a micro-batch's
+        batch = [inputs[n] for n in prog.user_inputs]
+        with counter, _SavedBytes(prog.module, [*params.values(), *batch]) as saved, \
                 torch.set_grad_enabled(compiled.training), \
                 shapes_only(compiled.stages[prog.stage].ranks[0]):
-            functional_call(prog.module, params, tuple(args))
+            outs = functional_call(prog.module, params, tuple(args))
+            if compiled.training:     # the outputs are the backward's roots, held until it runs
+                saved.add(*[t for t in outs if isinstance(t, torch.Tensor)])
     return counter.flops, saved.nbytes
 

@@ -185,7 +185,7 @@ def write_simulation(graph, compiled, folder: str, how: str, chart: bool = True)
     table = f"# {name}: simulated step, costs {costs.source}\n{result.table()}"
     if how in DEVICES:          # will it fit: each rank's predicted peak against the device
         peaks = {r.rank: r.memory for r in result.ranks if r.memory is not None}
-        table += "\n" + fit_report(peaks, int(DEVICES[how].memory_gib * 2 ** 30), how, compiled.plans[0])
+        table += "\n" + fit_report(peaks, int(DEVICES[how].memory_gib * 2 ** 30), how, compiled.plans)
     print(table, flush=True)
     title = (f"{name}: {result.steps} simulated steps ({costs.source})\nsteady-state step "
              f"{result.step_time * 1e3:.3f} ms, first step {result.first_step_time * 1e3:.3f} ms, "

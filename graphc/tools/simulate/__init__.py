@@ -30,7 +30,11 @@ The package, by concern:
   * engine.py: the event engine (links, collectives, the worklist of ranks, the times);
   * memory.py: memory accounting (live micro-batches, peak activation bytes);
   * model_state.py: model-state bytes per rank (parameters, gradients, optimizer state);
-  * peak.py: the step's predicted peak memory per rank and the instruction holding it;
+  * peak.py: the step's predicted peak memory per rank and the instruction holding it
+    (NOTE: Peak memory model), walked by memory_walk.py (one entry per instruction kind);
+  * memory_fit.py: will it fit a device, and what to change when it does not;
+  * memory_measured.py: the peak measured on a running rank, to check the prediction
+    (NOTE: Measured peak memory);
   * folding.py: rank folding (classes of ranks that share one timeline);
   * classes.py: a world of plan templates simulated by its templates (NOTE: Simulated classes);
   * result.py: what a simulation returns (SimResult, RankSummary, SimTimeline);
@@ -50,11 +54,12 @@ from ...plan.templates import PlanWorld
 # the timeline vocabulary, shared with the measured traces the runtime writes
 from ...runtime.trace import Span, Timeline
 from ..cost_model import CostModel
-from .classes import simulate_classes
+from .classes import add_model_state, simulate_classes
 from .engine import _Simulation
 from .memory import activation_peak, stage_input_bytes
 from .model_state import ModelInputs, ModelState, ParamSpec, model_inputs, model_state
-from .peak import MemoryPeak, fit_report, memory_peak
+from .memory_fit import fit_report
+from .peak import MemoryPeak, memory_peak
 from .result import RankSummary, SimResult, SimTimeline
 
 __all__ = ["simulate", "SimResult", "RankSummary", "SimTimeline", "Span", "Timeline",
@@ -88,9 +93,5 @@ def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
     sim.run()
     result = sim.result()
     if model is not None:
-        by_rank = {p.rank: p for p in plans}
-        for r in result.ranks:
-            r.model_state = model_state(by_rank[r.rank], model.params.get(r.rank, ()))
-            r.memory = memory_peak(by_rank[r.rank], model.params.get(r.rank, ()), costs)
-        result.model_note = model.optimizer
+        add_model_state(result, {p.rank: p for p in plans}, model, costs)
     return result

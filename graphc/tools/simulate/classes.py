@@ -37,11 +37,13 @@ from typing import Dict, Iterator, List, Optional
 
 from ...log import get_logger
 from ...plan.instructions import Send
+from ...plan.plan import ExecutionPlan
 from ...plan.templates import PlanWorld, rename
 from ...runtime.trace import Span
 from ..cost_model import CostModel
 from .engine import _Simulation
 from .peak import memory_peak
+from .memory_walk import instruction_label
 from .model_state import model_state
 from .result import SimResult, SimTimeline
 
@@ -64,12 +66,18 @@ def simulate_classes(world: PlanWorld, costs: CostModel, steps: int = 1, cores: 
     sim.run()
     part = sim.result()
     if model is not None:
-        for r in part.ranks:
-            params = model.params.get(r.rank, ())
-            r.model_state = model_state(world.templates[r.rank], params)
-            r.memory = memory_peak(world.templates[r.rank], params, costs)
-        part.model_note = model.optimizer
+        add_model_state(part, world.templates, model, costs)
     return _whole_world(world, part)
+
+
+def add_model_state(result: SimResult, plans: Dict[int, ExecutionPlan], model, costs: CostModel) -> None:
+    """Each summarised rank's model-state bytes and predicted peak (NOTE: Model-state bytes),
+    from its plan in `plans` (rank -> plan) and its parameters and inputs in `model`."""
+    for r in result.ranks:
+        params = model.params.get(r.rank, ())
+        r.model_state = model_state(plans[r.rank], params)
+        r.memory = memory_peak(plans[r.rank], params, costs, batch=model.batch.get(r.rank, 0))
+    result.model_note = model.optimizer
 
 
 def renamed_costs_differ(world: PlanWorld, costs: CostModel) -> Optional[str]:
@@ -112,16 +120,30 @@ def _whole_world(world: PlanWorld, part: SimResult) -> SimResult:
     """The templates' result as every rank's: each rank's summary and timeline its template's."""
     template_of = {r: t for t in world.templates for r in world.class_of(t)}
     by_template = {s.rank: s for s in part.ranks}
-    ranks = [_as_rank(by_template[template_of[r]], r) for r in range(world.world_size)]
+    ranks = [_as_rank(by_template[template_of[r]], r, world) for r in range(world.world_size)]
     timeline = ClassTimeline(part.timeline, template_of)
     classes = {t: world.class_of(t) for t in sorted(world.templates)}
     return SimResult(timeline, part.step_time, ranks, part.step_ends, part.steps, part.model_note,
                      classes=classes)
 
 
-def _as_rank(summary, rank: int):
-    """A template's summary (and its memory peak) as another rank of its class's."""
-    memory = summary.memory and dataclasses.replace(summary.memory, rank=rank)
+def _as_rank(summary, rank: int, world: PlanWorld):
+    """A template's summary as another rank's of its class: its memory peak names the
+    rank's own instruction there (the template's renamed: its peer or group)."""
+    if rank == summary.rank:
+        return summary
+    memory = summary.memory
+    if memory is not None:
+        template, rho = world.templates[summary.rank], world.renaming(world.row_of(rank))
+
+        def renamed(label: str) -> str:
+            index, sep, _ = label.partition(": ")
+            if not (sep and index.isdigit()):     # not an instruction ("step start")
+                return label
+            ins = rename(template.instructions[int(index)], rho, world.keeps_group)
+            return instruction_label(int(index), ins)
+        memory = dataclasses.replace(memory, rank=rank, at=renamed(memory.at),
+                                     between_at=renamed(memory.between_at))
     return dataclasses.replace(summary, rank=rank, memory=memory)
 
 

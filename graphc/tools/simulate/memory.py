@@ -26,26 +26,49 @@ def activation_peak(plan: ExecutionPlan, costs: CostModel) -> int:
     act, inputs = costs.activation_bytes, stage_input_bytes(plan, costs)
     if not plan.training:       # inference frees each micro-batch's activations at once
         return max((act.get(s, 0) for s in plan.local_stages), default=0)
-    recomputed = checkpointed_microbatches(plan.checkpointing, plan.num_microbatches)
-    held: Dict[Tuple[int, int], int] = {}
-    live = peak = 0
+    live = _LiveBytes(act, inputs, checkpointed_microbatches(plan.checkpointing, plan.num_microbatches))
     for ins in plan.instructions:
         for part in ins.parts:
-            if not isinstance(part, (Forward, Backward, BackwardInput, BackwardWeight)):
-                continue
-            key, whole = (part.stage, part.microbatch), act.get(part.stage, 0)
-            if isinstance(part, Forward):
-                held[key] = inputs.get(part.stage, 0) if part.microbatch in recomputed else whole
-                live += held[key]
-            elif isinstance(part, BackwardInput):   # recomputes; W still reads what I saved
-                live += whole - held.get(key, 0)
-                held[key] = whole
-            else:
-                if isinstance(part, Backward):      # a checkpointed one recomputes first
-                    peak = max(peak, live + whole - held.get(key, 0))
-                live -= held.pop(key, 0)
-            peak = max(peak, live)
-    return peak
+            effect = _ACTIVATION_EFFECTS.get(part.runs)
+            if effect is not None:
+                effect(live, part)
+                live.peak = max(live.peak, live.live)
+    return live.peak
+
+
+class _LiveBytes:
+    """The activation bytes a rank holds per (stage, micro-batch) as its computes run."""
+
+    def __init__(self, act: Dict[int, int], inputs: Dict[int, int], recomputed):
+        self.act, self.inputs, self.recomputed = act, inputs, recomputed
+        self.held: Dict[Tuple[int, int], int] = {}
+        self.live = self.peak = 0
+
+    def forward(self, part) -> None:
+        key = (part.stage, part.microbatch)
+        self.held[key] = self.inputs.get(part.stage, 0) if part.microbatch in self.recomputed \
+            else self.act.get(part.stage, 0)
+        self.live += self.held[key]
+
+    def backward_input(self, part) -> None:
+        """Recomputes a checkpointed micro-batch; W still reads what I saved."""
+        key = (part.stage, part.microbatch)
+        self.live += self.act.get(part.stage, 0) - self.held.get(key, 0)
+        self.held[key] = self.act.get(part.stage, 0)
+
+    def backward(self, part) -> None:
+        """A checkpointed micro-batch is recomputed first, then everything is freed."""
+        key = (part.stage, part.microbatch)
+        self.peak = max(self.peak, self.live + self.act.get(part.stage, 0) - self.held.get(key, 0))
+        self.live -= self.held.pop(key, 0)
+
+    def backward_weight(self, part) -> None:
+        self.live -= self.held.pop((part.stage, part.microbatch), 0)
+
+
+# each compute part's effect on the activations held, by its run entry (as the runtime dispatches)
+_ACTIVATION_EFFECTS = {Forward.runs: _LiveBytes.forward, BackwardInput.runs: _LiveBytes.backward_input,
+                       Backward.runs: _LiveBytes.backward, BackwardWeight.runs: _LiveBytes.backward_weight}
 
 
 def stage_input_bytes(plan: ExecutionPlan, costs: CostModel) -> Dict[int, int]:
@@ -53,7 +76,7 @@ def stage_input_bytes(plan: ExecutionPlan, costs: CostModel) -> Dict[int, int]:
     else what the stage receives per micro-batch (its activations from the stage before)."""
     out = dict(costs.input_bytes)
     for ins in plan.instructions:
-        if isinstance(ins, Recv) and ins.direction == "F" and ins.microbatch == 0 \
+        if ins.runs == Recv.runs and ins.direction == "F" and ins.microbatch == 0 \
                 and ins.stage not in costs.input_bytes:
             out[ins.stage] = out.get(ins.stage, 0) + sum(t.nbytes for t in ins.tensors)
     return out

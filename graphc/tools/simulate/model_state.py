@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections.abc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -68,6 +68,7 @@ class ModelInputs:
 
     params: Mapping[int, Sequence[ParamSpec]]
     optimizer: str
+    batch: Mapping[int, int] = field(default_factory=dict)   # rank -> bytes of the inputs it reads
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def model_inputs(compiled, optimizer=None) -> ModelInputs:
     per_stage: Dict[int, List[Tuple[int, _StageParam]]] = {}
     for prog in compiled.programs:
         per_stage[prog.stage] = _stage_params(prog.module, states)
-    return ModelInputs(_ParamsByRank(compiled.plans, per_stage), note)
+    return ModelInputs(_ParamsByRank(compiled.plans, per_stage), note, batch_bytes(compiled))
 
 
 class _ParamsByRank(collections.abc.Mapping):
@@ -175,6 +176,36 @@ class _ParamsByRank(collections.abc.Mapping):
 
     def __len__(self) -> int:
         return len(self._ranks)
+
+
+def batch_bytes(compiled) -> Dict[int, int]:
+    """rank -> bytes of the user's inputs its stages read, whole for the step (a rank holds its
+    component of the batch while the step runs; its micro-batches are views of it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from ..costs import stage_inputs
+    m = compiled.plans[0].num_microbatches if compiled.plans else 1
+    per_stage: Dict[int, Dict[str, int]] = {}
+    with FakeTensorMode():
+        for prog in compiled.programs:
+            one = stage_inputs(prog, compiled)
+            per_stage[prog.stage] = {
+                n: one[n].nbytes * (1 if n in prog.whole_inputs or one[n].dim() == 0 else m)
+                for n in prog.user_inputs}
+    out = {}
+    for rank, stages in _local_stages(compiled.plans):
+        names: Dict[str, int] = {}
+        for s in stages:
+            names.update(per_stage.get(s, {}))
+        out[rank] = sum(names.values())
+    return out
+
+
+def _local_stages(plans):
+    """(rank, its stages) for every rank; a world of templates reads them off the templates
+    (NOTE: Simulated classes): no instance is made."""
+    if hasattr(plans, "plan_or_template"):
+        return ((r, plans.plan_or_template(r).local_stages) for r in range(len(plans)))
+    return ((p.rank, p.local_stages) for p in plans)
 
 
 @dataclass(frozen=True)

@@ -182,13 +182,21 @@ class _Compilation:
 
     history: List[PassRecord] = field(default_factory=list)
     verifier: MetaVerifier = field(default_factory=MetaVerifier)
+    described: bool = True   # each step's result kept as text (NOTE: History of a rank's compile)
 
 
+# NOTE: History of a rank's compile
+# A step's record shows its result as text (history.py), written when the step ends because
+# later passes annotate the same graph in place. Writing it costs a rank's compile more than
+# some passes (every node's annotations, meshes of thousands of ranks, after each of ~40
+# steps), and a running rank never reads it: so a compile of some ranks' plans (a rank's
+# own, at startup) records each step's name and time only, and the text where something
+# reads it: a whole world's compile (graphc plan writes passes.txt) or GRAPHC_DEBUG >= 4.
 def _step(run: _Compilation, name: str, fn: Callable, *args) -> Any:
     start = time.perf_counter()
     out = fn(*args)
     took = time.perf_counter() - start
-    run.history.append(record(name, took, out))
+    run.history.append(record(name, took, out if run.described else None))
     level = debug_level()
     if level >= 2:
         _log.debug("pass %s: %.1f ms", name, took * 1e3)
@@ -246,7 +254,7 @@ def retrace(spec: CompileSpec, example_inputs: Sequence[torch.Tensor], world_siz
             input_layouts: Sequence = ()) -> "TraceText":
     """build() traced again as compile() traced it, as text (NOTE: Retrace check)."""
     layouts = [Layout.of(layout) for layout in input_layouts]
-    return traced_text(_declare_and_trace(_Compilation(), spec, example_inputs, world_size, layouts)[3])
+    return traced_text(_declare_and_trace(_Compilation(described=False), spec, example_inputs, world_size, layouts)[3])
 
 
 def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
@@ -264,7 +272,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     if not isinstance(spec, CompileSpec):
         spec = spec._compile_spec()
     input_layouts = [Layout.of(layout) for layout in input_layouts]
-    run = _Compilation()
+    run = _Compilation(described=ranks is None or debug_level() >= 4)
     m = spec.gradient_accumulation_steps
     stages, stage_of_module, declared, gm = _declare_and_trace(run, spec, example_inputs, world_size, input_layouts)
     trace = traced_text(gm)   # what GRAPHC_RETRACE compares (NOTE: Retrace check)

@@ -10,13 +10,16 @@ stamps its traces, and shows the step's result in the form a reader needs:
 - execution plans: `str(plan)` of every rank, or of the first rank of each stage when there
   are more than PLANS_SHOWN_UP_TO ranks (a stage's ranks differ only in peers and groups);
 - anything else (the stages, the meshes): its `str`, one item a line.
+
+A compile of some ranks' plans (a rank's own, at startup) keeps each step's name and time
+without its text (See NOTE: History of a rank's compile, compiler.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import weakref
-from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, Callable, List, Union
 
 import torch.fx as fx
 
@@ -29,19 +32,36 @@ from .sbp.layout import fmt
 PLANS_SHOWN_UP_TO = 8   # worlds this small show every rank's plan; larger ones a rank per stage
 
 
-@dataclass
 class PassRecord:
     """One step of compile(): its name, its time and its result as text (see describe)."""
 
-    name: str
-    seconds: float
-    text: str
+    def __init__(self, name: str, seconds: float, text: Union[str, Callable[[], str]]):
+        self.name, self.seconds, self._text = name, seconds, text
+
+    @property
+    def text(self) -> str:
+        if callable(self._text):     # written when first read (plans: see record)
+            self._text = self._text()
+        return self._text
+
+    def __repr__(self) -> str:
+        return f"PassRecord({self.name!r}, {self.seconds:.4f})"
 
 
 def record(name: str, seconds: float, out: Any) -> PassRecord:
-    body = describe(out)
     head = f"# Constructed by {name} (took {seconds * 1e3:.1f} ms)"
+    if _is_plans(out):
+        # plans are printed when first read (graphc plan's passes.txt, or never), from a copy of
+        # the shown ones as they are now: later steps add notes to the same objects
+        shown = [dataclasses.replace(p, instructions=list(p.instructions), notes=dict(p.notes))
+                 for p in shown_plans(out)]
+        return PassRecord(name, seconds, lambda: f"{head}\n" + "\n\n".join(str(p) for p in shown))
+    body = describe(out)
     return PassRecord(name, seconds, f"{head}\n{body}" if body else head)
+
+
+def _is_plans(out: Any) -> bool:
+    return isinstance(out, list) and bool(out) and all(isinstance(p, ExecutionPlan) for p in out)
 
 
 def describe(out: Any) -> str:
@@ -52,7 +72,7 @@ def describe(out: Any) -> str:
         return annotated_code(out)
     if isinstance(out, list) and out and all(isinstance(p, StageProgram) for p in out):
         return "\n\n".join(describe_program(p) for p in out)
-    if isinstance(out, list) and out and all(isinstance(p, ExecutionPlan) for p in out):
+    if _is_plans(out):
         return "\n\n".join(str(p) for p in shown_plans(out))
     if isinstance(out, (list, tuple)) and not all(isinstance(v, (bool, int, float, str)) for v in out):
         return "\n".join(f"# {item}" for item in out)

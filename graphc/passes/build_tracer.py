@@ -123,6 +123,7 @@ class BuildTracer(fx.Tracer):
         self.source_file: Optional[str] = None  # the Graph's file, for error messages
         self.item_writes: list = []  # (set_item node, nodes sharing its input's storage, line)
         self._modules_seen: Optional[list] = None
+        self._first_names: Dict[int, str] = {}   # id(module) -> its first qualified name
         # qualified name -> the hooked leaf without its forward hooks, which its call_module
         # node runs (NOTE: Module hooks, traced_hooks.py); trace_build installs them
         self.unhooked: Dict[str, torch.nn.Module] = {}
@@ -138,7 +139,7 @@ class BuildTracer(fx.Tracer):
         if self.running_fake:
             return forward(*args, **kwargs)
         check_traceable_module(m, self._name_of(m), self.source_file)  # torch.compile'd modules
-        if not any(m is sub for sub in self.known_modules()):
+        if id(m) not in self._first_names:   # known_modules() was read by _name_of
             return self._call_unowned(m, forward, args, kwargs)
         path = self.path_of_module(m)
         check_backward_hooks(m, path, caller_line(self.source_file))
@@ -172,10 +173,15 @@ class BuildTracer(fx.Tracer):
     def known_modules(self):
         if self._modules_seen is None:
             self._modules_seen = [sub for _, sub in self.trace_root.named_modules(remove_duplicate=False)]
+            # each module's first name, looked up once per call_module (not a walk of the tree)
+            self._first_names = {}
+            for name, sub in self.trace_root.named_modules():
+                self._first_names.setdefault(id(sub), name)
         return self._modules_seen
 
     def _name_of(self, m: torch.nn.Module) -> str:
-        return next((name for name, sub in self.trace_root.named_modules() if sub is m), type(m).__name__)
+        self.known_modules()
+        return self._first_names.get(id(m), type(m).__name__)
 
     def _call_unowned(self, m, forward, args, kwargs):
         """A module built inside a forward (BERT's `CrossEntropyLoss()` in its forward): traced

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 from ..errors import GraphcError
@@ -83,13 +84,21 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
     check_item_writes(g, tracer.item_writes, node_line)
     for node in g.nodes:
         node.meta.pop(FAKE, None)
-    gm = fx.GraphModule(root, g, class_name=type(root).__name__)
+    gm = _LazyGraphModule(root, g, class_name=type(root).__name__)   # NOTE: Code written when read
     install_modules(gm, root, tracer.unhooked)  # hooked leaves run without their traced hooks
     if "tree" in outputs:
         gm.meta[META_OUTPUT_TREE] = outputs["tree"]
     return gm
 
 
+# NOTE: Code written when read
+# The traced graph is annotated and rewritten by ~20 passes, and never run as a module: its
+# stage programs are (split_stages builds them as GraphModules of their own). fx writes and
+# compiles a GraphModule's Python at every recompile(), and after boxing that code names
+# every rank group of every conversion (NOTE: Rank groups in code), a third of a rank's
+# compile at 8192 ranks. fx's _LazyGraphModule (what torch.compile's graphs use) defers the
+# writing to the first read of .code or the first call, so the traced graph's code is written
+# only where something reads it (the history of graphc plan, a debugging print).
 @contextmanager
 def _autocast_regions(autocast: Optional[tuple]):
     """config.enable_amp's region around the trace. A cuda region is entered with a cpu region

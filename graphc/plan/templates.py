@@ -138,6 +138,37 @@ class PlanWorld(Sequence):
         j, _, t = self._where[rank]
         return self.templates[self.symmetry.meshes[j][0][t]]
 
+    def class_of(self, template: int) -> List[int]:
+        """The ranks a template's plan stands for, in rank order: its column of its mesh's
+        rows (M[*][t]), or itself (an idle rank)."""
+        if template not in self._where:
+            return [template]
+        j, _, t = self._where[template]
+        return sorted(row[t] for row in self.symmetry.meshes[j])
+
+    def row_of(self, rank: int) -> int:
+        """The row of replicas `rank` is in (an idle rank: 0, its own template)."""
+        return self._where[rank][1] if rank in self._where else 0
+
+    def renaming(self, d: int):
+        """rho_d, rank -> rank, on the ranks that templates name (row 0's; others are fixed)."""
+        return self._rho(d)
+
+    def keeps_group(self, group: Tuple[int, ...]) -> bool:
+        """Whether every rho_d maps `group` onto itself (a union of whole columns)."""
+        return self._invariant(group)
+
+    @property
+    def instances_made(self) -> int:
+        """How many ranks' plans were made from their templates so far (tools that read
+        the templates alone make none: NOTE: Simulated classes)."""
+        return sum(1 for r in self._made if r not in self.templates)
+
+    @property
+    def replaced_ranks(self) -> List[int]:
+        """Ranks whose plan was replaced alone (__setitem__): no template stands for them."""
+        return sorted(self._replaced)
+
     def _instance(self, rank: int) -> ExecutionPlan:
         d = self._where[rank][1]
         template = self.template_of(rank)

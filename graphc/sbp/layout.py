@@ -110,8 +110,17 @@ def local_shape(shape: Sequence[int], sbp: tuple, mesh: tuple, rank=None) -> Tup
 
 
 def is_even(shape: Sequence[int], sbp: tuple, mesh: tuple) -> bool:
-    """Does every rank of `mesh` hold a shard of the same shape?"""
-    return len({local_shape(shape, sbp, mesh, r) for r in flat(mesh)}) == 1
+    """Does every rank of `mesh` hold a shard of the same shape? Exactly when every axis's
+    split divides what the earlier axes left of its dim: an axis cutting a size unevenly
+    leaves its last shard smaller, and later axes cannot make unequal shards equal. Read
+    off the mesh's shape, not its ranks (a stage's mesh has thousands at scale)."""
+    sizes = list(shape)
+    for n, s in zip(mesh_shape(mesh), sbp):
+        if isinstance(s, Split):
+            if sizes[s.dim] % n:
+                return False
+            sizes[s.dim] //= n
+    return True
 
 
 def split_extent(shape: Sequence[int], sbp: tuple, mesh: tuple, axis: int, rank: int) -> int:

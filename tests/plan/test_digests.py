@@ -8,7 +8,8 @@ import pytest
 
 from graphc import compiler
 from graphc.executable import input_specs
-from graphc.plan.digests import explain, first_disagreement, plan_digests, plan_sequences
+from graphc.plan.digests import (channel_key, explain, first_disagreement, holders_of, plan_digests,
+                                 plan_sequences)
 from graphc.plan.instructions import AllReduce, Recv, Send
 
 HERE = os.path.dirname(__file__)
@@ -76,3 +77,30 @@ def test_a_rank_without_a_groups_collectives_is_found(plans):
     assert [e[2] for e in seqs[4]] == [e[2] for e in seqs[6][:k]]
     text = explain(key, bad, ref, seqs[bad], seqs[ref])
     assert f"rank 4 lists no #{k} there ({k} in all)" in text and seqs[6][k][1] in text
+
+
+@pytest.mark.slow
+def test_a_planted_mismatch_is_caught_at_8192_ranks(monkeypatch):
+    """At 8192 ranks (pipeline 32 x data 64 x tensor 4): the plan a rank lowers alone agrees,
+    digest for digest, with the plans of every peer it shares a key with (the whole world's,
+    made from templates), and one micro-batch changed in one of its sends is named by the
+    channel's key and both its ends."""
+    pp, dp, tp, m = plan_scale.SIZES[8192]
+    for k, v in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 8192), ("LOCAL_WORLD_SIZE", 8192)):
+        monkeypatch.setenv(k, str(v))
+    graph, inputs = plan_scale.mlp_graph(pp, dp, tp, m)
+    specs = input_specs(inputs)
+    args = ([s.example() for s in specs], 8192, [s.layout for s in specs])
+    rank = 4097
+    own = compiler.compile(graph, *args, ranks=[rank]).plan_for(rank)
+    world = compiler.compile(graph, *args).plans
+    mine = plan_digests(own)
+    holders = sorted({h for key in mine for h in holders_of(key)} - {rank})
+    assert len(holders) >= 64 + 3                  # its data column, tensor row and pipeline peers
+    everyone = {h: {k: v for k, v in plan_digests(world[h]).items() if k in mine} for h in holders}
+    everyone[rank] = mine
+    assert first_disagreement(everyone) is None
+    i, send = next((i, ins) for i, ins in enumerate(own.instructions) if isinstance(ins, Send))
+    everyone[rank] = plan_digests(_replaced(own, i, dataclasses.replace(send, microbatch=send.microbatch + 1)))
+    key, bad, ref = first_disagreement(everyone)
+    assert key == channel_key(rank, send.peer) and {bad, ref} == {rank, send.peer}

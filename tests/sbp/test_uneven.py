@@ -36,6 +36,24 @@ def test_shards_are_torch_chunks_padded_with_empty_ones(size, n):
     assert chunk_sizes(size, n) == tuple(pieces + [0] * (n - len(pieces)))
 
 
+def test_is_even_read_off_the_mesh_shape_is_every_ranks_shard_alike():
+    """is_even divides per axis instead of comparing every rank's shard (a stage's mesh has
+    thousands of ranks at scale): the same answer on 1-D and 2-D meshes, nested splits."""
+    meshes = [(0, 1, 2), ((0, 1), (2, 3)), ((0, 1, 2), (3, 4, 5)), ((0, 1), (2, 3), (4, 5))]
+    layouts = [(Split(0),), (B,), (Split(1),), (Split(0), Split(0)), (Split(0), Split(1)),
+               (B, Split(0)), (Split(1), P), (Split(0), B)]
+    checked = 0
+    for mesh in meshes:
+        flat = [r for row in mesh for r in row] if isinstance(mesh[0], tuple) else list(mesh)
+        axes = 2 if isinstance(mesh[0], tuple) else 1
+        for sbp_ in (lay for lay in layouts if len(lay) == axes):
+            for shape in [(a, b) for a in range(0, 13) for b in (1, 2, 3, 6)]:
+                every = len({local_shape(shape, sbp_, mesh, r) for r in flat}) == 1
+                assert is_even(shape, sbp_, mesh) == every, (mesh, sbp_, shape)
+                checked += 1
+    assert checked > 900
+
+
 def test_local_shapes_and_slices_differ_by_rank():
     mesh = (0, 1, 2, 3)
     assert [local_shape((10, 5), (Split(0),), mesh, r) for r in mesh] == [(3, 5)] * 3 + [(1, 5)]

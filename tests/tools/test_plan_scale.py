@@ -80,7 +80,9 @@ def test_plan_64_ranks(monkeypatch, tmp_path, capsys):
     assert rows == [f"simulated ranks {8 * s}-{8 * s + 7}, stage {s}" for s in range(8)]
     with open(os.path.join(out, "simulation.txt")) as f:
         table = f.read()
-    assert sum(1 for line in table.splitlines() if line.split()[:1] and line.split()[0].isdigit()) == 64
+    # simulated by its 16 templates (8 stages x 2 tensor columns), a table row for each class
+    assert sum(1 for line in table.splitlines() if line.split()[:1] and line.split()[0].isdigit()) == 16
+    assert "simulated as classes: 64 ranks in 16" in table
 
     # the folded simulation (one rank per stage runs) equals the one of every rank
     costs = device_costs(compiled, "h100")
@@ -95,3 +97,22 @@ def test_plan_64_ranks(monkeypatch, tmp_path, capsys):
     result = folded.result()
     assert fold_ranks(result.timeline) == [list(range(8 * s, 8 * s + 8)) for s in range(8)]
     assert result.table() == every.result().table()
+
+
+@pytest.mark.slow
+def test_plan_8192_ranks_reads_the_templates(monkeypatch, tmp_path):
+    """`graphc plan --nproc 8192 --simulate h100` with its charts (issue 31): the chart and the
+    simulation run on the 128 templates (NOTE: Simulated classes); the only plans made from
+    them are the 64 written to files (the first and last rank of each stage)."""
+    out = str(tmp_path / "plans")
+    compiled = plan_in_plan_mode(monkeypatch, out, *plan_scale.SIZES[8192])
+    world = compiled.plans
+    assert len(world) == 8192 and len(world.templates) == 128
+    assert world.instances_made <= 64
+    with open(os.path.join(out, "simulation.txt")) as f:
+        table = f.read()
+    assert "simulated as classes: 8192 ranks in 128" in table
+    rows = [line for line in table.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    assert len(rows) == 128 and rows[1].endswith("1, 5, ..., 253 (64 ranks)")
+    for name in ("schedule.png", "schedule.svg", "simulated.png", "simulated.svg", "simulated_trace.json"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name

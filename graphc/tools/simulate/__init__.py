@@ -36,6 +36,7 @@ The package, by concern:
   * memory_measured.py: the peak measured on a running rank, to check the prediction
     (NOTE: Measured peak memory);
   * folding.py: rank folding (classes of ranks that share one timeline);
+  * classes.py: a world of plan templates simulated by its templates (NOTE: Simulated classes);
   * result.py: what a simulation returns (SimResult, RankSummary, SimTimeline);
   * codes.py: the op tuples the engine runs, one per instruction, and their codes.
 
@@ -49,9 +50,11 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ...plan.plan import ExecutionPlan
+from ...plan.templates import PlanWorld
 # the timeline vocabulary, shared with the measured traces the runtime writes
 from ...runtime.trace import Span, Timeline
 from ..cost_model import CostModel
+from .classes import add_model_state, simulate_classes
 from .engine import _Simulation
 from .memory import activation_peak, stage_input_bytes
 from .model_state import ModelInputs, ModelState, ParamSpec, model_inputs, model_state
@@ -82,14 +85,13 @@ def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, found {steps}")
+    if isinstance(plans, PlanWorld):   # templates: one timeline per class (NOTE: Simulated classes)
+        result = simulate_classes(plans, costs, steps, cores, model)
+        if result is not None:
+            return result
     sim = _Simulation(plans, costs, steps, cores)
     sim.run()
     result = sim.result()
     if model is not None:
-        by_rank = {p.rank: p for p in plans}
-        for r in result.ranks:
-            r.model_state = model_state(by_rank[r.rank], model.params.get(r.rank, ()))
-            r.memory = memory_peak(by_rank[r.rank], model.params.get(r.rank, ()), costs,
-                                   batch=model.batch.get(r.rank, 0))
-        result.model_note = model.optimizer
+        add_model_state(result, {p.rank: p for p in plans}, model, costs)
     return result

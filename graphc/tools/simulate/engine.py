@@ -61,10 +61,17 @@ class _Simulation:
     `fold`, one representative per class of symmetric ranks (folding.py)."""
 
     def __init__(self, plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
-                 cores: Optional[int] = None, fold: bool = True):
+                 cores: Optional[int] = None, fold: bool = True, members=None,
+                 computing: Optional[int] = None):
+        """members: group -> the ranks that issue its collectives here (default all of them;
+        a world of templates: its templates, NOTE: Simulated classes); computing: the ranks
+        that compute, for `cores` (default those of `plans`)."""
         self.plans = {p.rank: p for p in plans}
         self.costs, self.steps = costs, steps
-        computing = sum(1 for p in plans if p.local_stages)
+        self._members = members or (lambda group: group)
+        self._options = dict(members=members, computing=computing)
+        if computing is None:
+            computing = sum(1 for p in plans if p.local_stages)
         self.stretch = max(1.0, computing / cores) if cores else 1.0
         self._cache: Dict[int, tuple] = {}      # id(instruction) -> (label, kind, mb, op)
         self._shown_p2p: Dict[tuple, tuple] = {}   # (type, stage, direction, mb) -> shown
@@ -129,7 +136,7 @@ class _Simulation:
         if isinstance(ins, (AllReduce, Collective)):
             group = tuple(sorted(ins.ranks))
             if group not in self.groups:
-                self.groups[group] = _Group(group)
+                self.groups[group] = _Group(self._members(group))
             return COLLECTIVE, self.groups[group], costs.collective(ins)
         if kind == "optimizer":
             return OPTIMIZER, costs.compute(ins, rank) * self.stretch
@@ -157,7 +164,7 @@ class _Simulation:
             ready.extend(self._advance(ready.popleft()))
         if any(self.pc[r] < len(self.plans[r].instructions) * self.steps for r in self.running):
             if self.rep:        # the folded run cannot finish: run every rank (and report)
-                self.__init__(*self._args, fold=False)
+                self.__init__(*self._args, fold=False, **self._options)
                 return self.run()
             self._stuck()
         for r, q in self.rep.items():   # a folded rank's times are its representative's

@@ -99,7 +99,7 @@ class Walk:
 
     def run(self) -> None:
         for i, ins in enumerate(self.plan.instructions):
-            self.label = f"{i}: {ins}"[:80]
+            self.label = instruction_label(i, ins)
             for part in ins.parts:
                 effect = COMPUTES.get(part.runs)
                 if effect is not None:
@@ -300,3 +300,8 @@ EFFECTS = {Recv: lambda walk, ins: walk.recvs.take(ins), Send: Walk.send,
            ClipGradNorm: Walk.reduce, OptimizerStep: Walk.optimizer_step,
            AllGather: Walk.gather, UnitGather: Walk.gather,
            ReleaseParams: Walk.release, UnitRelease: Walk.release}
+
+
+def instruction_label(index: int, ins) -> str:
+    """How a peak names the instruction it happens at (MemoryPeak.at): `12: 0F3`."""
+    return f"{index}: {ins}"[:80]

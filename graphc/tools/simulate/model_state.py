@@ -21,6 +21,7 @@ tests/zero/test_zero_model_state.py checks these against the tensors on real ran
 """
 from __future__ import annotations
 
+import collections.abc
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -143,15 +144,38 @@ def model_inputs(compiled, optimizer=None) -> ModelInputs:
     per_stage: Dict[int, List[Tuple[int, _StageParam]]] = {}
     for prog in compiled.programs:
         per_stage[prog.stage] = _stage_params(prog.module, states)
-    out: Dict[int, List[ParamSpec]] = {}
-    for plan in compiled.plans:
-        seen: Dict[int, ParamSpec] = {}
-        for s in plan.local_stages:
-            for key, param in per_stage.get(s, ()):
-                if key not in seen:
-                    seen[key] = param.on(plan.rank)
-        out[plan.rank] = list(seen.values())
-    return ModelInputs(out, note, batch_bytes(compiled))
+    return ModelInputs(_ParamsByRank(compiled.plans, per_stage), note, batch_bytes(compiled))
+
+
+class _ParamsByRank(collections.abc.Mapping):
+    """rank -> its ParamSpecs, worked out when first asked: a simulation of a world of plan
+    templates asks for its templates' only (NOTE: Simulated classes, tools/simulate/classes.py)."""
+
+    def __init__(self, plans, per_stage):
+        self._per_stage, self._known = per_stage, {}
+        if hasattr(plans, "plan_or_template"):   # a rank's stages are its template's: no instance made
+            self._ranks, self._plan_of = range(len(plans)), plans.plan_or_template
+        else:
+            by_rank = {p.rank: p for p in plans}
+            self._ranks, self._plan_of = by_rank.keys(), by_rank.__getitem__
+
+    def __getitem__(self, rank: int) -> List[ParamSpec]:
+        if rank not in self._known:
+            if rank not in self._ranks:
+                raise KeyError(rank)
+            seen: Dict[int, ParamSpec] = {}
+            for s in self._plan_of(rank).local_stages:
+                for key, param in self._per_stage.get(s, ()):
+                    if key not in seen:
+                        seen[key] = param.on(rank)
+            self._known[rank] = list(seen.values())
+        return self._known[rank]
+
+    def __iter__(self):
+        return iter(self._ranks)
+
+    def __len__(self) -> int:
+        return len(self._ranks)
 
 
 def batch_bytes(compiled) -> Dict[int, int]:
@@ -168,12 +192,20 @@ def batch_bytes(compiled) -> Dict[int, int]:
                 n: one[n].nbytes * (1 if n in prog.whole_inputs or one[n].dim() == 0 else m)
                 for n in prog.user_inputs}
     out = {}
-    for plan in compiled.plans:
+    for rank, stages in _local_stages(compiled.plans):
         names: Dict[str, int] = {}
-        for s in plan.local_stages:
+        for s in stages:
             names.update(per_stage.get(s, {}))
-        out[plan.rank] = sum(names.values())
+        out[rank] = sum(names.values())
     return out
+
+
+def _local_stages(plans):
+    """(rank, its stages) for every rank; a world of templates reads them off the templates
+    (NOTE: Simulated classes): no instance is made."""
+    if hasattr(plans, "plan_or_template"):
+        return ((r, plans.plan_or_template(r).local_stages) for r in range(len(plans)))
+    return ((p.rank, p.local_stages) for p in plans)
 
 
 @dataclass(frozen=True)

@@ -71,11 +71,6 @@ def checked(method, load_balance) -> ContextParallel:
                           f"{method!r}. Fix: method=\"ring\" or method=\"all_to_all\".")
     if not isinstance(load_balance, bool):
         raise GraphcError(f"set_context_parallel: load_balance expects True or False, found {load_balance!r}")
-    if load_balance:
-        raise GraphcError("set_context_parallel(load_balance=True) is not supported yet: causal "
-                          "attention runs on contiguous sequence shards (rank k holds chunk k). "
-                          "Fix: load_balance=False (the numbers are the same; only the causal "
-                          "work per rank is uneven).")
     return ContextParallel(method, load_balance)
 
 

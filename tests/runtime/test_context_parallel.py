@@ -163,7 +163,7 @@ def _llama_batch(t: int):
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def _llama(n: int, method: str, steps: int = 2, t: int = 12):
+def _llama(n: int, method: str, steps: int = 2, t: int = 12, load_balance: bool = False):
     """examples/hf_llama.py's LlamaForCausalLM with every input's sequence split over n ranks,
     every step checked against eager at 1e-10 (graphc.testing.local_world)."""
     pytest.importorskip("transformers")
@@ -177,7 +177,7 @@ def _llama(n: int, method: str, steps: int = 2, t: int = 12):
         model = hf_llama.make_model(64, args)
         graph = hf_llama.LlamaGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), Layout(1, 1, 1), 1)
         graph.model.config.set_stage(0, where)
-        graph.config.set_context_parallel(method=method)
+        graph.config.set_context_parallel(method=method, load_balance=load_balance)
         return graph
 
     def inputs(rank, step):

@@ -96,6 +96,44 @@ def test_ring_cp2_matches_eager():
                 and i.direction == "F"]
 
 
+class LogitsGraph(TokenLossGraph):
+    """The token loss, and the per-token logits returned beside it (split along the sequence)."""
+
+    def build(self, x, y):
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
+        return loss, logits
+
+
+def test_balanced_ring_returns_tokens_in_order():
+    """load_balance=True with is_causal SDPA: the causal pairs by true position, and the
+    per-token logits come back as the user split the input (rank k: positions chunk k),
+    equal to eager's whole-sequence logits; the loss and parameters equal eager's."""
+    x, y = _batches()[0]
+
+    def train(rank):
+        torch.manual_seed(0)
+        model = BlockStack(layers=2, block=16)
+        graphc.to_global(model, placement=P01, sbp=sbp.broadcast)
+        graph = LogitsGraph(model, OPTIMIZERS["sgd_momentum"](model.parameters()))
+        graph.config.set_context_parallel(method="ring", load_balance=True)
+        loss, logits = graph(*feed_split(P01, rank, sbp.split(1))(x, y))
+        assert logits.sbp == (sbp.split(1),), logits.sbp   # returned split, not gathered
+        notes = [i.note for i in graph.plan.instructions if isinstance(i, Collective)]
+        assert notes.count("load balance: dealt zig-zag") == 2 and \
+            notes.count("load balance: dealt back in order") == 2, notes   # x, y in; logits out (and its gradient)
+        return loss.to_local().item(), logits.to_local().detach(), graph.full_state_dict()
+    results = LocalWorld(2).run(train)
+    torch.manual_seed(0)
+    model = BlockStack(layers=2, block=16)
+    ref_logits = model(x).detach()
+    ref_losses, ref_state = eager_train(model, OPTIMIZERS["sgd_momentum"], None, token_loss, [(x, y)], 1)
+    for rank, (loss, logits, state) in enumerate(results):
+        assert_same_as_eager([loss], state, ref_losses, ref_state, f"balanced cp2 rank {rank}")
+        torch.testing.assert_close(logits, ref_logits.chunk(2, 1)[rank], atol=1e-10, rtol=1e-10)
+
+
 @pytest.mark.slow   # CI time: the ring in test_ring_cp2_matches_eager
 def test_all_to_all_cp2_matches_eager():
     plan = _train_cp2("all_to_all")
@@ -185,16 +223,50 @@ def _llama(n: int, method: str, steps: int = 2, t: int = 12, load_balance: bool 
     return graphc.testing.local_world(make, inputs, n, steps=steps, check=True)
 
 
-def test_hf_llama_cp2_ring_matches_eager():
+def _counting_scores(monkeypatch) -> dict:
+    """Counts the attention scores each rank's ring computes (query x key elements of the
+    pairs not skipped), by rank: the causal work balance."""
+    work = {}
+    right = cp_ops.pair_scores
+
+    def counted(q, kb, mask, pair, scale):
+        s = right(q, kb, mask, pair, scale)
+        if s is not None:
+            rank = graphc.world.rank()
+            work[rank] = work.get(rank, 0) + pair.q_len * pair.k_len
+        return s
+    monkeypatch.setattr(cp_ops, "pair_scores", counted)
+    return work
+
+
+def test_hf_llama_cp2_balanced_ring_matches_eager(monkeypatch):
+    """load_balance=True on HF Llama (its explicit causal-and-padding mask): rank k holds
+    chunks k and 3-k of 4, and both ranks compute the same number of scores (contiguous
+    shards: rank 0 sees only its own block, 36 of rank 1's 72 per head and step)."""
+    work = _counting_scores(monkeypatch)
+    run = _llama(2, "ring", load_balance=True)
+    assert run.ok, run.text()
+    assert len(work) == 2 and work[0] == work[1], work
+    plan = run.graphs[0].plan
+    assert len(_exchanges(plan, "F")) == 2   # 2 layers, one ring step each
+    redealt = [i for i in plan.instructions if isinstance(i, Collective) and "dealt zig-zag" in i.note]
+    assert len(redealt) == 3, [str(i) for i in plan.instructions]   # input_ids, attention_mask, labels
+
+
+@pytest.mark.slow   # CI time: the balanced ring in test_hf_llama_cp2_balanced_ring_matches_eager
+def test_contiguous_ring_work_is_uneven(monkeypatch):
+    work = _counting_scores(monkeypatch)
     run = _llama(2, "ring")
     assert run.ok, run.text()
-    assert len(_exchanges(run.graphs[0].plan, "F")) == 2   # 2 layers, one ring step each
+    assert work[1] == 2 * work[0], work   # rank 1 attends to both blocks, rank 0 to its own
 
 
-@pytest.mark.slow   # CI time: the ring in test_hf_llama_cp2_ring_matches_eager
-@pytest.mark.parametrize("n,method", [(2, "all_to_all"), (4, "ring"), (4, "all_to_all")])
-def test_hf_llama_context_parallel_matches_eager(n, method):
-    run = _llama(n, method, t=16)
+@pytest.mark.slow   # CI time: the balanced ring in test_hf_llama_cp2_balanced_ring_matches_eager
+@pytest.mark.parametrize("n,method,load_balance", [(2, "all_to_all", False), (4, "ring", False),
+                                                   (4, "all_to_all", False), (2, "all_to_all", True),
+                                                   (4, "ring", True), (4, "all_to_all", True)])
+def test_hf_llama_context_parallel_matches_eager(n, method, load_balance):
+    run = _llama(n, method, t=16, load_balance=load_balance)
     assert run.ok, run.text()
 
 
@@ -269,9 +341,17 @@ def test_set_context_parallel_refuses_what_it_cannot_do():
     graph = _stack_graph("ring", P01)
     with pytest.raises(graphc.GraphcError, match="method must be one of"):
         graph.config.set_context_parallel(method="ulysses")
-    with pytest.raises(graphc.GraphcError, match="load_balance=True\\) is not supported"):
-        graph.config.set_context_parallel(method="ring", load_balance=True)
+    with pytest.raises(graphc.GraphcError, match="load_balance expects True or False"):
+        graph.config.set_context_parallel(method="ring", load_balance=1)
 
+
+
+def test_load_balance_refuses_a_sequence_not_divisible_by_2n():
+    graph = _stack_graph("ring", P01)
+    graph.config.set_context_parallel(method="ring", load_balance=True)
+    x, y = _batches(t=6)[0]
+    with pytest.raises(graphc.GraphcError, match="6 does not divide by 4.*Fix: pad the sequence"):
+        compile_graph(graph, [global_input(x, P01, sbp.split(1)), global_input(y, P01, sbp.split(1))], 2)
 
 
 # -- compositions -----------------------------------------------------------------------------

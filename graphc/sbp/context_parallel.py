@@ -35,9 +35,17 @@ steps in the same order), so a ring whose ranks disagree on its steps is refused
 runs. Numbers equal eager attention on the whole sequence (float64, 1e-10: the merge is exact
 up to rounding).
 
-Not done: load balancing of causal attention (`load_balance=True`, each rank holding chunks
-i and 2n-1-i) is refused; attention dropout on a split sequence is not offered (such a call
-keeps its other signatures).
+Load balance (`load_balance=True`, See NOTE: Zig-zag dealing in graphc/sbp/layout.py): with
+contiguous shards a causal rank k attends to k+1 of the n blocks, so rank n-1 does n times
+rank 0's work. deal_zigzag deals the sequence zig-zag between the inputs and the outputs
+(rank k holds chunks k and 2n-1-k of 2n), the boxes reorder the sequence where it is gathered
+or dealt, and the ring computes by (query run, key run) pairs of true positions: a pair wholly
+above the diagonal, or hidden whole by an explicit mask (HF's causal-and-padding mask), is
+skipped, so each rank computes 2n+1 chunk pairs. Ulysses puts the sequence in order as its
+all-to-all makes it whole, and deals it again on the way back.
+
+Not done: attention dropout on a split sequence is not offered (such a call keeps its other
+signatures).
 """
 from __future__ import annotations
 

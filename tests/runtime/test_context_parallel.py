@@ -201,9 +201,18 @@ def _llama_batch(t: int):
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def _llama(n: int, method: str, steps: int = 2, t: int = 12, load_balance: bool = False):
-    """examples/hf_llama.py's LlamaForCausalLM with every input's sequence split over n ranks,
-    every step checked against eager at 1e-10 (graphc.testing.local_world)."""
+def _qwen2(t: int):
+    import transformers
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=t, use_cache=False))
+
+
+def _llama(n: int, method: str, steps: int = 2, t: int = 12, load_balance: bool = False, arch: str = "llama"):
+    """examples/hf_llama.py's LlamaForCausalLM (or a Qwen2ForCausalLM as it comes, its q, k, v
+    with biases) with every input's sequence split over n ranks, every step checked against
+    eager at 1e-10 (graphc.testing.local_world)."""
     pytest.importorskip("transformers")
     import hf_llama
     from gpt import Layout
@@ -212,7 +221,7 @@ def _llama(n: int, method: str, steps: int = 2, t: int = 12, load_balance: bool 
     where = graphc.placement("cpu", list(range(n)))
 
     def make():
-        model = hf_llama.make_model(64, args)
+        model = hf_llama.make_model(64, args) if arch == "llama" else _qwen2(t)
         graph = hf_llama.LlamaGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), Layout(1, 1, 1), 1)
         graph.model.config.set_stage(0, where)
         graph.config.set_context_parallel(method=method, load_balance=load_balance)
@@ -251,6 +260,14 @@ def test_hf_llama_cp2_balanced_ring_matches_eager(monkeypatch):
     assert len(_exchanges(plan, "F")) == 2   # 2 layers, one ring step each
     redealt = [i for i in plan.instructions if isinstance(i, Collective) and "dealt zig-zag" in i.note]
     assert len(redealt) == 3, [str(i) for i in plan.instructions]   # input_ids, attention_mask, labels
+
+
+@pytest.mark.slow   # CI time: HF Llama's balanced ring runs by default; Qwen2 differs by its q, k, v biases
+@pytest.mark.parametrize("method,load_balance", [("ring", False), ("all_to_all", False), ("ring", True)])
+def test_hf_qwen2_cp2_matches_eager(method, load_balance):
+    run = _llama(2, method, load_balance=load_balance, arch="qwen2")
+    assert run.ok, run.text()
+    assert len(_exchanges(run.graphs[0].plan, "F")) == (2 if method == "ring" else 2 * 4)   # per layer
 
 
 @pytest.mark.slow   # CI time: the balanced ring in test_hf_llama_cp2_balanced_ring_matches_eager

@@ -412,6 +412,58 @@ def test_context_parallel_on_a_2d_mesh_matches_eager(layout):
         assert {i.ranks for i in ring} == {cp_axis}, (rank, {i.ranks for i in ring})
 
 
+def _zero2_data_x_context(rank):
+    """dp2 x cp2 with ZeRO-2 and the sequence dealt zig-zag. Every gradient is partial over
+    both axes (rows and positions), and insert_zero_sync shards a gradient partial on exactly
+    one axis, so today each is all-reduced per axis as without ZeRO (the plan says so)."""
+    graph = _stack_graph("ring", MESH, model_sbp=(sbp.broadcast, sbp.broadcast))
+    graph.config.set_context_parallel(method="ring", load_balance=True)
+    graph.config.enable_zero(True, stage=2, shard_min_size=1)
+    losses, state = graphc_train(graph, _batches(batch=4), feed=feed_split(MESH, rank, (sbp.split(0), sbp.split(1))))
+    return losses, state, graph.plan
+
+
+@pytest.mark.slow   # CI time: cp2 alone in test_ring_cp2_matches_eager
+def test_zero2_on_data_x_balanced_context_matches_eager():
+    results = LocalWorld(4).run(_zero2_data_x_context)
+    ref_losses, ref_state = _eager(_batches(batch=4))
+    for rank, (losses, state, plan) in enumerate(results):
+        assert_same_as_eager(losses, state, ref_losses, ref_state, f"dp2 x cp2 zero2 rank {rank}")
+        reduced = {i.ranks for i in plan.instructions if type(i).__name__ == "AllReduce"}
+        assert len(reduced) == 2, str(plan)   # over the data axis and the context axis
+
+
+def _checkpointed_context(rank, mode: str):
+    """cp2 ring beside activation checkpointing: block 0's MLP recomputed in backward (a
+    module whose forward is local), or every micro-batch's stage forward (graph-wide)."""
+    graph = _stack_graph("ring", P01)
+    if mode == "mlp":
+        graph.model.blocks[0].mlp.config.set_activation_checkpointing(True)
+    else:
+        graph.config.set_activation_checkpointing(mode)
+    losses, state = graphc_train(graph, _batches(), feed=feed_split(P01, rank, sbp.split(1)))
+    return losses, state, graph.plan
+
+
+@pytest.mark.slow   # CI time: cp2 alone in test_ring_cp2_matches_eager
+@pytest.mark.parametrize("mode", ["mlp", "always"])
+def test_activation_checkpointing_beside_the_ring_matches_eager(mode):
+    results = LocalWorld(2).run(lambda rank: _checkpointed_context(rank, mode))
+    ref_losses, ref_state = _eager(_batches())
+    for rank, (losses, state, plan) in enumerate(results):
+        assert_same_as_eager(losses, state, ref_losses, ref_state, f"checkpointed {mode} cp2 rank {rank}")
+        assert len(_exchanges(plan, "F")) == 2, str(plan)   # both layers' ring steps listed
+
+
+def test_checkpointing_a_module_with_ring_attention_is_refused():
+    """Recomputing the ring would run its exchanges again, unlisted by the plan: refused."""
+    graph = _stack_graph("ring", P01)
+    graph.model.blocks[0].config.set_activation_checkpointing(True)
+    x, y = _batches()[0]
+    with pytest.raises(graphc.GraphcError, match="blocks.0.*communicates.*scaled_dot_product_attention"):
+        compile_graph(graph, [global_input(x, P01, sbp.split(1)), global_input(y, P01, sbp.split(1))], 2)
+
+
 def _pipeline_x_context(rank):
     """Block 0 (and the input Linear) on ranks 0-1, block 1 and the head on ranks 2-3, the
     sequence split over each stage's two ranks, two micro-batches."""

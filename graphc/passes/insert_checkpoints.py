@@ -130,12 +130,14 @@ def _regions(graph: fx.Graph, checkpointed: Set[str]):
         # a conversion whose forward launches a collective (a local one, a slice or
         # to_partial, recomputes like any op; backward collectives run once either way)
         boxed = [n.name for n in nodes if META_BOXING in n.meta
-                 and BOXINGS[n.meta[META_BOXING].kind].collective is not None
-                 or n.op == "call_function" and n.target in EXCHANGING]   # inside: attention's ring, experts'
-        if boxed:
+                 and BOXINGS[n.meta[META_BOXING].kind].collective is not None]
+        exchanging = [n.name for n in nodes if n.op == "call_function" and n.target in EXCHANGING]
+        if boxed or exchanging:
+            found = "; ".join(([f"SBP conversions {boxed}"] if boxed else []) +
+                              ([f"ops exchanging inside {exchanging}"] if exchanging else []))
             raise GraphcError(
                 f"module '{name}' is marked set_activation_checkpointing(True), but its forward "
-                f"communicates (SBP conversions or exchanging ops {boxed}); recomputing it would run those "
+                f"communicates ({found}); recomputing it would run those "
                 "collectives again. Fix: checkpoint a module whose computation is local to "
                 "each rank (e.g. the block inside the tensor-parallel layer), or use the "
                 "graph-wide config.set_activation_checkpointing(...), which recomputes whole "

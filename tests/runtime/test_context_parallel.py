@@ -26,6 +26,7 @@ from graphc.plan.instructions import Collective
 from graphc.plan.verify import verify_plans
 from graphc.runtime.local_world import LocalWorld
 from gpt_block_models import BlockStack, TokenLossGraph, token_loss
+from layouts import fallbacks, replicated
 from helpers import (assert_same_as_eager, compile_graph, eager_train, feed_split, global_input, graphc_train,
                      run_world)
 from models import OPTIMIZERS
@@ -260,6 +261,9 @@ def test_hf_llama_cp2_balanced_ring_matches_eager(monkeypatch):
     assert len(_exchanges(plan, "F")) == 2   # 2 layers, one ring step each
     redealt = [i for i in plan.instructions if isinstance(i, Collective) and "dealt zig-zag" in i.note]
     assert len(redealt) == 3, [str(i) for i in plan.instructions]   # input_ids, attention_mask, labels
+    # HF's padding mask read as padding_mask[batch_idx, kv_idx] has a rule (sbp/tensor_index.py):
+    # gathered as a [B, T] input of a whole-inputs signature, not an op without one
+    assert fallbacks(run.graphs[0]) == [] and replicated(run.graphs[0]) == {0: 0.0}
 
 
 @pytest.mark.slow   # CI time: HF Llama's balanced ring runs by default; Qwen2 differs by its q, k, v biases

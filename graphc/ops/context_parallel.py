@@ -212,17 +212,20 @@ def merge(out, lse, block_out, block_lse):
 
 
 def _ring_forward(q, k, v, mask, ring: _Ring, is_causal: bool, scale: float):
-    """(output, lse) of this rank's queries over the whole ring."""
+    """(output, lse) of this rank's queries over the whole ring, in float32 or wider (See
+    NOTE: Ring precision); k and v travel in their own dtype."""
+    q, mask = _upcast(q), _upcast(mask)
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
     kb, vb = k, v
     for step in range(ring.n):
+        kw, vw = _upcast(kb), _upcast(vb)
         for pair in ring.pairs(ring.owner(step), is_causal, mask is not None):
-            s = pair_scores(q, kb, mask, pair, scale)
+            s = pair_scores(q, kw, mask, pair, scale)
             if s is None:
                 continue
             block_lse = torch.logsumexp(s, -1)
-            block_out = torch.matmul(_probabilities(s, block_lse), _repeat_heads(pair.keys(vb), q.shape[-3]))
+            block_out = torch.matmul(_probabilities(s, block_lse), _repeat_heads(pair.keys(vw), q.shape[-3]))
             rows_out, rows_lse = merge(pair.queries(out), lse.narrow(-1, pair.q_local, pair.q_len),
                                        block_out, block_lse)
             pair.queries(out).copy_(rows_out)
@@ -233,26 +236,43 @@ def _ring_forward(q, k, v, mask, ring: _Ring, is_causal: bool, scale: float):
 
 
 def _ring_backward(dout, q, k, v, mask, out, lse, ring: _Ring, is_causal: bool, scale: float):
-    """(dq, dk, dv): the block gradients of flash attention, keys' parts travelling with them."""
+    """(dq, dk, dv): the block gradients of flash attention, keys' parts travelling with them
+    (in float32 or wider, See NOTE: Ring precision)."""
+    q, mask, dout = _upcast(q), _upcast(mask), _upcast(dout)
     d = (dout * out).sum(-1, keepdim=True)
     dq = torch.zeros_like(q)
-    kb, vb, dkb, dvb = k, v, torch.zeros_like(k), torch.zeros_like(v)
+    kb, vb = k, v
+    dkb, dvb = torch.zeros_like(k, dtype=q.dtype), torch.zeros_like(v, dtype=q.dtype)
     heads = q.shape[-3]
     for step in range(ring.n):
+        kw, vw = _upcast(kb), _upcast(vb)
         for pair in ring.pairs(ring.owner(step), is_causal, mask is not None):
-            s = pair_scores(q, kb, mask, pair, scale)
+            s = pair_scores(q, kw, mask, pair, scale)
             if s is None:
                 continue
             p = _probabilities(s, lse.narrow(-1, pair.q_local, pair.q_len))
             do, qa = pair.queries(dout), pair.queries(q)
             pair.keys(dvb).add_(_fold_heads(torch.matmul(p.transpose(-2, -1), do), kb.shape[-3]))
-            ds = p * (torch.matmul(do, _repeat_heads(pair.keys(vb), heads).transpose(-2, -1)) - pair.queries(d))
-            pair.queries(dq).add_(torch.matmul(ds, _repeat_heads(pair.keys(kb), heads)) * scale)
+            ds = p * (torch.matmul(do, _repeat_heads(pair.keys(vw), heads).transpose(-2, -1)) - pair.queries(d))
+            pair.queries(dq).add_(torch.matmul(ds, _repeat_heads(pair.keys(kw), heads)) * scale)
             pair.keys(dkb).add_(_fold_heads(torch.matmul(ds.transpose(-2, -1), qa), kb.shape[-3]) * scale)
         if step < ring.n - 1:
             kb, vb, dkb, dvb = ring.pass_on((kb, vb, dkb, dvb), ring.owner(step + 1))
     dk, dv = ring.pass_on((dkb, dvb), ring.me) if ring.n > 1 else (dkb, dvb)
     return dq, dk, dv
+
+
+# NOTE: Ring precision
+# Under autocast q, k and v arrive in bfloat16 (or float16). torch's CPU and flash kernels
+# keep the scores, the softmax and the products' sums in float32 and round the output (and
+# in backward dq, dk, dv) once to the inputs' dtype; the ring does the same: its blocks and
+# merges run in float32 and each result is rounded once at the end. It then differs from
+# eager's kernel only by float32 summation order (a bf16 rounding flips where the float32
+# result lies within ~1e-7 of a rounding boundary), not by a bf16 rounding per block. Keys
+# and values travel the ring in their own dtype (exact); the backward's dk, dv partial sums
+# travel in float32 (sbp/context_parallel.exchanges lists their bytes so).
+def _upcast(t):
+    return t.float() if t is not None and t.is_floating_point() and t.element_size() < 4 else t
 
 
 class _RingAttention(torch.autograd.Function):
@@ -261,11 +281,11 @@ class _RingAttention(torch.autograd.Function):
         out, lse = _ring_forward(q, k, v, mask, ring, is_causal, scale)
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.ring, ctx.is_causal, ctx.scale = ring, is_causal, scale
-        return out
+        return out.to(q.dtype)   # rounded once (See NOTE: Ring precision)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, mask, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, mask, out, lse, ctx.ring,
                                     ctx.is_causal, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None

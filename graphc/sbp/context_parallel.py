@@ -132,9 +132,10 @@ def exchanges(node: fx.Node, forward: bool, n: int) -> List[Tuple[str, int, str]
         found = [("all_to_all", b * (n - 1) // n, f"ulysses {w}") for b, w in zip(moved, names)]
         return found if forward else found[::-1]   # backward: the output's gradient first
     kv = 2 * block(k)
+    grads = kv * (2 if str(k.dtype) in ("bfloat16", "float16") else 1)   # float32 sums: NOTE: Ring precision
     if forward:
         return [("send_recv", kv, f"ring step {s + 1}/{n - 1}: k, v") for s in range(n - 1)]
-    steps = [("send_recv", 2 * kv, f"ring step {s + 1}/{n - 1}: k, v, dk, dv") for s in range(n - 1)]
-    return steps + [("send_recv", kv, "ring home: dk, dv")]
+    steps = [("send_recv", kv + grads, f"ring step {s + 1}/{n - 1}: k, v, dk, dv") for s in range(n - 1)]
+    return steps + [("send_recv", grads, "ring home: dk, dv")]
 
 

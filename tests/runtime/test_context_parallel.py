@@ -84,8 +84,9 @@ def _train_cp2(method: str):
     return results[0][2]
 
 
+@pytest.mark.slow   # CI time: the balanced ring in test_balanced_ring_returns_tokens_in_order
 def test_ring_cp2_matches_eager():
-    """The causal block stack with its sequence split over 2 ranks: the one default check."""
+    """The causal block stack with its sequence split over 2 contiguous shards."""
     plan = _train_cp2("ring")
     # per attention n-1 = 1 key/value exchange forward; backward 1 more with the gradients,
     # and the exchange that hands dk, dv home
@@ -108,9 +109,11 @@ class LogitsGraph(TokenLossGraph):
 
 
 def test_balanced_ring_returns_tokens_in_order():
-    """load_balance=True with is_causal SDPA: the causal pairs by true position, and the
-    per-token logits come back as the user split the input (rank k: positions chunk k),
-    equal to eager's whole-sequence logits; the loss and parameters equal eager's."""
+    """load_balance=True with is_causal SDPA (the default check of the block stack's ring; the
+    contiguous ring runs by default in the seeded-error test): the causal pairs by true
+    position, and the per-token logits come back as the user split the input (rank k:
+    positions chunk k), equal to eager's whole-sequence logits; the loss and parameters equal
+    eager's; per attention one k, v exchange forward, two backward, nothing gathered."""
     x, y = _batches()[0]
 
     def train(rank):
@@ -121,6 +124,9 @@ def test_balanced_ring_returns_tokens_in_order():
         graph.config.set_context_parallel(method="ring", load_balance=True)
         loss, logits = graph(*feed_split(P01, rank, sbp.split(1))(x, y))
         assert logits.sbp == (sbp.split(1),), logits.sbp   # returned split, not gathered
+        for layer in ("scaled_dot_product_attention", "scaled_dot_product_attention_1"):
+            assert [k for n, k, _ in _exchanges(graph.plan, "F") if n == layer] == ["send_recv"]
+            assert [k for n, k, _ in _exchanges(graph.plan, "B") if n == layer] == ["send_recv"] * 2
         notes = [i.note for i in graph.plan.instructions if isinstance(i, Collective)]
         assert notes.count("load balance: dealt zig-zag") == 2 and \
             notes.count("load balance: dealt back in order") == 2, notes   # x, y in; logits out (and its gradient)
@@ -355,6 +361,34 @@ def _eager_encoder(model, batches):
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow   # ~3 s: the ring's float64 numbers run by default
+def test_ring_in_bfloat16_rounds_once_as_a_float32_kernel():
+    """NOTE: Ring precision: bfloat16 q, k, v on a balanced cp2 ring give eager's float32
+    attention on the whole sequence rounded once to bfloat16, forward and backward. The two
+    float32 results differ by summation order only (~1e-7 relative), so a rounded element
+    differs by at most one bfloat16 ulp (2**-7 of its value) and mostly not at all."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float32).bfloat16() for _ in range(4))
+    ref = [t.float().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*ref, is_causal=True)
+    out.backward(dout.float())
+    want = [out.bfloat16()] + [t.grad.bfloat16() for t in ref]
+
+    def ring(rank):
+        dealt = [t[:, :, [*range(2 * rank, 2 * rank + 2), *range(6 - 2 * rank, 8 - 2 * rank)]].requires_grad_()
+                 for t in (q, k, v)]   # chunks rank and 3 - rank of 4 (load balance)
+        o = cp_ops.context_parallel_attention(*dealt, None, ((0, 1),), "ring", 8, is_causal=True,
+                                              load_balance=True)
+        o.backward(dout[:, :, [*range(2 * rank, 2 * rank + 2), *range(6 - 2 * rank, 8 - 2 * rank)]])
+        return [o.detach()] + [t.grad for t in dealt]
+    got = LocalWorld(2).run(ring)
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        whole = torch.cat([got[0][i][:, :, :2], got[1][i][:, :, :4], got[0][i][:, :, 2:]], 2)
+        assert whole.dtype == torch.bfloat16
+        torch.testing.assert_close(whole.float(), want[i].float(), rtol=2 ** -7, atol=1e-6, msg=name)
+        assert (whole != want[i]).float().mean() < 0.05, name   # a flip is rare
 
 
 # -- options ----------------------------------------------------------------------------------

@@ -15,6 +15,10 @@ Backward (the flash-attention gradient per block, with the forward's final lse a
 D = rowsum(dO * O)) passes (k, v, dk, dv) around the ring: each rank adds its queries' part
 of the block's dk, dv to the partial sums that travel with the block, and after n steps one
 more exchange hands each block's dk, dv to its owner.
+
+Overlap: a step posts the next block's transfer (k, v) before computing on the block it holds
+and waits for it after; in backward dk, dv follow once this rank has added to them. The
+numbers are the same (the same blocks merged in the same order); only the waiting moves.
 """
 from __future__ import annotations
 
@@ -108,17 +112,33 @@ class _Ring:
     def pass_on(self, tensors: Sequence[torch.Tensor], from_block: int) -> List[torch.Tensor]:
         """Sends `tensors` to the next rank and receives the previous rank's, which hold
         sequence block `from_block` (its length sizes the buffers)."""
+        return self.start(tensors, from_block).wait()
+
+    def start(self, tensors: Sequence[torch.Tensor], from_block: int) -> "_InFlight":
+        """pass_on posted without waiting: the transfer runs while this rank computes on
+        what it holds (a step's block), finished by the returned handle's wait(). Transfers
+        between two ranks are matched in the order they were started."""
         size = sum(n for _, n in self.pieces(from_block))
         shapes = [_with_rows(t.shape, size) for t in tensors]
         if counting_shapes():
-            return [t.new_zeros(s) for t, s in zip(tensors, shapes)]
+            return _InFlight([t.new_zeros(s) for t, s in zip(tensors, shapes)], [])
         me = world.current()
         got = [t.new_empty(s) for t, s in zip(tensors, shapes)]
         waits = [me.irecv(g, self.prev, RING_TAG, ranks=self.group) for g in got]
         sends = [me.isend(t.contiguous(), self.next, RING_TAG, ranks=self.group) for t in tensors]
-        for w in waits + sends:
+        return _InFlight(got, waits + sends)
+
+
+class _InFlight:
+    """A ring transfer posted: its receive buffers, filled once wait() returns."""
+
+    def __init__(self, got: List[torch.Tensor], pending: list):
+        self.got, self.pending = got, pending
+
+    def wait(self) -> List[torch.Tensor]:
+        for w in self.pending:
             w.wait()
-        return got
+        return self.got
 
 
 @dataclass(frozen=True)
@@ -219,6 +239,8 @@ def _ring_forward(q, k, v, mask, ring: _Ring, is_causal: bool, scale: float):
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
     kb, vb = k, v
     for step in range(ring.n):
+        # the next block's transfer runs while this one is computed (an overlap)
+        coming = ring.start((kb, vb), ring.owner(step + 1)) if step < ring.n - 1 else None
         kw, vw = _upcast(kb), _upcast(vb)
         for pair in ring.pairs(ring.owner(step), is_causal, mask is not None):
             s = pair_scores(q, kw, mask, pair, scale)
@@ -230,8 +252,8 @@ def _ring_forward(q, k, v, mask, ring: _Ring, is_causal: bool, scale: float):
                                        block_out, block_lse)
             pair.queries(out).copy_(rows_out)
             lse.narrow(-1, pair.q_local, pair.q_len).copy_(rows_lse)
-        if step < ring.n - 1:
-            kb, vb = ring.pass_on((kb, vb), ring.owner(step + 1))
+        if coming is not None:
+            kb, vb = coming.wait()
     return out, lse
 
 
@@ -245,6 +267,8 @@ def _ring_backward(dout, q, k, v, mask, out, lse, ring: _Ring, is_causal: bool, 
     dkb, dvb = torch.zeros_like(k, dtype=q.dtype), torch.zeros_like(v, dtype=q.dtype)
     heads = q.shape[-3]
     for step in range(ring.n):
+        # k and v go on while this block is computed; its dk, dv partial sums once added to
+        coming = ring.start((kb, vb), ring.owner(step + 1)) if step < ring.n - 1 else None
         kw, vw = _upcast(kb), _upcast(vb)
         for pair in ring.pairs(ring.owner(step), is_causal, mask is not None):
             s = pair_scores(q, kw, mask, pair, scale)
@@ -256,8 +280,9 @@ def _ring_backward(dout, q, k, v, mask, out, lse, ring: _Ring, is_causal: bool, 
             ds = p * (torch.matmul(do, _repeat_heads(pair.keys(vw), heads).transpose(-2, -1)) - pair.queries(d))
             pair.queries(dq).add_(torch.matmul(ds, _repeat_heads(pair.keys(kw), heads)) * scale)
             pair.keys(dkb).add_(_fold_heads(torch.matmul(ds.transpose(-2, -1), qa), kb.shape[-3]) * scale)
-        if step < ring.n - 1:
-            kb, vb, dkb, dvb = ring.pass_on((kb, vb, dkb, dvb), ring.owner(step + 1))
+        if coming is not None:
+            grads = ring.start((dkb, dvb), ring.owner(step + 1))
+            (kb, vb), (dkb, dvb) = coming.wait(), grads.wait()
     dk, dv = ring.pass_on((dkb, dvb), ring.me) if ring.n > 1 else (dkb, dvb)
     return dq, dk, dv
 

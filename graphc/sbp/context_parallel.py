@@ -19,6 +19,8 @@ holds the whole sequence's keys and values at once. localize_ops turns the call 
                 log-sum-exp softmax; backward is a ring too (n-1 exchanges of k, v and
                 their partial gradients, and one more that hands the gradients home).
                 Causal blocks wholly above the diagonal are skipped (no scores computed).
+                Each step's transfer is posted before its block is computed, and runs
+                beside it (dk, dv, which the block adds to, follow once added).
     all_to_all  Ulysses: one all_to_all each for q, k and v trades sequence shards for head
                 shards, attention runs on whole sequences of H/n heads, and one all_to_all
                 trades the output back (the same four backward). Needs heads (and key/value

@@ -2,8 +2,8 @@
 mask read as `padding_mask[batch_idx, kv_idx]` when it builds a 4-D attention mask).
 
 The output is x gathered at the broadcast index tensors, then x's dims that no tensor indexes.
-Indices whole (broadcast), the gather is linear in x (P -> P), and a dim of x that no tensor
-indexes keeps its split after the index's dims. Anything else (an index tensor split, a dim
+Indices whole (broadcast), the gather is linear in a floating x (P -> P), and a dim of x that
+no tensor indexes keeps its split after the index's dims. Anything else (an index tensor split, a dim
 indexed while split) reads positions another rank holds: its inputs are then gathered, by
 this rule's whole-inputs signature rather than as an op without a rule.
 """
@@ -32,6 +32,8 @@ def index_by_tensors(ctx: RuleCtx, x: fx.Node, items: tuple) -> Optional[List[Ca
         return None
     whole = {t: B for t in tensors}
     ahead = len(out.shape) - (len(mx.shape) - m)   # the output dims the index tensors make
-    cands: List[Candidate] = [({x: P, **whole}, P)]
+    # linear in x: a partial x gives a partial result (floating x only: a mask or an index is
+    # never a sum of addends)
+    cands: List[Candidate] = [({x: P, **whole}, P)] if mx.dtype.startswith(("float", "bfloat")) else []
     cands += [({x: S(d), **whole}, S(ahead + d - m)) for d in range(m, len(mx.shape)) if ctx.splits(mx.shape[d])]
     return cands

@@ -502,9 +502,11 @@ def test_checkpointing_a_module_with_ring_attention_is_refused():
         compile_graph(graph, [global_input(x, P01, sbp.split(1)), global_input(y, P01, sbp.split(1))], 2)
 
 
-def _pipeline_x_context(rank):
+def _pipeline_x_context(rank, load_balance: bool = False):
     """Block 0 (and the input Linear) on ranks 0-1, block 1 and the head on ranks 2-3, the
-    sequence split over each stage's two ranks, two micro-batches."""
+    sequence split over each stage's two ranks (dealt zig-zag on both with load_balance: the
+    activations cross between stages dealt so, the labels redealt where they enter stage 1),
+    two micro-batches."""
     p0, p1 = graphc.placement("cpu", [0, 1]), graphc.placement("cpu", [2, 3])
     torch.manual_seed(0)
     model = BlockStack(layers=2, block=16)
@@ -514,7 +516,7 @@ def _pipeline_x_context(rank):
     graph.model.blocks[0].config.set_stage(0, p0)
     graph.model.blocks[1].config.set_stage(1, p1)
     graph.config.set_gradient_accumulation_steps(2)
-    graph.config.set_context_parallel(method="ring")
+    graph.config.set_context_parallel(method="ring", load_balance=load_balance)
     def feed(x, y):   # a rank outside an input's placement passes any component of its shape
         return tuple(global_input(t, p, sbp.split(1), rank if rank in p.flat_ranks else None)
                      for t, p in ((x, p0), (y, p1)))
@@ -523,8 +525,9 @@ def _pipeline_x_context(rank):
 
 
 @pytest.mark.slow   # CI time: cp2 alone in test_ring_cp2_matches_eager
-def test_pipeline_x_context_matches_eager():
-    results = LocalWorld(4).run(_pipeline_x_context)
+@pytest.mark.parametrize("load_balance", [False, True])
+def test_pipeline_x_context_matches_eager(load_balance):
+    results = LocalWorld(4).run(lambda rank: _pipeline_x_context(rank, load_balance))
     ref_losses, ref_state = _eager(_batches(batch=4))
     for rank, (losses, state, plan) in enumerate(results):
         assert_same_as_eager(losses if rank >= 2 else ref_losses, state, ref_losses, ref_state, f"pp2 x cp2 rank {rank}")

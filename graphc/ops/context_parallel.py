@@ -291,7 +291,8 @@ def _ring_backward(dout, q, k, v, mask, out, lse, ring: _Ring, is_causal: bool, 
 # Under autocast q, k and v arrive in bfloat16 (or float16). torch's CPU and flash kernels
 # keep the scores, the softmax and the products' sums in float32 and round the output (and
 # in backward dq, dk, dv) once to the inputs' dtype; the ring does the same: its blocks and
-# merges run in float32 and each result is rounded once at the end. It then differs from
+# merges run in float32 (autocast off inside, or it would cast the blocks' matmuls back down)
+# and each result is rounded once at the end. It then differs from
 # eager's kernel only by float32 summation order (a bf16 rounding flips where the float32
 # result lies within ~1e-7 of a rounding boundary), not by a bf16 rounding per block. Keys
 # and values travel the ring in their own dtype (exact); the backward's dk, dv partial sums
@@ -303,7 +304,8 @@ def _upcast(t):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, ring, is_causal, scale):
-        out, lse = _ring_forward(q, k, v, mask, ring, is_causal, scale)
+        with torch.autocast(q.device.type, enabled=False):   # float32 inside: See NOTE: Ring precision
+            out, lse = _ring_forward(q, k, v, mask, ring, is_causal, scale)
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.ring, ctx.is_causal, ctx.scale = ring, is_causal, scale
         return out.to(q.dtype)   # rounded once (See NOTE: Ring precision)
@@ -311,6 +313,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, mask, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, mask, out, lse, ctx.ring,
-                                    ctx.is_causal, ctx.scale)
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, mask, out, lse, ctx.ring,
+                                        ctx.is_causal, ctx.scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None

@@ -391,6 +391,66 @@ def test_ring_in_bfloat16_rounds_once_as_a_float32_kernel():
         assert (whole != want[i]).float().mean() < 0.05, name   # a flip is rare
 
 
+def _fp32_sdpa(q, k, v, *args, **kwargs):
+    """Eager attention doing the ring's casts: float32 inside, rounded once (NOTE: Ring precision)."""
+    with torch.autocast("cpu", enabled=False):
+        return _SDPA(q.float(), k.float(), v.float(), *args, **kwargs).to(q.dtype)
+
+
+_SDPA = F.scaled_dot_product_attention
+U = 2.0 ** -8   # bfloat16's unit roundoff
+
+
+@pytest.mark.slow   # ~6 s: AMP beside the balanced ring
+@pytest.mark.fp32
+def test_bf16_amp_on_balanced_cp2_matches_eager_autocast(monkeypatch):
+    """enable_amp(bf16) on the balanced cp2 ring against eager autocast doing the same casts
+    (attention in float32, rounded once), one SGD step, eager on one thread as each rank runs
+    (CPU bf16 kernels, LayerNorm's backward among them, round by their thread count).
+    Tolerances: the loss is a float32 token mean summed in another order: 16 terms,
+    |d| <= 16 * 2**-24 |loss|. A parameter's gradient is a sum over positions that each rank
+    rounds to bf16 before the float32 all-reduce where eager rounds once: per element
+    |d g| <= u (|a_0| + |a_1| + |e|) + float32 terms (NOTE: Data parallel under autocast in
+    tests/runtime/test_amp_data_parallel.py), u = 2**-8. Bounding |a_r| by the positions'
+    sum of magnitudes needs each layer's |dY|^T |X|, not computed here: the check uses
+    4 u lr max|g| per parameter tensor (measured 2.6-2.8 u; a lost or doubled contribution
+    is ~1/16 of the gradient, 16 u)."""
+    torch.set_default_dtype(torch.float32)
+    lr = 2.0 ** -4
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(2, T, D_IN, generator=g), torch.randint(0, 5, (2, T), generator=g)
+
+    def train(rank):
+        torch.manual_seed(0)
+        model = BlockStack(layers=2, block=16)
+        graphc.to_global(model, placement=P01, sbp=sbp.broadcast)
+        graph = TokenLossGraph(model, torch.optim.SGD(model.parameters(), lr=lr))
+        graph.config.set_context_parallel(method="ring", load_balance=True)
+        graph.config.enable_amp(True, dtype=torch.bfloat16)
+        loss = graph(*feed_split(P01, rank, sbp.split(1))(x, y)).to_local().item()
+        return loss, graph.full_state_dict()
+    results = LocalWorld(2).run(train)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = BlockStack(layers=2, block=16)
+        monkeypatch.setattr(F, "scaled_dot_product_attention", _fp32_sdpa)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = token_loss(model(x), y)
+        monkeypatch.undo()
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        torch.optim.SGD(model.parameters(), lr=lr).step()
+    finally:
+        torch.set_num_threads(threads)
+    for rank, (got_loss, state) in enumerate(results):
+        assert abs(got_loss - loss.item()) <= 16 * 2.0 ** -24 * abs(loss.item()), (rank, got_loss, loss.item())
+        for name, p in model.state_dict().items():
+            bound = 4 * U * lr * grads[name].abs().max().item() if name in grads else 0.0
+            assert (state[name] - p).abs().max().item() <= bound, (rank, name)
+
+
 # -- options ----------------------------------------------------------------------------------
 def test_set_context_parallel_refuses_what_it_cannot_do():
     graph = _stack_graph("ring", P01)

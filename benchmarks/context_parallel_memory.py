@@ -43,7 +43,7 @@ def saved_bytes(n: int, args) -> list:
         graph.model.config.set_stage(0, where)
         graph.config.set_memory_stats(True)
         if n > 1:
-            graph.config.set_context_parallel(method=args.method)
+            graph.config.set_context_parallel(method=args.method, load_balance=getattr(args, "load_balance", False))
         return graph
 
     def inputs(rank, step):

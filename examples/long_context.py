@@ -4,6 +4,7 @@
     python examples/long_context.py                                    # one process
     torchrun --nproc_per_node 4 examples/long_context.py --cp 4        # ring attention
     torchrun --nproc_per_node 2 examples/long_context.py --cp 2 --method all_to_all   # Ulysses
+    torchrun --nproc_per_node 4 examples/long_context.py --cp 4 --load-balance   # zig-zag chunks
     torchrun --nproc_per_node 4 examples/long_context.py --cp 2 --tp 2 --sp
     torchrun --nproc_per_node 4 examples/long_context.py --dp 2 --cp 2
     graphc check examples/long_context.py --cp 2 --nproc 2             # against eager
@@ -65,7 +66,8 @@ class Mesh:
 
 
 class LongContextGraph(graphc.Graph):
-    def __init__(self, model, opt, mesh: Mesh, method: str, sequence_parallel: bool):
+    def __init__(self, model, opt, mesh: Mesh, method: str, sequence_parallel: bool,
+                 load_balance: bool = False):
         super().__init__()
         self.model = model
         if mesh.world > 1:
@@ -80,7 +82,7 @@ class LongContextGraph(graphc.Graph):
                     graphc.to_global(lin.weight, placement=mesh.placement, sbp=mesh.sbp(tp=sbp.split(1)))
             self.config.enable_sequence_parallel(sequence_parallel)
         if mesh.sizes["cp"] > 1:
-            self.config.set_context_parallel(method=method)
+            self.config.set_context_parallel(method=method, load_balance=load_balance)
         self.add_optimizer(opt)
 
     def build(self, batch):
@@ -118,6 +120,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cp", type=int, default=1, help="context-parallel ranks (the sequence split)")
     parser.add_argument("--method", default="ring", choices=["ring", "all_to_all"])
+    parser.add_argument("--load-balance", action="store_true",
+                        help="deal the sequence zig-zag (rank k: chunks k and 2cp-1-k) so causal work is even")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism inside --tp")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
@@ -140,7 +144,7 @@ def main(argv=None):
     model = hf_llama.make_model(vocab, argparse.Namespace(seed=args.seed, embd=args.embd, layers=args.layers,
                                                           heads=args.heads, block=args.seq))
     graph = LongContextGraph(model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0),
-                             mesh, args.method, args.sp)
+                             mesh, args.method, args.sp, args.load_balance)
     losses = []
     for step, batch in zip(range(args.steps), long_batches(ids, args.batch, args.seq, args.seed)):
         start = time.perf_counter()

@@ -59,6 +59,7 @@ from .passes.insert_zero_units import UnitOptions, insert_zero_units
 from .passes.warn_replicated_stages import warn_replicated_stages
 from .passes.list_collectives import list_collectives
 from .passes.localize_ops import localize_ops
+from .passes.deal_zigzag import deal_zigzag
 from .passes.lower_plan import lower_plan
 from .passes.note_stages import note_stages
 from .passes.place_by_layout import place_by_layout
@@ -322,6 +323,8 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     gm = _step(run, "insert_boxing", insert_boxing, gm)
     # ops reading global sizes (mean over a split dim, reshape) get their local form
     gm = _step(run, "localize_ops", localize_ops, gm)
+    # load-balanced context parallelism: the sequence dealt zig-zag between inputs and outputs
+    gm = _step(run, "deal_zigzag", deal_zigzag, gm)
     # random ops draw by layout, now final: replicas the same numbers, shards their own
     gm = _step(run, "seed_random_ops", seed_random_ops, gm)
 

@@ -535,8 +535,13 @@ class GraphConfig:
                 attention, an online log-sum-exp merge; backward a ring too) or "all_to_all"
                 (Ulysses: sequence shards traded for head shards and back; heads divisible
                 by the ranks).
-            load_balance: True would hold chunks i and 2n-1-i on rank i for causal attention;
-                not supported yet (a GraphcError).
+            load_balance: True deals the sequence zig-zag inside the step: cut into 2n
+                chunks, rank i computes on chunks i and 2n-1-i, so that under a causal mask
+                (is_causal or an explicit one, as Hugging Face's) every rank computes the
+                same number of scores. Inputs are still passed as contiguous shards and
+                split outputs come back so; each input split along the sequence is redealt
+                once (an all_gather). The sequence length must divide by 2n (See NOTE:
+                Zig-zag dealing in graphc/sbp/layout.py).
 
         Example:
             self.config.set_context_parallel(method="ring")   # in the Graph's __init__

@@ -23,7 +23,7 @@ import torch
 from .. import world
 from ..plan.instructions import AllReduce
 from ..sbp.boxing import BOXINGS
-from ..sbp.layout import chunk_range, chunk_sizes
+from ..sbp.layout import chunk_range, chunk_sizes, zigzag_order
 
 # NOTE: Rank groups in code
 # fx prints a call's arguments into the program's Python one value at a time, and a box
@@ -206,32 +206,58 @@ _RUN = {
     "split_partial": lambda x, s, d, e, group, k, n: _pad(x, s, k, n, e),
     "grad_all_reduce": lambda x, s, d, e, group, k, n: x.view_as(x),
     "gather_scatter": lambda x, s, d, e, group, k, n: _all_gather(x, s, group, n, e),
+    "redeal": lambda x, s, d, e, group, k, n: _slice(_all_gather(x, s, group, n, e), d, k, n),
 }
 
 
 class _Box(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, kind, groups, src_dim, dst_dim, extents):
+    def forward(ctx, x, kind, groups, src_dim, dst_dim, extents, zigzag):
         group, k, n = my_group(groups)
         # the sizes the group's shards make up together: of the split dim, from the box's
         # argument (one per group, uneven splits) or n equal shards; of the whole dim, local
         src_extent = -1 if src_dim < 0 else (
             extents[_group_index(groups)] if extents else x.shape[src_dim] * n)
         dst_extent = -1 if dst_dim < 0 else x.shape[dst_dim]
-        ctx.meta = (kind, group, k, n, src_dim, dst_dim, dst_extent)
+        ctx.meta = (kind, group, k, n, src_dim, dst_dim, dst_extent, zigzag)
         if n == 1:
             return x.clone() if kind != "grad_all_reduce" else x.view_as(x)
         if kind not in _RUN:
             raise RuntimeError(f"internal: unknown boxing kind {kind!r}")
-        return _RUN[kind](x, src_dim, dst_dim, src_extent, group, k, n)
+        return _dealt(kind, x, src_dim, dst_dim, src_extent, group, k, n, zigzag)
 
     @staticmethod
     def backward(ctx, g):
-        kind, group, k, n, src_dim, dst_dim, dst_extent = ctx.meta
+        kind, group, k, n, src_dim, dst_dim, dst_extent, zigzag = ctx.meta
         dual = BOXINGS[kind].dual
         if n == 1 or dual is None:
-            return g, None, None, None, None, None
-        return _RUN[dual](g, dst_dim, src_dim, dst_extent, group, k, n), None, None, None, None, None
+            return g, None, None, None, None, None, None
+        return (_dealt(dual, g, dst_dim, src_dim, dst_extent, group, k, n, zigzag[::-1]),
+                None, None, None, None, None, None)
+
+
+def _dealt(kind, x, src_dim, dst_dim, extent, group, k, n, zigzag):
+    """Runs one conversion whose split dims may be dealt zig-zag (`zigzag`: (src, dst); See
+    NOTE: Zig-zag dealing): the dim it splits is put in the ranks' zig-zag order while still
+    whole, then cut as usual; the dim it gathers, whole after, is put back in global order."""
+    src_zig, dst_zig = zigzag
+    if kind == "redeal":
+        whole = _reordered(_all_gather(x, src_dim, group, n, extent), src_dim, n, src_zig, back=True)
+        return _slice(_reordered(whole, dst_dim, n, dst_zig), dst_dim, k, n)
+    if dst_zig and dst_dim >= 0:
+        x = _reordered(x, dst_dim, n, True)
+    out = _RUN[kind](x, src_dim, dst_dim, extent, group, k, n)
+    return _reordered(out, src_dim, n, True, back=True) if src_zig and src_dim >= 0 else out
+
+
+def _reordered(x, dim, n, zigzag: bool, back: bool = False):
+    """A whole dim in the ranks' zig-zag order (back: from it to global order)."""
+    if not zigzag:
+        return x
+    order = torch.tensor(zigzag_order(x.shape[dim], n), device=x.device)
+    if back:
+        order = torch.argsort(order)
+    return x.index_select(dim, order)
 
 
 def _group_index(groups: tuple) -> int:
@@ -241,10 +267,12 @@ def _group_index(groups: tuple) -> int:
 
 
 def box(x: torch.Tensor, kind: str, groups: tuple, src_dim: int, dst_dim: int,
-        extents: tuple = ()) -> torch.Tensor:
+        extents: tuple = (), zigzag: tuple = (False, False)) -> torch.Tensor:
     """One SBP conversion along one mesh axis (see the table above). `extents`, for a value
-    split unevenly on this axis: per group, the size of its split dim over the group."""
-    return _Box.apply(x, kind, groups, src_dim, dst_dim, extents)
+    split unevenly on this axis: per group, the size of its split dim over the group;
+    `zigzag`: whether its source and destination splits are dealt zig-zag (See NOTE: Zig-zag
+    dealing, graphc/sbp/layout.py)."""
+    return _Box.apply(x, kind, groups, src_dim, dst_dim, extents, tuple(zigzag))
 
 
 def mesh_coordinate(groups: tuple) -> Tuple[int, int]:

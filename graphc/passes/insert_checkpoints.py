@@ -9,8 +9,9 @@ so autograd saves only the region's inputs. The recompute happens inside the sta
 backward, where the executor re-enters the micro-batch's random draw (ops/random_ops.py), and
 sees the module's buffers as they were at the forward (NOTE: Activation checkpointing in
 runtime/executor.py), so the numbers are those of no checkpointing. A region that
-communicates (an SBP conversion inside it whose forward is a collective) is refused: its
-collectives would run again.
+communicates (an SBP conversion inside it whose forward is a collective, or an op that
+exchanges inside: context-parallel attention, expert-parallel experts) is refused: its
+collectives would run again, unlisted by the plan.
 Requires: split_stages (programs), insert_grad_modes.
 """
 from __future__ import annotations
@@ -27,7 +28,11 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import GraphcError
 from ..meta import META_BOXING
 from ..plan.program import StageProgram
+from ..ops.context_parallel import context_parallel_attention
+from ..ops.experts import expert_parallel
 from ..sbp.boxing import BOXINGS
+
+EXCHANGING = (context_parallel_attention, expert_parallel)   # ops that communicate inside
 
 
 class CheckpointedRegion(nn.Module):
@@ -126,10 +131,13 @@ def _regions(graph: fx.Graph, checkpointed: Set[str]):
         # to_partial, recomputes like any op; backward collectives run once either way)
         boxed = [n.name for n in nodes if META_BOXING in n.meta
                  and BOXINGS[n.meta[META_BOXING].kind].collective is not None]
-        if boxed:
+        exchanging = [n.name for n in nodes if n.op == "call_function" and n.target in EXCHANGING]
+        if boxed or exchanging:
+            found = "; ".join(([f"SBP conversions {boxed}"] if boxed else []) +
+                              ([f"ops exchanging inside {exchanging}"] if exchanging else []))
             raise GraphcError(
                 f"module '{name}' is marked set_activation_checkpointing(True), but its forward "
-                f"communicates (SBP conversions {boxed}); recomputing it would run those "
+                f"communicates ({found}); recomputing it would run those "
                 "collectives again. Fix: checkpoint a module whose computation is local to "
                 "each rank (e.g. the block inside the tensor-parallel layer), or use the "
                 "graph-wide config.set_activation_checkpointing(...), which recomputes whole "

@@ -25,6 +25,8 @@ on every rank. It runs with the split dims swapped (src <-> dst).
     gather_scatter  S -> B               all_gather    reduce_scatter (an all_gather whose only
                                                        reader is a grad_all_reduce: the two fused,
                                                        NOTE: Sequence parallel)
+    redeal          S(d) -> S(d), dealt  all_gather    redeal back (a split changing its dealing:
+                    anew                               contiguous <-> zig-zag, NOTE: Zig-zag dealing)
 
 Costs, with n ranks on the axis and T the global value's bytes: `sent` is what each rank
 sends with ring algorithms (2(n-1)/n T for an all-reduce); `total` is OneFlow's copy-cost
@@ -78,6 +80,8 @@ BOXINGS: Dict[str, Boxing] = {b.kind: b for b in (
     Boxing("grad_all_reduce", "B -> B", None, "all_reduce", _nothing, _nothing, partial_grad=True),
     Boxing("gather_scatter", "S -> B", "all_gather", "reduce_scatter",
            lambda n: (n - 1) / n, lambda n: n - 1, partial_grad=True),
+    Boxing("redeal", "S -> S (dealt anew)", "all_gather", "redeal",
+           lambda n: (n - 1) / n, lambda n: n - 1),
 )}
 
 

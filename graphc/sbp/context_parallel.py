@@ -19,6 +19,8 @@ holds the whole sequence's keys and values at once. localize_ops turns the call 
                 log-sum-exp softmax; backward is a ring too (n-1 exchanges of k, v and
                 their partial gradients, and one more that hands the gradients home).
                 Causal blocks wholly above the diagonal are skipped (no scores computed).
+                Each step's transfer is posted before its block is computed, and runs
+                beside it (dk, dv, which the block adds to, follow once added).
     all_to_all  Ulysses: one all_to_all each for q, k and v trades sequence shards for head
                 shards, attention runs on whole sequences of H/n heads, and one all_to_all
                 trades the output back (the same four backward). Needs heads (and key/value
@@ -35,9 +37,17 @@ steps in the same order), so a ring whose ranks disagree on its steps is refused
 runs. Numbers equal eager attention on the whole sequence (float64, 1e-10: the merge is exact
 up to rounding).
 
-Not done: load balancing of causal attention (`load_balance=True`, each rank holding chunks
-i and 2n-1-i) is refused; attention dropout on a split sequence is not offered (such a call
-keeps its other signatures).
+Load balance (`load_balance=True`, See NOTE: Zig-zag dealing in graphc/sbp/layout.py): with
+contiguous shards a causal rank k attends to k+1 of the n blocks, so rank n-1 does n times
+rank 0's work. deal_zigzag deals the sequence zig-zag between the inputs and the outputs
+(rank k holds chunks k and 2n-1-k of 2n), the boxes reorder the sequence where it is gathered
+or dealt, and the ring computes by (query run, key run) pairs of true positions: a pair wholly
+above the diagonal, or hidden whole by an explicit mask (HF's causal-and-padding mask), is
+skipped, so each rank computes 2n+1 chunk pairs. Ulysses puts the sequence in order as its
+all-to-all makes it whole, and deals it again on the way back.
+
+Not done: attention dropout on a split sequence is not offered (such a call keeps its other
+signatures).
 """
 from __future__ import annotations
 
@@ -71,11 +81,6 @@ def checked(method, load_balance) -> ContextParallel:
                           f"{method!r}. Fix: method=\"ring\" or method=\"all_to_all\".")
     if not isinstance(load_balance, bool):
         raise GraphcError(f"set_context_parallel: load_balance expects True or False, found {load_balance!r}")
-    if load_balance:
-        raise GraphcError("set_context_parallel(load_balance=True) is not supported yet: causal "
-                          "attention runs on contiguous sequence shards (rank k holds chunk k). "
-                          "Fix: load_balance=False (the numbers are the same; only the causal "
-                          "work per rank is uneven).")
     return ContextParallel(method, load_balance)
 
 
@@ -129,9 +134,10 @@ def exchanges(node: fx.Node, forward: bool, n: int) -> List[Tuple[str, int, str]
         found = [("all_to_all", b * (n - 1) // n, f"ulysses {w}") for b, w in zip(moved, names)]
         return found if forward else found[::-1]   # backward: the output's gradient first
     kv = 2 * block(k)
+    grads = kv * (2 if str(k.dtype) in ("bfloat16", "float16") else 1)   # float32 sums: NOTE: Ring precision
     if forward:
         return [("send_recv", kv, f"ring step {s + 1}/{n - 1}: k, v") for s in range(n - 1)]
-    steps = [("send_recv", 2 * kv, f"ring step {s + 1}/{n - 1}: k, v, dk, dv") for s in range(n - 1)]
-    return steps + [("send_recv", kv, "ring home: dk, dv")]
+    steps = [("send_recv", kv + grads, f"ring step {s + 1}/{n - 1}: k, v, dk, dv") for s in range(n - 1)]
+    return steps + [("send_recv", grads, "ring home: dk, dv")]
 
 

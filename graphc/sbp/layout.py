@@ -86,6 +86,28 @@ def chunk_range(size: int, n: int, k: int) -> Tuple[int, int]:
     return start, min(c, size - start)
 
 
+# NOTE: Zig-zag dealing
+# With set_context_parallel(load_balance=True) a sequence split over n ranks is cut into 2n
+# equal chunks and rank k holds chunks k and 2n-1-k, in that order (Megatron's and
+# torchtitan's load balancing): under a causal mask every rank then sees the same number of
+# (query, key) chunk pairs. The split value's global order is unchanged; only which
+# positions a rank holds differs, so its local shape is the contiguous split's (the dim must
+# divide by 2n). These helpers are the one home of that dealing (See NOTE: Context parallel).
+
+
+def zigzag_pieces(size: int, n: int, k: int) -> Tuple[Tuple[int, int], ...]:
+    """(start, length) of each chunk rank k holds, in local order (See NOTE: Zig-zag dealing)."""
+    c = size // (2 * n)
+    return ((k * c, c), ((2 * n - 1 - k) * c, c))
+
+
+def zigzag_order(size: int, n: int) -> List[int]:
+    """The global positions of the ranks' local rows, rank 0's first: a dim gathered from
+    zig-zag shards holds global row zigzag_order[i] at row i (See NOTE: Zig-zag dealing)."""
+    return [i for k in range(n) for start, length in zigzag_pieces(size, n, k)
+            for i in range(start, start + length)]
+
+
 def _zero_coord(mesh: tuple) -> Tuple[int, ...]:
     return (0,) * len(mesh_shape(mesh))
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from ..meta import META_PIECES, META_SBP, META_TENSOR
 from . import local_ops, routing
 from .context_parallel import sequence_signature
+from .tensor_index import index_by_tensors
 from .context import Candidate, RuleCtx  # noqa: F401 (rules and their callers read them here)
 from .layout import B, P, S, chunk_sizes
 
@@ -540,12 +541,14 @@ def _index_map(index, nd: int):
 
 def index(ctx: RuleCtx) -> List[Candidate]:
     """x[basic index]: a dim taken whole (`:`) keeps its split; indexing is linear (P->P).
-    One integer tensor as the index is a lookup (routing.index_by_tensor); other tensor or
-    list indices (advanced indexing) have no rule."""
+    One integer tensor as the index is a lookup (routing.index_by_tensor), several a gather
+    (tensor_index.index_by_tensors); list indices have no rule."""
     x, items = ctx.node.args[0], ctx.node.args[1]
     mx = ctx.meta(x)
     if isinstance(items, fx.Node):   # one index tensor: a lookup (See NOTE: Routing keeps the batch split)
         return routing.index_by_tensor(ctx, x, items)
+    if isinstance(items, tuple) and any(isinstance(i, fx.Node) for i in items):   # several: a gather
+        return index_by_tensors(ctx, x, items)
     dims = _index_map(items, len(mx.shape)) if mx is not None else None
     if dims is None:
         return None

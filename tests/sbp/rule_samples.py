@@ -357,7 +357,14 @@ def _histc(rng):
 
 SAMPLES += [Sample(moe_experts, _experts)]
 SAMPLES += [Sample(k, _histc, lambda ts, s: ((ts[0], 5, -2.0, 2.0), {})) for k in (torch.histc, "histc")]
+def _two_indices(rng):
+    rows, cols, c, a, b = dims(rng, 5)
+    return randn(rows, cols, c), _ints(rows, a, 1), _ints(cols, 1, b)
+
+
 SAMPLES += [Sample("__getitem__", _lookup), Sample(operator.getitem, _lookup, label="index tensor")]
+SAMPLES += [Sample(operator.getitem, _two_indices, lambda ts, s: ((ts[0], (ts[1], ts[2])), {}),
+                   "index tensors")]   # sbp/tensor_index.py
 SAMPLES += [Sample(k, ANY_RANK) for k in ("long", "int", "short", "bool")]
 SAMPLES += [Sample("byte", lambda rng: (randn(*_rank(rng)).abs() * 10,))]
 

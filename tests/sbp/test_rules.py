@@ -35,13 +35,15 @@ def _sigs(fn, shape=(4, 6, 8), x_sbp=sbp.split(0)):
     return {n.name: n.meta[META_SBP] for n in cg.gm.graph.nodes if META_SBP in n.meta}
 
 
-def test_basic_indexing_keeps_whole_dims_split_and_advanced_indexing_falls_back():
+def test_basic_indexing_keeps_whole_dims_split_and_advanced_indexing_gathers():
     sigs = _sigs(lambda x: x[:, 1:3, None, ..., 0])
     assert sigs["getitem"].out == (Split(0),) and not sigs["getitem"].fallback
     sigs = _sigs(lambda x: x[1:3])  # a slice of the split dim: a conversion first, no fallback
     assert not sigs["getitem"].fallback and sigs["getitem"].out != (Split(0),)
-    sigs = _sigs(lambda x: x[torch.tensor([0, 2]), torch.tensor([1, 1])])  # two index tensors
-    assert sigs["getitem"].fallback
+    # two index tensors gather (sbp/tensor_index.py): linear in x, its split rows read as each
+    # rank's addend, the result partial, no fallback
+    sigs = _sigs(lambda x: x[torch.tensor([0, 2]), torch.tensor([1, 1])])
+    assert not sigs["getitem"].fallback and sigs["getitem"].out == (PartialSum(),)
     # one index tensor is a lookup (sbp/routing.py): the split rows read as each rank's
     # addend of the whole, the result partial, no fallback
     sigs = _sigs(lambda x: x[torch.tensor([0, 2])])

@@ -42,6 +42,7 @@ from .passes.collect_stages import collect_stages, traced_autocast
 from .passes.decompose_modules import decompose_modules
 from .passes.defer_batch_norm import defer_batch_norm
 from .passes.feed_whole_batch import feed_whole_batch
+from .passes.feed_whole_sums import feed_whole_sums
 from .passes.find_batch_dims import find_batch_dims, input_names
 from .passes.find_meshes import find_meshes
 from .passes.find_plan_symmetry import find_plan_symmetry
@@ -327,6 +328,8 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     programs = _step(run, "cast_to_traced_dtypes", cast_to_traced_dtypes, programs)
     # inputs without a batch dim fed whole; token-mean losses divided by the whole batch's count
     programs = _step(run, "feed_whole_batch", feed_whole_batch, programs, gm, m)
+    # sums combined nonlinearly (a router's token counts) read the whole batch's, by a pre-pass
+    programs = _step(run, "feed_whole_sums", feed_whole_sums, programs, m)
     # modules marked for activation checkpointing run as recomputed regions (after grad modes)
     checkpointed = {name for name, c in spec.modules.items() if c.activation_checkpointing}
     programs = _step(run, "insert_checkpoints", insert_checkpoints, programs,

@@ -79,6 +79,7 @@ def _cut_program(prog: StageProgram, sums: List[fx.Node]) -> fx.Graph:
     env: Dict[fx.Node, fx.Node] = {}
     graph.graph_copy(prog.module.graph, env)
     graph.output(tuple(graph.call_method("detach", (env[n],)) for n in sums))
+    graph = fx.GraphModule(prog.module, graph).graph   # an owner: fx asks modules' purity
     graph.eliminate_dead_code(is_impure_node=_writes_a_value)
     for ph in [n for n in graph.nodes if n.op == "placeholder"]:
         if not ph.users:

@@ -36,6 +36,7 @@ import torch
 from .. import world
 from ..sbp.experts import combine, gated_mlp
 from .conversions import counting_shapes, my_group
+from .routing_log import record_routing
 
 # the exchanges of one expert-parallel layer as plans list them, in the order they run:
 # (what moves, SBP-like words before -> after); the backward reverses 4 and 2 (the counts
@@ -74,10 +75,10 @@ def _exchange_counts(counts: torch.Tensor, group, n: int) -> torch.Tensor:
 
 def expert_parallel(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str = "silu", *,
-                    groups: tuple, num_experts: int) -> torch.Tensor:
+                    groups: tuple, num_experts: int, layer: str = "") -> torch.Tensor:
     """The experts split over the ranks of one mesh axis (`groups`; rank k of n holds experts
     k*E/n .. (k+1)*E/n - 1): this rank's tokens exchanged to their experts' ranks and back
-    (See NOTE: Expert parallel)."""
+    (See NOTE: Expert parallel). `layer`: the experts module's name, for the routing log."""
     if counting_shapes():   # See NOTE: Shapes only (ops/conversions.py): nothing moves
         return hidden.new_zeros(hidden.shape)
     group, k, n = my_group(groups)
@@ -85,6 +86,7 @@ def expert_parallel(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     ids = top_k_index.reshape(-1)
     order = torch.argsort(ids, stable=True)        # pairs by expert: each rank's share adjacent
     counts = torch.bincount(ids, minlength=num_experts)
+    record_routing(layer, counts)                  # NOTE: Routing log (GRAPHC_ROUTING_OUT only)
     received_counts = _exchange_counts(counts, group, n)                       # 1: counts
     send, recv = counts.view(n, -1).sum(1).tolist(), received_counts.sum(1).tolist()
     rows = _Exchange.apply(hidden[order // slots], send, recv, group)          # 2: tokens

@@ -261,7 +261,7 @@ def _localize_experts(node: fx.Node, sig) -> None:
             "declare the experts' sbp split(0) on one axis and broadcast on the others.")
     node.target = expert_parallel
     node.kwargs = {**node.kwargs, "groups": RankGroups(*axis_groups(sig.mesh, axes[0])),
-                   "num_experts": experts}
+                   "num_experts": experts, "layer": layer}
 
 
 def _read_parameter(node: fx.Node) -> fx.Node:

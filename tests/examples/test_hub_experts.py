@@ -29,6 +29,7 @@ import torch
 
 import graphc
 from graphc.runtime.local_world import LocalWorld
+from graphc.tools.routing import load_factor, read_routing, routed_plans, routing_table
 from helpers import assert_close, compile_graph, global_input, run_world
 
 transformers = pytest.importorskip("transformers")
@@ -287,14 +288,17 @@ def exchanges(graph, microbatch: int = 0) -> Dict[str, list]:
 
 # -- by default: ep2 at accumulation 2 with the router's aux loss (the rest: -m slow) ---------
 
-def test_mixtral_ep2_trains_as_eager_with_its_exchanges():
+def test_mixtral_ep2_trains_as_eager_with_its_exchanges(tmp_path, monkeypatch):
     """Mixtral on 2 ranks, the batch and the experts split over both, its router's aux loss
     on (in float64): equal to eager on the whole batch at accumulation 2 (the micro-batches
     read the whole batch's token counts from the routing pre-pass, See NOTE: Whole-batch
     sums), each rank holding half the experts' bytes, and per MoE layer and micro-batch 3
-    all-to-alls forward (counts, tokens, back) and 2 backward (back, tokens)."""
+    all-to-alls forward (counts, tokens, back) and 2 backward (back, tokens). The first
+    step's routing is recorded (NOTE: Routing log) as eager routes those rows."""
+    monkeypatch.setenv("GRAPHC_ROUTING_OUT", str(tmp_path))
     graphs = check("mixtral", "ep2", accumulation=2, aux64=True)
     assert graphs[0].compiled.programs[0].prologue is not None
+    assert_routing_recorded(read_routing(str(tmp_path)), graphs[0].compiled.plans)
     for microbatch in (0, 1):
         found = exchanges(graphs[0], microbatch)
         assert len(found) == 4, found
@@ -302,6 +306,43 @@ def test_mixtral_ep2_trains_as_eager_with_its_exchanges():
             want = [("all_to_all", w) for w in (("counts", "tokens", "back") if key.endswith("F")
                                                 else ("back", "tokens"))]
             assert ops == want, (key, ops)
+
+
+def assert_routing_recorded(routing, plans) -> None:
+    """Each rank's recorded counts of the first step are eager's routing of its micro-batch's
+    rows (ep2: rank r holds rows 4r..4r+3, micro-batch b two of them), and the plans priced by
+    them scale each token exchange by its busiest member's load."""
+    model = model_of("mixtral")
+    ids = batches()[0][0]
+    for rank in (0, 1):
+        for mb in (0, 1):
+            rows = ids.chunk(2)[rank].chunk(2)[mb]
+            want = routed_counts(model, rows)
+            got = {layer: per_mb[mb] for layer, per_mb in routing[rank].items()}
+            assert got == want, (rank, mb, got, want)
+    priced = routed_plans(plans, routing)
+    for before, after in zip(plans[0].instructions, priced[0].instructions):
+        if "expert parallel" in getattr(before, "note", "") and not before.note.endswith("counts"):
+            layer = before.note.split("expert parallel ")[1].split(": ")[0]
+            factor = load_factor(routing, layer, before.microbatch, before.ranks)
+            assert after.nbytes == round(before.nbytes * factor) and factor >= 1.0
+    table = routing_table(plans, routing, "recorded")
+    assert "model.model.layers.1.mlp.experts" in table and "busiest / balanced" in table
+
+
+def routed_counts(model, ids) -> Dict[str, list]:
+    """Eager's tokens per expert of each experts module for `ids` (bincount of top_k_index)."""
+    found = {}
+    hooks = [layer.mlp.experts.register_forward_hook(
+        lambda m, args, out, i=i: found.__setitem__(
+            f"model.model.layers.{i}.mlp.experts",
+            torch.bincount(args[1].flatten(), minlength=m.num_experts).tolist()))
+        for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    return found
 
 
 @pytest.mark.slow

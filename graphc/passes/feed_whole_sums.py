@@ -50,10 +50,13 @@ from .feed_whole_batch import add_step_input
 _log = logging.getLogger("graphc")
 
 
-def feed_whole_sums(programs: Sequence[StageProgram], num_microbatches: int) -> List[StageProgram]:
+def feed_whole_sums(programs: Sequence[StageProgram], num_microbatches: int,
+                    zero_stage: int = 0) -> List[StageProgram]:
     for prog in programs:
         sums = [n for n in prog.module.graph.nodes if n.meta.get(META_WHOLE_SUM)]
         if sums and num_microbatches > 1:
+            if zero_stage >= 3:
+                raise _sharded(prog, sums)
             _pre_pass(prog, sums, num_microbatches)
     return list(programs)
 
@@ -143,6 +146,16 @@ def _read_whole(prog: StageProgram, node: fx.Node, name: str, m: int) -> None:
 def _where(node: fx.Node) -> str:
     trace = node.meta.get("stack_trace", "").strip().splitlines()
     return f"{trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else f"node '{node.name}'"
+
+
+def _sharded(prog: StageProgram, sums: List[fx.Node]) -> GraphcError:
+    return GraphcError(
+        f"stage {prog.stage} combines sums over the batch nonlinearly ({_where(sums[0])}, node "
+        f"'{sums[0].name}'; e.g. a router's auxiliary loss), so under gradient accumulation a "
+        "pre-pass computes the whole batch's counts before the step (See NOTE: Whole-batch sums). "
+        "ZeRO stage 3 holds each parameter sharded until the step's own gathers, so the pre-pass "
+        "cannot read them. Fix: self.config.enable_zero(True, stage=2) (or 1), gradient "
+        "accumulation 1, or train without the auxiliary loss (output_router_logits=False).")
 
 
 def _received(prog: StageProgram, sums: List[fx.Node], value: str) -> GraphcError:

@@ -488,3 +488,27 @@ def test_graphc_check_of_the_moe_example_on_pp2_dp2_ep2():
                         text=True, timeout=600)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "OK: 2 step(s)" in ok.stdout and "graphc check: OK" in ok.stdout
+
+
+@pytest.mark.slow
+def test_routing_recorded_by_graphc_check_prices_graphc_plan_simulate(tmp_path):
+    """The histogram from a real batch, end to end: `graphc check` of examples/moe.py on ep2
+    records the first step's routing (GRAPHC_ROUTING_OUT), and `graphc plan --simulate
+    --routing` prints every MoE layer's tokens per expert per step (8 x 16 tokens, 2 slots
+    each: 256 pairs) and the busiest member against the balanced load."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), GRAPHC_ROUTING_OUT=str(tmp_path / "routing"))
+    example = ["examples/moe.py", "--nproc", "2"]
+    ok = subprocess.run([sys.executable, "-m", "graphc", "check", *example, "--steps", "1", "--", "--ep", "2"],
+                        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    del env["GRAPHC_ROUTING_OUT"]
+    ok = subprocess.run([sys.executable, "-m", "graphc", "plan", *example, "--out", str(tmp_path / "plans"),
+                         "--simulate", "cpu", "--routing", str(tmp_path / "routing"), "--no-chart", "--", "--ep", "2"],
+                        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    rows = [line.split() for line in ok.stdout.splitlines() if line.startswith("model.model.layers.")]
+    assert [r[0] for r in rows] == [f"model.model.layers.{i}.mlp.experts" for i in (0, 1)], ok.stdout
+    for row in rows:
+        assert sum(int(c) for c in row[1:5]) == 8 * 16 * 2 and float(row[5]) > 0, row
+    assert "with balanced expert exchanges" in ok.stdout

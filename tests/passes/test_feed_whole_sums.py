@@ -104,3 +104,11 @@ def test_a_sum_with_a_gradient_combined_nonlinearly_is_still_refused():
     graph = LossGraph(squared_mean, Router(), 2)
     with pytest.raises(graphc.GraphcError, match=r"two sums or means over the batch are multiplied"):
         graph(*_batches()[0])
+
+
+def test_zero3_is_refused_since_the_pre_pass_reads_whole_parameters():
+    """ZeRO stage 3 gathers parameters inside the step, after the pre-pass would need them."""
+    graph = LossGraph(routed, Router(), 2)
+    graph.config.enable_zero(True, stage=3)
+    with pytest.raises(graphc.GraphcError, match=r"ZeRO stage 3 holds each parameter sharded.*stage=2"):
+        graph(*_batches()[0])

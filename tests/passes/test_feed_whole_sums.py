@@ -77,7 +77,7 @@ def _eager(fn):
 
 
 @pytest.mark.parametrize("fn, accumulation", [(routed, 2), pytest.param(routed, 4, marks=pytest.mark.slow),
-                                              (masked_mean, 4)])
+                                              pytest.param(masked_mean, 4, marks=pytest.mark.slow)])
 def test_whole_batch_sums_equal_eager_under_accumulation(fn, accumulation, capsys):
     """Each micro-batch reads the whole batch's counts (the pre-pass, said once at compile),
     and the steps equal eager's on the whole batch: losses and parameters at 1e-10."""

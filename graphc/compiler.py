@@ -121,6 +121,7 @@ class CompileSpec:
     param_dtype: Optional[torch.dtype] = None  # set_param_dtype: parameters stored in it, float32 masters
     sequence_parallel: bool = False    # enable_sequence_parallel (NOTE: Sequence parallel)
     context_parallel: Optional[ContextParallel] = None  # set_context_parallel (NOTE: Context parallel)
+    expert_capacity: Optional[float] = None  # set_expert_capacity (NOTE: Expert capacity)
 
 
 @dataclass
@@ -314,7 +315,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     # every SBP mismatch becomes a collective (with its dual in backward)
     gm = _step(run, "insert_boxing", insert_boxing, gm)
     # ops reading global sizes (mean over a split dim, reshape) get their local form
-    gm = _step(run, "localize_ops", localize_ops, gm)
+    gm = _step(run, "localize_ops", localize_ops, gm, spec.expert_capacity)
     # random ops draw by layout, now final: replicas the same numbers, shards their own
     gm = _step(run, "seed_random_ops", seed_random_ops, gm)
 

@@ -6,7 +6,8 @@ With GRAPHC_ROUTING_OUT=DIR in the environment, every rank's expert-parallel lay
 tokens (token-slot pairs) of each micro-batch that this rank routes to each expert: the
 counts the layer exchanges first anyway, so recording reads no new value. Each rank writes
 DIR/routing_rank<r>.json: {"rank": r, "step": s, "layers": {layer: {micro-batch: [count per
-expert]}}}. `graphc plan --simulate --routing DIR` (graphc/tools/routing.py) prices each
+expert]}}} (and, at a fixed capacity, "drops": {layer: {micro-batch: [dropped, pairs]}}).
+`graphc plan --simulate --routing DIR` (graphc/tools/routing.py) prices each
 layer's token exchanges by these loads and prints tokens per expert per step. A step
 recomputed (activation checkpointing) records the same counts again.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Dict, List
+from typing import Dict
 
 import torch
 
@@ -27,9 +28,21 @@ _lock = threading.Lock()
 _logs: Dict[tuple, dict] = {}   # (folder, rank) -> the log that rank writes
 
 
+def record_drops(layer: str, dropped: int, pairs: int) -> None:
+    """Records the token-slot pairs a layer at a fixed capacity dropped in the running
+    micro-batch (NOTE: Expert capacity), beside its routing."""
+    _write(lambda log, mb: log.setdefault("drops", {}).setdefault(layer, {}).__setitem__(mb, [dropped, pairs]))
+
+
 def record_routing(layer: str, counts: torch.Tensor) -> None:
     """Records this rank's per-expert counts of the running micro-batch for `layer`, in the
     first step this rank runs (a no-op without GRAPHC_ROUTING_OUT)."""
+    values = [int(c) for c in counts.tolist()] if os.environ.get(ENV) else None
+    _write(lambda log, mb: log["layers"].setdefault(layer, {}).__setitem__(mb, values))
+
+
+def _write(update) -> None:
+    """update(log, micro-batch) on this rank's log of its first step, then the file rewritten."""
     folder = os.environ.get(ENV)
     if not folder:
         return
@@ -39,8 +52,7 @@ def record_routing(layer: str, counts: torch.Tensor) -> None:
         log = _logs.setdefault((folder, rank), {"rank": rank, "step": step, "layers": {}})
         if log["step"] != step:
             return
-        per_mb: Dict[str, List[int]] = log["layers"].setdefault(layer, {})
-        per_mb[str(microbatch)] = [int(c) for c in counts.tolist()]
+        update(log, str(microbatch))
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"routing_rank{rank}.json"), "w") as f:
             json.dump(log, f)

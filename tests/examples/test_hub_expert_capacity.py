@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import graphc
 from graphc.plan.instructions import Collective
 from graphc.runtime.local_world import LocalWorld
 from helpers import assert_close
@@ -78,3 +79,10 @@ def test_mixtral_ep2_at_capacity_equals_eager_with_the_same_drops():
              and "expert parallel" in ins.note]
     assert len(notes) == 8 and not any("counts" in n for n in notes), notes
     assert all(n.endswith("(capacity 1)") for n in notes), notes
+
+
+@pytest.mark.parametrize("factor", [0, -1.0, True, "1.25"])
+def test_a_capacity_that_is_not_a_positive_number_is_refused(factor):
+    graph = graphc.Graph()
+    with pytest.raises(graphc.GraphcError, match=r"set_expert_capacity: factor must be a number > 0"):
+        graph.config.set_expert_capacity(factor)

@@ -69,11 +69,12 @@ def _pre_pass(prog: StageProgram, sums: List[fx.Node], m: int) -> None:
         _read_whole(prog, node, name, m)
     prog.module.graph.lint()
     prog.module.recompile()
-    _log.warning("stage %d: sums over the batch combined nonlinearly (%s, nodes %s; a router's "
-                 "auxiliary loss) under %d-step accumulation: a routing pre-pass runs the stage's "
-                 "forward without gradient on every micro-batch before the step, for the whole "
-                 "batch's sums (See NOTE: Whole-batch sums); it costs about one extra forward per "
-                 "step", prog.stage, _where(sums[0]), ", ".join(n.name for n in sums), m)
+    _log.warning("stage %d: sums over the batch without gradient combined nonlinearly (%s, nodes "
+                 "%s; e.g. a router's auxiliary loss) under %d-step accumulation: a pre-pass runs what "
+                 "they need of the stage's forward (for a router, the model up to it) without gradient "
+                 "on every micro-batch before the step, for the whole batch's sums "
+                 "(See NOTE: Whole-batch sums); for a router it costs about one extra forward per step",
+                 prog.stage, _where(sums[0]), ", ".join(n.name for n in sums), m)
 
 
 def _cut_program(prog: StageProgram, sums: List[fx.Node]) -> fx.Graph:

@@ -140,8 +140,20 @@ def _read_whole(prog: StageProgram, node: fx.Node, name: str, m: int) -> None:
     with prog.module.graph.inserting_before(node):
         mean = prog.module.graph.call_function(operator.truediv, (total, m))
     mean.meta = {k: v for k, v in node.meta.items() if k != META_WHOLE_SUM}
-    node.replace_all_uses_with(mean)
+    # a sum made in place (`zeros.scatter_add_(0, ids, w)`, the masked router counts): the
+    # tensor written is the sum, and its write would add this micro-batch's part once more
+    writes = [u for u in node.users if _writes_into(u, node)]
+    node.replace_all_uses_with(mean, delete_user_cb=lambda user: user not in writes)
+    for write in writes:
+        write.replace_all_uses_with(mean)
+        prog.module.graph.erase_node(write)
     del node.meta[META_WHOLE_SUM]
+
+
+def _writes_into(user: fx.Node, node: fx.Node) -> bool:
+    """Is `user` an in-place method writing into `node` (`node.scatter_add_(...)`)?"""
+    name = user.target if user.op == "call_method" else ""
+    return name.endswith("_") and not name.endswith("__") and bool(user.args) and user.args[0] is node
 
 
 def _where(node: fx.Node) -> str:

@@ -243,11 +243,11 @@ def eager(kind: str, data, skewed: bool = False, **config):
 
 
 def check(kind: str, layout: str, accumulation: int = 1, skewed: bool = False, zero: int = 0,
-          aux64: bool = False, rows: int = B, **config):
+          aux64: bool = False, rows: int = B, steps: int = 2, **config):
     """graphc on the layout equals eager (losses at 8 float32 eps, parameters at 1e-10), and
     each rank holds 1/ep of the experts' bytes. Returns the ranks' graphs. aux64: the router's
     aux loss in float64 (switch_loss_float64), so parameters hold 1e-10 with it too."""
-    data = batches(rows=rows)
+    data = batches(steps, rows=rows)
     with aux_in_float64() if aux64 else nullcontext():
         results = train(kind, layout, data, accumulation, skewed, zero, **config)
         want_losses, want_state, whole_bytes = eager(kind, data, skewed, **config)
@@ -294,9 +294,10 @@ def test_mixtral_ep2_trains_as_eager_with_its_exchanges(tmp_path, monkeypatch):
     read the whole batch's token counts from the routing pre-pass, See NOTE: Whole-batch
     sums), each rank holding half the experts' bytes, and per MoE layer and micro-batch 3
     all-to-alls forward (counts, tokens, back) and 2 backward (back, tokens). The first
-    step's routing is recorded (NOTE: Routing log) as eager routes those rows."""
+    step's routing is recorded (NOTE: Routing log) as eager routes those rows. One step here
+    (the aux matrix below runs two)."""
     monkeypatch.setenv("GRAPHC_ROUTING_OUT", str(tmp_path))
-    graphs = check("mixtral", "ep2", accumulation=2, aux64=True)
+    graphs = check("mixtral", "ep2", accumulation=2, aux64=True, steps=1)   # 2 steps: -m slow
     assert graphs[0].compiled.programs[0].prologue is not None
     assert_routing_recorded(read_routing(str(tmp_path)), graphs[0].compiled.plans)
     for microbatch in (0, 1):

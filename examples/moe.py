@@ -6,6 +6,7 @@ expert x data x pipeline parallelism on CPU ranks.
     torchrun --nproc_per_node 4 examples/moe.py --dp 2 --ep 2     # data 2 x expert 2
     torchrun --nproc_per_node 8 examples/moe.py --pp 2 --dp 2 --ep 2
     graphc check examples/moe.py --nproc 8 -- --pp 2 --dp 2 --ep 2
+    torchrun --nproc_per_node 4 examples/moe.py --dp 2 --ep 2 --aux-loss 0.01   # + router aux loss
 
 The model is `transformers.MixtralForCausalLM` (a small config, random weights: nothing is
 downloaded), on its own loss (`labels=`). Parallelism lives outside the model: set_stage on
@@ -63,7 +64,8 @@ def make_model(args):
     cfg = MixtralConfig(vocab_size=args.vocab, hidden_size=args.embd, intermediate_size=2 * args.embd,
                         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
                         num_local_experts=args.experts, num_experts_per_tok=2, max_position_embeddings=args.block,
-                        use_cache=False, experts_implementation=args.experts_implementation)
+                        use_cache=False, experts_implementation=args.experts_implementation,
+                        output_router_logits=args.aux_loss > 0, router_aux_loss_coef=args.aux_loss)
     return MixtralForCausalLM(cfg)
 
 
@@ -123,6 +125,12 @@ def main(argv=None):
     # float64 on CPU (grouped_mm's kernel refuses it), which `graphc check` compares against
     parser.add_argument("--experts-implementation", default="batched_mm",
                         choices=["batched_mm", "grouped_mm", "eager"])
+    # the router's load-balancing loss (transformers' load_balancing_loss_func): exact under
+    # accumulation by a routing pre-pass, about one extra forward per step (docs/sbp.md).
+    # transformers sums it in float32, so `graphc check` (float64, 1e-10) sees those roundings
+    # on split batches, with or without accumulation (measured: 2e-10 at 0.01 on ep2)
+    parser.add_argument("--aux-loss", type=float, default=0.0,
+                        help="router_aux_loss_coef; > 0 turns output_router_logits on")
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)

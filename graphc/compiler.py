@@ -42,6 +42,7 @@ from .passes.collect_stages import collect_stages, traced_autocast
 from .passes.decompose_modules import decompose_modules
 from .passes.defer_batch_norm import defer_batch_norm
 from .passes.feed_whole_batch import feed_whole_batch
+from .passes.feed_whole_sums import feed_whole_sums
 from .passes.find_batch_dims import find_batch_dims, input_names
 from .passes.find_meshes import find_meshes
 from .passes.find_plan_symmetry import find_plan_symmetry
@@ -121,6 +122,7 @@ class CompileSpec:
     param_dtype: Optional[torch.dtype] = None  # set_param_dtype: parameters stored in it, float32 masters
     sequence_parallel: bool = False    # enable_sequence_parallel (NOTE: Sequence parallel)
     context_parallel: Optional[ContextParallel] = None  # set_context_parallel (NOTE: Context parallel)
+    expert_capacity: Optional[float] = None  # set_expert_capacity (NOTE: Expert capacity)
 
 
 @dataclass
@@ -322,7 +324,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     # every SBP mismatch becomes a collective (with its dual in backward)
     gm = _step(run, "insert_boxing", insert_boxing, gm)
     # ops reading global sizes (mean over a split dim, reshape) get their local form
-    gm = _step(run, "localize_ops", localize_ops, gm)
+    gm = _step(run, "localize_ops", localize_ops, gm, spec.expert_capacity)
     # load-balanced context parallelism: the sequence dealt zig-zag between inputs and outputs
     gm = _step(run, "deal_zigzag", deal_zigzag, gm)
     # random ops draw by layout, now final: replicas the same numbers, shards their own
@@ -338,6 +340,8 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     programs = _step(run, "cast_to_traced_dtypes", cast_to_traced_dtypes, programs)
     # inputs without a batch dim fed whole; token-mean losses divided by the whole batch's count
     programs = _step(run, "feed_whole_batch", feed_whole_batch, programs, gm, m)
+    # sums combined nonlinearly (a router's token counts) read the whole batch's, by a pre-pass
+    programs = _step(run, "feed_whole_sums", feed_whole_sums, programs, m, spec.zero_stage)
     # modules marked for activation checkpointing run as recomputed regions (after grad modes)
     checkpointed = {name for name, c in spec.modules.items() if c.activation_checkpointing}
     programs = _step(run, "insert_checkpoints", insert_checkpoints, programs,

@@ -89,6 +89,7 @@ class GraphConfig:
         self.param_dtype: Optional[torch.dtype] = None  # set_param_dtype (None: the model's own)
         self.sequence_parallel = False      # enable_sequence_parallel (NOTE: Sequence parallel)
         self.context_parallel = None        # set_context_parallel: a ContextParallel (NOTE: Context parallel)
+        self.expert_capacity = None         # set_expert_capacity: a factor, None dropless (NOTE: Expert capacity)
         self.layout = None                  # load_layout: a graphc.auto.Layout (NOTE: Auto layouts)
         self.auto = None                    # enable_auto_parallel: an AutoRequest (NOTE: Run-time search)
 
@@ -548,6 +549,27 @@ class GraphConfig:
         """
         self._check_open("set_context_parallel")
         self.context_parallel = checked_context_parallel(method, load_balance)
+
+    def set_expert_capacity(self, factor: Optional[float]) -> None:
+        """Expert parallelism with a capacity factor instead of dropless exchanges.
+
+        Each rank sends every expert exactly C = ceil(factor * pairs / E) rows per micro-batch
+        (its token-slot pairs beyond C, in token order, are dropped: their result is zero),
+        so every exchange has a fixed shape (no counts exchanged first; CUDA graphs can hold
+        it). This differs from eager PyTorch whenever a pair is dropped: its oracle is eager
+        with the same drops. Drops are counted (See NOTE: Expert capacity, ops/expert_capacity.py).
+
+        Args:
+            factor: > 0; None (the default) is dropless, equal to eager.
+
+        Example:
+            self.config.set_expert_capacity(1.25)   # in the Graph's __init__
+        """
+        self._check_open("set_expert_capacity")
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
+            raise GraphcError(f"set_expert_capacity: factor must be a number > 0 or None (dropless), "
+                              f"found {factor!r}. Fix: e.g. set_expert_capacity(1.25).")
+        self.expert_capacity = None if factor is None else float(factor)
 
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""

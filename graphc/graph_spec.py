@@ -42,7 +42,7 @@ def compile_spec(graph):
         zero_units=UnitOptions(cfg.zero_unit_bytes, cfg.zero_reshard_after_forward, cfg.zero_gather_per_step),
         grad_reduce_dtype=cfg.grad_reduce_dtype,
         param_dtype=checked_param_dtype(graph), sequence_parallel=cfg.sequence_parallel,
-        context_parallel=cfg.context_parallel)
+        context_parallel=cfg.context_parallel, expert_capacity=cfg.expert_capacity)
 
 
 def checked_param_dtype(graph) -> Optional[torch.dtype]:

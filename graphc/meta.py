@@ -10,6 +10,7 @@ META_INPUT_STAGES = "graphc_input_stages"  # tuple: the stages an input's placem
 META_TENSOR = "graphc_tensor"        # TensorMeta | None: per-micro-batch value (propagate_shapes)
 META_BATCHED = "graphc_batched"      # bool: placeholder split into micro-batches along dim 0
 META_ROWS = "graphc_rows"            # RowsMeta: where the value holds the batch's rows (find_batch_dims)
+META_WHOLE_SUM = "graphc_whole_sum"  # bool: a sum over the batch every micro-batch takes whole (NOTE: Whole-batch sums)
 META_GRAD_ENABLED = "graphc_grad_enabled"  # bool: grad mode build() traced the node in (no_grad regions)
 META_OUTPUT_TREE = "graphc_output_tree"  # gm.meta: pytree spec of build()'s result when fx holds its leaves (NOTE: Output trees)
 META_AUTOCAST = "graphc_autocast"    # ((device type, dtype), ...): autocast regions the node was traced in

@@ -7,7 +7,9 @@ compute parts of it). Op rules (rules.py: the table; shapes.py, layers.py: the r
 context.py: what a rule sees) move symbols through ops, unify the symbols an
 op lines up (x + y, cross_entropy's input rows and target rows) and report a Coupling
 where an op mixes rows (a softmax over a row dim, a row-by-row product, a batch mean used
-nonlinearly): per micro-batch such an op would compute something else.
+nonlinearly): per micro-batch such an op would compute something else, unless the
+sums it combines have no gradient (WholeSums: a router's token counts), which the whole
+batch then gives every micro-batch.
 """
 from __future__ import annotations
 
@@ -51,6 +53,17 @@ class Coupling:
     why: str
     symbols: FrozenSet[int]
     meets: Optional[FrozenSet[int]] = None
+
+
+@dataclass(frozen=True)
+class WholeSums:
+    """An op at `node` that combines batch sums nonlinearly, exact per micro-batch when each
+    of `counts` (inputs without gradient, reduced over the rows of `symbols`) takes the whole
+    batch's value (NOTE: Whole-batch sums, graphc/passes/feed_whole_sums.py)."""
+
+    node: object
+    counts: Tuple[object, ...]
+    symbols: FrozenSet[int]
 
 
 class Symbols:

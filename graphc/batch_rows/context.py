@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..meta import META_TENSOR
-from . import Coupling, Rows, Symbols
+from . import Coupling, Rows, Symbols, WholeSums
 
 
 class Ctx:
@@ -54,6 +54,27 @@ class Ctx:
         if symbols:
             self.events.append(Coupling(self.node, why, symbols,
                                         None if meets is None else frozenset(meets)))
+
+
+def whole_sums_or_couple(ctx: Ctx, why: str, linear_args: Optional[int] = None) -> None:
+    """An op combining several batch sums (a product, a division by one): exact per
+    micro-batch when at most one of them carries a gradient (it stays linear) and the others
+    take the whole batch's value (NOTE: Whole-batch sums); else a Coupling. linear_args: how
+    many leading arguments may carry the gradient (a quotient's numerator only); None: any."""
+    nodes = [n for n in input_nodes(ctx.node) if (r := ctx.rows(n)) is not None and r.reduced]
+    reduced = frozenset().union(*(ctx.rows(n).reduced for n in nodes)) if nodes else frozenset()
+    linear = set(input_nodes(ctx.node)[:linear_args] if linear_args is not None else nodes)
+    graded = [n for n in nodes if _requires_grad(n)]
+    counts = tuple(n for n in nodes if not _requires_grad(n))
+    if counts and len(graded) <= 1 and all(n in linear for n in graded):
+        ctx.events.append(WholeSums(ctx.node, counts, frozenset().union(*(ctx.rows(n).reduced for n in counts))))
+    else:
+        ctx.couple(reduced, why)
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    meta = node.meta.get(META_TENSOR)
+    return meta is None or meta.requires_grad
 
 
 def input_nodes(node: fx.Node) -> List[fx.Node]:

@@ -12,7 +12,8 @@ import torch
 import torch.fx as fx
 
 from . import Each, Rows
-from .context import Ctx, broadcast_rows, combine_reduced, in_order, norm_dim, norm_dims, op_name
+from .context import (Ctx, broadcast_rows, combine_reduced, in_order, norm_dim, norm_dims, op_name,
+                      whole_sums_or_couple)
 
 
 # -- elementwise ------------------------------------------------------------------------
@@ -31,17 +32,17 @@ def multiply(ctx: Ctx):
     if not parts:
         return None
     if sum(1 for r in parts if r.reduced) > 1:
-        ctx.couple(frozenset().union(*(r.reduced for r in parts)), "two sums or means over the "
-                   "batch are multiplied")
+        whole_sums_or_couple(ctx, "two sums or means over the batch are multiplied")
     return Rows(broadcast_rows(ctx, parts), combine_reduced(ctx, parts))
 
 
 def divide(ctx: Ctx):
-    """a / b is linear in a; dividing by a batch sum (a data-dependent count) is not."""
+    """a / b is linear in a; dividing by a batch sum (a data-dependent count) is not, unless
+    the count has no gradient and takes the whole batch's value (NOTE: Whole-batch sums)."""
     b = ctx.rows(1)
     if b is not None and b.reduced:
-        ctx.couple(b.reduced, "a value is divided by a sum or mean over the batch (a count "
-                   "that per micro-batch would be the micro-batch's own)")
+        whole_sums_or_couple(ctx, "a value is divided by a sum or mean over the batch (a count "
+                             "that per micro-batch would be the micro-batch's own)", linear_args=1)
         parts = ctx.tensors()
         return Rows(broadcast_rows(ctx, parts), combine_reduced(ctx, parts))
     return multiply(ctx)

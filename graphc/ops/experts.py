@@ -29,13 +29,15 @@ same experts, as DeepSpeed-MoE).
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
 from .. import world
 from ..sbp.experts import combine, gated_mlp
 from .conversions import counting_shapes, my_group
+from .expert_capacity import with_capacity
+from .routing_log import record_routing
 
 # the exchanges of one expert-parallel layer as plans list them, in the order they run:
 # (what moves, SBP-like words before -> after); the backward reverses 4 and 2 (the counts
@@ -74,17 +76,25 @@ def _exchange_counts(counts: torch.Tensor, group, n: int) -> torch.Tensor:
 
 def expert_parallel(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str = "silu", *,
-                    groups: tuple, num_experts: int) -> torch.Tensor:
+                    groups: tuple, num_experts: int, layer: str = "",
+                    capacity: Optional[float] = None) -> torch.Tensor:
     """The experts split over the ranks of one mesh axis (`groups`; rank k of n holds experts
     k*E/n .. (k+1)*E/n - 1): this rank's tokens exchanged to their experts' ranks and back
-    (See NOTE: Expert parallel)."""
+    (See NOTE: Expert parallel). `layer`: the experts module's name, for the routing log;
+    `capacity`: set_expert_capacity's factor (None: dropless; See NOTE: Expert capacity)."""
     if counting_shapes():   # See NOTE: Shapes only (ops/conversions.py): nothing moves
         return hidden.new_zeros(hidden.shape)
     group, k, n = my_group(groups)
+    if capacity is not None:
+        record_routing(layer, torch.bincount(top_k_index.reshape(-1), minlength=num_experts))
+        return with_capacity(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act,
+                             lambda rows, sizes: _Exchange.apply(rows, sizes, sizes, group),
+                             n=n, num_experts=num_experts, factor=capacity, layer=layer)
     slots = top_k_index.shape[-1]
     ids = top_k_index.reshape(-1)
     order = torch.argsort(ids, stable=True)        # pairs by expert: each rank's share adjacent
     counts = torch.bincount(ids, minlength=num_experts)
+    record_routing(layer, counts)                  # NOTE: Routing log (GRAPHC_ROUTING_OUT only)
     received_counts = _exchange_counts(counts, group, n)                       # 1: counts
     send, recv = counts.view(n, -1).sum(1).tolist(), received_counts.sum(1).tolist()
     rows = _Exchange.apply(hidden[order // slots], send, recv, group)          # 2: tokens

@@ -63,6 +63,11 @@ def drawing(base_seed: int, step: int, microbatch: int):
         _DRAW.reset(token)
 
 
+def current_draw() -> Optional[Tuple[int, int, int]]:
+    """(base seed, step, micro-batch) of the forward running now; None outside the runtime."""
+    return _DRAW.get()
+
+
 def seeded(op: str, key: str, coords: tuple, *args, **kwargs):
     """Runs random op `op` (a RANDOM_FUNCTIONS name or "Tensor.<method>") on a generator
     seeded for this node (`key`), step, micro-batch and this rank's shard (`coords`:

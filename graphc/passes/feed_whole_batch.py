@@ -108,7 +108,8 @@ def _normalise_by_batch(prog: StageProgram, losses: List[fx.Node], m: int) -> No
     prog.prologue = Prologue(fx.GraphModule(prog.module, pro, class_name=f"Stage{prog.stage}Prologue"),
                              inputs, outputs, groups)
     for node, name in zip(losses, outputs):
-        _rewrite(prog, node, _count_input(prog, name, node), m)
+        dtype = node.args[0].meta[META_TENSOR].dtype
+        _rewrite(prog, node, add_step_input(prog, name, TensorMeta((), dtype, False)), m)
     prog.module.graph.lint()
     prog.module.recompile()
 
@@ -152,8 +153,9 @@ def _split_groups(node: fx.Node, target: fx.Node) -> tuple:
     return tuple(tuple(g) for g in by_key.values())
 
 
-def _count_input(prog: StageProgram, name: str, loss: fx.Node) -> fx.Node:
-    """A new program input, after the others (inputs are positional, in placeholder order)."""
+def add_step_input(prog: StageProgram, name: str, meta: TensorMeta) -> fx.Node:
+    """A new program input, after the others (inputs are positional, in placeholder order):
+    a value the stage's Prologue computes once per step."""
     graph = prog.module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     # a value received from another stage may be a placeholder after computing nodes (the
@@ -165,7 +167,7 @@ def _count_input(prog: StageProgram, name: str, loss: fx.Node) -> fx.Node:
     last = placeholders[-1]
     with graph.inserting_after(last):
         ph = graph.placeholder(name)
-    ph.meta[META_TENSOR] = TensorMeta((), loss.args[0].meta[META_TENSOR].dtype, False)
+    ph.meta[META_TENSOR] = meta
     prog.inputs.append(name)
     return ph
 

@@ -21,8 +21,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import GraphcError
-from ..meta import META_BATCHED, META_ROWS, META_TENSOR, RowsMeta, is_backward
-from ..batch_rows import Coupling, Rows, Symbols
+from ..meta import META_BATCHED, META_ROWS, META_TENSOR, META_WHOLE_SUM, RowsMeta, is_backward
+from ..batch_rows import Coupling, Rows, Symbols, WholeSums
 from ..batch_rows.rules import Ctx, default, rows_of
 
 
@@ -49,6 +49,8 @@ def find_batch_dims(gm: fx.GraphModule, num_microbatches: int, decide_inputs: bo
     roots = [backward.args[0]] if backward is not None else gm.graph.output_node().all_input_nodes
     used = _ancestors(roots + _writes_into(gm, _ancestors(roots)))  # not buffer updates
     events = [e for e in events if e.node in used]
+    wholes = [e for e in events if isinstance(e, WholeSums)]
+    events = [e for e in events if isinstance(e, Coupling)]
     if split is not None:
         batch = syms.classes(chosen)
         _confirm_split(gm, env, syms, events, batch, placeholders, split, num_microbatches)
@@ -64,6 +66,8 @@ def find_batch_dims(gm: fx.GraphModule, num_microbatches: int, decide_inputs: bo
         node.meta[META_ROWS] = _meta(value, batch, syms)
         if node.op == "placeholder" and decide_inputs:
             node.meta[META_BATCHED] = node.meta[META_ROWS].dim == 0
+    if num_microbatches > 1:
+        _mark_whole_sums(gm, env, syms, [e for e in wholes if _classes(e, syms) & batch], num_microbatches)
     _mark_sums(gm)
     return gm
 
@@ -90,6 +94,38 @@ def _confirm_split(gm, env, syms: Symbols, events: List[Coupling], batch: Frozen
                 f"batch ({', '.join(repr(n) for n in names)}), so each micro-batch would pair its "
                 f"rows with the wrong rows of '{p.target}'. Fix: remove '{p.target}' from "
                 "config.set_whole_inputs so it is split with the batch.")
+
+
+def _mark_whole_sums(gm, env, syms: Symbols, wholes: List[WholeSums], m: int) -> None:
+    """NOTE: Whole-batch sums (passes/feed_whole_sums.py): the first reductions over the
+    batch's rows behind each count get META_WHOLE_SUM; each must be a floating sum without
+    gradient (a mean over micro-batches of an integer count is no integer)."""
+    for e in wholes:
+        for leaf in _first_sums(e.counts, env, syms):
+            meta = leaf.meta.get(META_TENSOR)
+            if meta is None or meta.requires_grad or not getattr(torch, meta.dtype).is_floating_point:
+                why = (f"the sum over the batch at node '{leaf.name}' is combined nonlinearly, and "
+                       "it " + ("carries a gradient" if meta is None or meta.requires_grad else
+                                f"is an integer count ({meta.dtype}): make it floating"))
+                raise _coupled(Coupling(e.node, why, e.symbols), m)
+            leaf.meta[META_WHOLE_SUM] = True
+
+
+def _first_sums(counts, env, syms: Symbols) -> List[fx.Node]:
+    """The nodes behind `counts` that reduce the batch's rows themselves (their inputs are
+    not yet reduced): a router's histc, a mask's sum."""
+    found, seen, todo = [], set(), list(counts)
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        reduced = [a for a in node.all_input_nodes if isinstance(env.get(a), Rows) and env[a].reduced]
+        if reduced:
+            todo.extend(reduced)
+        elif isinstance(env.get(node), Rows) and env[node].reduced:
+            found.append(node)
+    return found
 
 
 def batched_inputs(gm: fx.GraphModule) -> List[bool]:
@@ -165,9 +201,10 @@ def _pairs(env, syms: Symbols) -> List[Coupling]:
     return found
 
 
-def _classes(e: Coupling, syms: Symbols) -> FrozenSet[int]:
+def _classes(e, syms: Symbols) -> FrozenSet[int]:
     mine = syms.classes(e.symbols)
-    return mine if e.meets is None else mine & syms.classes(e.meets)
+    meets = getattr(e, "meets", None)
+    return mine if meets is None else mine & syms.classes(meets)
 
 
 def _candidates(env, syms: Symbols, events: List[Coupling], roots: List[fx.Node],

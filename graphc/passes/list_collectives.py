@@ -15,6 +15,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from ..meta import META_BOXING, META_SBP, META_TENSOR
 from ..ops.context_parallel import context_parallel_attention
+from ..ops.expert_capacity import capacity_of
 from ..ops.experts import EXCHANGES, GRAD_EXCHANGES, expert_parallel
 from ..placement import Broadcast, PartialSum
 from ..plan.instructions import ACT, GRAD, Backward, Collective, Forward, Instruction
@@ -122,9 +123,15 @@ def _expert_exchanges(node, forward: bool) -> List[_Conversion]:
     n, experts, layer = len(groups[0]), node.kwargs["num_experts"], _layer_of(node)
     pairs = tensor_bytes(hidden) * index.shape[-1]
     sizes = {"counts": experts * 8 * n, "tokens": pairs, "back": pairs}
+    capacity, fixed = node.kwargs.get("capacity"), ""
+    if capacity is not None:   # fixed rows, no counts first (NOTE: Expert capacity)
+        rows = index.shape[0] * index.shape[-1]
+        sizes["tokens"] = sizes["back"] = pairs // rows * experts * capacity_of(rows, experts, capacity)
+        fixed = f" (capacity {capacity:g})"
     return [_Conversion("all_to_all", groups, node.name, before, after, sizes[what],
-                        f"expert parallel {layer}: {what}", "int64" if what == "counts" else hidden.dtype)
-            for what, before, after in (EXCHANGES if forward else GRAD_EXCHANGES)]
+                        f"expert parallel {layer}: {what}{fixed}", "int64" if what == "counts" else hidden.dtype)
+            for what, before, after in (EXCHANGES if forward else GRAD_EXCHANGES)
+            if not (fixed and what == "counts")]
 
 
 def _layer_of(node) -> str:

@@ -13,6 +13,7 @@ Requires: insert_boxing (inputs already arrive in the signature's SBP).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -37,7 +38,8 @@ _SIZE = ("size", "numel", "nelement")
 _EXPAND = ("expand", torch.broadcast_to, "broadcast_to")
 
 
-def localize_ops(gm: fx.GraphModule) -> fx.GraphModule:
+def localize_ops(gm: fx.GraphModule, expert_capacity: Optional[float] = None) -> fx.GraphModule:
+    """expert_capacity: set_expert_capacity's factor for expert-parallel layers (None: dropless)."""
     for node in list(gm.graph.nodes):
         sig = node.meta.get(META_SBP)
         if sig is None or node.op not in ("call_function", "call_method") or sig.fallback:
@@ -62,7 +64,7 @@ def localize_ops(gm: fx.GraphModule) -> fx.GraphModule:
         elif node.target is F.scaled_dot_product_attention and META_CONTEXT_PARALLEL in node.meta:
             _localize_attention(node, sig)
         elif node.target is moe_experts:
-            _localize_experts(node, sig)
+            _localize_experts(node, sig, expert_capacity)
         elif node.target is torch.split and META_PIECES in getattr(node.args[0], "meta", {}):
             _localize_pieces(node, sig)
     gm.graph.lint()
@@ -237,7 +239,7 @@ def _localize_attention(node: fx.Node, sig) -> None:
                    "enable_gqa": bool(given.get("enable_gqa", False))}
 
 
-def _localize_experts(node: fx.Node, sig) -> None:
+def _localize_experts(node: fx.Node, sig, capacity: Optional[float] = None) -> None:
     """Experts split over a mesh axis exchange the tokens there (See NOTE: Expert parallel)."""
     gate_up = node.args[3]
     axes = [a for a, s in enumerate(sig.needs(gate_up.name)) if isinstance(s, Split)]
@@ -261,7 +263,9 @@ def _localize_experts(node: fx.Node, sig) -> None:
             "declare the experts' sbp split(0) on one axis and broadcast on the others.")
     node.target = expert_parallel
     node.kwargs = {**node.kwargs, "groups": RankGroups(*axis_groups(sig.mesh, axes[0])),
-                   "num_experts": experts}
+                   "num_experts": experts, "layer": layer}
+    if capacity is not None:   # NOTE: Expert capacity (ops/expert_capacity.py)
+        node.kwargs = {**node.kwargs, "capacity": capacity}
 
 
 def _read_parameter(node: fx.Node) -> fx.Node:

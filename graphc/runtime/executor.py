@@ -160,8 +160,9 @@ class StageExecutor:
         pro = self.program.prologue
         with torch.no_grad():
             sums = None
-            for values in per_mb:
-                outs = pro.module(*[values[name] for name in pro.inputs])
+            for mb, values in enumerate(per_mb):
+                with drawing(*self.draw, mb):   # a pre-pass replays the micro-batch's draws
+                    outs = pro.module(*[values[name] for name in pro.inputs])
                 sums = list(outs) if sums is None else [a + b for a, b in zip(sums, outs)]
             return {name: all_reduce_sum(total, groups) if groups else total
                     for name, total, groups in zip(pro.outputs, sums, pro.groups)}

@@ -24,6 +24,7 @@ from ..runtime.trace import timeline_to_chrome
 from .chart import INSTALL_HINT, charts_available, draw_timeline
 from .cost_model import CostModel
 from .costs import DEVICES, device_costs, measure_costs
+from .routing import read_routing, routed_plans, routing_table
 from .rows import fold_ranks, ranges, row_label
 from .simulate import fit_report, model_inputs, simulate
 from .summary import stage_summary
@@ -32,7 +33,9 @@ ALL_RANKS_BELOW = 64    # worlds this small get every rank's plan file by defaul
 STEADY_STEPS = 4
 
 
-def write_all(graph, compiled, folder: str, mode) -> List[str]:
+def write_all(graph, compiled, folder: str, mode, routing: Optional[str] = None) -> List[str]:
+    """routing: a folder of recorded routing (NOTE: Routing log) that --simulate prices the
+    expert exchanges by (graphc/tools/routing.py)."""
     os.makedirs(folder, exist_ok=True)
     name = type(graph).__name__
     chosen, why = select_ranks(getattr(mode, "ranks", None), compiled)
@@ -50,7 +53,7 @@ def write_all(graph, compiled, folder: str, mode) -> List[str]:
     if mode.chart:
         written += write_schedule_chart(compiled, folder, name)
     if mode.simulate:
-        written += write_simulation(graph, compiled, folder, mode.simulate, mode.chart)
+        written += write_simulation(graph, compiled, folder, mode.simulate, mode.chart, routing)
     print(f"graphc plan: {name}: {len(compiled.plans)} rank(s), {len(compiled.stages)} stage(s), "
           f"{compiled.num_microbatches} micro-batch(es); plans verified; wrote {len(written)} "
           f"files to {folder}", flush=True)
@@ -174,15 +177,24 @@ def costs_for(graph, compiled, how: str) -> CostModel:
     return device_costs(compiled, how)
 
 
-def write_simulation(graph, compiled, folder: str, how: str, chart: bool = True) -> List[str]:
+def write_simulation(graph, compiled, folder: str, how: str, chart: bool = True,
+                     routing: Optional[str] = None) -> List[str]:
     costs = costs_for(graph, compiled, how)
     # every rank's parameters from the stage programs: the table adds model-state bytes
     model = model_inputs(compiled, getattr(graph, "_optimizer", None))
+    cores = os.cpu_count() if how == "measure" else None
+    plans, routed = compiled.plans, ""
+    if routing is not None:   # expert exchanges priced by a real step's loads (NOTE: Routing log)
+        recorded = read_routing(routing)
+        plans = routed_plans(compiled.plans, recorded)
+        balanced = simulate(compiled.plans, costs, steps=STEADY_STEPS, cores=cores)
+        routed = (f"\n{routing_table(compiled.plans, recorded, routing)}\nsteady-state step: "
+                  f"{balanced.step_time * 1e3:.3f} ms with balanced expert exchanges (the plan's "
+                  f"estimate), the table's with the recorded routing")
     # several steps: the table reports the steady state (a rank starts its next step early)
-    result = simulate(compiled.plans, costs, steps=STEADY_STEPS,
-                      cores=os.cpu_count() if how == "measure" else None, model=model)
+    result = simulate(plans, costs, steps=STEADY_STEPS, cores=cores, model=model)
     name = type(graph).__name__
-    table = f"# {name}: simulated step, costs {costs.source}\n{result.table()}"
+    table = f"# {name}: simulated step, costs {costs.source}\n{result.table()}{routed}"
     if how in DEVICES:          # will it fit: each rank's predicted peak against the device
         peaks = {r.rank: r.memory for r in result.ranks if r.memory is not None}
         table += "\n" + fit_report(peaks, int(DEVICES[how].memory_gib * 2 ** 30), how, compiled.plans)

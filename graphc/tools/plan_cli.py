@@ -1,4 +1,4 @@
-"""`graphc plan SCRIPT [SCRIPT_ARGS...] --nproc N --out DIR [--simulate [HOW]] [--ranks R]`.
+"""`graphc plan SCRIPT [SCRIPT_ARGS...] --nproc N --out DIR [--simulate [HOW] [--routing DIR]] [--ranks R]`.
 
 Runs SCRIPT in this process (runpy, sys.argv = [SCRIPT, *SCRIPT_ARGS]) in plan mode (see
 graphc/modes.py): every Graph it compiles is compiled for N ranks and written to DIR, and
@@ -8,6 +8,7 @@ the script's; a script option spelled like one of them goes after `--`.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import runpy
 import sys
@@ -17,11 +18,11 @@ from ..errors import GraphcError
 
 # graphc plan's options -> whether each takes a value (for splitting them from the script's)
 OPTIONS = {"--nproc": True, "--out": True, "--simulate": None, "--no-chart": False,
-           "--ranks": True, "--auto": False}
+           "--ranks": True, "--auto": False, "--routing": True}
 # --auto's own options: graphc's only when --auto is given (a script may take a --device too)
 AUTO_OPTIONS = {"--device": True, "--memory": True, "--budget-s": True}
 USAGE = ("graphc plan SCRIPT [SCRIPT_ARGS...] --nproc N --out DIR "
-         "[--simulate [measure|h100|h200|a100]] [--ranks 0,7,-1|all] [--no-chart] "
+         "[--simulate [measure|h100|h200|a100] [--routing DIR]] [--ranks 0,7,-1|all] [--no-chart] "
          "[--auto [--device h100] [--memory GIB] [--budget-s S]] [-- SCRIPT_ARGS]")
 
 
@@ -74,6 +75,9 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--simulate", nargs="?", const="measure", default=None,
                    help="predict the step: 'measure' (time the stages on this machine, default) "
                         "or a device preset (h100, h200, a100, cpu)")
+    p.add_argument("--routing", default=None, metavar="DIR",
+                   help="with --simulate: price the expert-parallel exchanges by the routing a real "
+                        "step recorded (GRAPHC_ROUTING_OUT=DIR) and print tokens per expert per step")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG/SVG charts")
     p.add_argument("--ranks", default=None,
                    help="whose rank<r>.json/.txt to write: a list like 0,7,-1 (negative: from "
@@ -102,12 +106,14 @@ def run_plan_command(args: argparse.Namespace) -> int:
         from ..auto.search import plan_mode_search
         auto = plan_mode_search(args.device, args.memory, args.budget_s)
     return run_plan(args.script, args.script_args, args.nproc, args.out, args.simulate,
-                    not args.no_chart, args.ranks, auto)
+                    not args.no_chart, args.ranks, auto, args.routing)
 
 
 def run_plan(script: str, script_args: List[str], nproc: int, out: str,
-             simulate: str = None, chart: bool = True, ranks: str = None, auto=None) -> int:
-    """Runs `script` in plan mode; returns 0 once at least one graph's plans are written."""
+             simulate: str = None, chart: bool = True, ranks: str = None, auto=None,
+             routing: str = None) -> int:
+    """Runs `script` in plan mode; returns 0 once at least one graph's plans are written.
+    routing: a folder of recorded routing for --simulate (NOTE: Routing log)."""
     from .costs import DEVICES
     from ..modes import PlanModeExit, plan_mode
     from .dump import parse_ranks, write_all
@@ -116,6 +122,8 @@ def run_plan(script: str, script_args: List[str], nproc: int, out: str,
     if simulate not in (None, "measure", *DEVICES):
         raise GraphcError(f"graphc plan --simulate {simulate!r}: choose 'measure' or one of "
                           f"{sorted(DEVICES)}")
+    if routing is not None and simulate is None:
+        raise GraphcError("graphc plan --routing prices the simulated expert exchanges: add --simulate")
     if ranks is not None and ranks.strip() != "all":
         parse_ranks(ranks, nproc)       # a wrong --ranks fails before the script runs
     saved_argv, saved_path, saved_env = sys.argv[:], sys.path[:], dict(os.environ)
@@ -125,7 +133,8 @@ def run_plan(script: str, script_args: List[str], nproc: int, out: str,
         os.environ.setdefault(k, str(v))
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        with plan_mode(nproc, out, simulate, chart, ranks, write=write_all, auto=auto) as mode:
+        write = functools.partial(write_all, routing=routing)
+        with plan_mode(nproc, out, simulate, chart, ranks, write=write, auto=auto) as mode:
             try:
                 runpy.run_path(script, run_name="__main__")
             except PlanModeExit as stop:

@@ -51,11 +51,6 @@ def contrastive(model, x):
     return F.cross_entropy(logits, torch.arange(z.shape[0]))
 
 
-def masked_mean(model, x, mask):
-    per_row = model(x).pow(2).sum(1)
-    return (per_row * mask).sum() / mask.sum()
-
-
 def batch_statistic(model, x, y):
     h = model(x)
     return F.mse_loss(h - h.mean(0), y)
@@ -103,8 +98,6 @@ def test_prototypes_in_inference_are_not_split():
 
 @pytest.mark.parametrize("fn, names, found, line", [
     (contrastive, ("x",), "pairs every row of the batch with every other row", "logits = z @ z.T / 0.1"),
-    (masked_mean, ("x", "mask"), "divided by a sum or mean over the batch",
-     "return (per_row * mask).sum() / mask.sum()"),
     (batch_statistic, ("x", "t"), "meets the batch's own rows", "return F.mse_loss(h - h.mean(0), y)"),
     (log_volume, ("x",), "goes through 'logdet', which graphc has no rule for",
      "return -torch.logdet(z.T @ z / B + torch.eye(D))"),

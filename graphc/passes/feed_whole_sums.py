@@ -1,0 +1,186 @@
+"""feed_whole_sums: every micro-batch reads the whole batch's value of the sums it combines
+nonlinearly (a router's token counts), computed by a routing pre-pass.
+
+Invariant: no node of a stage program carries META_WHOLE_SUM; each such sum was replaced by
+`total / m`, with `total` a program input that the stage's Prologue computes once per step:
+the program's own computation of the sum (through the parameters and the model's forward up
+to it, with its exchanges), run without gradient on every micro-batch and summed.
+Requires: feed_whole_batch (a Prologue it may already have made), find_batch_dims
+(META_WHOLE_SUM on the sums).
+
+NOTE: Whole-batch sums
+Transformers' router auxiliary loss (load_balancing_loss_func, Switch Transformer) is
+E * sum_e f_e * P_e with two means over the whole batch: f_e, the share of tokens routed to
+expert e (histc counts: no gradient), and P_e, the mean router probability (linear in the
+tokens). Per micro-batch it would be another number. It becomes exact when each micro-batch
+b computes E * sum_e f_e(whole) * P_e(b): graphc averages the micro-batches' losses, and P is
+linear, so the mean over b is E * sum_e f_e(whole) * P_e(whole), and micro-batch b's gradient
+is E * f_e(whole) * dP_e(b) / m, the whole batch's. In general (batch_rows:
+whole_sums_or_couple): a product of batch sums, or a division by one, is exact per
+micro-batch when at most one factor carries a gradient (a quotient's numerator) and every
+sum without gradient is replaced by its mean over the m micro-batches, S(whole) / m. The
+loss is a mean (the same for the batch twice over), so its micro-batch form at
+(S(whole) / m, R(b), N / m) equals the whole form at (S(whole), m R(b), N), linear in R:
+averaging over b gives the whole batch's value. With an attention mask the token count
+(flat_mask.sum()) is such a sum too; `(x * mask).sum() / mask.sum()` is another.
+
+The counts depend on the parameters and on the forward of every layer before the router, so
+they are known before any backward only by a pre-pass: the Prologue runs the stage program,
+cut to what the sums need, without gradient on each micro-batch's inputs (random ops replay
+the micro-batch's draws, NOTE: Replica-equal randomness; an expert layer's exchanges run on
+every rank of its group alike, as in the forward). Routing is deterministic given the
+parameters, which do not change within a step, so the counts are the forward's. The cost is
+about one extra forward per step, said at compile time. Under pipeline parallelism the sums
+read values received from an earlier stage (the router logits of its layers): that needs a
+pre-pass through the pipeline, which graphc does not build; it is refused, naming the fix.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Dict, List, Sequence
+
+import torch.fx as fx
+
+from ..errors import GraphcError
+from ..meta import META_TENSOR, META_WHOLE_SUM, TensorMeta
+from ..plan.program import Prologue, StageProgram
+from .feed_whole_batch import add_step_input
+
+_log = logging.getLogger("graphc")
+
+
+def feed_whole_sums(programs: Sequence[StageProgram], num_microbatches: int,
+                    zero_stage: int = 0) -> List[StageProgram]:
+    for prog in programs:
+        sums = [n for n in prog.module.graph.nodes if n.meta.get(META_WHOLE_SUM)]
+        if sums and num_microbatches > 1:
+            if zero_stage >= 3:
+                raise _sharded(prog, sums)
+            _pre_pass(prog, sums, num_microbatches)
+    return list(programs)
+
+
+def _pre_pass(prog: StageProgram, sums: List[fx.Node], m: int) -> None:
+    names = [f"graphc_whole_{n.name}" for n in sums]
+    cut = _cut_program(prog, sums)
+    prog.prologue = _with_prologue(prog, cut, names)
+    for node, name in zip(sums, names):
+        _read_whole(prog, node, name, m)
+    prog.module.graph.lint()
+    prog.module.recompile()
+    _log.warning("stage %d: sums over the batch without gradient combined nonlinearly (%s, nodes "
+                 "%s; e.g. a router's auxiliary loss) under %d-step accumulation: a pre-pass runs what "
+                 "they need of the stage's forward (for a router, the model up to it) without gradient "
+                 "on every micro-batch before the step, for the whole batch's sums "
+                 "(See NOTE: Whole-batch sums); for a router it costs about one extra forward per step",
+                 prog.stage, _where(sums[0]), ", ".join(n.name for n in sums), m)
+
+
+def _cut_program(prog: StageProgram, sums: List[fx.Node]) -> fx.Graph:
+    """The program's graph with `sums` as its outputs, without what they do not need."""
+    graph = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    graph.graph_copy(prog.module.graph, env)
+    graph.output(tuple(graph.call_method("detach", (env[n],)) for n in sums))
+    graph = fx.GraphModule(prog.module, graph).graph   # an owner: fx asks modules' purity
+    graph.eliminate_dead_code(is_impure_node=_writes_a_value)
+    for ph in [n for n in graph.nodes if n.op == "placeholder"]:
+        if not ph.users:
+            graph.erase_node(ph)
+        elif ph.target not in prog.user_inputs:
+            raise _received(prog, sums, ph.target)
+    return graph
+
+
+def _writes_a_value(node: fx.Node) -> bool:
+    """Kept though unused: an in-place write into a value the sums may read (not a buffer,
+    whose update belongs to the forward), and fx's own impure nodes (grad modes, autocast)."""
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.endswith("__"):
+        base = node.args[0] if node.args else None
+        return not (isinstance(base, fx.Node) and base.op == "get_attr")
+    return node.is_impure()
+
+
+def _with_prologue(prog: StageProgram, cut: fx.Graph, names: List[str]) -> Prologue:
+    """One Prologue computing the stage's earlier per-step values (feed_whole_batch) and the
+    whole sums (summed over micro-batches, never over ranks: the program's own collectives
+    after the sum still run)."""
+    graph, placeholders = fx.Graph(), {}
+    outputs: list = []
+    for part in ([prog.prologue.module.graph] if prog.prologue is not None else []) + [cut]:
+        outputs += list(_copy_into(graph, part, placeholders))
+    graph.output(tuple(outputs))
+    module = fx.GraphModule(prog.module, graph, class_name=f"Stage{prog.stage}Prologue")
+    inputs = [n.target for n in graph.nodes if n.op == "placeholder"]
+    old = prog.prologue
+    return Prologue(module, inputs, (list(old.outputs) if old else []) + names,
+                    (list(old.groups) if old else []) + [()] * len(names))
+
+
+def _copy_into(graph: fx.Graph, part: fx.Graph, placeholders: Dict[str, fx.Node]):
+    """part's nodes into graph, its inputs shared by name; returns part's outputs there."""
+    env: Dict[fx.Node, fx.Node] = {}
+    for node in part.nodes:
+        if node.op == "placeholder":
+            if node.target not in placeholders:
+                placeholders[node.target] = graph.placeholder(node.target)
+            env[node] = placeholders[node.target]
+        elif node.op == "output":
+            return fx.node.map_arg(node.args[0], lambda a: env[a])
+        else:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    return ()
+
+
+def _read_whole(prog: StageProgram, node: fx.Node, name: str, m: int) -> None:
+    """node's value replaced by the whole batch's mean over micro-batches: total / m."""
+    meta = node.meta[META_TENSOR]
+    total = add_step_input(prog, name, TensorMeta(meta.shape, meta.dtype, False))
+    with prog.module.graph.inserting_before(node):
+        mean = prog.module.graph.call_function(operator.truediv, (total, m))
+    mean.meta = {k: v for k, v in node.meta.items() if k != META_WHOLE_SUM}
+    # a sum made in place (`zeros.scatter_add_(0, ids, w)`, the masked router counts): the
+    # tensor written is the sum, and its write would add this micro-batch's part once more
+    writes = [u for u in node.users if _writes_into(u, node)]
+    node.replace_all_uses_with(mean, delete_user_cb=lambda user: user not in writes)
+    for write in writes:
+        write.replace_all_uses_with(mean)
+        prog.module.graph.erase_node(write)
+    del node.meta[META_WHOLE_SUM]
+
+
+def _writes_into(user: fx.Node, node: fx.Node) -> bool:
+    """Is `user` an in-place method writing into `node` (`node.scatter_add_(...)`)?"""
+    name = user.target if user.op == "call_method" else ""
+    return name.endswith("_") and not name.endswith("__") and bool(user.args) and user.args[0] is node
+
+
+def _where(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace", "").strip().splitlines()
+    return f"{trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else f"node '{node.name}'"
+
+
+def _sharded(prog: StageProgram, sums: List[fx.Node]) -> GraphcError:
+    return GraphcError(
+        f"stage {prog.stage} combines sums over the batch nonlinearly ({_where(sums[0])}, node "
+        f"'{sums[0].name}'; e.g. a router's auxiliary loss), so under gradient accumulation a "
+        "pre-pass computes the whole batch's counts before the step (See NOTE: Whole-batch sums). "
+        "ZeRO stage 3 holds each parameter sharded until the step's own gathers, so the pre-pass "
+        "cannot read them. Fix: self.config.enable_zero(True, stage=2) (or 1), gradient "
+        "accumulation 1, or train without the auxiliary loss (output_router_logits=False).")
+
+
+def _received(prog: StageProgram, sums: List[fx.Node], value: str) -> GraphcError:
+    return GraphcError(
+        f"stage {prog.stage} combines sums over the batch nonlinearly ({_where(sums[0])}, node "
+        f"'{sums[0].name}'; e.g. a router's auxiliary loss: token counts times mean router "
+        "probabilities), which is exact under gradient accumulation only when every micro-batch "
+        "reads the whole batch's counts, computed by a pre-pass before the step "
+        "(See NOTE: Whole-batch sums). "
+        f"Here they depend on '{value}', a value received from another pipeline "
+        "stage (a router of an earlier stage's layers), and graphc has no pre-pass through the "
+        "pipeline. Fix: use self.config.set_gradient_accumulation_steps(1) with pipeline "
+        "stages (more micro-batches need accumulation), run the MoE model without set_stage "
+        "(expert and data parallel only), or train without the auxiliary loss "
+        "(output_router_logits=False).")

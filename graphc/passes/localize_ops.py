@@ -20,6 +20,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..errors import GraphcError
+from ..log import warn_user
 from ..meta import META_CONTEXT_PARALLEL, META_PIECES, META_SBP, META_TENSOR
 from ..ops.context_parallel import context_parallel_attention
 from ..placement import PartialSum, Split
@@ -67,9 +68,20 @@ def localize_ops(gm: fx.GraphModule, expert_capacity: Optional[float] = None) ->
             _localize_experts(node, sig, expert_capacity)
         elif node.target is torch.split and META_PIECES in getattr(node.args[0], "meta", {}):
             _localize_pieces(node, sig)
+    if expert_capacity is not None:
+        _warn_capacity_unused(gm)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _warn_capacity_unused(gm: fx.GraphModule) -> None:
+    """set_expert_capacity acts on expert-parallel layers only; with none the program runs
+    dropless, as eager does, and the user is told so (See NOTE: Expert capacity)."""
+    if not any(n.target is expert_parallel for n in gm.graph.nodes):
+        warn_user("config.set_expert_capacity has no effect here: no experts are split over "
+                  "ranks (graphc.to_global(experts, sbp=split(0)) on an axis), so every expert "
+                  "layer runs dropless, as eager does.")
 
 
 def _localize_pieces(node: fx.Node, sig) -> None:

@@ -86,3 +86,19 @@ def test_a_capacity_that_is_not_a_positive_number_is_refused(factor):
     graph = graphc.Graph()
     with pytest.raises(graphc.GraphcError, match=r"set_expert_capacity: factor must be a number > 0"):
         graph.config.set_expert_capacity(factor)
+
+
+@pytest.mark.slow
+def test_a_capacity_without_expert_parallel_runs_dropless_and_says_so(monkeypatch):
+    """set_expert_capacity acts on experts split over ranks; with the experts broadcast (plain
+    data parallel) the layers stay dropless, as eager is, and the compile says the option has
+    no effect instead of leaving the user to believe tokens are dropped."""
+    from test_hub_experts import BC, EPLayout, LAYOUTS, P01, S0
+    from helpers import compile_graph, global_input
+    monkeypatch.setitem(LAYOUTS, "dp2", EPLayout(2, ((0, 1),), (BC,), (S0,)))
+    graph = MoEGraph(model_of("mixtral", aux=False), "dp2")
+    graph.config.set_expert_capacity(1.0)
+    with pytest.warns(UserWarning, match="set_expert_capacity has no effect here"):
+        compiled = compile_graph(graph, [global_input(t, P01, S0) for t in batches(1)[0]], 2)
+    notes = [getattr(ins, "note", "") for ins in compiled.plans[0].instructions]
+    assert not any("expert parallel" in n for n in notes), notes

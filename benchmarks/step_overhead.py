@@ -1,6 +1,6 @@
 """What a one-process graphc step spends on the host beside eager's work, piece by piece.
 
-    python benchmarks/step_overhead.py [--embd 8] [--steps 200] [--accumulation 1]
+    python benchmarks/step_overhead.py [--embd 8] [--steps 200] [--accumulation 1] [--compile]
 
 The GPT of examples/gpt.py at a tiny width (the kernels cost little, so the host's Python
 shows), trained by graphc and by eager PyTorch, one step of each in turn. Prints:
@@ -11,6 +11,8 @@ shows), trained by graphc and by eager PyTorch, one step of each in turn. Prints
   steps), from the call down to the instructions. A piece's time includes the pieces it
   calls (`Runtime.step` holds the whole plan); the wrapper adds ~0.3 us per timed call;
 - Python-level function calls per step of each (cProfile over 20 steps).
+--compile compares graphc with compiled stages (NOTE: Compiled stages) against torch.compile
+instead.
 """
 import argparse
 import cProfile
@@ -100,14 +102,19 @@ def main(argv=None):
     parser.add_argument("--embd", type=int, default=8)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--compile", action="store_true",
+                        help="graphc with compiled stages against torch.compile")
     args = parser.parse_args(argv)
+    ours, theirs = ("graphc compiled", "torch.compile") if args.compile else ("graphc", "eager")
     torch.set_num_threads(1)
     ids, vocab = gpt.load_corpus()
     opts = argparse.Namespace(block=32, layers=4, heads=4, embd=args.embd, seed=0, batch=16, lr=3e-3)
     spent = collections.defaultdict(float)
     timed_pieces(spent)   # before the runtime keeps bound methods of its instructions' entries
     runs = bench.contenders(gpt.make_model(vocab, opts), opts,
-                            argparse.Namespace(accumulation=args.accumulation, compile=False, memory_stats=False))
+                            argparse.Namespace(accumulation=args.accumulation, compile=args.compile,
+                                               memory_stats=False))
+    runs = {ours: runs[ours], theirs: runs[theirs]}
     batches = list(gpt.batches(ids, opts.batch, opts.block, args.steps + 3))
     for x, y in batches[:3]:   # compiled, warm
         for run in runs.values():
@@ -120,7 +127,7 @@ def main(argv=None):
             t0 = time.thread_time()
             runs[name](x, y)
             cpu[name].append(time.thread_time() - t0)
-            if name == "graphc":
+            if name == ours:
                 for _, piece in PIECES:
                     pieces[piece].append(spent[piece])
     us = lambda v: f"{min(v) * 1e6:9.1f} {statistics.median(v) * 1e6:9.1f}"   # noqa: E731
@@ -128,9 +135,9 @@ def main(argv=None):
           f"CPU time of the step's thread, us (min, median)")
     for name, v in cpu.items():
         print(f"{name + ' step':42s} {us(v)}")
-    diff = [g - e for g, e in zip(cpu["graphc"], cpu["eager"])]
-    print(f"{'graphc - eager (same iteration)':42s} {us(diff)}")
-    print("graphc's pieces (wall time inside the step, us: min, median)")
+    diff = [g - e for g, e in zip(cpu[ours], cpu[theirs])]
+    print(f"{f'{ours} - {theirs} (same iteration)':42s} {us(diff)}")
+    print(f"{ours}: its pieces (wall time inside the step, us: min, median)")
     for _, piece in PIECES:
         print(f"  {piece:40s} {us(pieces[piece])}")
     few = batches[3:23]

@@ -173,6 +173,7 @@ class Executable:
         self.compiled = compiled
         self.runtime: Optional[Runtime] = None
         self.tracer: Optional[Tracer] = None
+        self.returned: Optional[Dict[fx.Node, Returned]] = None   # build()'s results (outputs)
 
     @classmethod
     def compile(cls, spec: compiler.CompileSpec, specs: Sequence[InputSpec], world: int,
@@ -266,21 +267,48 @@ class Executable:
     def outputs(self, results: Dict[str, List[torch.Tensor]]):
         """build()'s output structure, each tensor a GlobalTensor merged over micro-batches."""
         compiled = self.compiled
-
-        def wrap(node: fx.Node):
-            stage = compiled.stages[node.meta[META_STAGE]]
-            sig = node.meta.get(META_SBP)
-            mesh = sig.mesh if sig else tuple(stage.ranks)
-            where = Placement(stage.device_type, [list(r) if isinstance(r, tuple) else r for r in mesh])
-            sbp = _summed(sig.out) if sig else (_broadcast(),)   # partial_sum: the plan summed it
-            if node.name not in results:
-                return GlobalTensor(torch.empty(0), where, sbp, ())
-            return global_from_local(merge(results[node.name], node.meta.get(META_ROWS)), where, sbp,
-                                     _uneven_global_shape(node, compiled.num_microbatches))
-
-        out = fx.node.map_arg(compiled.gm.graph.output_node().args[0], wrap)
+        if self.returned is None:   # where each result lives: fixed by the plan, found once
+            self.returned = {node: Returned.of(node, compiled) for node in _output_nodes(compiled.gm)}
+        returned = self.returned
+        out = fx.node.map_arg(compiled.gm.graph.output_node().args[0], lambda node: returned[node].value(results))
         tree = compiled.gm.meta.get(META_OUTPUT_TREE)  # the user's own classes (NOTE: Output trees)
         return pytree.tree_unflatten(list(out), tree) if tree is not None else out
+
+
+@dataclass(frozen=True)
+class Returned:
+    """One of build()'s results as a call returns it: its placement and sbp (a partial_sum
+    summed by the plan), how micro-batches merge (its rows), and the global shape of an
+    uneven split (None: the local shape tells it)."""
+
+    name: str
+    placement: Placement
+    sbp: tuple
+    rows: Any
+    shape: Optional[Tuple[int, ...]]
+
+    @staticmethod
+    def of(node: fx.Node, compiled: compiler.CompiledGraph) -> "Returned":
+        stage = compiled.stages[node.meta[META_STAGE]]
+        sig = node.meta.get(META_SBP)
+        mesh = sig.mesh if sig else tuple(stage.ranks)
+        where = Placement(stage.device_type, [list(r) if isinstance(r, tuple) else r for r in mesh])
+        sbp = _summed(sig.out) if sig else (_broadcast(),)   # partial_sum: the plan summed it
+        return Returned(node.name, where, sbp, node.meta.get(META_ROWS),
+                        _uneven_global_shape(node, compiled.num_microbatches))
+
+    def value(self, results: Dict[str, List[torch.Tensor]]) -> GlobalTensor:
+        """This call's GlobalTensor: the micro-batches' values merged (empty on a rank
+        outside its placement)."""
+        if self.name not in results:
+            return GlobalTensor(torch.empty(0), self.placement, self.sbp, ())
+        return global_from_local(merge(results[self.name], self.rows), self.placement, self.sbp, self.shape)
+
+
+def _output_nodes(gm: fx.GraphModule) -> List[fx.Node]:
+    nodes: List[fx.Node] = []
+    fx.node.map_arg(gm.graph.output_node().args[0], nodes.append)
+    return nodes
 
 
 def check_same_stages(old: compiler.CompiledGraph, new: compiler.CompiledGraph) -> None:

@@ -116,9 +116,10 @@ class ExecutableCache:
         same call (compiling is deterministic; new process groups are created collectively).
         """
         key = (signature(specs), tree)
-        same = self.same_structure(key)  # a new structure is a new program (NOTE: Input trees)
-        if same is not None:
-            same.check_inputs(specs, self.name)
+        if key != self.key:   # (the current executable's inputs passed when it was chosen)
+            same = self.same_structure(key)  # a new structure is a new program (NOTE: Input trees)
+            if same is not None:
+                same.check_inputs(specs, self.name)
         exe, failures = self.lookup(key)
         if exe is None:
             with self._traceable():

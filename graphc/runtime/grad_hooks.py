@@ -16,9 +16,10 @@ it is refused.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..errors import GraphcError, defined_at
 
@@ -42,10 +43,17 @@ class UserGradHooks:
         self.params = params
         self.not_whole = not_whole
         self.aside: List[Tuple[torch.nn.Parameter, Dict[int, Callable]]] = []
+        # RemovableHandle.next_id when a scan last found no user hook (See NOTE: Hook
+        # registrations counted, guards/modules.py): while it has not moved, no hook has been
+        # registered since, and the step skips the scan of every parameter's table
+        self.quiet: Optional[int] = None
 
     def set_aside(self) -> None:
         """Takes the user's hooks out of their parameters' hook tables for the step."""
         self.aside = []
+        if self.quiet == RemovableHandle.next_id:
+            return
+        registered = RemovableHandle.next_id
         for name, p in self.params.items():
             table = p._post_accumulate_grad_hooks
             mine = {k: fn for k, fn in (table or {}).items() if not getattr(fn, _INTERNAL, False)}
@@ -57,6 +65,7 @@ class UserGradHooks:
             for k in mine:
                 del table[k]
             self.aside.append((p, mine))
+        self.quiet = registered if not self.aside else None
 
     def restore(self) -> List[Tuple[torch.nn.Parameter, Dict[int, Callable]]]:
         """Puts the hooks back, in the order they were registered (handle ids grow); returns

@@ -116,6 +116,44 @@ class _Pending:
 _WORLDS = itertools.count()   # every local world made in this process, numbered
 
 
+# NOTE: Fake CUDA guard of a thread
+# Entering a FakeTensorMode (graphc traces build() on fakes; compile_fx traces on fakes too)
+# calls torch._C._ensureCUDADeviceGuardSet(). On a CUDA build of torch that sees no GPU (the
+# lent machines' 2.11.0+cu130 wheel on a CPU host; any CUDA wheel with no device visible)
+# that C function, finding the CUDA guard's deviceCount() 0, makes a no-op guard held in a
+# *thread_local* unique_ptr and stores its raw pointer in the process-wide guard registry
+# (c10/core/impl/DeviceGuardImplInterface.cpp). The first thread to enter a fake mode owns
+# the process's CUDA guard: when that thread ends its guard is freed, the registry keeps the
+# dangling pointer, and the next fake mode entered on any thread calls deviceCount() through
+# it -- a segfault in FakeTensorMode.__enter__ or compile_fx, or none, as freed memory happens
+# to be reused. A local world's rank threads end after every run, so whenever a rank thread
+# traced first (tests/local run alone; a compile in rank threads, then one on the main
+# thread) the process crashed; a run whose main thread traced first was safe (2.11's
+# one-process loop of 2026-11-27). So before a world's ranks start, a thread that never ends
+# makes that call once: the guard it installs reports devices, later calls keep it, and no
+# rank thread makes its own. CPU wheels register no CUDA guard (the call does nothing) and a
+# GPU host's guard reports its devices: there, no thread is started. Torch 2.13's
+# FakeTensorMode makes the same call, so a 2.13 CUDA wheel without a GPU needs this too.
+_GUARD_HELD = threading.Event()
+_GUARD_LOCK = threading.Lock()
+
+
+def hold_fake_cuda_guard() -> None:
+    """Install torch's no-op CUDA guard from a thread that lives as long as the process
+    (See NOTE: Fake CUDA guard of a thread), once, where torch would install it at all."""
+    with _GUARD_LOCK:
+        if _GUARD_HELD.is_set() or not torch.backends.cuda.is_built() or torch.cuda.device_count() > 0:
+            return
+
+        def hold() -> None:
+            torch._C._ensureCUDADeviceGuardSet()
+            _GUARD_HELD.set()
+            threading.Event().wait()   # never set: the thread, and its thread_local guard, live on
+
+        threading.Thread(target=hold, name="graphc-cuda-guard", daemon=True).start()
+        _GUARD_HELD.wait()
+
+
 class LocalWorld:
     """N ranks as threads of this process (See NOTE: Local world)."""
 
@@ -168,6 +206,7 @@ class LocalWorld:
                         self._check_deadlock()
                         self.cond.notify_all()
 
+        hold_fake_cuda_guard()   # before any rank thread traces (NOTE: Fake CUDA guard of a thread)
         threads = [threading.Thread(target=body, args=(r,), name=f"graphc-local-rank{r}", daemon=True)
                    for r in range(self.size)]
         intra_op = torch.get_num_threads()

@@ -201,3 +201,33 @@ def test_graphc_check_command_on_the_gpt_example():
                             capture_output=True, text=True, timeout=300)
     # float64 reordering leaves ~1e-16 differences: a zero bound must fail, naming a parameter
     assert strict.returncode == 1 and "DIFFERS: first at step" in strict.stdout, strict.stdout
+
+
+FAKE_MODES_IN_RANK_THREADS = """
+import threading, torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from graphc.runtime.local_world import LocalWorld
+
+def traced(_rank=None):
+    with FakeTensorMode():
+        return tuple(torch.empty(2, 3).shape)
+
+for _ in range(3):
+    assert LocalWorld(2).run(traced) == [(2, 3), (2, 3)]
+    junk = [bytearray(64) for _ in range(10000)]   # the ended threads' memory used again
+    assert traced() == (2, 3)
+print("held by", [t.name for t in threading.enumerate() if t.name == "graphc-cuda-guard"])
+"""
+
+
+def test_fake_modes_in_rank_threads_then_on_the_main_thread():
+    """NOTE: Fake CUDA guard of a thread: rank threads that enter a FakeTensorMode first, then
+    end, leave the main thread's next fake mode a working CUDA guard (a CUDA wheel without a
+    GPU segfaulted here); a process of its own, so that its main thread has traced nothing."""
+    cuda_wheel_without_gpu = torch.backends.cuda.is_built() and torch.cuda.device_count() == 0
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", FAKE_MODES_IN_RANK_THREADS],
+                         cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    held = ["graphc-cuda-guard"] if cuda_wheel_without_gpu else []
+    assert run.stdout.strip() == f"held by {held}"

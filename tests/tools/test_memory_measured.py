@@ -25,13 +25,11 @@ def _assert_within(layout):
         assert abs(peak.ratio - 1) <= TOLERANCE, f"{layout} {peak}"
 
 
-@pytest.mark.world
 @pytest.mark.parametrize("layout", DEFAULT)
 def test_predicted_peak_within_5_percent_of_the_measured_one(layout):
     _assert_within(layout)
 
 
-@pytest.mark.world
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", SLOW)
 def test_predicted_peak_within_5_percent_on_more_layouts(layout):

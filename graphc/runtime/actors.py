@@ -43,7 +43,8 @@ from .device import place_programs
 from .executor import StageExecutor
 from .grad_hooks import UserGradHooks
 from .stopped_ranks import explain_stopped_peers
-from .zero import ZeroGradSync, ZeroShards, released_in, whole_parameters
+from .zero import ZeroShards, released_in, whole_parameters
+from .zero_sync import ZeroGradSync
 from .zero_units import UnitGatherer
 
 

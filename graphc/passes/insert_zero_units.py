@@ -206,31 +206,56 @@ class PlacedUnits:
 # -- the plan ----------------------------------------------------------------------------
 def unit_events(computes, units: int, reshard: bool, per_step: bool,
                 read_in_backward: Optional[List[bool]] = None,
-                recomputed=frozenset()) -> Dict[int, Tuple[list, list]]:
-    """Compute index -> (units it gathers, units it releases), in the order it runs them: a
+                recomputed=frozenset()) -> Dict[int, List[Tuple[str, int]]]:
+    """Compute index -> the unit gathers ("G", k) and releases ("R", k) it runs, in order: a
     forward gathers what is not whole in forward order and, with `reshard`, releases each
-    after its last use; a backward gathers in reverse order (those it reads; a recomputed
-    micro-batch's all, in forward order, as its forward runs again) and releases each once
-    done, except that `per_step` keeps them whole until the step's last backward, which
-    releases every unit (the step makes a whole copy stale)."""
+    after its last use; a backward gathers in reverse order (those it reads) and releases each
+    once done, except that `per_step` keeps them whole until the step's last backward, which
+    releases every unit (the step makes a whole copy stale). A recomputed micro-batch's
+    backward first runs its forward again, unit by unit, releasing each after its last use but
+    the last (the backward's first), then gathers the rest again in reverse as a backward does;
+    kept whole per step, it gathers every unit in forward order and keeps them."""
     read = read_in_backward or [True] * units
     whole, pinned, out = set(), set(), {}
     last_backward = max(i for i, ins in enumerate(computes) if isinstance(ins, Backward))
     for i, ins in enumerate(computes):
-        forward = isinstance(ins, Forward)
-        again = not forward and ins.microbatch in recomputed
-        order = list(range(units)) if forward or again else list(reversed(range(units)))
-        gathered = [k for k in order if k not in whole and (forward or again or read[k])]
-        whole.update(gathered)
+        events: List[Tuple[str, int]] = []
+
+        def gather(k):
+            if k not in whole:
+                events.append(("G", k))
+                whole.add(k)
+
+        def release(k):
+            if k in whole:
+                events.append(("R", k))
+                whole.discard(k)
+
+        kept = per_step and i != last_backward
+        again = isinstance(ins, Backward) and ins.microbatch in recomputed
         if isinstance(ins, Forward):
-            released = [k for k in order if reshard and k not in pinned]
-        elif per_step and i != last_backward:
-            pinned.update(order)
-            released = []
+            for k in range(units):
+                gather(k)
+                if reshard and k not in pinned:
+                    release(k)
+        elif again and kept:         # the forward again, every unit kept whole for the step
+            for k in range(units):
+                gather(k)
+            pinned.update(range(units))
         else:
-            released = [k for k in reversed(range(units)) if k in whole]
-        whole.difference_update(released)
-        out[i] = (gathered, released)
+            if again:                # the forward again, unit by unit
+                for k in range(units):
+                    gather(k)
+                    if k < units - 1:
+                        release(k)
+            for k in reversed(range(units)):
+                if read[k]:
+                    gather(k)
+                if kept:
+                    pinned.add(k)
+                else:
+                    release(k)
+        out[i] = events
     return out
 
 
@@ -241,7 +266,7 @@ def _rewrite(plan: ExecutionPlan, ranks: Tuple[int, ...], placed: Dict[int, "Pla
     gradients become final (a later chunk's last backward runs first)."""
     computes = [ins for ins in plan.instructions if isinstance(ins, (Forward, Backward))]
     recomputed = checkpointed_microbatches(plan.checkpointing, plan.num_microbatches)
-    events: Dict[int, Tuple[list, list]] = {}
+    events: Dict[int, List[Tuple[str, int]]] = {}
     for stage, units in placed.items():
         mine = [ins for ins in computes if ins.stage == stage]
         found = unit_events(mine, len(units.units), options.reshard(stage), options.per_step(stage),
@@ -276,19 +301,9 @@ def _unit_note(stage: int, units: int, options: UnitOptions) -> str:
             f"or one module, reshard after forward {reshard}, gathered {per}")
 
 
-def _listed(ins, events: Tuple[list, list], ranks, units) -> list:
+def _listed(ins, events: List[Tuple[str, int]], ranks, units) -> list:
     """The unit gathers and releases a compute runs, in the order it runs them."""
-    gathered, released = events
     direction = ACT if isinstance(ins, Forward) else GRAD
-    gather = lambda k: UnitGather(ranks, tuple(units[k]), ins.stage, ins.microbatch, direction, k)  # noqa: E731
-    release = lambda k: UnitRelease(tuple(units[k]), ins.stage, ins.microbatch, direction, k)  # noqa: E731
-    if direction == GRAD and gathered[1:] and gathered[0] < gathered[1]:
-        # a recomputed forward gathers every unit first, the backward frees them in reverse
-        return [gather(k) for k in gathered] + [release(k) for k in released]
-    out = []
-    for k in (range(len(units)) if direction == ACT else reversed(range(len(units)))):
-        if k in gathered:
-            out.append(gather(k))
-        if k in released:
-            out.append(release(k))
-    return out
+    return [UnitGather(ranks, tuple(units[k]), ins.stage, ins.microbatch, direction, k) if kind == "G"
+            else UnitRelease(tuple(units[k]), ins.stage, ins.microbatch, direction, k)
+            for kind, k in events]

@@ -1,7 +1,7 @@
 """insert_zero_units: ZeRO stage 3 gathered unit by unit inside each stage program.
 
 Invariant: on a training plan at ZeRO stage 3 computed by Forward and Backward instructions
-over one data-parallel group (a rank holding one stage, or several chunks: each of its
+(whole, or split into BackwardInput and BackwardWeight) over one data-parallel group (a rank holding one stage, or several chunks: each of its
 stages alike), the whole-stage ALL_GATHER and RELEASE are gone; the stage's sharded
 parameters are cut into units (consecutive modules, in order of
 first use, each closed once it reaches `unit_bytes`); each compute is followed by the unit
@@ -23,8 +23,8 @@ import torch.fx as fx
 
 from ..ops.zero_units import zero_unit_begin, zero_unit_end
 from ..meta import META_TENSOR
-from ..plan.instructions import (ACT, GRAD, COMPUTE, AllGather, Backward, Forward, ReduceScatter,
-                                 ReleaseParams, TensorSpec, UnitGather, UnitRelease)
+from ..plan.instructions import (COMPUTE, AllGather, Backward, BackwardInput, BackwardWeight, Forward,
+                                 ReduceScatter, ReleaseParams, TensorSpec, UnitGather, UnitRelease)
 from ..plan.plan import ZERO_NOTE, ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
 
@@ -65,12 +65,18 @@ def insert_zero_units(plans: Sequence[ExecutionPlan], programs: Sequence[StagePr
     return list(plans)
 
 
+# a whole backward, or a split backward's halves: each reads the units' parameters autograd
+# saved (a weight half runs the nodes that lead to the parameters again, which unpack them)
+BACKWARDS = (Backward, BackwardInput, BackwardWeight)
+
+
 def _unit_plan(plan: ExecutionPlan) -> bool:
-    """Whether this plan's stage-3 parameters can be gathered per unit: stage 3, plain
-    forwards and backwards, one data-parallel group (one local stage or several chunks)."""
+    """Whether this plan's stage-3 parameters can be gathered per unit: stage 3, forwards and
+    backwards (whole or split, not overlapped pairs), one data-parallel group (one local stage
+    or several chunks)."""
     if not plan.training or not plan.notes.get(ZERO_NOTE, "").startswith("stage 3"):
         return False
-    if any(isinstance(ins, COMPUTE) and type(ins) not in (Forward, Backward) for ins in plan.instructions):
+    if any(isinstance(ins, COMPUTE) and type(ins) not in (Forward,) + BACKWARDS for ins in plan.instructions):
         return False
     groups = {tuple(ins.ranks) for ins in plan.instructions if type(ins) is AllGather}
     return len(groups) == 1
@@ -217,7 +223,7 @@ def unit_events(computes, units: int, reshard: bool, per_step: bool,
     kept whole per step, it gathers every unit in forward order and keeps them."""
     read = read_in_backward or [True] * units
     whole, pinned, out = set(), set(), {}
-    last_backward = max(i for i, ins in enumerate(computes) if isinstance(ins, Backward))
+    last_backward = max(i for i, ins in enumerate(computes) if isinstance(ins, BACKWARDS))
     for i, ins in enumerate(computes):
         events: List[Tuple[str, int]] = []
 
@@ -232,7 +238,8 @@ def unit_events(computes, units: int, reshard: bool, per_step: bool,
                 whole.discard(k)
 
         kept = per_step and i != last_backward
-        again = isinstance(ins, Backward) and ins.microbatch in recomputed
+        # the recompute runs in a whole backward or a split one's input half
+        again = isinstance(ins, (Backward, BackwardInput)) and ins.microbatch in recomputed
         if isinstance(ins, Forward):
             for k in range(units):
                 gather(k)
@@ -264,7 +271,7 @@ def _rewrite(plan: ExecutionPlan, ranks: Tuple[int, ...], placed: Dict[int, "Pla
     """Each stage of `placed` gathered per unit: its computes followed by their unit events,
     the group's REDUCE_SCATTERs one per unit, where the first was, in the order the units'
     gradients become final (a later chunk's last backward runs first)."""
-    computes = [ins for ins in plan.instructions if isinstance(ins, (Forward, Backward))]
+    computes = [ins for ins in plan.instructions if isinstance(ins, (Forward,) + BACKWARDS)]
     recomputed = checkpointed_microbatches(plan.checkpointing, plan.num_microbatches)
     events: Dict[int, List[Tuple[str, int]]] = {}
     for stage, units in placed.items():
@@ -272,7 +279,7 @@ def _rewrite(plan: ExecutionPlan, ranks: Tuple[int, ...], placed: Dict[int, "Pla
         found = unit_events(mine, len(units.units), options.reshard(stage), options.per_step(stage),
                             units.read_in_backward, recomputed)
         events.update({id(ins): found[i] for i, ins in enumerate(mine)})
-    last_backward = {ins.stage: i for i, ins in enumerate(computes) if isinstance(ins, Backward)}
+    last_backward = {ins.stage: i for i, ins in enumerate(computes) if isinstance(ins, BACKWARDS)}
     in_order = sorted(placed, key=lambda s: last_backward.get(s, -1))
     scattered = {t.name: t for ins in plan.instructions
                  if type(ins) is ReduceScatter and tuple(ins.ranks) == tuple(ranks) for t in ins.tensors}
@@ -303,7 +310,7 @@ def _unit_note(stage: int, units: int, options: UnitOptions) -> str:
 
 def _listed(ins, events: List[Tuple[str, int]], ranks, units) -> list:
     """The unit gathers and releases a compute runs, in the order it runs them."""
-    direction = ACT if isinstance(ins, Forward) else GRAD
+    direction = ins.letter    # F, B, or a split backward's I or W: `0W1.GATHER u2`
     return [UnitGather(ranks, tuple(units[k]), ins.stage, ins.microbatch, direction, k) if kind == "G"
             else UnitRelease(tuple(units[k]), ins.stage, ins.microbatch, direction, k)
             for kind, k in events]

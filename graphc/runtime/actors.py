@@ -29,7 +29,7 @@ from ..errors import RankFailedError
 from ..log import warn_user
 from ..meta import META_SBP
 from ..placement import Broadcast
-from ..plan.instructions import (ACT, COMPUTE_RUNS, GRAD, INSIDE_COMPUTE, INSTRUCTIONS, AllGather, AllReduce,
+from ..plan.instructions import (ACT, COMPUTE_RUNS, INSIDE_COMPUTE, INSTRUCTIONS, AllGather, AllReduce,
                                  Backward, BackwardInput, BackwardWeight, ClipGradNorm, Forward, OptimizerStep,
                                  OutputAllReduce, OverlapFB, Recv, ReleaseParams, Send)
 from ..ops.conversions import all_reduce_sum
@@ -485,12 +485,14 @@ class Runtime:
         self._backward(ins, step, self.executors[ins.stage].backward_input)
 
     def _run_backward_weight(self, ins: BackwardWeight, step: "_StepValues") -> None:
-        self.executors[ins.stage].backward_weight(ins.microbatch)
+        ex = self.executors[ins.stage]
+        with ex.computing(ins.letter, ins.microbatch):   # it reads the units again (NOTE: ZeRO units)
+            ex.backward_weight(ins.microbatch)
 
     def _backward(self, ins, step: "_StepValues", run) -> None:
         """A whole backward or its input half: `run` on the gradients received for it."""
         s, mb = ins.stage, ins.microbatch
-        with self.executors[s].computing(GRAD, mb):
+        with self.executors[s].computing(ins.letter, mb):   # B or I (NOTE: ZeRO units)
             got = run(mb, step.grads.pop((s, mb), []))
         step.produced[(s, mb, "B")] = got
         step.produced.pop((s, mb, ACT), None)

@@ -49,8 +49,13 @@ At run time the stage's UnitGatherer does what the running compute lists:
   (See NOTE: ZeRO rows in place, zero_rows.py).
 A rank holding several chunks (interleaved) has a UnitGatherer per chunk, each driving its
 own stage's computes; the group's reduce-scatters are one per unit, in the order the units'
-gradients become final over the chunks. A zero-bubble split backward, or several data-
-parallel groups in one stage keeps the whole-stage gathers (the plan's zero note says which).
+gradients become final over the chunks. A split backward (zero_bubble, ZB-V) is two computes
+that both read the units: the input half I and the weight half W (which runs the nodes leading
+to the parameters again, and they unpack them: NOTE: Weight gradients) each gather, in reverse
+order, the units they read and free each once done (`0I1.GATHER u2`, `0W1.GATHER u2`); a
+recomputed micro-batch runs its forward again in I; the step's last W frees what is left.
+DualPipeV's overlapped pairs, or several data-parallel groups in one stage, keep the
+whole-stage gathers (the plan's zero note says which).
 """
 from __future__ import annotations
 
@@ -61,7 +66,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 from ..ops.zero_units import gathering_units
-from ..plan.instructions import ACT, COMPUTE_RUNS, GRAD, UNIT_EVENTS, AllGather, Forward, UnitGather, UnitRelease
+from ..plan.instructions import ACT, COMPUTE_RUNS, GRAD, UNIT_EVENTS, AllGather, UnitGather, UnitRelease
 from .zero import Shard, ZeroShards
 
 
@@ -90,7 +95,9 @@ class UnitGatherer:
         self.touched: List[int] = []            # units the running backward has read
         self.recomputing = False
         self.unit_of = {t.name: k for k, g in units.items() for t in g.tensors}
-        self.last_backward = max((mb for d, mb in events if d == GRAD), default=-1)
+        # the step's last compute that reads units in a backward (a whole one, or a split one's
+        # weight half): a whole copy left after it would be stale after the step
+        self.last_backward = next((key for key in reversed(events) if key[0] != ACT), None)
         self.prefetch_late = False
         self.reached = None   # called when the backward reaches a unit (finishes the reduce-scatters)
 
@@ -111,7 +118,7 @@ class UnitGatherer:
                 current.append(("G", ins.unit))
             elif type(ins) is UnitRelease:
                 current.append(("R", ins.unit))
-        return {s: UnitGatherer(zero, units, {key: ComputeUnits.of(e, key[0] == GRAD)
+        return {s: UnitGatherer(zero, units, {key: ComputeUnits.of(e, key[0] != ACT)
                                               for key, e in events.items()})
                 for s, (units, events) in found.items() if units}
 
@@ -128,7 +135,8 @@ class UnitGatherer:
         # the step's last backward launches each unit's reduce-scatter as its gradient is final:
         # the unit before is prefetched then, not while the unit's kernels run (their gradient
         # and the gathered copy would be in memory at once)
-        self.prefetch_late = direction == GRAD and microbatch == self.last_backward
+        last = (direction, microbatch) == self.last_backward
+        self.prefetch_late = last and direction == GRAD
         self.touched = []
         if self.listed:
             self._launch(self.listed[0])
@@ -140,7 +148,7 @@ class UnitGatherer:
         for k in sorted(self.releases):
             if self._whole(k):
                 self._release(k)
-        if self.prefetch_late:       # the step's last backward: a whole copy would be stale after
+        if last:                     # the step's last backward: a whole copy would be stale after
             for k in self.units:     # the step (one the backward gathered beyond the plan)
                 if not self.shards[k][0].released:
                     self._release(k)
@@ -198,7 +206,7 @@ class UnitGatherer:
         they are is freed now if this backward lists it, rather than when the backward reaches
         the unit before (a unit whose parameters no backward kernel reads is not reached)."""
         k = self.unit_of.get(ins.tensors[0].name)
-        if k is None or self.direction != GRAD:
+        if k is None or self.direction == ACT:
             return
         if k in self.releases and not self.shards[k][0].released:
             self._release(k)
@@ -271,4 +279,5 @@ class ComputeUnits:
 
 
 def _direction(ins) -> str:
-    return ACT if isinstance(ins, Forward) else GRAD
+    """F, B, or a split backward's I or W (ACT and GRAD are F and B)."""
+    return ins.letter

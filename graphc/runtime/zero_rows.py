@@ -58,21 +58,16 @@ def rows_of(t: torch.Tensor, s, k: int) -> torch.Tensor:
     return t[start:start + rows]
 
 
-ROWS_TAG = 1 << 30   # ZeRO's sends on a data-parallel group: far above a pipeline's counted tags
-
-
 class ReducedRows:
-    """The reduce-scatter of one bucket's gradients as sends and receives of rows, launched
-    parameter by parameter in the bucket's order (as each gradient is final: NOTE: ZeRO rows
-    as gradients are final); wait() waits for them and sums this rank's rows into `out` at
-    each shard's place (what the packed path's reduce-scatter leaves there)."""
+    """The reduces of one bucket's gradients, one per parameter and rank, launched parameter
+    by parameter in the bucket's order (as each gradient is final: NOTE: ZeRO rows as
+    gradients are final); wait() waits for them and copies this rank's summed rows into
+    `out` at each shard's place (what the packed path's reduce-scatter leaves there)."""
 
     def __init__(self, shards: list, out: torch.Tensor):
         self.shards, self.out = shards, out
         self.works: list = []
         self.grads: List[torch.Tensor] = []
-        self.sums: list = []   # per parameter: (its place in out, this rank's rows, the others' received)
-        self.at = 0            # the next parameter's place in out
 
     @property
     def launched(self) -> int:
@@ -80,37 +75,26 @@ class ReducedRows:
         return len(self.grads)
 
     def launch_next(self, grad: torch.Tensor) -> None:
-        """Starts the next parameter's reduce-scatter from its whole gradient (contiguous, in
-        the reduce dtype): rank k's rows sent to rank k, this rank's received from each peer
-        (the first straight into `out`), asynchronously (See NOTE: ZeRO rows in place)."""
+        """Starts summing the next parameter's whole gradient (contiguous, in the reduce dtype)
+        rank by rank: rank k's rows reduced onto rank k, asynchronously."""
         s = self.shards[len(self.grads)]
         w = world.current()
         ranks = tuple(s.ranks)
-        me = ranks.index(w.rank)
         for k, r in enumerate(ranks):
             part = rows_of(grad, s, k)
-            if k != me and part.numel():
-                self.works.append(w.isend(part, r, ROWS_TAG, ranks))
-        mine = rows_of(grad, s, me)
-        place = self.out[self.at:self.at + mine.numel()].view_as(mine)
-        received = []
-        for k, r in enumerate(ranks):
-            if k != me and mine.numel():
-                buf = place if not received else torch.empty_like(mine)
-                self.works.append(w.irecv(buf, r, ROWS_TAG, ranks))
-                received.append(buf)
-        self.sums.append((place, mine, received[1:]))
+            if part.numel():
+                self.works.append(w.reduce_to(part, r, ranks, async_op=True))
         self.grads.append(grad)
-        self.at += s.part_numel
 
     def wait(self) -> None:
         for w in self.works:
             w.wait()
-        for place, mine, others in self.sums:   # place holds the first peer's rows already
-            place.add_(mine)
-            for other in others:
-                place.add_(other)
-        self.grads, self.sums = [], []   # the whole gradients are dropped here
+        at = 0
+        for s, g in zip(self.shards, self.grads):
+            mine = g[s.start:s.start + s.rows].reshape(-1)
+            self.out[at:at + mine.numel()].copy_(mine)
+            at += s.part_numel
+        self.grads = []            # the whole gradients are dropped here
 
 
 def launch_broadcast_rows(shards: list) -> list:

@@ -56,8 +56,10 @@ def _runtime(graph):
 
 
 @pytest.mark.parametrize("accumulation,reshard,per,clip", [
-    (1, True, "microbatch", False), (2, True, "microbatch", True), (2, False, "microbatch", False),
-    (2, True, "step", False), (2, False, "step", True)])
+    (1, True, "microbatch", False), (2, True, "microbatch", True),
+    # CI time: reshard off and once per step both run in (2, False, "step", True)
+    pytest.param(2, False, "microbatch", False, marks=pytest.mark.slow),
+    pytest.param(2, True, "step", False, marks=pytest.mark.slow), (2, False, "step", True)])
 def test_units_in_a_local_world_equal_eager(accumulation, reshard, per, clip):
     run = _local_data_2(accumulation=accumulation, clip=clip, reshard=reshard, per=per)
     ref_losses, ref_state = eager("adam", clip)

@@ -19,6 +19,7 @@ runs, so a step pays nothing for this. A parameter of a Parameter subclass keeps
 from __future__ import annotations
 
 import os
+import threading
 import traceback
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Optional
@@ -74,16 +75,25 @@ def release_hold(params: Iterable[torch.nn.Parameter]) -> None:
             p.__class__ = torch.nn.Parameter
 
 
+_DEPTH = threading.local()   # graph entries open on this thread (a local world's rank is one)
+
+
 @contextmanager
 def graph_entry(params) -> Iterator[None]:
     """Around a graph's public call: its model's parameters plain inside, stage-3 ones freed
-    between calls held after (See NOTE: ZeRO-3 parameters between calls)."""
+    between calls held after the outermost entry returns (one may call another: a checked
+    step reads the state dict) (See NOTE: ZeRO-3 parameters between calls)."""
     params = list(params)
-    release_hold(params)
+    depth = getattr(_DEPTH, "n", 0)
+    if depth == 0:
+        release_hold(params)
+    _DEPTH.n = depth + 1
     try:
         yield
     finally:
-        hold_between_calls(params)
+        _DEPTH.n = depth
+        if depth == 0:
+            hold_between_calls(params)
 
 
 def _freed(p: torch.nn.Parameter) -> bool:

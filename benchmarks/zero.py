@@ -1,6 +1,7 @@
 """graphc ZeRO (config.enable_zero) against torch DDP and FSDP2, side by side in one run.
 
-    python benchmarks/zero.py [--iters 30] [--batch 64] [--width 1024] [--layers 8] [--bucket-mib 4]   # 2 gloo ranks
+    python benchmarks/zero.py [--iters 30] [--batch 64] [--width 1024] [--layers 8] [--bucket-mib 4]
+                              [--only 'graphc zero2,ddp']   # 2 gloo ranks
 
 The same MLP (a ZeRO-sized stack of square Linear layers), the same per-rank batch and Adam
 on 2 ranks over gloo. Each iteration runs one step of every contender, in an order that
@@ -78,6 +79,10 @@ def _hwm() -> int:
     return 0
 
 
+def _cpu() -> float:
+    return time.process_time()   # every thread of the process, user + system
+
+
 def _reset_hwm() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -132,11 +137,15 @@ def _contenders(base, width, batch, rank, world, bucket_bytes=None, bf16=False):
             "fsdp2": lambda: torch_run(fsdp), **bf16_runs}
 
 
-def bench(iters: int, batch: int, width: int, layers: int, bucket_mib: float = 0, bf16: bool = False) -> None:
+def bench(iters: int, batch: int, width: int, layers: int, bucket_mib: float = 0, bf16: bool = False,
+          only: str = "") -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     base = make_model(width, layers)
     makers = _contenders(base, width, batch, rank, world, int(bucket_mib * 2**20) or None, bf16)
+    if only:   # a subset (graphc dp always: the others are checked against it)
+        keep = {"graphc dp", *(n.strip() for n in only.split(","))}
+        makers = {n: m for n, m in makers.items() if n in keep}
     steps, held, others = {}, {}, {}
     for name, make in makers.items():      # one after another: each one's resident growth
         dist.barrier()
@@ -149,6 +158,7 @@ def bench(iters: int, batch: int, width: int, layers: int, bucket_mib: float = 0
         steps[name], others[name] = step, other
     names = list(steps)
     times = {n: [] for n in names}
+    cpu = {n: [] for n in names}   # this process's CPU seconds (all threads, user + sys)
     peaks = {n: 0 for n in names}
     for i in range(iters + 3):
         for k in range(len(names)):
@@ -156,37 +166,51 @@ def bench(iters: int, batch: int, width: int, layers: int, bucket_mib: float = 0
             dist.barrier()
             before = _rss()
             _reset_hwm()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), _cpu()
             steps[name]()
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(_cpu() - cpu_start)
             peaks[name] = max(peaks[name], _hwm() - before)
     # the graphc contenders trained like each other (same data, same weights)
     dp = others["graphc dp"]()
     for zero in ("graphc zero2", "graphc zero3", "graphc zero3u"):
-        z = others[zero]()
-        for k in dp:
-            torch.testing.assert_close(dp[k], z[k], atol=1e-5, rtol=1e-5)
+        if zero in others:
+            z = others[zero]()
+            for k in dp:
+                torch.testing.assert_close(dp[k], z[k], atol=1e-5, rtol=1e-5)
     med = {n: statistics.median(v[3:]) * 1e3 for n, v in times.items()}
-    rows = dist.get_world_size()
+    med_cpu = {n: statistics.median(v[3:]) * 1e3 for n, v in cpu.items()}
     if rank == 0:
         params = sum(p.numel() for p in base.parameters())
-        print(f"ZeRO, {rows} ranks (gloo, {torch.get_num_threads()} thread/rank), MLP {layers} x "
+        print(f"ZeRO, {world} ranks (gloo, {torch.get_num_threads()} thread/rank), MLP {layers} x "
               f"{width}^2 + head ({params / 1e6:.1f} M fp32 parameters, {params * 4 / 2**20:.0f} MiB), "
               f"Adam, batch {batch}/rank, {iters} rotating steps (first 3 dropped), graphc buckets "
               f"{bucket_mib or 25:g} MiB")
-        print(f"  {'contender':14s} {'ms/step':>8s} {'held MiB':>9s} {'peak MiB':>9s}")
+        print(f"  {'contender':18s} {'ms/step':>8s} {'cpu ms':>8s} {'held MiB':>9s} {'peak MiB':>9s}")
         for n in names:
-            print(f"  {n:14s} {med[n]:8.2f} {held[n] / 2**20:9.1f} {peaks[n] / 2**20:9.1f}")
-        print(f"  graphc zero2 / ddp   = {med['graphc zero2'] / med['ddp']:.3f}  (target <= 1.05)")
-        print(f"  graphc zero3 / fsdp2 = {med['graphc zero3'] / med['fsdp2']:.3f}  (target <= 1.0)")
-        print(f"  graphc zero3u / fsdp2 = {med['graphc zero3u'] / med['fsdp2']:.3f} step (target <= 1.0), "
+            print(f"  {n:18s} {med[n]:8.2f} {med_cpu[n]:8.2f} {held[n] / 2**20:9.1f} {peaks[n] / 2**20:9.1f}")
+        _print_ratios(med, held, peaks)
+        print("  cpu ms: rank 0's CPU time in a step, all its threads (compute, gloo's, the kernel's "
+              "socket work): on 2 cores shared by 2 ranks the step's wall time follows it")
+        _print_ratios(med_cpu, None, None)
+
+
+def _print_ratios(med, held, peaks) -> None:
+    """The ratios whose two contenders ran (--only may leave some out)."""
+    def ratio(a: str, b: str, what: str) -> None:
+        if a in med and b in med:
+            print(f"  {a} / {b} = {med[a] / med[b]:.3f}  {what}")
+    ratio("graphc zero2", "ddp", "(target <= 1.10, aim 1.05)")
+    ratio("graphc zero3", "fsdp2", "(target <= 1.0)")
+    ratio("graphc zero3u", "fsdp2", "step (target <= 1.0)")
+    if held is not None and "graphc zero3u" in med and "fsdp2" in med:
+        print(f"  graphc zero3u / fsdp2 = "
               f"{(held['graphc zero3u'] + peaks['graphc zero3u']) / (held['fsdp2'] + peaks['fsdp2']):.3f} "
               f"high-water (held + peak; target <= 0.9)")
-        print(f"  graphc zero2 / graphc dp = {med['graphc zero2'] / med['graphc dp']:.3f}, "
-              f"graphc zero3 / graphc zero2 = {med['graphc zero3'] / med['graphc zero2']:.3f}")
-        if bf16:
-            print(f"  graphc zero3u bf16 / fsdp2 bf16 = {med['graphc zero3u bf16'] / med['fsdp2 bf16']:.3f} step, "
-                  f"graphc zero3u bf16 / graphc zero3u = {med['graphc zero3u bf16'] / med['graphc zero3u']:.3f}")
+    ratio("graphc zero2", "graphc dp", "")
+    ratio("graphc zero3", "graphc zero2", "")
+    ratio("graphc zero3u bf16", "fsdp2 bf16", "step")
+    ratio("graphc zero3u bf16", "graphc zero3u", "")
 
 
 def _spawned(rank: int, world: int, port: int, args) -> None:
@@ -194,7 +218,7 @@ def _spawned(rank: int, world: int, port: int, args) -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
-    bench(args.iters, args.batch, args.width, args.layers, args.bucket_mib, args.bf16)
+    bench(args.iters, args.batch, args.width, args.layers, args.bucket_mib, args.bf16, args.only)
     dist.destroy_process_group()
 
 
@@ -210,11 +234,13 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="also graphc ZeRO-3 per unit with set_param_dtype(bf16) and FSDP2 with "
                              "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated contenders to run beside graphc dp, e.g. 'graphc zero2,ddp'")
     args = parser.parse_args()
     if "RANK" in os.environ:
         torch.set_num_threads(args.threads)
         dist.init_process_group("gloo")
-        bench(args.iters, args.batch, args.width, args.layers, args.bucket_mib, args.bf16)
+        bench(args.iters, args.batch, args.width, args.layers, args.bucket_mib, args.bf16, args.only)
         dist.destroy_process_group()
         return
     import socket

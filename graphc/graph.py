@@ -20,6 +20,7 @@ from .executable_cache import ExecutableCache
 from .checking.optimizer import check_optimizer
 from .plan.plan import ExecutionPlan
 from .runtime.zero import whole_parameters
+from .runtime.zero_access import graph_entry
 from .checkpoint.graph_state import check_state_dict
 
 _CREATED: Dict[tuple, int] = {}  # (Graph subclass name, process) -> instances created
@@ -124,10 +125,20 @@ class Graph:
     def compile(self, *inputs) -> ExecutionPlan:
         """Compiles for these example inputs without running a step; returns this rank's plan."""
         if self._compiled is None:
-            self._cache.compile_first(*flatten_call(laid_out(self, inputs), type(self).build))
+            with self._entry():
+                self._cache.compile_first(*flatten_call(laid_out(self, inputs), type(self).build))
         return self.plan
 
+    def _entry(self):
+        """Around each public call that may read or write the model's parameters: ZeRO stage 3's
+        are refused to reads between calls (NOTE: ZeRO-3 parameters between calls)."""
+        return graph_entry(self._root.parameters())
+
     def __call__(self, *inputs):
+        with self._entry():
+            return self._step(*inputs)
+
+    def _step(self, *inputs):
         inputs = laid_out(self, inputs)  # under load_layout: this rank's rows (NOTE: Auto layouts)
         specs, tree = flatten_call(inputs, type(self).build)  # NOTE: Input trees
         checks = StepChecks.before_call(self)  # against eager (NOTE: Checked first step, Checked steps)
@@ -187,7 +198,7 @@ class Graph:
         if self._state is None:
             raise GraphcError("state_dict() needs a compiled graph: run one step or call "
                               "graph.compile(*inputs) first")
-        with whole_parameters(self._root.parameters()):   # ZeRO stage 3's shards, gathered for the call (NOTE: ZeRO stage 3)
+        with self._entry(), whole_parameters(self._root.parameters()):   # ZeRO stage 3's shards, gathered for the call (NOTE: ZeRO stage 3)
             sd = dcp_state_dict(self._state, self._base_seed)
         if self.grad_scaler is not None:  # the loss scale resumes where it was (graphc/amp.py)
             sd["grad_scaler"] = self.grad_scaler.state_dict()
@@ -214,7 +225,7 @@ class Graph:
         if self._state is None:
             self._cache.pending_state = (state, strict)
             return
-        with whole_parameters(self._root.parameters()):   # written whole, kept as ZeRO stage 3's rows (NOTE: ZeRO stage 3)
+        with self._entry(), whole_parameters(self._root.parameters()):   # written whole, kept as ZeRO stage 3's rows (NOTE: ZeRO stage 3)
             self._state.load(state, strict)
         if self._state.base_seed is not None:  # the saved run's random ops (runtime/rng.py)
             self._cache.base_seed = self._state.base_seed
@@ -233,7 +244,7 @@ class Graph:
         """
         if self._state is None:
             return unprefixed(self._root, {k: v.detach().clone() for k, v in self._root.state_dict().items()})
-        with whole_parameters(self._root.parameters()):   # ZeRO stage 3's shards (NOTE: ZeRO stage 3)
+        with self._entry(), whole_parameters(self._root.parameters()):   # ZeRO stage 3's shards (NOTE: ZeRO stage 3)
             return unprefixed(self._root, self._state.full_state_dict(rank0_only, cpu_offload))
 
     def __repr__(self) -> str:

@@ -1,7 +1,7 @@
 """insert_zero_units: ZeRO stage 3 gathered unit by unit inside each stage program.
 
 Invariant: on a training plan at ZeRO stage 3 computed by Forward and Backward instructions
-over one data-parallel group (a rank holding one stage, or several chunks: each of its
+(whole, or split into BackwardInput and BackwardWeight) over one data-parallel group (a rank holding one stage, or several chunks: each of its
 stages alike), the whole-stage ALL_GATHER and RELEASE are gone; the stage's sharded
 parameters are cut into units (consecutive modules, in order of
 first use, each closed once it reaches `unit_bytes`); each compute is followed by the unit
@@ -23,8 +23,8 @@ import torch.fx as fx
 
 from ..ops.zero_units import zero_unit_begin, zero_unit_end
 from ..meta import META_TENSOR
-from ..plan.instructions import (ACT, GRAD, COMPUTE, AllGather, Backward, Forward, ReduceScatter,
-                                 ReleaseParams, TensorSpec, UnitGather, UnitRelease)
+from ..plan.instructions import (COMPUTE, AllGather, Backward, BackwardInput, BackwardWeight, Forward,
+                                 ReduceScatter, ReleaseParams, TensorSpec, UnitGather, UnitRelease)
 from ..plan.plan import ZERO_NOTE, ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
 
@@ -65,12 +65,18 @@ def insert_zero_units(plans: Sequence[ExecutionPlan], programs: Sequence[StagePr
     return list(plans)
 
 
+# a whole backward, or a split backward's halves: each reads the units' parameters autograd
+# saved (a weight half runs the nodes that lead to the parameters again, which unpack them)
+BACKWARDS = (Backward, BackwardInput, BackwardWeight)
+
+
 def _unit_plan(plan: ExecutionPlan) -> bool:
-    """Whether this plan's stage-3 parameters can be gathered per unit: stage 3, plain
-    forwards and backwards, one data-parallel group (one local stage or several chunks)."""
+    """Whether this plan's stage-3 parameters can be gathered per unit: stage 3, forwards and
+    backwards (whole or split, not overlapped pairs), one data-parallel group (one local stage
+    or several chunks)."""
     if not plan.training or not plan.notes.get(ZERO_NOTE, "").startswith("stage 3"):
         return False
-    if any(isinstance(ins, COMPUTE) and type(ins) not in (Forward, Backward) for ins in plan.instructions):
+    if any(isinstance(ins, COMPUTE) and type(ins) not in (Forward,) + BACKWARDS for ins in plan.instructions):
         return False
     groups = {tuple(ins.ranks) for ins in plan.instructions if type(ins) is AllGather}
     return len(groups) == 1
@@ -206,31 +212,57 @@ class PlacedUnits:
 # -- the plan ----------------------------------------------------------------------------
 def unit_events(computes, units: int, reshard: bool, per_step: bool,
                 read_in_backward: Optional[List[bool]] = None,
-                recomputed=frozenset()) -> Dict[int, Tuple[list, list]]:
-    """Compute index -> (units it gathers, units it releases), in the order it runs them: a
+                recomputed=frozenset()) -> Dict[int, List[Tuple[str, int]]]:
+    """Compute index -> the unit gathers ("G", k) and releases ("R", k) it runs, in order: a
     forward gathers what is not whole in forward order and, with `reshard`, releases each
-    after its last use; a backward gathers in reverse order (those it reads; a recomputed
-    micro-batch's all, in forward order, as its forward runs again) and releases each once
-    done, except that `per_step` keeps them whole until the step's last backward, which
-    releases every unit (the step makes a whole copy stale)."""
+    after its last use; a backward gathers in reverse order (those it reads) and releases each
+    once done, except that `per_step` keeps them whole until the step's last backward, which
+    releases every unit (the step makes a whole copy stale). A recomputed micro-batch's
+    backward first runs its forward again, unit by unit, releasing each after its last use but
+    the last (the backward's first), then gathers the rest again in reverse as a backward does;
+    kept whole per step, it gathers every unit in forward order and keeps them."""
     read = read_in_backward or [True] * units
     whole, pinned, out = set(), set(), {}
-    last_backward = max(i for i, ins in enumerate(computes) if isinstance(ins, Backward))
+    last_backward = max(i for i, ins in enumerate(computes) if isinstance(ins, BACKWARDS))
     for i, ins in enumerate(computes):
-        forward = isinstance(ins, Forward)
-        again = not forward and ins.microbatch in recomputed
-        order = list(range(units)) if forward or again else list(reversed(range(units)))
-        gathered = [k for k in order if k not in whole and (forward or again or read[k])]
-        whole.update(gathered)
+        events: List[Tuple[str, int]] = []
+
+        def gather(k):
+            if k not in whole:
+                events.append(("G", k))
+                whole.add(k)
+
+        def release(k):
+            if k in whole:
+                events.append(("R", k))
+                whole.discard(k)
+
+        kept = per_step and i != last_backward
+        # the recompute runs in a whole backward or a split one's input half
+        again = isinstance(ins, (Backward, BackwardInput)) and ins.microbatch in recomputed
         if isinstance(ins, Forward):
-            released = [k for k in order if reshard and k not in pinned]
-        elif per_step and i != last_backward:
-            pinned.update(order)
-            released = []
+            for k in range(units):
+                gather(k)
+                if reshard and k not in pinned:
+                    release(k)
+        elif again and kept:         # the forward again, every unit kept whole for the step
+            for k in range(units):
+                gather(k)
+            pinned.update(range(units))
         else:
-            released = [k for k in reversed(range(units)) if k in whole]
-        whole.difference_update(released)
-        out[i] = (gathered, released)
+            if again:                # the forward again, unit by unit
+                for k in range(units):
+                    gather(k)
+                    if k < units - 1:
+                        release(k)
+            for k in reversed(range(units)):
+                if read[k]:
+                    gather(k)
+                if kept:
+                    pinned.add(k)
+                else:
+                    release(k)
+        out[i] = events
     return out
 
 
@@ -239,15 +271,15 @@ def _rewrite(plan: ExecutionPlan, ranks: Tuple[int, ...], placed: Dict[int, "Pla
     """Each stage of `placed` gathered per unit: its computes followed by their unit events,
     the group's REDUCE_SCATTERs one per unit, where the first was, in the order the units'
     gradients become final (a later chunk's last backward runs first)."""
-    computes = [ins for ins in plan.instructions if isinstance(ins, (Forward, Backward))]
+    computes = [ins for ins in plan.instructions if isinstance(ins, (Forward,) + BACKWARDS)]
     recomputed = checkpointed_microbatches(plan.checkpointing, plan.num_microbatches)
-    events: Dict[int, Tuple[list, list]] = {}
+    events: Dict[int, List[Tuple[str, int]]] = {}
     for stage, units in placed.items():
         mine = [ins for ins in computes if ins.stage == stage]
         found = unit_events(mine, len(units.units), options.reshard(stage), options.per_step(stage),
                             units.read_in_backward, recomputed)
         events.update({id(ins): found[i] for i, ins in enumerate(mine)})
-    last_backward = {ins.stage: i for i, ins in enumerate(computes) if isinstance(ins, Backward)}
+    last_backward = {ins.stage: i for i, ins in enumerate(computes) if isinstance(ins, BACKWARDS)}
     in_order = sorted(placed, key=lambda s: last_backward.get(s, -1))
     scattered = {t.name: t for ins in plan.instructions
                  if type(ins) is ReduceScatter and tuple(ins.ranks) == tuple(ranks) for t in ins.tensors}
@@ -276,19 +308,9 @@ def _unit_note(stage: int, units: int, options: UnitOptions) -> str:
             f"or one module, reshard after forward {reshard}, gathered {per}")
 
 
-def _listed(ins, events: Tuple[list, list], ranks, units) -> list:
+def _listed(ins, events: List[Tuple[str, int]], ranks, units) -> list:
     """The unit gathers and releases a compute runs, in the order it runs them."""
-    gathered, released = events
-    direction = ACT if isinstance(ins, Forward) else GRAD
-    gather = lambda k: UnitGather(ranks, tuple(units[k]), ins.stage, ins.microbatch, direction, k)  # noqa: E731
-    release = lambda k: UnitRelease(tuple(units[k]), ins.stage, ins.microbatch, direction, k)  # noqa: E731
-    if direction == GRAD and gathered[1:] and gathered[0] < gathered[1]:
-        # a recomputed forward gathers every unit first, the backward frees them in reverse
-        return [gather(k) for k in gathered] + [release(k) for k in released]
-    out = []
-    for k in (range(len(units)) if direction == ACT else reversed(range(len(units)))):
-        if k in gathered:
-            out.append(gather(k))
-        if k in released:
-            out.append(release(k))
-    return out
+    direction = ins.letter    # F, B, or a split backward's I or W: `0W1.GATHER u2`
+    return [UnitGather(ranks, tuple(units[k]), ins.stage, ins.microbatch, direction, k) if kind == "G"
+            else UnitRelease(tuple(units[k]), ins.stage, ins.microbatch, direction, k)
+            for kind, k in events]

@@ -568,7 +568,7 @@ class UnitGather(_InsideCompute, AllGather):
                    d["direction"], d["unit"])
 
 
-UnitGather.TEXT = re.compile(r"(\d+)([FB])(\d+)\.GATHER u(\d+) ranks=\[([\d, ]*)\] \[(.*)\]")
+UnitGather.TEXT = re.compile(r"(\d+)([FBIW])(\d+)\.GATHER u(\d+) ranks=\[([\d, ]*)\] \[(.*)\]")
 
 
 @dataclass(frozen=True)
@@ -578,7 +578,7 @@ class UnitRelease(_InsideCompute, ReleaseParams):
     graphc/runtime/zero_units.py). Printed `0F1.RELEASE u2 [...]`."""
 
     op: ClassVar[str] = "unit_release"
-    TEXT: ClassVar[re.Pattern] = re.compile(r"(\d+)([FB])(\d+)\.RELEASE u(\d+) \[(.*)\]")
+    TEXT: ClassVar[re.Pattern] = re.compile(r"(\d+)([FBIW])(\d+)\.RELEASE u(\d+) \[(.*)\]")
     stage: int = 0
     microbatch: int = 0
     direction: str = ACT

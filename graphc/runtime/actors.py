@@ -29,7 +29,7 @@ from ..errors import RankFailedError
 from ..log import warn_user
 from ..meta import META_SBP
 from ..placement import Broadcast
-from ..plan.instructions import (ACT, COMPUTE_RUNS, GRAD, INSIDE_COMPUTE, INSTRUCTIONS, AllGather, AllReduce,
+from ..plan.instructions import (ACT, COMPUTE_RUNS, INSIDE_COMPUTE, INSTRUCTIONS, AllGather, AllReduce,
                                  Backward, BackwardInput, BackwardWeight, ClipGradNorm, Forward, OptimizerStep,
                                  OutputAllReduce, OverlapFB, Recv, ReleaseParams, Send)
 from ..ops.conversions import all_reduce_sum
@@ -43,7 +43,8 @@ from .device import place_programs
 from .executor import StageExecutor
 from .grad_hooks import UserGradHooks
 from .stopped_ranks import explain_stopped_peers
-from .zero import ZeroGradSync, ZeroShards, released_in, whole_parameters
+from .zero import ZeroShards, released_in, whole_parameters
+from .zero_sync import ZeroGradSync
 from .zero_units import UnitGatherer
 
 
@@ -503,12 +504,14 @@ class Runtime:
         self._backward(ins, step, self.executors[ins.stage].backward_input)
 
     def _run_backward_weight(self, ins: BackwardWeight, step: "_StepValues") -> None:
-        self.executors[ins.stage].backward_weight(ins.microbatch)
+        ex = self.executors[ins.stage]
+        with ex.computing(ins.letter, ins.microbatch):   # it reads the units again (NOTE: ZeRO units)
+            ex.backward_weight(ins.microbatch)
 
     def _backward(self, ins, step: "_StepValues", run) -> None:
         """A whole backward or its input half: `run` on the gradients received for it."""
         s, mb = ins.stage, ins.microbatch
-        with self.executors[s].computing(GRAD, mb):
+        with self.executors[s].computing(ins.letter, mb):   # B or I (NOTE: ZeRO units)
             got = run(mb, step.grads.pop((s, mb), []))
         step.produced[(s, mb, "B")] = got
         step.produced.pop((s, mb, ACT), None)

@@ -111,12 +111,17 @@ class GradSync:
                 return  # more micro-batches (or chunks) still add to this gradient
             for i in self.in_buckets[key]:
                 self.remaining[i] -= 1
+            self._final(key)
             # launch in bucket order on every rank: collectives on a group must match
             while (self.next < len(self.buckets) and self.remaining[self.next] == 0
                    and not self.deferred[self.next]):
                 self.early += 1  # started inside the backward: overlaps the rest of it
                 self._launch(self.next)
         return fire
+
+    def _final(self, key: int) -> None:
+        """The gradient of id `key` is final in this step (before its bucket may be): a
+        subclass may start on it (ZeroGradSync: NOTE: ZeRO rows as gradients are final)."""
 
     def start_step(self) -> None:
         """Before a step's first backward: set aside gradients left from earlier steps (no

@@ -101,8 +101,7 @@ from ..errors import GraphcError
 from ..plan.instructions import AllGather, OptimizerStep, ReduceScatter, ReleaseParams
 from ..plan.plan import ZERO_NOTE
 from ..sbp.layout import chunk_range
-from .collectives import GradSync
-from .zero_rows import in_place_group, launch_broadcast_rows, launch_reduce_rows, reducible_in_place
+from .zero_rows import ReducedRows, in_place_group, launch_broadcast_rows, row_grad
 
 
 @dataclass
@@ -290,20 +289,22 @@ class ZeroShards:
 
     # -- the collectives -----------------------------------------------------------------
     def scatter(self, ins: ReduceScatter, params: List[torch.nn.Parameter],
-                keep: Optional[torch.Tensor]) -> Tuple[object, torch.Tensor, torch.Tensor]:
+                keep: Optional[torch.Tensor], started: Optional[ReducedRows] = None
+                ) -> Tuple[object, torch.Tensor, torch.Tensor]:
         """Launches the reduce-scatter of a bucket (async where the world can): returns (work,
-        this rank's summed part, the packed bucket, reusable by stage 1)."""
+        this rank's summed part, the packed bucket, reusable by stage 1). `started`: the
+        bucket's reduces rank by rank, its first parameters launched already (NOTE: ZeRO rows
+        as gradients are final)."""
         shards = [self.by_name[t.name] for t in ins.tensors]
         d = len(shards[0].ranks)
         width = sum(s.part_numel for s in shards)
         first = next((p.grad for p in params if p.grad is not None), params[0])
         dtype = getattr(torch, ins.tensors[0].dtype)   # summed in (NOTE: Gradient reduce dtype)
-        grads = self._reducible_in_place(shards, params, dtype)
-        if grads is not None:        # rank by rank on views of the gradients (NOTE: ZeRO rows in place)
-            for p in params:
-                p.grad = None
-            out = torch.empty(width, dtype=dtype, device=grads[0].device)
-            return launch_reduce_rows(shards, grads, out), out, None
+        if self.reduces_rows(ins, params):   # rank by rank on the gradients (NOTE: ZeRO rows in place)
+            rows = started if started is not None else self.start_rows(ins, params)
+            for p in params[rows.launched:]:
+                rows.launch_next(row_grad(p))
+            return rows, rows.out, None
         if keep is None and _in_place(shards, params[0].grad, dtype):
             # one tensor, even rows: its gradient is the packed bucket already (no copy)
             packed = params[0].grad.view(d, width)
@@ -333,8 +334,18 @@ class ZeroShards:
         (See NOTE: ZeRO rows in place in zero_rows.py)."""
         return self.stage in (2, 3) and in_place_group(shards[0].ranks)
 
-    def _reducible_in_place(self, shards: List[Shard], params, dtype) -> Optional[List[torch.Tensor]]:
-        return reducible_in_place(shards, params, dtype) if self._rows_in_place(shards) else None
+    def reduces_rows(self, ins: ReduceScatter, params: List[torch.nn.Parameter]) -> bool:
+        """Whether the bucket is reduced rank by rank in its gradients: a gloo group at stages
+        2 and 3, gradients summed in their own dtype (the plan's choice, every rank's)."""
+        dtype = getattr(torch, ins.tensors[0].dtype)
+        return self._rows_in_place([self.by_name[ins.tensors[0].name]]) \
+            and all(p.dtype == dtype for p in params)
+
+    def start_rows(self, ins: ReduceScatter, params: List[torch.nn.Parameter]) -> ReducedRows:
+        """The bucket's reduces rank by rank, none launched yet (reduces_rows)."""
+        shards = [self.by_name[t.name] for t in ins.tensors]
+        out = torch.empty(sum(s.part_numel for s in shards), dtype=params[0].dtype, device=params[0].device)
+        return ReducedRows(shards, out)
 
     def take_grads(self, ins: ReduceScatter, out: torch.Tensor) -> None:
         """This rank's summed rows (`out`) become the shard parameters' gradients (views)."""
@@ -623,74 +634,3 @@ def _all_gather(packed: torch.Tensor, mine: torch.Tensor, ranks: Tuple[int, ...]
     else:
         w.all_gather(list(packed.unbind(0)), mine, ranks)
     return None
-
-
-class ZeroGradSync(GradSync):
-    """GradSync whose REDUCE_SCATTER buckets go through ZeroShards (all-reduces and ties as
-    GradSync's); launched in plan order with them, from the same hooks."""
-
-    SYNCS = GradSync.SYNCS + (ReduceScatter,)
-
-    @classmethod
-    def for_shards(cls, plan, programs, shards: ZeroShards, masters=None) -> "ZeroGradSync":
-        sync = cls.from_plan(plan, programs, masters)
-        sync.shards = shards
-        sync.scatters = {i: ins for ins, i in sync.index.items() if isinstance(ins, ReduceScatter)}
-        sync.packed: Dict[int, torch.Tensor] = {}
-        sync.step_now = None   # (ReduceScatter) -> None: steps a bucket once reduced (NOTE: ZeRO units)
-        sync.scattered = None  # (ReduceScatter) -> None: a bucket's gradients are final, launched
-        # at most this many reduce-scatters in flight (None: any); launching one more finishes
-        # the oldest, so its packed bucket (its gradients' size) is freed inside the backward
-        sync.in_flight = None
-        return sync
-
-
-    def _launch(self, i: int) -> None:
-        ins = self.scatters.get(i)
-        if ins is None:
-            return super()._launch(i)
-        work, out, packed = self.shards.scatter(ins, self.buckets[i][1], self.packed.get(i))
-        if self.shards.stage == 1:   # kept between steps, as DDP's buckets
-            self.packed[i] = packed
-        self.works[i] = (work, out, packed)   # packed: alive until the work is done
-        self.next = i + 1
-        if self.scattered is not None:
-            self.scattered(ins)
-        if self.in_flight is not None:
-            flying = sorted(j for j in self.works if j in self.scatters)
-            for j in flying[:-self.in_flight]:
-                self._finish(j)
-
-    def finish_flying(self) -> None:
-        """Finishes every reduce-scatter launched (gathered per unit: when the backward reaches
-        the next unit, before its gradient exists; NOTE: ZeRO units)."""
-        for j in sorted(j for j in self.works if j in self.scatters):
-            self._finish(j)
-
-    def wait(self, ins) -> None:
-        if not isinstance(ins, ReduceScatter):
-            return super().wait(ins)
-        i = self.index[ins]
-        while self.next <= i:
-            self._launch(self.next)
-        if i in self.works:          # (else finished already, inside the backward)
-            self._finish(i)
-        if not self.works:
-            self.armed = False
-
-    def _finish(self, i: int) -> None:
-        """Waits for bucket i's reduce-scatter; this rank's sum becomes its shards' gradients."""
-        ins = self.scatters[i]
-        work, out, _ = self.works.pop(i)
-        if work is not None:
-            work.wait()
-        kept = self.packed.get(i)
-        if kept is not None and kept.dtype == out.dtype:
-            # stage 1 keeps the packed bucket: this rank's sum goes into its own row there, and
-            # the shards' gradients are views of it (no buffer of their own: Megatron's layout)
-            row = kept[self.shards.by_name[ins.tensors[0].name].ranks.index(self.shards.rank)]
-            row.copy_(out)
-            out = row
-        self.shards.take_grads(ins, out)
-        if self.step_now is not None:
-            self.step_now(ins)

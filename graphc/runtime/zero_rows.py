@@ -18,14 +18,26 @@ the compute thread, inside the backward. A rank's rows of a parameter are contig
   24 MiB: no pack, no scratch, no unpack).
 The sums are the same two-addend sums at 2 ranks (a + b either way); at more ranks gloo
 orders a reduce's additions as it orders a reduce-scatter's, by its own algorithm, which a
-local world does not reproduce bit for bit at either. A bucket whose gradients need a cast
-(set_grad_reduce_dtype), miss one (a parameter unused in the step) or whose group is not
+local world does not reproduce bit for bit at either. The choice is the plan's, the same on
+every rank: a bucket whose gradients need a cast (set_grad_reduce_dtype) or whose group is not
 gloo takes the packed path (zero.py: ZeroShards.scatter, _launch_rows), and so does stage 1,
-which keeps its packed buckets between steps as DDP keeps its buckets.
+which keeps its packed buckets between steps as DDP keeps its buckets; a parameter unused in
+the step adds zeros, as the packed path's zero addend.
+
+NOTE: ZeRO rows as gradients are final
+DDP launches a bucket's all-reduce once every gradient in it is ready; a bucket reduced rank
+by rank has no packed buffer to wait for, so each parameter's reduces are launched as soon as
+its gradient is final (GradSync's hook: the last micro-batch's accumulation), while the rest
+of the backward runs, not when its bucket's last gradient is (the plan's 25 MiB buckets make
+most of a small model one bucket, final at the end of the backward). Every rank launches the
+same collectives in the same order, the plan's: bucket by bucket, parameter by parameter
+within a bucket, a parameter only once all before it are launched
+(zero_sync.py: ZeroGradSync._launch_final_rows); the REDUCE_SCATTER instruction waits for
+them as before.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
 
@@ -47,12 +59,32 @@ def rows_of(t: torch.Tensor, s, k: int) -> torch.Tensor:
 
 
 class ReducedRows:
-    """The reduces of one bucket's gradients, one per parameter and rank; wait() waits for
-    them and copies this rank's summed rows into `out` at each shard's place (what the packed
-    path's reduce-scatter leaves there)."""
+    """The reduces of one bucket's gradients, one per parameter and rank, launched parameter
+    by parameter in the bucket's order (as each gradient is final: NOTE: ZeRO rows as
+    gradients are final); wait() waits for them and copies this rank's summed rows into
+    `out` at each shard's place (what the packed path's reduce-scatter leaves there)."""
 
-    def __init__(self, works: list, grads: List[torch.Tensor], shards: list, out: torch.Tensor):
-        self.works, self.grads, self.shards, self.out = works, grads, shards, out
+    def __init__(self, shards: list, out: torch.Tensor):
+        self.shards, self.out = shards, out
+        self.works: list = []
+        self.grads: List[torch.Tensor] = []
+
+    @property
+    def launched(self) -> int:
+        """How many of the bucket's parameters are launched (the first ones, in its order)."""
+        return len(self.grads)
+
+    def launch_next(self, grad: torch.Tensor) -> None:
+        """Starts summing the next parameter's whole gradient (contiguous, in the reduce dtype)
+        rank by rank: rank k's rows reduced onto rank k, asynchronously."""
+        s = self.shards[len(self.grads)]
+        w = world.current()
+        ranks = tuple(s.ranks)
+        for k, r in enumerate(ranks):
+            part = rows_of(grad, s, k)
+            if part.numel():
+                self.works.append(w.reduce_to(part, r, ranks, async_op=True))
+        self.grads.append(grad)
 
     def wait(self) -> None:
         for w in self.works:
@@ -63,20 +95,6 @@ class ReducedRows:
             self.out[at:at + mine.numel()].copy_(mine)
             at += s.part_numel
         self.grads = []            # the whole gradients are dropped here
-
-
-def launch_reduce_rows(shards: list, grads: List[torch.Tensor], out: torch.Tensor) -> ReducedRows:
-    """Starts summing each of `grads` (the bucket's whole gradients, contiguous, in the reduce
-    dtype) rank by rank: rank k's rows reduced onto rank k, asynchronously."""
-    w = world.current()
-    ranks = tuple(shards[0].ranks)
-    works = []
-    for s, g in zip(shards, grads):
-        for k, r in enumerate(ranks):
-            part = rows_of(g, s, k)
-            if part.numel():
-                works.append(w.reduce_to(part, r, ranks, async_op=True))
-    return ReducedRows(works, grads, shards, out)
 
 
 def launch_broadcast_rows(shards: list) -> list:
@@ -98,10 +116,11 @@ def launch_broadcast_rows(shards: list) -> list:
     return works
 
 
-def reducible_in_place(shards: list, params: list, dtype: torch.dtype) -> Optional[List[torch.Tensor]]:
-    """The bucket's gradients when every one can be reduced in place (present, contiguous, in
-    the reduce dtype); else None (the packed path)."""
-    grads = [p.grad for p in params]
-    if any(g is None or g.dtype != dtype or not g.is_contiguous() for g in grads):
-        return None
-    return grads
+def row_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """A parameter's final gradient as its rows are reduced (contiguous; zeros for a parameter
+    unused in the step, as the packed path's zero addend), taken from it: ZeRO keeps only this
+    rank's rows."""
+    g = p.grad
+    g = torch.zeros_like(p) if g is None else g.contiguous()
+    p.grad = None
+    return g

@@ -15,8 +15,12 @@ insert_zero_units) and places them statically:
   units autograd keeps for it (not a unit whose readers are linear in it with inputs
   needing no gradient: the first layer on the batch) and frees each once done, or, gathered
   once per step, only in the step's last backward, which frees every unit (after the step a
-  whole copy would be stale); a recomputed (checkpointed) micro-batch's backward gathers
-  every unit in forward order. The stage's REDUCE_SCATTERs are one per unit in backward
+  whole copy would be stale); a recomputed (checkpointed) micro-batch's backward first runs
+  its forward again unit by unit, freeing each unit after its last use there but the last
+  (the backward's first), then gathers again in reverse order those the backward reads
+  (`0B0.GATHER u0`, `0B0.RELEASE u0`, ..., `0B0.GATHER u2`, `0B0.RELEASE u2`, `0B0.GATHER
+  u1`): the whole stage is never whole at once (kept per step, it gathers every unit and
+  keeps them). The stage's REDUCE_SCATTERs are one per unit in backward
   order, so GradSync launches each as soon as its unit's gradients are final.
 At run time the stage's UnitGatherer does what the running compute lists:
 - forward: begin(k) waits for unit k's gather (launched ahead) and launches the next listed
@@ -35,25 +39,34 @@ At run time the stage's UnitGatherer does what the running compute lists:
   step overlap). The saved tensors say when a unit is needed, so a unit read out of the
   plan's order is gathered then: correct, only later than planned;
 - a checkpointed micro-batch's recompute, in its backward, makes each unit whole at
-  begin(k) and keeps it for the backward;
+  begin(k) (prefetching the next listed) and frees at end(k) those the plan frees there
+  (ComputeUnits: a release in a backward's listing followed by a gather of a later unit);
+  the backward regathers them as any backward does. A unit listed twice in one compute is
+  found from where the compute has got to (UnitGatherer.cursor);
 - on gloo every unit is gathered into its parameters themselves (a broadcast per parameter
   and rank's rows) and reduced from its gradients themselves (a reduce per parameter and
   rank's rows): gloo's all-gather and reduce-scatter hold a scratch copy of the whole bucket
   (See NOTE: ZeRO rows in place, zero_rows.py).
 A rank holding several chunks (interleaved) has a UnitGatherer per chunk, each driving its
 own stage's computes; the group's reduce-scatters are one per unit, in the order the units'
-gradients become final over the chunks. A zero-bubble split backward, or several data-
-parallel groups in one stage keeps the whole-stage gathers (the plan's zero note says which).
+gradients become final over the chunks. A split backward (zero_bubble, ZB-V) is two computes
+that both read the units: the input half I and the weight half W (which runs the nodes leading
+to the parameters again, and they unpack them: NOTE: Weight gradients) each gather, in reverse
+order, the units they read and free each once done (`0I1.GATHER u2`, `0W1.GATHER u2`); a
+recomputed micro-batch runs its forward again in I; the step's last W frees what is left.
+DualPipeV's overlapped pairs, or several data-parallel groups in one stage, keep the
+whole-stage gathers (the plan's zero note says which).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
 from ..ops.zero_units import gathering_units
-from ..plan.instructions import ACT, COMPUTE_RUNS, GRAD, UNIT_EVENTS, AllGather, Forward, UnitGather, UnitRelease
+from ..plan.instructions import ACT, COMPUTE_RUNS, GRAD, UNIT_EVENTS, AllGather, UnitGather, UnitRelease
 from .zero import Shard, ZeroShards
 
 
@@ -70,16 +83,21 @@ class UnitGatherer:
     """One stage's units on this rank and what each of its computes gathers and frees."""
 
     def __init__(self, zero: ZeroShards, units: Dict[int, AllGather],
-                 events: Dict[Tuple[str, int], Tuple[List[int], Set[int]]]):
+                 events: Dict[Tuple[str, int], "ComputeUnits"]):
         self.zero, self.units, self.events = zero, units, events
         self.shards: Dict[int, List[Shard]] = {k: [zero.by_name[t.name] for t in g.tensors]
                                                for k, g in units.items()}
         self.by_storage: Dict[int, int] = {}    # data_ptr of a whole unit parameter -> its unit
         self.direction, self.listed, self.releases = ACT, [], set()
+        self.recompute_releases: Set[int] = set()
+        self.cursor = 0                         # listed[:cursor] reached by the running compute
+        self.position: Dict[int, int] = {}      # unit -> where in listed it was last reached
         self.touched: List[int] = []            # units the running backward has read
         self.recomputing = False
         self.unit_of = {t.name: k for k, g in units.items() for t in g.tensors}
-        self.last_backward = max((mb for d, mb in events if d == GRAD), default=-1)
+        # the step's last compute that reads units in a backward (a whole one, or a split one's
+        # weight half): a whole copy left after it would be stale after the step
+        self.last_backward = next((key for key in reversed(events) if key[0] != ACT), None)
         self.prefetch_late = False
         self.reached = None   # called when the backward reaches a unit (finishes the reduce-scatters)
 
@@ -94,13 +112,15 @@ class UnitGatherer:
         for ins in plan.instructions:   # by kind exactly: a UnitGather is an AllGather too
             if ins.runs in COMPUTE_RUNS:
                 _, events = found.setdefault(ins.stage, ({}, {}))
-                current = events.setdefault((_direction(ins), ins.microbatch), ([], set()))
+                current = events.setdefault((_direction(ins), ins.microbatch), [])
             elif type(ins) is UnitGather:
                 found[ins.stage][0].setdefault(ins.unit, AllGather(ins.ranks, ins.tensors))
-                current[0].append(ins.unit)
+                current.append(("G", ins.unit))
             elif type(ins) is UnitRelease:
-                current[1].add(ins.unit)
-        return {s: UnitGatherer(zero, units, events) for s, (units, events) in found.items() if units}
+                current.append(("R", ins.unit))
+        return {s: UnitGatherer(zero, units, {key: ComputeUnits.of(e, key[0] != ACT)
+                                              for key, e in events.items()})
+                for s, (units, events) in found.items() if units}
 
     # -- a compute ---------------------------------------------------------------------
     @contextmanager
@@ -108,11 +128,15 @@ class UnitGatherer:
         """Within the block the stage program's unit boundaries and saved tensors follow what
         the plan lists for this compute."""
         self.direction = direction
-        self.listed, self.releases = self.events.get((direction, microbatch), ([], set()))
+        listed = self.events.get((direction, microbatch), ComputeUnits.of([]))
+        self.listed, self.releases = listed.gathers, listed.releases
+        self.recompute_releases = listed.recompute_releases
+        self.cursor, self.position = 0, {}
         # the step's last backward launches each unit's reduce-scatter as its gradient is final:
         # the unit before is prefetched then, not while the unit's kernels run (their gradient
         # and the gathered copy would be in memory at once)
-        self.prefetch_late = direction == GRAD and microbatch == self.last_backward
+        last = (direction, microbatch) == self.last_backward
+        self.prefetch_late = last and direction == GRAD
         self.touched = []
         if self.listed:
             self._launch(self.listed[0])
@@ -124,7 +148,7 @@ class UnitGatherer:
         for k in sorted(self.releases):
             if self._whole(k):
                 self._release(k)
-        if self.prefetch_late:       # the step's last backward: a whole copy would be stale after
+        if last:                     # the step's last backward: a whole copy would be stale after
             for k in self.units:     # the step (one the backward gathered beyond the plan)
                 if not self.shards[k][0].released:
                     self._release(k)
@@ -138,14 +162,18 @@ class UnitGatherer:
             self.recomputing = False
 
     def begin(self, k: int) -> None:
-        """Before unit k's first op in the forward (fx node zero_unit_begin)."""
+        """Before unit k's first op in the forward (fx node zero_unit_begin), or in a
+        checkpointed micro-batch's forward run again inside its backward."""
+        self._reach(k)
         self._make_whole(k)
-        if not self.recomputing:
-            self._prefetch_after(k)
+        self._prefetch_after(k)
 
     def end(self, k: int) -> None:
         """After unit k's last op in the forward (fx node zero_unit_end)."""
-        if self.direction == ACT and not self.recomputing and k in self.releases:
+        if self.recomputing:
+            if k in self.recompute_releases:   # gathered again when the backward reads it
+                self._release(k)
+        elif self.direction == ACT and k in self.releases:
             self._release(k)
 
     # -- saved tensors -----------------------------------------------------------------
@@ -165,6 +193,7 @@ class UnitGatherer:
             self.touched.append(k)
             if self.reached is not None:
                 self.reached()
+            self._reach(k)
             self._make_whole(k)
             if not self.prefetch_late:
                 self._prefetch_after(k)
@@ -177,7 +206,7 @@ class UnitGatherer:
         they are is freed now if this backward lists it, rather than when the backward reaches
         the unit before (a unit whose parameters no backward kernel reads is not reached)."""
         k = self.unit_of.get(ins.tensors[0].name)
-        if k is None or self.direction != GRAD:
+        if k is None or self.direction == ACT:
             return
         if k in self.releases and not self.shards[k][0].released:
             self._release(k)
@@ -206,11 +235,18 @@ class UnitGatherer:
         for s in self.shards[k]:   # (whole before any release too: the first step's first use)
             self.by_storage[s.param.untyped_storage().data_ptr()] = k
 
+    def _reach(self, k: int) -> None:
+        """The running compute reached unit k: its next place in the listed gathers (a unit
+        may be listed twice: a recomputed forward's gather, then the backward's)."""
+        if k in self.listed[self.cursor:]:
+            at = self.listed.index(k, self.cursor)
+            self.position[k], self.cursor = at, at + 1
+
     def _prefetch_after(self, k: int) -> None:
-        if k in self.listed:
-            at = self.listed.index(k)
-            if at + 1 < len(self.listed):
-                self._launch(self.listed[at + 1])
+        """The gather listed after the place where unit k was reached, launched."""
+        at = self.position.get(k)
+        if at is not None and at + 1 < len(self.listed):
+            self._launch(self.listed[at + 1])
 
     def _release(self, k: int) -> None:
         if self._in_flight(k):       # a gather writes into the storage: never freed under it
@@ -220,5 +256,28 @@ class UnitGatherer:
             s.release()
 
 
+@dataclass(frozen=True)
+class ComputeUnits:
+    """What one compute does with the units, from the plan's listing after it: the units it
+    gathers in order (a recomputed forward's, then the backward's), those it releases after a
+    use in the forward or once the backward is done with them, and those a recomputed forward
+    releases after their last use there (gathered again by the backward if it reads them)."""
+
+    gathers: List[int]
+    releases: Set[int]
+    recompute_releases: Set[int]
+
+    @staticmethod
+    def of(events: List[Tuple[str, int]], backward: bool = False) -> "ComputeUnits":
+        """From ("G" | "R", unit) in plan order: in a backward a release followed by a gather of
+        a later unit is the recomputed forward's (the backward gathers in reverse order)."""
+        again = {i for i, (kind, k) in enumerate(events) if backward and kind == "R"
+                 and any(g == "G" and j > k for g, j in events[i + 1:])}
+        return ComputeUnits([k for kind, k in events if kind == "G"],
+                            {k for i, (kind, k) in enumerate(events) if kind == "R" and i not in again},
+                            {events[i][1] for i in again})
+
+
 def _direction(ins) -> str:
-    return ACT if isinstance(ins, Forward) else GRAD
+    """F, B, or a split backward's I or W (ACT and GRAD are F and B)."""
+    return ins.letter

@@ -116,7 +116,7 @@ def _gradient_buffers(plan: ExecutionPlan, by_name: Dict[str, ParamSpec], stage:
                     part += rows[id(p)] * p.row_bytes
                 reduced.add(id(p))
             # stage 1 keeps the packed d parts; the shards' gradients are views of this rank's
-            # (runtime/zero.py ZeroGradSync.wait) unless the sum is cast to another dtype
+            # (runtime/zero_sync.py ZeroGradSync.wait) unless the sum is cast to another dtype
             same = all(t.dtype == by_name[t.name].dtype for t in ins.tensors)
             grads += part * ((d if same else d + 1) if stage == 1 else 1)
         elif type(ins) in (AllReduce, TieAllReduce):

@@ -1,0 +1,139 @@
+"""ZeRO stage 3's parameters between graph calls: a read is refused by name, never a crash.
+
+NOTE: ZeRO-3 parameters between calls
+Between graph calls a stage-3 parameter's whole storage is freed (resized to 0 bytes: NOTE:
+ZeRO stage 3) while the tensor keeps its shape, so any read of it outside graphc
+(`model.fc1.weight.clone()`, `print(...)`, `model.state_dict()`, `copy.deepcopy(model)`)
+would read freed memory and crash the process. Gathering it on access cannot be right
+either: a gather is collective, and a read on one rank (`if rank == 0: print(w)`) would
+wait for its peers forever. So when a graph call (or state_dict(), load_state_dict(),
+full_state_dict(), compile()) returns, every parameter of the graph's model that ZeRO stage
+3 holds as rows and whose storage is freed becomes a HeldParameter (its class, nothing
+else: the same object, still an nn.Parameter, its hooks and autograd state untouched),
+whose __torch_function__ lets metadata through (shape, dtype, device, requires_grad, grad,
+numel, ...) and raises a GraphcError naming the parameter, the user's line and the fixes
+for anything that reads its values (or hands out a tensor sharing its freed storage:
+`.data`, views). The next graph entry makes them plain nn.Parameters again before anything
+runs, so a step pays nothing for this. A parameter of a Parameter subclass keeps its class.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Optional
+
+import torch
+from torch._C import _disabled_torch_function_impl
+
+from ..errors import GraphcError
+
+_T = torch.Tensor
+# what reads no values of a freed parameter and hands out no tensor sharing its storage
+_METADATA = frozenset(
+    [getattr(_T, name).__get__ for name in (
+        "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "ndim",
+        "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
+        "_version", "itemsize", "nbytes", "_base")]
+    + [_T.requires_grad.__set__, _T.grad.__set__]
+    + [_T.size, _T.dim, _T.numel, _T.nelement, _T.stride, _T.element_size, _T.is_contiguous,
+       _T.storage_offset, _T.untyped_storage, _T.data_ptr, _T.__len__, _T.get_device,
+       _T.register_hook, _T.register_post_accumulate_grad_hook, _T.requires_grad_,
+       _T.is_floating_point, _T.is_complex])
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_GRAPHC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PYTHON_DIR = os.path.dirname(os.__file__) + os.sep   # copy.deepcopy's frames and the like
+
+
+class HeldParameter(torch.nn.Parameter):
+    """A stage-3 parameter between graph calls (See NOTE: ZeRO-3 parameters between calls)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _METADATA:
+            freed = _freed_among(args, kwargs)
+            if freed is not None:
+                raise _read_refused(freed, func)
+        return _disabled_torch_function_impl(func, types, args, kwargs)
+
+
+def hold_between_calls(params: Iterable[torch.nn.Parameter]) -> None:
+    """Each of `params` that ZeRO stage 3 holds as rows, its storage freed, becomes a
+    HeldParameter until the next graph entry."""
+    for p in params:
+        if type(p) is torch.nn.Parameter and _freed(p):
+            p.__class__ = HeldParameter
+
+
+def release_hold(params: Iterable[torch.nn.Parameter]) -> None:
+    """Every HeldParameter among `params` is a plain nn.Parameter again."""
+    for p in params:
+        if type(p) is HeldParameter:
+            p.__class__ = torch.nn.Parameter
+
+
+_DEPTH = threading.local()   # graph entries open on this thread (a local world's rank is one)
+
+
+@contextmanager
+def graph_entry(params) -> Iterator[None]:
+    """Around a graph's public call: its model's parameters plain inside, stage-3 ones freed
+    between calls held after the outermost entry returns (one may call another: a checked
+    step reads the state dict) (See NOTE: ZeRO-3 parameters between calls)."""
+    params = list(params)
+    depth = getattr(_DEPTH, "n", 0)
+    if depth == 0:
+        release_hold(params)
+    _DEPTH.n = depth + 1
+    try:
+        yield
+    finally:
+        _DEPTH.n = depth
+        if depth == 0:
+            hold_between_calls(params)
+
+
+def _freed(p: torch.nn.Parameter) -> bool:
+    shard = getattr(p, "_graphc_zero3", None)   # set by ZeroShards.from_plan (runtime/zero.py)
+    if shard is None:
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        return shard.released
+
+
+def _freed_among(args, kwargs) -> Optional[HeldParameter]:
+    for a in (*args, *kwargs.values()):
+        if type(a) is HeldParameter and _freed(a):
+            return a
+        if isinstance(a, (list, tuple)):
+            found = _freed_among(a, {})
+            if found is not None:
+                return found
+    return None
+
+
+def _read_refused(p: HeldParameter, func) -> GraphcError:
+    name = p._graphc_zero3.name
+    what = getattr(func, "__name__", None) or repr(func)
+    if what == "__get__":   # a property: Tensor.data
+        what = "." + getattr(getattr(func, "__self__", None), "__name__", "attribute")
+    return GraphcError(
+        f"{_user_line()}: reads the parameter '{name}' ({what}) between graph calls, but "
+        f"config.enable_zero(stage=3) holds it as this rank's rows there: its whole storage is "
+        "freed until the next call gathers it (reading it would read freed memory). Fix: read the "
+        "whole model with graph.full_state_dict() (collective: every rank calls it) or this "
+        "rank's part with graph.state_dict(), read it inside build(), or use "
+        "enable_zero(stage=2), which keeps parameters whole between calls.")
+
+
+def _user_line() -> str:
+    """'file:line: code' of the deepest frame outside torch and graphc."""
+    frames = [f for f in traceback.extract_stack()
+              if not f.filename.startswith((_TORCH_DIR, _GRAPHC_DIR, _PYTHON_DIR))]
+    if not frames:
+        return "(no user frame)"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno}: {f.line}"

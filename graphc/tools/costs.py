@@ -25,8 +25,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..errors import GraphcError
-from ..plan.instructions import (AllReduce, Backward, BackwardInput, BackwardWeight, Forward,
-                                 Instruction, OptimizerStep, OverlapFB, Send)
+from ..plan.instructions import AllReduce, Instruction
 from .cost_model import CostModel
 from .network import DEVICES, DevicePreset, Network  # noqa: F401 (DEVICES: API)
 from .transport_costs import measure_transport
@@ -97,9 +96,9 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
                                    for p in compiled.programs})
     if transport is not None:
         sizes = sorted({t.nbytes for p in compiled.plans for ins in p.instructions
-                        if isinstance(ins, Send) for t in ins.tensors})
+                        if ins.runs == "send" for t in ins.tensors})
         buckets = [sum(t.nbytes for t in ins.tensors) for p in compiled.plans for ins in p.instructions
-                   if isinstance(ins, AllReduce)]
+                   if isinstance(ins, AllReduce)]   # the family: buckets, ties, shards
         tc = measure_transport(transport, max(sizes) if sizes else 4, threads=threads or 1,
                                reduce_bytes=max(buckets, default=1 << 20))
         costs = tc.apply(costs)
@@ -153,43 +152,83 @@ def _replay_stage_here(prog, compiled, optimizer, repeats: int, rank: int) -> _S
              if getattr(part, "stage", prog.stage) == prog.stage]
     inputs = stage_inputs(prog, compiled)
     per_step: Dict[str, List[float]] = {k: [] for k in "FBIWO"}
-    act = 0
+    replay = _Replay(ex, opt, prog, inputs)
     for step in range(repeats + 1):
-        times: Dict[str, List[float]] = {k: [] for k in "FBIWO"}
-        outs: Dict[int, dict] = {}
+        replay.start_step()
         for ins in order:
-            t0 = time.perf_counter()
-            if isinstance(ins, Forward):
-                outs[ins.microbatch] = ex.forward(ins.microbatch, dict(inputs))
-                times["F"].append(time.perf_counter() - t0)
-                saved = ex.saved.get(ins.microbatch)  # the executor counts what autograd saves
-                act = (saved.nbytes if saved is not None else 0) + sum(
-                    t.nbytes for t in outs[ins.microbatch].values() if isinstance(t, torch.Tensor))
-            elif isinstance(ins, (Backward, BackwardInput)):
-                grads = _output_grads(prog, outs.pop(ins.microbatch))   # what recvs deliver
-                t0 = time.perf_counter()
-                (ex.backward if isinstance(ins, Backward) else ex.backward_input)(ins.microbatch, grads)
-                times["B" if isinstance(ins, Backward) else "I"].append(time.perf_counter() - t0)
-            elif isinstance(ins, BackwardWeight):
-                ex.backward_weight(ins.microbatch)
-                times["W"].append(time.perf_counter() - t0)
-            elif opt is not None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                times["O"].append(time.perf_counter() - t0)
+            replay.run(ins)
         if step:    # the first step warms caches, allocators and optimizer state
-            for k, v in times.items():
+            for k, v in replay.times.items():
                 per_step[k].append(statistics.mean(v) if v else 0.0)
+    act = replay.activation
     med = {k: statistics.median(v) for k, v in per_step.items()}
-    split = any(isinstance(ins, BackwardInput) for ins in order)
+    split = any(ins.runs == "backward_input" for ins in order)
     return _StageTimes(med["F"], med["B"] if not split else med["I"] + med["W"],
                        med["I"] if split else None, med["W"] if split else None, med["O"], act)
 
 
 def _parts(ins: Instruction) -> tuple:
     """The compute (and optimizer step) an instruction runs: an OverlapFB's two halves."""
-    return ins.parts if isinstance(ins, (OverlapFB, Forward, Backward, BackwardInput, BackwardWeight,
-                                         OptimizerStep)) else ()
+    return ins.parts if ins.runs in _REPLAYED or ins.runs == "overlap" else ()
+
+
+class _Replay:
+    """One stage's compute instructions run and timed by their run entry (`ins.runs`,
+    plan/instructions.py), as the runtime dispatches them: `_<runs>` here, its time under
+    the letter the CostModel keeps (F, B, I, W, O)."""
+
+    def __init__(self, ex, opt, prog, inputs):
+        self.ex, self.opt, self.prog, self.inputs = ex, opt, prog, inputs
+        self.activation = 0
+        self.start_step()
+
+    def start_step(self) -> None:
+        self.times: Dict[str, List[float]] = {k: [] for k in "FBIWO"}
+        self.outs: Dict[int, dict] = {}
+
+    def run(self, ins: Instruction) -> None:
+        letter = _REPLAYED[ins.runs]
+        if letter == "O" and self.opt is None:
+            return
+        seconds = getattr(self, f"_{ins.runs}")(ins)
+        self.times[letter].append(seconds)
+
+    def _forward(self, ins) -> float:
+        t0 = time.perf_counter()
+        outs = self.outs[ins.microbatch] = self.ex.forward(ins.microbatch, dict(self.inputs))
+        seconds = time.perf_counter() - t0
+        saved = self.ex.saved.get(ins.microbatch)  # the executor counts what autograd saves
+        self.activation = (saved.nbytes if saved is not None else 0) + sum(
+            t.nbytes for t in outs.values() if isinstance(t, torch.Tensor))
+        return seconds
+
+    def _backward(self, ins) -> float:
+        return self._timed_backward(self.ex.backward, ins)
+
+    def _backward_input(self, ins) -> float:
+        return self._timed_backward(self.ex.backward_input, ins)
+
+    def _timed_backward(self, run, ins) -> float:
+        grads = _output_grads(self.prog, self.outs.pop(ins.microbatch))   # what recvs deliver
+        t0 = time.perf_counter()
+        run(ins.microbatch, grads)
+        return time.perf_counter() - t0
+
+    def _backward_weight(self, ins) -> float:
+        t0 = time.perf_counter()
+        self.ex.backward_weight(ins.microbatch)
+        return time.perf_counter() - t0
+
+    def _optimizer_step(self, ins) -> float:
+        t0 = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+
+# the run entries a stage's replay times, and the letter each one's seconds are kept under
+_REPLAYED = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W",
+             "optimizer_step": "O"}
 
 
 def _rebuild_optimizer(module, graph_opt):

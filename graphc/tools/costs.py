@@ -43,7 +43,8 @@ def _for_ranks(costs: CostModel, compiled) -> CostModel:
 # -- measured ------------------------------------------------------------------------------
 def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[int] = 1,
                   latency: float = CPU_LINK_LATENCY_S, bandwidth: float = CPU_LINK_BANDWIDTH,
-                  overhead: float = 0.0, transport: Optional[str] = None) -> CostModel:
+                  overhead: float = 0.0, transport: Optional[str] = None,
+                  concurrent: bool = False) -> CostModel:
     """Times each stage here, replaying its rank's compute instructions of one step in order.
 
     Each stage runs on a copy of its module (the user's parameters and gradients are not
@@ -67,6 +68,10 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
             one host, GRAPHC_P2P honoured): measure that transport's per-send and per-recv
             CPU cost, latency and a waiting receiver's polling delay with two spawned
             processes (measure_transport), instead of the link defaults.
+        concurrent: replay every rank's stage at once, one forked process per rank, so that
+            the times include what ranks sharing this host's cores and memory cost each
+            other (NOTE: Concurrent replay in graphc/tools/concurrent_replay.py); False:
+            each stage alone, one after the other.
     Returns:
         A CostModel whose parameters' gradients are left as they were.
     """
@@ -74,11 +79,11 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
     if threads:
         torch.set_num_threads(threads)
     try:
-        times = {}
-        start = time.perf_counter()
-        for i, prog in enumerate(compiled.programs):
-            times[prog.stage] = _replay_stage(prog, compiled, optimizer, repeats)
-            _progress("measured", i + 1, len(compiled.programs), time.perf_counter() - start)
+        if concurrent:
+            from .concurrent_replay import replay_concurrently
+            times = replay_concurrently(compiled, optimizer, repeats, threads or saved_threads)
+        else:
+            times = _replay_one_by_one(compiled, optimizer, repeats)
     finally:
         torch.set_num_threads(saved_threads)
     costs = CostModel({s: t.forward for s, t in times.items()},
@@ -86,7 +91,8 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
                       {s: t.optimizer for s, t in times.items()},
                       {s: t.activation for s, t in times.items()}, latency, bandwidth,
                       overhead=overhead, collective_link=(bandwidth, latency),
-                      source=f"measured on this machine, {threads or saved_threads} thread(s)",
+                      source=f"measured on this machine, {threads or saved_threads} thread(s)"
+                             + (", every rank's stage at once" if concurrent else ""),
                       backward_input={s: t.backward_input for s, t in times.items()
                                       if t.backward_input is not None},
                       backward_weight={s: t.backward_weight for s, t in times.items()
@@ -103,6 +109,15 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
                                reduce_bytes=max(buckets, default=1 << 20))
         costs = tc.apply(costs)
     return _for_ranks(costs, compiled)
+
+
+def _replay_one_by_one(compiled, optimizer, repeats: int) -> Dict[int, "_StageTimes"]:
+    times = {}
+    start = time.perf_counter()
+    for i, prog in enumerate(compiled.programs):
+        times[prog.stage] = _replay_stage(prog, compiled, optimizer, repeats)
+        _progress("measured", i + 1, len(compiled.programs), time.perf_counter() - start)
+    return times
 
 
 def _progress(what: str, done: int, total: int, elapsed: float) -> None:

@@ -335,8 +335,10 @@ def device_costs(compiled, device: str = "h100", **overrides) -> CostModel:
     forward = max(FLOPs / (peak * efficiency), bytes / HBM bandwidth), where bytes are the
     stage's parameters plus its saved activations and the peak is the preset's bf16/fp16
     rate for ops on bf16/fp16 operands (autocast's matmuls under enable_amp) and its
-    float32 rate for the others (graphc/tools/flops.py); backward is twice forward (input
-    and weight gradients). Transfers and collectives inside a node of `gpus_per_node` ranks use
+    float32 rate for the others (graphc/tools/flops.py), plus the preset's host time per op
+    dispatched (CPU ranks; 0 on accelerators); backward is twice forward (input and weight
+    gradients). A CPU preset's host costs per instruction, collective and transfer and the
+    cores its ranks share go to the CostModel too (NOTE: Shared cores). Transfers and collectives inside a node of `gpus_per_node` ranks use
     NVLink, between nodes the network (graphc/tools/network.py has the numbers and their
     sources). `overrides` replace preset fields, e.g. tflops=400, link_gbps=50, net_gbps=25.
     """
@@ -349,14 +351,20 @@ def device_costs(compiled, device: str = "h100", **overrides) -> CostModel:
         flops, saved = _count_stage(prog, compiled)
         params = sum(p.numel() * p.element_size() for p in prog.module.parameters())
         t = max(flops.seconds(dev.tflops * 1e12 * dev.efficiency, dev.fp32_tflops * 1e12 * dev.efficiency),
-                (params + saved) / (dev.hbm_gbps * 1e9))
+                (params + saved) / (dev.hbm_gbps * 1e9)) + flops.ops * dev.op_us * 1e-6
         fwd[prog.stage], bwd[prog.stage], act[prog.stage] = t, 2 * t, saved
+    host = dev.op_us or dev.instruction_us or dev.collective_us or dev.p2p_us or dev.cores_per_node
     costs = CostModel(fwd, bwd, {}, act, dev.latency_us * 1e-6, dev.link_gbps * 1e9,
-                      network=Network.of(dev),
+                      network=Network.of(dev), overhead=dev.instruction_us * 1e-6,
+                      send_overhead=dev.p2p_us * 1e-6, recv_overhead=dev.p2p_us * 1e-6,
+                      collective_overhead=dev.collective_us * 1e-6, cores=dev.cores_per_node or None,
                       source=f"modelled for {dev.name}: {dev.tflops} TFLOP/s bf16, "
                              f"{dev.fp32_tflops} fp32, x {dev.efficiency}, "
                              f"HBM {dev.hbm_gbps} GB/s, NVLink {dev.link_gbps} GB/s in nodes of "
-                             f"{dev.gpus_per_node}, network {dev.net_gbps} GB/s between them")
+                             f"{dev.gpus_per_node}, network {dev.net_gbps} GB/s between them"
+                             + (f"; host {dev.op_us} us per op, {dev.instruction_us} per instruction, "
+                                f"{dev.collective_us} per collective, {dev.p2p_us} per transfer, "
+                                f"{dev.cores_per_node} cores a node" if host else ""))
     return _for_ranks(costs, compiled)
 
 

@@ -7,8 +7,9 @@ time (Python, the dispatcher, autograd's bookkeeping), each plan instruction the
 own, each collective or transfer a hand-off between ranks. Measured side by side in one run,
 one torch thread, float64 (what benchmarks/auto_quality.py trains):
   * op_us: the GPT example (8 layers, width 64, 2 x 32 tokens: a data-parallel rank's
-    share of auto_quality's batch) forward and backward, over 3 x its forward's dispatched
-    ops (the preset charges a backward twice its forward, as for FLOPs);
+    share of auto_quality's batch) compiled for one rank, its forward and backward replayed
+    (measure_costs), over 3 x the ops its forward dispatches as device_costs counts them
+    (the preset charges a backward twice its forward, as for FLOPs);
   * instruction_us: one rank's step of a 4-wide linear model at 16 micro-batches less at 1,
     per micro-batch, less what measure_costs' replay of its forward and backward takes,
     over its 2 compute instructions: what the runtime adds per instruction;
@@ -29,23 +30,32 @@ import torch.nn as nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import graphc  # noqa: E402
 from graphc.runtime.local_world import LocalWorld  # noqa: E402
-from graphc.tools.flops import CountFlops  # noqa: E402
 from gpt import GPT, GPTConfig, lm_loss  # noqa: E402
 
 
+class _OneRank(graphc.Graph):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def build(self, x, y):
+        loss = lm_loss(self.model(x), y)
+        loss.backward()
+        return loss
+
+
 def op_seconds(repeats: int = 5) -> float:
+    """The GPT's one-rank stage replayed (measure_costs) over its ops as device_costs counts
+    them (the stage program's, on fake tensors): the preset's forward + backward is 3 x ops."""
+    from graphc import compiler
+    from graphc.tools.costs import _count_stage, measure_costs
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=8, n_head=4, n_embd=64))
     x = torch.randint(0, 65, (2, 32))
-    counter = CountFlops()
-    with counter:
-        lm_loss(model(x), x)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        lm_loss(model(x), x).backward()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) / (3 * counter.flops.ops)
+    compiled = compiler.compile(_OneRank(model), [x, x], 1)
+    costs = measure_costs(compiled, repeats=repeats)
+    ops = sum(_count_stage(prog, compiled)[0].ops for prog in compiled.programs)
+    return (sum(costs.forward.values()) + sum(costs.backward.values())) / (3 * ops)
 
 
 class _Tiny(graphc.Graph):

@@ -18,10 +18,10 @@ FLOP rates (an AVX2 core's FMA peak is about 0.1 TFLOP/s in float32; measured 0.
 host, 50 us between hosts) and 16 GiB a rank are assumptions. What decides a small model's
 step on CPU ranks is host time, not FLOPs, and those costs are measured
 (`PYTHONPATH=. python benchmarks/cpu_calibration.py`, the least of 3 rounds, float64, one
-torch thread; 2026-11-28 at load average 12 on the 2 cores, so each is about 4x a quiet
-machine's, alike): op_us 49 per op a forward dispatches (its backward twice), instruction_us
-250 per compute instruction of the runtime, collective_us 234 per member of a collective and
-p2p_us 234 per send or receive in the local world. cores_per_node 1: the ranks of a local
+torch thread; 2026-11-28 at load average 9 on the 2 cores, so each is about 4x a quiet
+machine's, alike): op_us 15 per op a forward dispatches as device_costs counts them (its
+backward twice), instruction_us 260 per compute instruction of the runtime, collective_us
+187 per member of a collective and p2p_us 152 per send or receive in the local world. cores_per_node 1: the ranks of a local
 world run one at a time (NOTE: Local world), so the step is at least their summed work
 (NOTE: Shared cores); for ranks that are processes on C cores pass cores_per_node=C to
 device_costs. The search weighs these against each other, so their ratios matter more
@@ -91,7 +91,7 @@ DEVICES: Dict[str, DevicePreset] = {
     # CPU ranks of one host (See the cpu row above: assumed rates, measured host costs)
     "cpu": DevicePreset("cpu", tflops=0.1, hbm_gbps=20, link_gbps=5, latency_us=30, gpus_per_node=64,
                         net_gbps=1.25, net_latency_us=50, fp32_tflops=0.1, memory_gib=16,
-                        op_us=49, instruction_us=250, collective_us=234, p2p_us=234, cores_per_node=1),
+                        op_us=15, instruction_us=260, collective_us=187, p2p_us=152, cores_per_node=1),
 }
 
 

@@ -13,6 +13,8 @@ one torch thread, float64 (what benchmarks/auto_quality.py trains):
   * instruction_us: one rank's step of a 4-wide linear model at 16 micro-batches less at 1,
     per micro-batch, less what measure_costs' replay of its forward and backward takes,
     over its 2 compute instructions: what the runtime adds per instruction;
+  * link_gbps: the same all-reduce of 4 MiB: the bandwidth at which collective_seconds'
+    2-rank ring (B bytes per member) charges its time per member beyond the 8-byte one's;
   * collective_us and p2p_us: a 2-rank local world's all-reduce of 8 bytes and a send /
     receive pair, wall time per call over the 2 ranks (one rank runs at a time there, so
     the wall time is the ranks' summed host time).
@@ -91,17 +93,20 @@ def instruction_seconds(repeats: int = 20) -> float:
     return max(0.0, (per_mb - replayed) / 2)
 
 
-def local_world_seconds(calls: int = 200):
-    """(all-reduce of 8 bytes, send + receive of 8 bytes): wall seconds per call, 2 ranks."""
+def local_world_seconds(calls: int = 200, big: int = 1 << 22):
+    """(all-reduce of 8 bytes, of `big` bytes, send + receive of 8 bytes): wall seconds per
+    call, 2 ranks."""
     def rank_main(rank):
         from graphc import world
         w = world.current()
-        t = torch.zeros(2)
-        w.barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            w.all_reduce(t)
-        reduce_s = (time.perf_counter() - t0) / calls
+        times = []
+        for n, count in ((8, calls), (big, max(1, calls // 10))):
+            t = torch.zeros(n // 8)
+            w.barrier()
+            t0 = time.perf_counter()
+            for _ in range(count):
+                w.all_reduce(t)
+            times.append((time.perf_counter() - t0) / count)
         w.barrier()
         t0 = time.perf_counter()
         for i in range(calls):     # a ping-pong: each message hands the baton to the other rank
@@ -111,9 +116,9 @@ def local_world_seconds(calls: int = 200):
             else:
                 w.irecv(t, 0, tag=2 * i).wait()
                 w.isend(t, 0, tag=2 * i + 1).wait()
-        return reduce_s, (time.perf_counter() - t0) / (2 * calls)
+        return times[0], times[1], (time.perf_counter() - t0) / (2 * calls)
     runs = LocalWorld(2).run(rank_main)
-    return max(r[0] for r in runs), max(r[1] for r in runs)
+    return tuple(max(r[i] for r in runs) for i in range(3))
 
 
 def main(rounds: int = 3) -> None:
@@ -123,11 +128,15 @@ def main(rounds: int = 3) -> None:
     found = []
     for _ in range(rounds):     # the least of each: the one least slowed by other processes
         found.append((op_seconds(), instruction_seconds()) + local_world_seconds())
-    op, ins, reduce_s, p2p_s = (min(col) for col in zip(*found))
+    op, ins, reduce_s, big_s, p2p_s = (min(col) for col in zip(*found))
+    # a 2-rank ring moves B per member (collective_seconds): the bandwidth that charges the
+    # big all-reduce's time per member beyond the small one's
+    link = (1 << 22) / max((big_s - reduce_s) / 2, 1e-12)
     print(f"load average {load[0]:.2f} -> {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     print(f"op_us          {op * 1e6:8.1f}   host time per dispatched forward op (backward: 2x)")
     print(f"instruction_us {ins * 1e6:8.1f}   the runtime's time per compute instruction")
     print(f"collective_us  {reduce_s / 2 * 1e6:8.1f}   per member of a 2-rank all-reduce (local world)")
+    print(f"link_gbps      {link / 1e9:8.2f}   a 2-rank all-reduce's bytes per second per member (local world)")
     print(f"p2p_us         {p2p_s / 2 * 1e6:8.1f}   per side of a send / receive (local world)")
 
 

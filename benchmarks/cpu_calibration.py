@@ -18,7 +18,7 @@ one torch thread, float64 (what benchmarks/auto_quality.py trains):
   * collective_us and p2p_us: a 2-rank local world's all-reduce of 8 bytes and a send /
     receive pair, wall time per call over the 2 ranks (one rank runs at a time there, so
     the wall time is the ranks' summed host time).
-Each is the least of 3 rounds. The load is printed: on a loaded machine every number grows alike, so their ratios (what
+Each is the least of 5 rounds. The load is printed: on a loaded machine every number grows alike, so their ratios (what
 ranks layouts against each other) hold better than the numbers.
 """
 import os
@@ -121,7 +121,7 @@ def local_world_seconds(calls: int = 200, big: int = 1 << 22):
     return tuple(max(r[i] for r in runs) for i in range(3))
 
 
-def main(rounds: int = 3) -> None:
+def main(rounds: int = 5) -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
     load = os.getloadavg()

@@ -80,6 +80,7 @@ def _compiled():
     return compiler.compile(g, [torch.randn(4, 8)], 1), g
 
 
+@pytest.mark.slow    # a compile and two counts on fake tensors: 6 s alone on the loaded machine
 def test_device_costs_add_each_op_dispatched_on_cpu():
     from graphc.tools.costs import device_costs
     compiled, _ = _compiled()

@@ -70,6 +70,7 @@ class ModelFacts:
     collective_s: float = 0.0
     p2p_s: float = 0.0
     cores: float = 0.0
+    node_ranks: int = 0         # ranks a node holds (the preset's gpus_per_node)
 
 
 @dataclass
@@ -236,7 +237,7 @@ def model_facts(spec, inputs, optimizer, device: str) -> ModelFacts:
     return ModelFacts(forward - host, sum(costs.activation_bytes.values()),
                       sum(p.nbytes for p in params), states, len(layers), degrees, rows,
                       dev.link_gbps * 1e9, dev.latency_us * 1e-6, host, dev.instruction_us * 1e-6,
-                      dev.collective_us * 1e-6, dev.p2p_us * 1e-6, dev.cores_per_node)
+                      dev.collective_us * 1e-6, dev.p2p_us * 1e-6, dev.cores_per_node, dev.gpus_per_node)
 
 
 def enumerate_layouts(facts: ModelFacts, nproc: int, root) -> List[Layout]:
@@ -274,19 +275,21 @@ def estimate(lay: Layout, f: ModelFacts) -> Tuple[float, int]:
     step = m * W + (bubble if p > 1 else 0)
     if p > 1:
         step += 2 * (m + p - 1) * lay.chunks * f.latency_s
-    collectives = 0.0      # seconds of a rank's collectives, host time included
+    collectives = []      # seconds of a rank's collectives, host time included
     grads = f.param_bytes / (p * tp_split)
     if lay.dp > 1:
         ring = 2 * (lay.dp - 1) / lay.dp * grads / f.link_bytes_per_s + 2 * (lay.dp - 1) * f.latency_s
         calls = 1 if lay.zero == 0 else 2 + (2 * f.layers / p * m if lay.zero == 3 else 0)
-        collectives += ring / 2 * (1.5 if lay.zero == 3 else 1.0) + calls * f.collective_s
+        collectives.append(ring / 2 * (1.5 if lay.zero == 3 else 1.0) + calls * f.collective_s)
     if tp_split > 1:
         msg = f.activation_bytes / max(f.layers, 1) / (lay.dp * m) / 8
         one = 2 * (tp_split - 1) / tp_split * msg / f.link_bytes_per_s + 2 * (tp_split - 1) * f.latency_s
-        collectives += 4 * (f.layers / p) * m * (one + f.collective_s)
-    step += collectives
-    if f.cores:   # the ranks of a node share its cores: at least their summed work (NOTE: Shared cores)
-        step = max(step, lay.world * (m * W + collectives) / f.cores)
+        collectives.append(4 * (f.layers / p) * m * (one + f.collective_s))
+    for seconds in collectives:
+        step += seconds
+    if f.cores:   # a node's ranks share its cores: at least their summed work (NOTE: Shared cores)
+        ranks = min(lay.world, f.node_ranks) if f.node_ranks else lay.world
+        step = max(step, ranks * (m * W + sum(collectives)) / f.cores)
     return step, memory_estimate(lay, f)
 
 

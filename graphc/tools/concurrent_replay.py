@@ -33,7 +33,7 @@ def replay_concurrently(compiled, optimizer, repeats: int, threads: int) -> Dict
                                                     barrier, results), daemon=True) for r in ranks]
     for p in procs:
         p.start()
-    got = [results.get(timeout=600) for _ in procs]
+    got = [_next_result(results, procs) for _ in procs]
     for p in procs:
         p.join()
     failed = [err for _, _, err in got if err]
@@ -43,6 +43,19 @@ def replay_concurrently(compiled, optimizer, repeats: int, threads: int) -> Dict
     for stage, times, _ in got:
         by_stage.setdefault(stage, []).append(times)
     return {s: _mean(ts) for s, ts in by_stage.items()}
+
+
+def _next_result(results, procs) -> tuple:
+    """The next child's (stage, times, error); a child killed before it reported (a signal,
+    out of memory) is an error, not a wait forever."""
+    import queue
+    while True:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead and results.empty():
+                return (None, None, f"a replay process exited with code {dead[0]}")
 
 
 def _replay_rank(compiled, optimizer, stage: int, repeats: int, threads: int, barrier, results) -> None:

@@ -26,7 +26,13 @@ checkpointed) a stage's forward and backward, and W = chunks x u a rank's work p
 micro-batch: GPipe and 1F1B take m W + (p - 1) W, interleaved 1F1B m W + (p - 1) u, ZB-V
 m W + (p - 1) u / 2; data parallelism adds half a ring all-reduce of the rank's gradients
 (the other half overlaps the backward), tensor parallelism four ring all-reduces per layer
-and micro-batch of one activation (the saved bytes of a layer over 8).
+and micro-batch of one activation (the saved bytes of a layer over 8). On CPU presets F
+adds the host time of the stage's share of the model's ops (not cut by data or tensor
+degree, nor by micro-batches: each op is dispatched whatever its size), u the runtime's
+time per compute instruction and per transfer, each collective its host time per member;
+where a node's ranks share C cores the step is at least the world's summed work over C
+(NOTE: Shared cores in graphc/tools/shared_cores.py): on 8 local-world ranks of a small
+model, the layout that does the least work wins, not the one with the shortest path.
 """
 from __future__ import annotations
 
@@ -56,6 +62,15 @@ class ModelFacts:
     rows: int                   # the batch's rows
     link_bytes_per_s: float
     latency_s: float
+    # host time (CPU presets; 0 on accelerators, NOTE: Auto estimate): of the whole model's
+    # ops of one micro-batch's forward, per compute instruction, per collective member, per
+    # transfer, and the cores a node's ranks share (0: a device each)
+    forward_host_s: float = 0.0
+    instruction_s: float = 0.0
+    collective_s: float = 0.0
+    p2p_s: float = 0.0
+    cores: float = 0.0
+    node_ranks: int = 0         # ranks a node holds (the preset's gpus_per_node)
 
 
 @dataclass
@@ -217,9 +232,12 @@ def model_facts(spec, inputs, optimizer, device: str) -> ModelFacts:
     degrees = tuple(t for t in (2, 4, 8) if layers and all(megatron_pairs(l, t)[0] for l in layers))
     rows = next((t.shape[0] for t in inputs if hasattr(t, "shape") and len(t.shape) > 0), 1)
     dev = DEVICES[device]
-    return ModelFacts(sum(costs.forward.values()), sum(costs.activation_bytes.values()),
+    forward = sum(costs.forward.values())
+    host = forward - sum(device_costs(compiled, device, op_us=0).forward.values()) if dev.op_us else 0.0
+    return ModelFacts(forward - host, sum(costs.activation_bytes.values()),
                       sum(p.nbytes for p in params), states, len(layers), degrees, rows,
-                      dev.link_gbps * 1e9, dev.latency_us * 1e-6)
+                      dev.link_gbps * 1e9, dev.latency_us * 1e-6, host, dev.instruction_us * 1e-6,
+                      dev.collective_us * 1e-6, dev.p2p_us * 1e-6, dev.cores_per_node, dev.gpus_per_node)
 
 
 def enumerate_layouts(facts: ModelFacts, nproc: int, root) -> List[Layout]:
@@ -246,22 +264,32 @@ def enumerate_layouts(facts: ModelFacts, nproc: int, root) -> List[Layout]:
 def estimate(lay: Layout, f: ModelFacts) -> Tuple[float, int]:
     """(step seconds, bytes per rank) on paper (See NOTE: Auto estimate)."""
     tp_split = lay.tp if lay.tp in f.tp_degrees else 1
-    F = f.forward_s / (lay.dp * lay.microbatches * lay.stages * tp_split)
-    u = (4 if lay.checkpointing == "always" else 3) * F
-    W = lay.chunks * u
     m, p = lay.microbatches, lay.pp
+    F = f.forward_s / (lay.dp * m * lay.stages * tp_split) + f.forward_host_s / lay.stages
+    computes = 3 if lay.schedule == "zbv" else 2          # F, B (ZB-V: F, I, W) per micro-batch
+    u = (4 if lay.checkpointing == "always" else 3) * F + computes * f.instruction_s
+    if p > 1:     # a send and a receive each way per stage boundary and micro-batch
+        u += 4 * f.p2p_s
+    W = lay.chunks * u
     bubble = {"interleaved_1f1b": (p - 1) * u, "zbv": (p - 1) * u / 2}.get(lay.schedule, (p - 1) * W)
     step = m * W + (bubble if p > 1 else 0)
-    if p > 1:     # a send and a receive per stage boundary, micro-batch and direction
+    if p > 1:
         step += 2 * (m + p - 1) * lay.chunks * f.latency_s
+    collectives = []      # seconds of a rank's collectives, host time included
     grads = f.param_bytes / (p * tp_split)
     if lay.dp > 1:
         ring = 2 * (lay.dp - 1) / lay.dp * grads / f.link_bytes_per_s + 2 * (lay.dp - 1) * f.latency_s
-        step += ring / 2 * (1.5 if lay.zero == 3 else 1.0)
+        calls = 1 if lay.zero == 0 else 2 + (2 * f.layers / p * m if lay.zero == 3 else 0)
+        collectives.append(ring / 2 * (1.5 if lay.zero == 3 else 1.0) + calls * f.collective_s)
     if tp_split > 1:
         msg = f.activation_bytes / max(f.layers, 1) / (lay.dp * m) / 8
         one = 2 * (tp_split - 1) / tp_split * msg / f.link_bytes_per_s + 2 * (tp_split - 1) * f.latency_s
-        step += 4 * (f.layers / p) * m * one
+        collectives.append(4 * (f.layers / p) * m * (one + f.collective_s))
+    for seconds in collectives:
+        step += seconds
+    if f.cores:   # a node's ranks share its cores: at least their summed work (NOTE: Shared cores)
+        ranks = min(lay.world, f.node_ranks) if f.node_ranks else lay.world
+        step = max(step, ranks * (m * W + sum(collectives)) / f.cores)
     return step, memory_estimate(lay, f)
 
 

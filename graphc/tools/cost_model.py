@@ -47,6 +47,13 @@ class CostModel:
     # (bandwidth, latency) of collectives where they take another path than sends (measured
     # costs: sends use the measured transport, collectives gloo); None: the link above
     collective_link: Optional[Tuple[float, float]] = None
+    # seconds of host time each member spends on one collective call, whatever its bytes
+    # (CPU ranks: the hand-off between ranks; NOTE: Shared cores)
+    collective_overhead: float = 0.0
+    # cores the ranks of one node (network.ranks_per_node; all ranks without a network)
+    # share: the step is then at least their summed busy time over it (NOTE: Shared cores);
+    # None: every rank has a device or core of its own
+    cores: Optional[float] = None
 
     @staticmethod
     def uniform(num_stages: int, forward: float = 1.0, backward: float = 2.0) -> "CostModel":
@@ -114,6 +121,9 @@ class CostModel:
         n = len(ins.ranks)
         if n < 2:
             return 0.0
+        return self.collective_overhead + self._collective_transfer(ins, n)
+
+    def _collective_transfer(self, ins, n: int) -> float:
         link = self.collective_link or (self.bandwidth, self.latency)
         if self.network is not None and self.network.crosses(ins.ranks):
             link = (self.network.bandwidth, self.network.latency)

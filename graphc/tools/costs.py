@@ -25,8 +25,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..errors import GraphcError
-from ..plan.instructions import (AllReduce, Backward, BackwardInput, BackwardWeight, Forward,
-                                 Instruction, OptimizerStep, OverlapFB, Send)
+from ..plan.instructions import AllReduce, Instruction
 from .cost_model import CostModel
 from .network import DEVICES, DevicePreset, Network  # noqa: F401 (DEVICES: API)
 from .transport_costs import measure_transport
@@ -44,7 +43,8 @@ def _for_ranks(costs: CostModel, compiled) -> CostModel:
 # -- measured ------------------------------------------------------------------------------
 def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[int] = 1,
                   latency: float = CPU_LINK_LATENCY_S, bandwidth: float = CPU_LINK_BANDWIDTH,
-                  overhead: float = 0.0, transport: Optional[str] = None) -> CostModel:
+                  overhead: float = 0.0, transport: Optional[str] = None,
+                  concurrent: bool = False) -> CostModel:
     """Times each stage here, replaying its rank's compute instructions of one step in order.
 
     Each stage runs on a copy of its module (the user's parameters and gradients are not
@@ -68,6 +68,10 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
             one host, GRAPHC_P2P honoured): measure that transport's per-send and per-recv
             CPU cost, latency and a waiting receiver's polling delay with two spawned
             processes (measure_transport), instead of the link defaults.
+        concurrent: replay every rank's stage at once, one forked process per rank, so that
+            the times include what ranks sharing this host's cores and memory cost each
+            other (NOTE: Concurrent replay in graphc/tools/concurrent_replay.py); False:
+            each stage alone, one after the other.
     Returns:
         A CostModel whose parameters' gradients are left as they were.
     """
@@ -75,11 +79,11 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
     if threads:
         torch.set_num_threads(threads)
     try:
-        times = {}
-        start = time.perf_counter()
-        for i, prog in enumerate(compiled.programs):
-            times[prog.stage] = _replay_stage(prog, compiled, optimizer, repeats)
-            _progress("measured", i + 1, len(compiled.programs), time.perf_counter() - start)
+        if concurrent:
+            from .concurrent_replay import replay_concurrently
+            times = replay_concurrently(compiled, optimizer, repeats, threads or saved_threads)
+        else:
+            times = _replay_one_by_one(compiled, optimizer, repeats)
     finally:
         torch.set_num_threads(saved_threads)
     costs = CostModel({s: t.forward for s, t in times.items()},
@@ -87,7 +91,8 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
                       {s: t.optimizer for s, t in times.items()},
                       {s: t.activation for s, t in times.items()}, latency, bandwidth,
                       overhead=overhead, collective_link=(bandwidth, latency),
-                      source=f"measured on this machine, {threads or saved_threads} thread(s)",
+                      source=f"measured on this machine, {threads or saved_threads} thread(s)"
+                             + (", every rank's stage at once" if concurrent else ""),
                       backward_input={s: t.backward_input for s, t in times.items()
                                       if t.backward_input is not None},
                       backward_weight={s: t.backward_weight for s, t in times.items()
@@ -97,13 +102,22 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
                                    for p in compiled.programs})
     if transport is not None:
         sizes = sorted({t.nbytes for p in compiled.plans for ins in p.instructions
-                        if isinstance(ins, Send) for t in ins.tensors})
+                        if ins.runs == "send" for t in ins.tensors})
         buckets = [sum(t.nbytes for t in ins.tensors) for p in compiled.plans for ins in p.instructions
-                   if isinstance(ins, AllReduce)]
+                   if isinstance(ins, AllReduce)]   # the family: buckets, ties, shards
         tc = measure_transport(transport, max(sizes) if sizes else 4, threads=threads or 1,
                                reduce_bytes=max(buckets, default=1 << 20))
         costs = tc.apply(costs)
     return _for_ranks(costs, compiled)
+
+
+def _replay_one_by_one(compiled, optimizer, repeats: int) -> Dict[int, "_StageTimes"]:
+    times = {}
+    start = time.perf_counter()
+    for i, prog in enumerate(compiled.programs):
+        times[prog.stage] = _replay_stage(prog, compiled, optimizer, repeats)
+        _progress("measured", i + 1, len(compiled.programs), time.perf_counter() - start)
+    return times
 
 
 def _progress(what: str, done: int, total: int, elapsed: float) -> None:
@@ -153,43 +167,83 @@ def _replay_stage_here(prog, compiled, optimizer, repeats: int, rank: int) -> _S
              if getattr(part, "stage", prog.stage) == prog.stage]
     inputs = stage_inputs(prog, compiled)
     per_step: Dict[str, List[float]] = {k: [] for k in "FBIWO"}
-    act = 0
+    replay = _Replay(ex, opt, prog, inputs)
     for step in range(repeats + 1):
-        times: Dict[str, List[float]] = {k: [] for k in "FBIWO"}
-        outs: Dict[int, dict] = {}
+        replay.start_step()
         for ins in order:
-            t0 = time.perf_counter()
-            if isinstance(ins, Forward):
-                outs[ins.microbatch] = ex.forward(ins.microbatch, dict(inputs))
-                times["F"].append(time.perf_counter() - t0)
-                saved = ex.saved.get(ins.microbatch)  # the executor counts what autograd saves
-                act = (saved.nbytes if saved is not None else 0) + sum(
-                    t.nbytes for t in outs[ins.microbatch].values() if isinstance(t, torch.Tensor))
-            elif isinstance(ins, (Backward, BackwardInput)):
-                grads = _output_grads(prog, outs.pop(ins.microbatch))   # what recvs deliver
-                t0 = time.perf_counter()
-                (ex.backward if isinstance(ins, Backward) else ex.backward_input)(ins.microbatch, grads)
-                times["B" if isinstance(ins, Backward) else "I"].append(time.perf_counter() - t0)
-            elif isinstance(ins, BackwardWeight):
-                ex.backward_weight(ins.microbatch)
-                times["W"].append(time.perf_counter() - t0)
-            elif opt is not None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                times["O"].append(time.perf_counter() - t0)
+            replay.run(ins)
         if step:    # the first step warms caches, allocators and optimizer state
-            for k, v in times.items():
+            for k, v in replay.times.items():
                 per_step[k].append(statistics.mean(v) if v else 0.0)
+    act = replay.activation
     med = {k: statistics.median(v) for k, v in per_step.items()}
-    split = any(isinstance(ins, BackwardInput) for ins in order)
+    split = any(ins.runs == "backward_input" for ins in order)
     return _StageTimes(med["F"], med["B"] if not split else med["I"] + med["W"],
                        med["I"] if split else None, med["W"] if split else None, med["O"], act)
 
 
 def _parts(ins: Instruction) -> tuple:
     """The compute (and optimizer step) an instruction runs: an OverlapFB's two halves."""
-    return ins.parts if isinstance(ins, (OverlapFB, Forward, Backward, BackwardInput, BackwardWeight,
-                                         OptimizerStep)) else ()
+    return ins.parts if ins.runs in _REPLAYED or ins.runs == "overlap" else ()
+
+
+class _Replay:
+    """One stage's compute instructions run and timed by their run entry (`ins.runs`,
+    plan/instructions.py), as the runtime dispatches them: `_<runs>` here, its time under
+    the letter the CostModel keeps (F, B, I, W, O)."""
+
+    def __init__(self, ex, opt, prog, inputs):
+        self.ex, self.opt, self.prog, self.inputs = ex, opt, prog, inputs
+        self.activation = 0
+        self.start_step()
+
+    def start_step(self) -> None:
+        self.times: Dict[str, List[float]] = {k: [] for k in "FBIWO"}
+        self.outs: Dict[int, dict] = {}
+
+    def run(self, ins: Instruction) -> None:
+        letter = _REPLAYED[ins.runs]
+        if letter == "O" and self.opt is None:
+            return
+        seconds = getattr(self, f"_{ins.runs}")(ins)
+        self.times[letter].append(seconds)
+
+    def _forward(self, ins) -> float:
+        t0 = time.perf_counter()
+        outs = self.outs[ins.microbatch] = self.ex.forward(ins.microbatch, dict(self.inputs))
+        seconds = time.perf_counter() - t0
+        saved = self.ex.saved.get(ins.microbatch)  # the executor counts what autograd saves
+        self.activation = (saved.nbytes if saved is not None else 0) + sum(
+            t.nbytes for t in outs.values() if isinstance(t, torch.Tensor))
+        return seconds
+
+    def _backward(self, ins) -> float:
+        return self._timed_backward(self.ex.backward, ins)
+
+    def _backward_input(self, ins) -> float:
+        return self._timed_backward(self.ex.backward_input, ins)
+
+    def _timed_backward(self, run, ins) -> float:
+        grads = _output_grads(self.prog, self.outs.pop(ins.microbatch))   # what recvs deliver
+        t0 = time.perf_counter()
+        run(ins.microbatch, grads)
+        return time.perf_counter() - t0
+
+    def _backward_weight(self, ins) -> float:
+        t0 = time.perf_counter()
+        self.ex.backward_weight(ins.microbatch)
+        return time.perf_counter() - t0
+
+    def _optimizer_step(self, ins) -> float:
+        t0 = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+
+# the run entries a stage's replay times, and the letter each one's seconds are kept under
+_REPLAYED = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W",
+             "optimizer_step": "O"}
 
 
 def _rebuild_optimizer(module, graph_opt):
@@ -281,8 +335,10 @@ def device_costs(compiled, device: str = "h100", **overrides) -> CostModel:
     forward = max(FLOPs / (peak * efficiency), bytes / HBM bandwidth), where bytes are the
     stage's parameters plus its saved activations and the peak is the preset's bf16/fp16
     rate for ops on bf16/fp16 operands (autocast's matmuls under enable_amp) and its
-    float32 rate for the others (graphc/tools/flops.py); backward is twice forward (input
-    and weight gradients). Transfers and collectives inside a node of `gpus_per_node` ranks use
+    float32 rate for the others (graphc/tools/flops.py), plus the preset's host time per op
+    dispatched (CPU ranks; 0 on accelerators); backward is twice forward (input and weight
+    gradients). A CPU preset's host costs per instruction, collective and transfer and the
+    cores its ranks share go to the CostModel too (NOTE: Shared cores). Transfers and collectives inside a node of `gpus_per_node` ranks use
     NVLink, between nodes the network (graphc/tools/network.py has the numbers and their
     sources). `overrides` replace preset fields, e.g. tflops=400, link_gbps=50, net_gbps=25.
     """
@@ -295,14 +351,20 @@ def device_costs(compiled, device: str = "h100", **overrides) -> CostModel:
         flops, saved = _count_stage(prog, compiled)
         params = sum(p.numel() * p.element_size() for p in prog.module.parameters())
         t = max(flops.seconds(dev.tflops * 1e12 * dev.efficiency, dev.fp32_tflops * 1e12 * dev.efficiency),
-                (params + saved) / (dev.hbm_gbps * 1e9))
+                (params + saved) / (dev.hbm_gbps * 1e9)) + flops.ops * dev.op_us * 1e-6
         fwd[prog.stage], bwd[prog.stage], act[prog.stage] = t, 2 * t, saved
+    host = dev.op_us or dev.instruction_us or dev.collective_us or dev.p2p_us or dev.cores_per_node
     costs = CostModel(fwd, bwd, {}, act, dev.latency_us * 1e-6, dev.link_gbps * 1e9,
-                      network=Network.of(dev),
+                      network=Network.of(dev), overhead=dev.instruction_us * 1e-6,
+                      send_overhead=dev.p2p_us * 1e-6, recv_overhead=dev.p2p_us * 1e-6,
+                      collective_overhead=dev.collective_us * 1e-6, cores=dev.cores_per_node or None,
                       source=f"modelled for {dev.name}: {dev.tflops} TFLOP/s bf16, "
                              f"{dev.fp32_tflops} fp32, x {dev.efficiency}, "
                              f"HBM {dev.hbm_gbps} GB/s, NVLink {dev.link_gbps} GB/s in nodes of "
-                             f"{dev.gpus_per_node}, network {dev.net_gbps} GB/s between them")
+                             f"{dev.gpus_per_node}, network {dev.net_gbps} GB/s between them"
+                             + (f"; host {dev.op_us} us per op, {dev.instruction_us} per instruction, "
+                                f"{dev.collective_us} per collective, {dev.p2p_us} per transfer, "
+                                f"{dev.cores_per_node} cores a node" if host else ""))
     return _for_ranks(costs, compiled)
 
 

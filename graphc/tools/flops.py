@@ -22,6 +22,7 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 class Flops:
     low: int = 0        # of ops whose operands are bf16/fp16
     full: int = 0       # of every other op (float32, float64)
+    ops: int = 0        # ops dispatched, with or without FLOPs: what a CPU rank's host time counts
 
     @property
     def total(self) -> int:
@@ -32,7 +33,8 @@ class Flops:
 
 
 class CountFlops(TorchDispatchMode):
-    """Within the block, counts the FLOPs of every op torch has a formula for, in `.flops`.
+    """Within the block, counts the FLOPs of every op torch has a formula for, and every op
+    dispatched, in `.flops`.
 
     A cuda program counted on CPU fake tensors (graphc plan --device cuda on a machine
     without one) is not cast by its cuda autocast region; an op dispatched inside such a
@@ -46,6 +48,7 @@ class CountFlops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.flops.ops += 1
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             n = formula(*args, **kwargs, out_val=out)

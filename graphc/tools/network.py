@@ -9,13 +9,26 @@ Numbers per GPU and per direction, from the vendors' datasheets:
 | h200 | 989 TFLOP/s | 67 TFLOP/s | 4,800 GB/s | 450 GB/s (NVLink 4) | 50 GB/s (DGX H200: as DGX H100) |
 | a100 | 312 TFLOP/s | 19.5 TFLOP/s | 2,039 GB/s | 300 GB/s (NVLink 3: 600 GB/s both ways) | 25 GB/s (DGX A100: a 200 Gb/s ConnectX-6 HDR port per GPU) |
 
-| cpu | 0.1 TFLOP/s | 0.1 TFLOP/s | 20 GB/s | 5 GB/s (ranks of one host: shared memory or gloo over loopback) | 1.25 GB/s (10 GbE) |
+| cpu | 0.1 TFLOP/s | 0.1 TFLOP/s | 20 GB/s | 0.65 GB/s (ranks of one host: the local world's memory, shared memory or gloo over loopback) | 1.25 GB/s (10 GbE) |
 
-The cpu row is one x86 core per rank (an AVX2 core's FMA peak is about 0.1 TFLOP/s in float32;
-measured 0.03 float32, 0.012 float64 on a loaded 2-core build machine), 64 ranks a host, 30 us
-per step between ranks of a host and 50 us between hosts, 16 GiB a rank: assumptions for
-`graphc plan --auto --device cpu` and `enable_auto_parallel(device="cpu")`, where the
-search weighs compute against communication on CPU ranks (benchmarks/auto_quality.py).
+The cpu row models CPU ranks on one host, as graphc's local world runs them (8 ranks of a
+tiny model on this 2-core build machine: what benchmarks/auto_quality.py measures). Its
+FLOP rates (an AVX2 core's FMA peak is about 0.1 TFLOP/s in float32; measured 0.03 float32,
+0.012 float64 on a loaded 2-core build machine), the latency (30 us per step between ranks
+of a host, 50 us between hosts), the network and 16 GiB a rank are assumptions. What
+decides a small model's step on CPU ranks is host time, not FLOPs, and that is measured
+(`PYTHONPATH=. python benchmarks/cpu_calibration.py`, the least of 5 rounds, float64, one
+torch thread; 2026-11-28 at load average 10.6-11.7 on the 2 cores, so each is several
+times a quiet machine's, alike): op_us 18 per op a forward dispatches as device_costs
+counts them (its backward twice), instruction_us 256 per compute instruction of the
+runtime, collective_us 279 per member of a collective, link_gbps 0.65 (the local world's
+all-reduce copies and sums in memory: 0.53-0.65 GB/s per member measured, not the 5 GB/s
+assumed before), p2p_us as collective_us (a transfer hands the running rank over as a
+collective does; the ping-pong measured 150-1560 us between runs at load 9-12, the
+hand-off waiting for a time slice). cores_per_node 1: the ranks of a local world run one
+at a time (NOTE: Local world), so the step is at least their summed work (NOTE: Shared
+cores); for ranks that are processes on C cores pass cores_per_node=C to device_costs. The
+search weighs these against each other, so their ratios matter more than their scale.
 
 The fp32 column is the SXM parts' plain fp32 rate: PyTorch's default for float32 matmuls
 (torch.backends.cuda.matmul.allow_tf32 is False), so a float32 program runs there and a
@@ -63,6 +76,12 @@ class DevicePreset:
     net_latency_us: float = 10.0
     fp32_tflops: float = 67.0   # float32 TFLOP/s (no TF32): every other dtype's ops
     memory_gib: float = 80.0    # device memory, GiB (what a rank's peak must fit in)
+    # host costs of CPU ranks (0 on accelerators, whose host work overlaps their kernels):
+    op_us: float = 0.0          # per op a forward dispatches (its backward: twice)
+    instruction_us: float = 0.0     # the runtime's time per compute instruction
+    collective_us: float = 0.0      # per member of a collective call, whatever its bytes
+    p2p_us: float = 0.0             # per send and per receive
+    cores_per_node: float = 0.0     # cores a node's ranks share (0: a device each; NOTE: Shared cores)
 
 
 DEVICES: Dict[str, DevicePreset] = {
@@ -72,9 +91,10 @@ DEVICES: Dict[str, DevicePreset] = {
                          net_gbps=50, memory_gib=141),
     "a100": DevicePreset("a100", tflops=312, hbm_gbps=2039, link_gbps=300, latency_us=5,
                          net_gbps=25, fp32_tflops=19.5, memory_gib=80),
-    # one CPU core per rank (See the cpu row above: assumptions, not a datasheet)
-    "cpu": DevicePreset("cpu", tflops=0.1, hbm_gbps=20, link_gbps=5, latency_us=30, gpus_per_node=64,
-                        net_gbps=1.25, net_latency_us=50, fp32_tflops=0.1, memory_gib=16),
+    # CPU ranks of one host (See the cpu row above: assumed rates, measured host costs)
+    "cpu": DevicePreset("cpu", tflops=0.1, hbm_gbps=20, link_gbps=0.65, latency_us=30, gpus_per_node=64,
+                        net_gbps=1.25, net_latency_us=50, fp32_tflops=0.1, memory_gib=16,
+                        op_us=18, instruction_us=256, collective_us=279, p2p_us=279, cores_per_node=1),
 }
 
 

@@ -24,6 +24,8 @@ matched in order across steps). `step_time` is then the steady-state period: the
 time between the ends of consecutive steps after the first.
 If the ranks that compute outnumber `cores`, every compute span is stretched by
 ranks / cores: processor sharing with all ranks busy (an upper bound; see docs/inspect.md).
+Where the CostModel's `cores` says the ranks of a node share that many cores, the step is
+at least their summed work over them (NOTE: Shared cores, graphc/tools/shared_cores.py).
 Link contention between different rank pairs is not modelled.
 
 The package, by concern:
@@ -54,6 +56,7 @@ from ...plan.templates import PlanWorld
 # the timeline vocabulary, shared with the measured traces the runtime writes
 from ...runtime.trace import Span, Timeline
 from ..cost_model import CostModel
+from ..shared_cores import shared_core_floor
 from .classes import add_model_state, simulate_classes
 from .engine import _Simulation
 from .memory import activation_peak, stage_input_bytes
@@ -92,6 +95,7 @@ def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
     sim = _Simulation(plans, costs, steps, cores)
     sim.run()
     result = sim.result()
+    result.step_time = max(result.step_time, shared_core_floor(plans, costs))   # NOTE: Shared cores
     if model is not None:
         add_model_state(result, {p.rank: p for p in plans}, model, costs)
     return result

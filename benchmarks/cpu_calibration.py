@@ -1,0 +1,144 @@
+"""The `cpu` preset's host costs, measured here (graphc/tools/network.py stores them).
+
+    PYTHONPATH=. python benchmarks/cpu_calibration.py
+
+On CPU ranks a small layer's time is not its FLOPs: each op dispatched costs a fixed host
+time (Python, the dispatcher, autograd's bookkeeping), each plan instruction the runtime's
+own, each collective or transfer a hand-off between ranks. Measured side by side in one run,
+one torch thread, float64 (what benchmarks/auto_quality.py trains):
+  * op_us: the GPT example (8 layers, width 64, 2 x 32 tokens: a data-parallel rank's
+    share of auto_quality's batch) compiled for one rank, its forward and backward replayed
+    (measure_costs), over 3 x the ops its forward dispatches as device_costs counts them
+    (the preset charges a backward twice its forward, as for FLOPs);
+  * instruction_us: one rank's step of a 4-wide linear model at 16 micro-batches less at 1,
+    per micro-batch, less what measure_costs' replay of its forward and backward takes,
+    over its 2 compute instructions: what the runtime adds per instruction;
+  * link_gbps: the same all-reduce of 4 MiB: the bandwidth at which collective_seconds'
+    2-rank ring (B bytes per member) charges its time per member beyond the 8-byte one's;
+  * collective_us and p2p_us: a 2-rank local world's all-reduce of 8 bytes and a send /
+    receive pair, wall time per call over the 2 ranks (one rank runs at a time there, so
+    the wall time is the ranks' summed host time).
+Each is the least of 5 rounds. The load is printed: on a loaded machine every number grows alike, so their ratios (what
+ranks layouts against each other) hold better than the numbers.
+"""
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import graphc  # noqa: E402
+from graphc.runtime.local_world import LocalWorld  # noqa: E402
+from gpt import GPT, GPTConfig, lm_loss  # noqa: E402
+
+
+class _OneRank(graphc.Graph):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def build(self, x, y):
+        loss = lm_loss(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def op_seconds(repeats: int = 5) -> float:
+    """The GPT's one-rank stage replayed (measure_costs) over its ops as device_costs counts
+    them (the stage program's, on fake tensors): the preset's forward + backward is 3 x ops."""
+    from graphc import compiler
+    from graphc.tools.costs import _count_stage, measure_costs
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=8, n_head=4, n_embd=64))
+    x = torch.randint(0, 65, (2, 32))
+    compiled = compiler.compile(_OneRank(model), [x, x], 1)
+    costs = measure_costs(compiled, repeats=repeats)
+    ops = sum(_count_stage(prog, compiled)[0].ops for prog in compiled.programs)
+    return (sum(costs.forward.values()) + sum(costs.backward.values())) / (3 * ops)
+
+
+class _Tiny(graphc.Graph):
+    def __init__(self, m: int):
+        super().__init__()
+        self.model = nn.Linear(4, 4)
+        self.config.set_gradient_accumulation_steps(m)
+        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.1))
+
+    def build(self, x):
+        loss = self.model(x).square().mean()
+        loss.backward()
+        return loss
+
+
+def instruction_seconds(repeats: int = 20) -> float:
+    from graphc import compiler
+    from graphc.tools.costs import measure_costs
+    per_call = {}
+    for m in (1, 16):
+        x = torch.randn(16, 4)
+        graph = _Tiny(m)
+        times = []
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            graph(x)
+            times.append(time.perf_counter() - t0)
+        per_call[m] = statistics.median(times[2:])
+        if m == 16:
+            costs = measure_costs(compiler.compile(graph, [x], 1), graph._optimizer, repeats=repeats)
+            replayed = costs.forward[0] + costs.backward[0]
+    per_mb = (per_call[16] - per_call[1]) / 15
+    return max(0.0, (per_mb - replayed) / 2)
+
+
+def local_world_seconds(calls: int = 200, big: int = 1 << 22):
+    """(all-reduce of 8 bytes, of `big` bytes, send + receive of 8 bytes): wall seconds per
+    call, 2 ranks."""
+    def rank_main(rank):
+        from graphc import world
+        w = world.current()
+        times = []
+        for n, count in ((8, calls), (big, max(1, calls // 10))):
+            t = torch.zeros(n // 8)
+            w.barrier()
+            t0 = time.perf_counter()
+            for _ in range(count):
+                w.all_reduce(t)
+            times.append((time.perf_counter() - t0) / count)
+        w.barrier()
+        t0 = time.perf_counter()
+        for i in range(calls):     # a ping-pong: each message hands the baton to the other rank
+            if rank == 0:
+                w.isend(t, 1, tag=2 * i).wait()
+                w.irecv(t, 1, tag=2 * i + 1).wait()
+            else:
+                w.irecv(t, 0, tag=2 * i).wait()
+                w.isend(t, 0, tag=2 * i + 1).wait()
+        return times[0], times[1], (time.perf_counter() - t0) / (2 * calls)
+    runs = LocalWorld(2).run(rank_main)
+    return tuple(max(r[i] for r in runs) for i in range(3))
+
+
+def main(rounds: int = 5) -> None:
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    load = os.getloadavg()
+    found = []
+    for _ in range(rounds):     # the least of each: the one least slowed by other processes
+        found.append((op_seconds(), instruction_seconds()) + local_world_seconds())
+    op, ins, reduce_s, big_s, p2p_s = (min(col) for col in zip(*found))
+    # a 2-rank ring moves B per member (collective_seconds): the bandwidth that charges the
+    # big all-reduce's time per member beyond the small one's
+    link = (1 << 22) / max((big_s - reduce_s) / 2, 1e-12)
+    print(f"load average {load[0]:.2f} -> {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    print(f"op_us          {op * 1e6:8.1f}   host time per dispatched forward op (backward: 2x)")
+    print(f"instruction_us {ins * 1e6:8.1f}   the runtime's time per compute instruction")
+    print(f"collective_us  {reduce_s / 2 * 1e6:8.1f}   per member of a 2-rank all-reduce (local world)")
+    print(f"link_gbps      {link / 1e9:8.2f}   a 2-rank all-reduce's bytes per second per member (local world)")
+    print(f"p2p_us         {p2p_s / 2 * 1e6:8.1f}   per side of a send / receive (local world)")
+
+
+if __name__ == "__main__":
+    main()

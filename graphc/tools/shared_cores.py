@@ -1,0 +1,50 @@
+"""The least step time of ranks that share a node's cores.
+
+NOTE: Shared cores
+The simulator gives each rank its own device: ranks compute at the same time. CPU ranks on
+one host share its cores, and the ranks of a local world (threads of one process) run one
+at a time (NOTE: Local world), so a step can be no shorter than the work of a node's ranks
+divided by the cores they share: with C cores and R > C busy ranks, the layout that does
+the least total work is the fastest, even where its critical path is longer (8 ranks of a
+tiny model on 2 cores: data parallelism's replicated work against a pipeline's bubble).
+A rank's work here is its host time: each compute's cost, each send's and receive's CPU
+cost and each collective's whole cost (on a shared host its copies and sums take a core).
+`simulate` takes the larger of its timeline's step and this bound where the CostModel
+says how many cores (`CostModel.cores`; the `cpu` preset's `cores_per_node`,
+graphc/tools/network.py). It is a lower bound: ranks that wait leave cores idle, which
+the timeline's critical path, not this bound, accounts for.
+"""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+from ..plan.instructions import AllReduce, Collective
+from ..plan.plan import ExecutionPlan
+from .cost_model import CostModel
+
+
+def rank_work(plan: ExecutionPlan, costs: CostModel) -> float:
+    """Seconds of host time one step of `plan` takes on its rank (See NOTE: Shared cores)."""
+    total = 0.0
+    for ins in plan.instructions:
+        if ins.runs == "send":
+            total += costs.send_cost(sum(t.nbytes for t in ins.tensors))
+        elif ins.runs == "recv":
+            total += costs.recv_cost(sum(t.nbytes for t in ins.tensors))
+        elif isinstance(ins, (AllReduce, Collective)):    # as the engine charges collectives
+            total += costs.collective(ins)
+        else:
+            total += costs.compute(ins, plan.rank)
+    return total
+
+
+def shared_core_floor(plans: Sequence[ExecutionPlan], costs: CostModel) -> float:
+    """The least step: the busiest node's summed rank work over its cores (0: no cores set)."""
+    if not costs.cores:
+        return 0.0
+    per_node = costs.network.ranks_per_node if costs.network is not None else max(len(plans), 1)
+    work: Dict[int, float] = {}
+    for plan in plans:
+        node = plan.rank // per_node
+        work[node] = work.get(node, 0.0) + rank_work(plan, costs)
+    return max(work.values(), default=0.0) / costs.cores

@@ -156,6 +156,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("GRAPHC_AUTO_CACHE", "", "a folder", "where enable_auto_parallel keeps searched "
              "layouts, keyed by the model and the cluster (unset: ~/.cache/graphc/auto; "
              "graphc/auto/cache.py, NOTE: Search cache)", _text),
+    Variable("GRAPHC_ROUTING_OUT", "", "a folder", "each rank writes its expert-parallel "
+             "layers' tokens per expert of its first step there, for `graphc plan --simulate "
+             "--routing` (graphc/ops/routing_log.py, NOTE: Routing log)", _text),
 )}
 
 

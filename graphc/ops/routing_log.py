@@ -20,7 +20,7 @@ from typing import Dict
 
 import torch
 
-from .. import world
+from .. import env, world
 from .random_ops import current_draw
 
 ENV = "GRAPHC_ROUTING_OUT"
@@ -37,13 +37,13 @@ def record_drops(layer: str, dropped: int, pairs: int) -> None:
 def record_routing(layer: str, counts: torch.Tensor) -> None:
     """Records this rank's per-expert counts of the running micro-batch for `layer`, in the
     first step this rank runs (a no-op without GRAPHC_ROUTING_OUT)."""
-    values = [int(c) for c in counts.tolist()] if os.environ.get(ENV) else None
+    values = [int(c) for c in counts.tolist()] if env.read(ENV) else None
     _write(lambda log, mb: log["layers"].setdefault(layer, {}).__setitem__(mb, values))
 
 
 def _write(update) -> None:
     """update(log, micro-batch) on this rank's log of its first step, then the file rewritten."""
-    folder = os.environ.get(ENV)
+    folder = env.read(ENV)
     if not folder:
         return
     _, step, microbatch = current_draw() or (0, 0, 0)

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from ..meta import (META_ARRIVAL, META_AUTOCAST, META_BATCHED, META_BOXING, META_CONTEXT_PARALLEL,
                     META_GRAD_ENABLED, META_GRAD_PARTIAL, META_PIECES, META_PLACEMENT, META_ROWS, META_SBP, META_STAGE,
-                    META_STAGE_WHY, META_TENSOR, META_INPUT_STAGES, BoxingInfo, RowsMeta, SbpSignature, TensorMeta,
+                    META_STAGE_WHY, META_TENSOR, META_INPUT_STAGES, META_WHOLE_SUM, BoxingInfo, RowsMeta, SbpSignature, TensorMeta,
                     is_backward)
 from ..placement import Broadcast, PartialSum, Split, mesh_shape, placement
 from ..sbp.layout import Pieces
@@ -143,6 +143,7 @@ SCHEMAS: Dict[str, Callable] = {
     META_ARRIVAL: _arrival,
     META_PIECES: _pieces,
     META_CONTEXT_PARALLEL: _of_type(ContextParallel),
+    META_WHOLE_SUM: _of_type(bool),
 }
 
 

@@ -104,8 +104,8 @@ def test_history_records_every_pass():
                      "verify_traced", "warn_unused_parameters", "place_inputs", "check_layout",
                      "annotate_stages", "propagate_shapes", "find_batch_dims", "verify_annotated",
                      "declared_meshes", "decompose_modules", "defer_batch_norm", "infer_sbp",
-                     "warn_replicated_stages", "insert_boxing", "localize_ops", "seed_random_ops",
-                     "split_stages", "insert_grad_modes", "insert_autocast_modes", "cast_to_traced_dtypes", "feed_whole_batch", "insert_checkpoints", "compile_key", "find_plan_symmetry", "lower_plan",
+                     "warn_replicated_stages", "insert_boxing", "localize_ops", "deal_zigzag", "seed_random_ops",
+                     "split_stages", "insert_grad_modes", "insert_autocast_modes", "cast_to_traced_dtypes", "feed_whole_batch", "feed_whole_sums", "insert_checkpoints", "compile_key", "find_plan_symmetry", "lower_plan",
                      "insert_grad_sync", "insert_zero_sync", "insert_zero_units", "insert_tie_sync", "insert_grad_clip", "insert_output_reduce", "list_collectives",
                      "note_stages", "verify_plans"]
 

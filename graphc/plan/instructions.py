@@ -7,7 +7,8 @@ payload: `0SEND_F3 to=1 [relu0:f32[4,512]]`, `1RECV_B3 from=2 [...]`.
 Each instruction class owns its whole vocabulary, as pipelining's `_ComputationType` does:
 its JSON `op`, its `span_kind` on a timeline (runtime/trace.py, the charts), a stage compute's
 `letter`, the `word` a count of it is headed by (tools/summary.py), what the runtime runs it as
-(`runs`: Runtime's entry `_run_<runs>` in runtime/actors.py), how it prints (`__str__`,
+(`runs`: Runtime's entry `_run_<runs>` in runtime/actors.py), what a collective joins the other
+members of its group in (`joins`: how plan/verify.py pairs it), how it prints (`__str__`,
 and `label`, the listing up to its first space), the pattern it parses back from (`TEXT`,
 `_from_text`) and its JSON (`to_json`, `_from_json`). A new instruction is one class here, listed in
 INSTRUCTIONS; parse_instruction and instruction_from_json ask each class in turn.
@@ -28,6 +29,13 @@ _DTYPE_SHORT = {
     "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "b1",
 }
 _DTYPE_LONG = {v: k for k, v in _DTYPE_SHORT.items()}
+
+# What a collective instruction joins the other members of its group in (its class's `joins`,
+# by which plan verification pairs it: plan/verify.py's tables): a sum, gather or scatter of
+# the named tensors, or one fx node's boxing conversion. Compute, transfers and a rank's own
+# steps join nothing ("").
+JOINS_TENSORS = "tensors"
+JOINS_CONVERSION = "conversion"
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,7 @@ class Instruction:
     span_kind: ClassVar[str] = ""           # what it shows as on a timeline (runtime/trace.py KINDS)
     word: ClassVar[str] = ""                # what a count of it is headed by (tools/summary.py)
     runs: ClassVar[str] = ""                # its run entry: Runtime._run_<runs> (runtime/actors.py)
+    joins: ClassVar[str] = ""               # a collective's group entry (JOINS_* above): plan/verify.py
     TEXT: ClassVar[Optional[re.Pattern]] = None   # its printed form, for parse_instruction
 
     @property
@@ -311,6 +320,7 @@ class AllReduce(Instruction):
     span_kind: ClassVar[str] = "collective"
     word: ClassVar[str] = "ALL_REDUCE"
     runs: ClassVar[str] = "grad_sync"         # waits for its bucket (runtime/collectives.py), ties and shards alike
+    joins: ClassVar[str] = JOINS_TENSORS
     purpose: ClassVar[Optional[str]] = None   # told apart in JSON by "purpose"
     TEXT: ClassVar[re.Pattern] = re.compile(r"ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\]")
     ranks: Tuple[int, ...]
@@ -635,6 +645,7 @@ class Collective(Instruction):
     span_kind: ClassVar[str] = "collective"
     word: ClassVar[str] = "collective"     # every conversion counted together
     runs: ClassVar[str] = "inside_compute"  # by the stage program that issues it
+    joins: ClassVar[str] = JOINS_CONVERSION
     kind: str                          # all_gather, reduce_scatter, all_to_all, all_reduce
     stage: int
     microbatch: int

@@ -13,7 +13,8 @@ from .block import ModuleBlock
 from .build_root import BuildRoot
 from .checking.every_step import StepChecks
 from .config import GraphConfig
-from .checkpoint.dcp import dcp_state_dict, unprefixed
+from .checkpoint.dcp import dcp_state_dict
+from .checkpoint.dcp_load import unprefixed
 from .errors import GraphcError
 from .executable import flatten_call
 from .executable_cache import ExecutableCache

@@ -12,6 +12,14 @@ from helpers import ORACLE_DTYPE  # noqa: E402
 # test modules build their constants and models at import: those are float64 too
 torch.set_default_dtype(ORACLE_DTYPE)
 
+# One intra-op thread, as every rank computes (torchrun's OMP_NUM_THREADS=1, run_world's
+# ranks, the local world's threads): on tensors this small a second OpenMP thread buys
+# nothing and costs its wake-up and spin on a shared 2-core machine (a BatchNorm forward
+# 0.28 ms on one thread, 5 ms on two at load 9; tests/sbp and three BatchNorm files 12 s of
+# CPU instead of 20). The variable carries it to the processes the tests start.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(autouse=True)
 def _oracle_dtype(request):

@@ -70,6 +70,7 @@ API_ORDER = [
     "graphc.block",           # ModuleBlock: a module wrapped with its config
     "graphc.global_tensor",   # to_global on tensors and modules; the declared layouts
     "graphc.checkpoint.dcp",          # checkpoint state in DCP form
+    "graphc.checkpoint.dcp_load",     # and loaded back from it
     "graphc.checkpoint.files",        # graphc.save / graphc.load
     "graphc.checkpoint.graph_state",  # a graph's parameters and optimizer state across plans
     "graphc.checkpoint",              # the room's public names

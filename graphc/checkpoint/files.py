@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from .dcp import to_local_form
+from .dcp_load import to_local_form
 from ..errors import GraphcError
 
 

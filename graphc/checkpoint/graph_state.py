@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from .. import world
-from .dcp import DCP_FORMAT, class_name, load_dcp_state_dict, load_into
+from .dcp import DCP_FORMAT, class_name
+from .dcp_load import load_dcp_state_dict, load_into
 from ..errors import GraphcError
 from ..global_tensor import declared_layout
 from ..sbp.declared import declared_in

@@ -26,7 +26,7 @@ from ..ops.conversions import RankGroups, box
 from ..sbp.boxing import BOXINGS, backward_collective, kind_of
 from ..sbp.cost import moved_bytes, tensor_bytes
 from ..sbp.layout import B, axis_groups, is_even, mesh_shape, same_shape, split_extent
-from .infer_sbp import sharded_use
+from .summed_grad_cone import sharded_use
 
 
 def insert_boxing(gm: fx.GraphModule) -> fx.GraphModule:
@@ -97,7 +97,7 @@ def _convert(gm, a: fx.Node, need: tuple, consumer: fx.Node) -> fx.Node:
         after = cur[:axis] + (d,) + cur[axis + 1:]
         kind = kind_of(s, d)
         if kind == "slice" and axis in a.meta.get(META_GRAD_PARTIAL, ()):
-            kind = "slice_summed_grad"   # NOTE: Whole values with a summed gradient (infer_sbp)
+            kind = "slice_summed_grad"   # NOTE: Whole values with a summed gradient (summed_grad_cone)
         value = _box_node(gm, value, consumer, mesh, axis, kind, cur, after)
         cur = after
     return value

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .instructions import Instruction, Recv, Send
 from .plan import ExecutionPlan, _fmt_ranks, parse_ranks
-from .verify import COLLECTIVES, signature
+from .verify import is_collective, signature
 
 GROUP = "collectives over "    # key of a group's collective sequence: `collectives over 0..3`
 CHANNEL = "transfers "         # key of a channel's: `transfers 0->4`
@@ -47,11 +47,11 @@ def plan_digests(plan: ExecutionPlan) -> Dict[str, str]:
 
 
 def _keyed(rank: int, ins: Instruction) -> Tuple[Optional[str], str]:
-    if isinstance(ins, COLLECTIVES):
+    if is_collective(ins):
         return GROUP + _fmt_ranks(tuple(sorted(ins.ranks))), repr(signature(ins))
-    if isinstance(ins, Send):
+    if ins.runs == Send.runs:
         return channel_key(rank, ins.peer), _transfer(ins.stage, ins.peer_stage, ins)
-    if isinstance(ins, Recv):
+    if ins.runs == Recv.runs:
         return channel_key(ins.peer, rank), _transfer(ins.peer_stage, ins.stage, ins)
     return None, ""
 

@@ -246,7 +246,7 @@ def _defer_weights(order: List[Instruction], lag: int) -> List[Instruction]:
     held: Deque[BackwardWeight] = deque()
     for ins in order:
         out.append(ins)
-        if isinstance(ins, BackwardInput):
+        if ins.runs == BackwardInput.runs:
             held.append(BackwardWeight(ins.stage, ins.microbatch))
             if len(held) > lag:
                 out.append(held.popleft())
@@ -314,12 +314,14 @@ def peak_live(order: Sequence[Instruction]) -> int:
     live = peak = 0
     for ins in order:
         for part in ins.parts:
-            if isinstance(part, Forward):
-                live += 1
-                peak = max(peak, live)
-            elif isinstance(part, (Backward, BackwardWeight)):
-                live -= 1
+            live += _HOLDS.get(part.runs, 0)
+            peak = max(peak, live)
     return peak
+
+
+# what a compute does to the micro-batches a rank holds, by its run entry: a forward starts
+# holding one, its backward (whole, or the weight half) ends that
+_HOLDS = {Forward.runs: 1, Backward.runs: -1, BackwardWeight.runs: -1}
 
 
 def forward_only(rank: int, num_ranks: int, num_stages: int, num_microbatches: int,

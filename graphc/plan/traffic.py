@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Dict
 
-from .instructions import AllReduce, Collective, Instruction, Recv, Send, _ShardCollective
+from .collective_instructions import _ShardCollective
+from .instructions import AllReduce, Collective, Instruction, Recv, Send
 from .plan import ExecutionPlan
 
 

@@ -22,14 +22,16 @@ from collections import Counter, defaultdict, deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PlanError
-from .instructions import (COMPUTE, STAGE_COMPUTES, AllReduce, Backward, BackwardInput, BackwardWeight,
-                           Collective, Forward, Instruction, Recv, Send)
+from .instructions import (COMPUTE_RUNS, JOINS_CONVERSION, JOINS_TENSORS, STAGE_COMPUTES, Backward,
+                           BackwardInput, BackwardWeight, Forward, Instruction, Recv, Send)
 from .plan import ExecutionPlan
 
 
-# every instruction that waits for all ranks of its group: gradient buckets, tie and clip
-# all-reduces (AllReduce subclasses) and the boxing conversions list_collectives lists
-COLLECTIVES = (AllReduce, Collective)
+def is_collective(ins: Instruction) -> bool:
+    """Whether `ins` waits for all ranks of its group: gradient buckets, tie, clip and output
+    sums, ZeRO's scatters and gathers, and the boxing conversions list_collectives lists. What
+    its class `joins` them in picks how the members pair (_SIGNATURES, _DIFFERENCES)."""
+    return bool(ins.joins)
 
 
 def verify_plans(plans: Sequence[ExecutionPlan], world_size: Optional[int] = None,
@@ -46,7 +48,7 @@ def verify_plans(plans: Sequence[ExecutionPlan], world_size: Optional[int] = Non
     by_rank = {p.rank: p for p in plans}
     checked = set()   # ranks of one pipeline position list the very same compute objects
     for plan in plans:
-        computes = (plan.training, plan.schedule, *(id(i) for i in plan.instructions if isinstance(i, COMPUTE)))
+        computes = (plan.training, plan.schedule, *(id(i) for i in plan.instructions if i.runs in COMPUTE_RUNS))
         if computes not in checked:
             _check_compute_order(plan)
             checked.add(computes)
@@ -61,12 +63,12 @@ def verify_plans(plans: Sequence[ExecutionPlan], world_size: Optional[int] = Non
 
 def _check_peers_in_world(plan: ExecutionPlan, world_size: int) -> None:
     for i, ins in enumerate(plan.instructions):
-        peers = [ins.peer] if isinstance(ins, (Send, Recv)) else \
-            list(ins.ranks) if isinstance(ins, COLLECTIVES) else []
+        peers = [ins.peer] if ins.runs in (Send.runs, Recv.runs) else \
+            list(ins.ranks) if is_collective(ins) else []
         outside = [r for r in peers if not 0 <= r < world_size]
         if outside:
             _fail(plan, i, f"rank(s) {outside} are outside the world of {world_size} ranks")
-        if isinstance(ins, COLLECTIVES) and plan.rank not in ins.ranks:
+        if is_collective(ins) and plan.rank not in ins.ranks:
             _fail(plan, i, f"rank {plan.rank} issues a collective over ranks {list(ins.ranks)} "
                   "that it is not part of")
 
@@ -123,11 +125,11 @@ def _p2p_queues(by_rank) -> Dict[Tuple[int, int], Dict[str, List[Tuple[int, Inst
     queues = defaultdict(lambda: {"send": [], "recv": []})
     for rank, plan in by_rank.items():
         for i, ins in enumerate(plan.instructions):
-            if isinstance(ins, Send):
+            if ins.runs == Send.runs:
                 if ins.peer not in by_rank:
                     _fail(plan, i, f"peer rank {ins.peer} is outside the world of {len(by_rank)} ranks")
                 queues[(rank, ins.peer)]["send"].append((i, ins))
-            elif isinstance(ins, Recv):
+            elif ins.runs == Recv.runs:
                 if ins.peer not in by_rank:
                     _fail(plan, i, f"peer rank {ins.peer} is outside the world of {len(by_rank)} ranks")
                 queues[(ins.peer, rank)]["recv"].append((i, ins))
@@ -170,17 +172,23 @@ def _same_transfer(s: Send, r: Recv) -> bool:
 
 
 def signature(ins: Instruction) -> tuple:
-    """What must agree on every rank of a collective's group for the ranks to pair up.
+    """What must agree on every rank of a collective's group for the ranks to pair up."""
+    return _SIGNATURES[ins.joins](ins)
 
-    A boxing Collective's `nbytes` is what this rank sends, which may differ by rank (an
-    uneven split), so it is left out; the conversion node fixes the shapes and dtype, since
-    every rank of a group runs the same stage program. Tie and clip collectives leave out
-    their per-rank `params` (see their docstrings).
-    """
-    if isinstance(ins, Collective):
-        return ("collective", ins.kind, ins.ranks, ins.stage, ins.microbatch, ins.direction,
-                ins.node, ins.sbp_in, ins.sbp_out, ins.dtype)
+
+def _tensors_signature(ins: Instruction) -> tuple:
+    """A sum, gather or scatter of named tensors: its kind, ranks, tensors (shapes, dtypes)
+    and a clip's bound. Tie and clip collectives leave out their per-rank `params` (see
+    their docstrings)."""
     return (type(ins).__name__, ins.ranks, ins.tensors, getattr(ins, "max_norm", None))
+
+
+def _conversion_signature(ins: Instruction) -> tuple:
+    """A boxing conversion: its `nbytes` is what this rank sends, which may differ by rank (an
+    uneven split), so it is left out; the conversion node fixes the shapes and dtype, since
+    every rank of a group runs the same stage program."""
+    return ("collective", ins.kind, ins.ranks, ins.stage, ins.microbatch, ins.direction,
+            ins.node, ins.sbp_in, ins.sbp_out, ins.dtype)
 
 
 def _collective_queues(by_rank, world_size: Optional[int] = None
@@ -191,7 +199,7 @@ def _collective_queues(by_rank, world_size: Optional[int] = None
     queues: Dict[Tuple[int, ...], Dict[int, List[Tuple[int, Instruction]]]] = defaultdict(dict)
     for rank, plan in by_rank.items():
         for i, ins in enumerate(plan.instructions):
-            if not isinstance(ins, COLLECTIVES):
+            if not is_collective(ins):
                 continue
             if rank not in ins.ranks:
                 _fail(plan, i, f"rank {rank} issues a collective over ranks {list(ins.ranks)} "
@@ -267,15 +275,21 @@ def _explain_mismatch(by_rank, group, seqs, sigs, k: int) -> None:
 
 
 def _difference(ins: Instruction, other: Instruction, rank: int, other_rank: int) -> str:
-    """The first differing tensor of two same-kind all-reduces (a gradient bucket's shapes),
-    or a conversion's dtype."""
+    """How two same-kind collectives differ: the first differing tensor of two all-reduces (a
+    gradient bucket's shapes), or a conversion's dtype."""
     if type(ins) is not type(other):
         return ""
-    if isinstance(ins, Collective):
-        if ins.dtype != other.dtype and signature(ins)[:-1] == signature(other)[:-1]:
-            return (f": dtype {ins.dtype or '?'} on rank {rank}, {other.dtype or '?'} on rank "
-                    f"{other_rank}; every member of a collective must send the same dtype")
-        return ""
+    return _DIFFERENCES[ins.joins](ins, other, rank, other_rank)
+
+
+def _conversion_difference(ins: Instruction, other: Instruction, rank: int, other_rank: int) -> str:
+    if ins.dtype != other.dtype and signature(ins)[:-1] == signature(other)[:-1]:
+        return (f": dtype {ins.dtype or '?'} on rank {rank}, {other.dtype or '?'} on rank "
+                f"{other_rank}; every member of a collective must send the same dtype")
+    return ""
+
+
+def _tensors_difference(ins: Instruction, other: Instruction, rank: int, other_rank: int) -> str:
     if ins.ranks != other.ranks:
         return f": ranks {list(ins.ranks)} here, {list(other.ranks)} there"
     if len(ins.tensors) != len(other.tensors):
@@ -285,6 +299,11 @@ def _difference(ins: Instruction, other: Instruction, rank: int, other_rank: int
             what = " (a dtype mismatch)" if _dtype_clash((a,), (b,)) else ""
             return f": rank {rank} reduces {a} where rank {other_rank} reduces {b}{what}"
     return ""
+
+
+# a collective's entries by what it joins (its class's `joins`, plan/instructions.py)
+_SIGNATURES = {JOINS_TENSORS: _tensors_signature, JOINS_CONVERSION: _conversion_signature}
+_DIFFERENCES = {JOINS_TENSORS: _tensors_difference, JOINS_CONVERSION: _conversion_difference}
 
 
 def _check_acyclic(by_rank, pairs, hubs) -> None:
@@ -379,7 +398,7 @@ class _Walk:
         """Where a stuck rank waits, the collectives it must pass first, and `target`."""
         plan, start = self.by_rank[rank], self.pc[rank]
         between = [i for i in range(start + 1, target)
-                   if isinstance(plan.instructions[i], COLLECTIVES)]
+                   if is_collective(plan.instructions[i])]
         return [start] + between + ([target] if target > start else [])
 
 

@@ -8,6 +8,8 @@ a thread of this process, running the plans torchrun runs, with in-memory transf
 - the ranks' own process state is theirs (RANK in os.environ, torch's random state);
 - `graphc check` runs a script's ranks and exits 0 only when every step agrees.
 """
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import torch.nn as nn
 
 import graphc
 import graphc.testing
+from graphc.cli import main as cli_main
 from graphc.runtime.local_world import LocalDeadlock, LocalWorld
 from helpers import assert_same_as_eager, eager_train
 from models import OPTIMIZERS, SkipNet, make_batches, make_sched
@@ -190,17 +193,23 @@ def test_collectives_combine_in_rank_order():
 
 def test_graphc_check_command_on_the_gpt_example():
     """`graphc check` runs the example's 4 ranks (pipeline 2 x tensor 2, tied embedding) and
-    exits 0 with every step equal to eager; a wrong tolerance of 0 makes it exit 1."""
-    cmd = [sys.executable, "-m", "graphc", "check", "examples/gpt.py", "--nproc", "4", "--steps", "2",
-           "--", "--pp", "2", "--tp", "2", "--layers", "2", "--embd", "32", "--batch", "8"]
+    exits 0 with every step equal to eager; a wrong tolerance of 0 makes it return 1 (its
+    command's main called in this process: a second interpreter would cost more than the run,
+    and one step is enough, as the first step already differs)."""
+    args = ["check", "examples/gpt.py", "--nproc", "4", "--steps", "2",
+            "--", "--pp", "2", "--tp", "2", "--layers", "2", "--embd", "32", "--batch", "8"]
     env = dict(os.environ, PYTHONPATH=REPO)
-    ok = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    ok = subprocess.run([sys.executable, "-m", "graphc"] + args, cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "OK: 2 step(s)" in ok.stdout and "graphc check: OK" in ok.stdout
-    strict = subprocess.run(cmd[:7] + ["--tolerance", "0"] + cmd[7:], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)
+    strict = args[:5] + ["1", "--tolerance", "0"] + args[6:]
+    strict[1] = os.path.join(REPO, strict[1])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli_main(strict)
     # float64 reordering leaves ~1e-16 differences: a zero bound must fail, naming a parameter
-    assert strict.returncode == 1 and "DIFFERS: first at step" in strict.stdout, strict.stdout
+    assert code == 1 and "DIFFERS: first at step" in out.getvalue(), out.getvalue()
 
 
 FAKE_MODES_IN_RANK_THREADS = """

@@ -53,3 +53,18 @@ def test_every_class_names_its_run_entry():
     assert {c.runs for c in (Collective, UnitGather, UnitRelease)} == {INSIDE_COMPUTE}
     assert len({AllReduce.runs, AllGather.runs, ClipGradNorm.runs}) == 3
     assert ReduceScatter.runs == TieAllReduce.runs == AllReduce.runs
+
+
+def test_every_collective_names_what_it_joins():
+    """Verification pairs a collective with its group's by what its class `joins`: every such
+    entry has a signature and a difference in plan/verify.py, and exactly the kinds whose
+    every member issues them together join something (a unit release, which runs inside its
+    compute like a unit gather, joins nothing)."""
+    from graphc.plan import verify
+    joined = {cls.__name__ for cls in INSTRUCTIONS if cls.joins}
+    assert joined == {"Collective", "AllReduce", "TieAllReduce", "ClipGradNorm", "OutputAllReduce",
+                      "ReduceScatter", "AllGather", "UnitGather"}
+    for cls in INSTRUCTIONS:
+        assert cls.joins in ("", *verify._SIGNATURES) and (not cls.joins or cls.joins in verify._DIFFERENCES)
+    assert verify.signature(SAMPLES[7])[0] == "collective"
+    assert verify.signature(SAMPLES[10]) == ("ClipGradNorm", (0, 1), SAMPLES[10].tensors, 0.5)

@@ -22,15 +22,16 @@ from typing import Dict
 import torch
 
 
-def replay_concurrently(compiled, optimizer, repeats: int, threads: int) -> Dict[int, object]:
+def replay_concurrently(compiled, optimizer, repeats: int, threads: int, replay) -> Dict[int, object]:
     """stage -> _StageTimes, every rank replaying its stage in its own forked process at
-    once (See NOTE: Concurrent replay)."""
+    once (See NOTE: Concurrent replay); `replay(program, compiled, optimizer, repeats)` times
+    one stage (costs._replay_stage, passed in so that this module does not import costs)."""
     ranks = sorted(r for s in compiled.stages for r in s.ranks)
     stage_of = {r: s.stage_id for s in compiled.stages for r in s.ranks}
     ctx = mp.get_context("fork")
     barrier, results = ctx.Barrier(len(ranks)), ctx.Queue()
     procs = [ctx.Process(target=_replay_rank, args=(compiled, optimizer, stage_of[r], repeats, threads,
-                                                    barrier, results), daemon=True) for r in ranks]
+                                                    barrier, results, replay), daemon=True) for r in ranks]
     for p in procs:
         p.start()
     got = [_next_result(results, procs) for _ in procs]
@@ -58,13 +59,13 @@ def _next_result(results, procs) -> tuple:
                 return (None, None, f"a replay process exited with code {dead[0]}")
 
 
-def _replay_rank(compiled, optimizer, stage: int, repeats: int, threads: int, barrier, results) -> None:
-    from .costs import _replay_stage
+def _replay_rank(compiled, optimizer, stage: int, repeats: int, threads: int, barrier, results,
+                 replay) -> None:
     try:
         torch.set_num_threads(threads)
         prog = next(p for p in compiled.programs if p.stage == stage)
         barrier.wait(timeout=600)
-        results.put((stage, _replay_stage(prog, compiled, optimizer, repeats), ""))
+        results.put((stage, replay(prog, compiled, optimizer, repeats), ""))
     except BaseException as exc:   # reported by the parent, which is waiting on the queue
         results.put((stage, None, f"{type(exc).__name__}: {exc}"))
 

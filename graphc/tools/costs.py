@@ -27,7 +27,7 @@ import torch
 from ..errors import GraphcError
 from ..plan.instructions import AllReduce, Instruction
 from .cost_model import CostModel
-from .network import DEVICES, DevicePreset, Network  # noqa: F401 (DEVICES: API)
+from .network import DEVICES, Network  # noqa: F401 (DEVICES: API)
 from .transport_costs import measure_transport
 
 
@@ -81,7 +81,8 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
     try:
         if concurrent:
             from .concurrent_replay import replay_concurrently
-            times = replay_concurrently(compiled, optimizer, repeats, threads or saved_threads)
+            times = replay_concurrently(compiled, optimizer, repeats, threads or saved_threads,
+                                        _replay_stage)
         else:
             times = _replay_one_by_one(compiled, optimizer, repeats)
     finally:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Dict, Sequence
 
-from ..plan.instructions import AllReduce, Collective
 from ..plan.plan import ExecutionPlan
 from .cost_model import CostModel
 
@@ -31,7 +30,7 @@ def rank_work(plan: ExecutionPlan, costs: CostModel) -> float:
             total += costs.send_cost(sum(t.nbytes for t in ins.tensors))
         elif ins.runs == "recv":
             total += costs.recv_cost(sum(t.nbytes for t in ins.tensors))
-        elif isinstance(ins, (AllReduce, Collective)):    # as the engine charges collectives
+        elif ins.joins:    # a collective (its class's group entry), as the engine charges it
             total += costs.collective(ins)
         else:
             total += costs.compute(ins, plan.rank)

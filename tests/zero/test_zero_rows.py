@@ -15,18 +15,19 @@ CONFIG = [(2, 4, "adam", True)]
 
 def _counted(rank, world, configs):
     calls = {"reduce": 0, "broadcast": 0}
-    reduce_rows, broadcast_rows = zero_rows.launch_reduce_rows, zero_rows.launch_broadcast_rows
+    launch_next, broadcast_rows = zero_rows.ReducedRows.launch_next, zero_rows.launch_broadcast_rows
 
-    def reduce(*args):
+    def reduce(self, grad):
         calls["reduce"] += 1
-        return reduce_rows(*args)
+        return launch_next(self, grad)
 
     def broadcast(*args):
         calls["broadcast"] += 1
         return broadcast_rows(*args)
 
     import graphc.runtime.zero as zero
-    zero.launch_reduce_rows, zero.launch_broadcast_rows = reduce, broadcast
+    zero_rows.ReducedRows.launch_next = reduce   # each parameter's reduces, as its gradient is final
+    zero.launch_broadcast_rows = broadcast
     out = _data_parallel(rank, world, configs)
     out["calls"] = calls
     return out

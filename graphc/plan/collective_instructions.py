@@ -26,6 +26,11 @@ class AllReduce(Instruction):
     ranks: Tuple[int, ...]
     tensors: Tuple[TensorSpec, ...] = field(default=())
 
+    def sent_bytes(self) -> int:
+        """As a ring sends over d ranks: a reduce-scatter, then an all-gather, 2 (d-1)/d B."""
+        d = len(self.ranks)
+        return 2 * sum(t.nbytes for t in self.tensors) * (d - 1) // d
+
     @property
     def label(self) -> str:
         return self.word
@@ -164,6 +169,11 @@ class _ShardCollective(AllReduce):
             rows = t.shape[0] if t.shape else 1
             total += d * -(-rows // d) * (t.nbytes // max(rows, 1))
         return total
+
+    def sent_bytes(self) -> int:
+        """A ring's reduce-scatter or all-gather of the padded bucket: (d-1)/d of it."""
+        d = len(self.ranks)
+        return self.padded_nbytes * (d - 1) // d
 
     def __str__(self) -> str:
         return f"{self.word} ranks={list(self.ranks)} [{' '.join(map(str, self.tensors))}]"
@@ -354,6 +364,9 @@ class Collective(Instruction):
         dtype = f":{_DTYPE_SHORT.get(self.dtype, self.dtype)}" if self.dtype else ""
         return (f"{self.label} {self.node}{dtype} {self.sbp_in}->{self.sbp_out} ranks={list(self.ranks)} "
                 f"bytes={self.nbytes}" + (f" # {self.note}" if self.note else ""))
+
+    def sent_bytes(self) -> int:
+        return self.nbytes
 
     def to_json(self) -> dict:
         return {"op": self.kind, "stage": self.stage, "microbatch": self.microbatch,

@@ -38,6 +38,11 @@ class Instruction:
         """What it runs, one after the other: itself (an OverlapFB: its two halves)."""
         return (self,)
 
+    def sent_bytes(self) -> int:
+        """The bytes this rank sends for it in a step (plan/traffic.py): none for compute and
+        receives; transfers and collectives say theirs."""
+        return 0
+
     def to_json(self) -> dict:
         return {"op": self.op}
 

@@ -194,6 +194,9 @@ class Send(_P2P):
     word: ClassVar[str] = "SEND"
     towards: ClassVar[str] = "to"
 
+    def sent_bytes(self) -> int:
+        return self.nbytes
+
 
 @dataclass(frozen=True)
 class Recv(_P2P):

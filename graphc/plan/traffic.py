@@ -12,32 +12,21 @@ from __future__ import annotations
 from collections import Counter
 from typing import Dict
 
-from .collective_instructions import _ShardCollective
-from .instructions import AllReduce, Collective, Instruction, Recv, Send
+from .instructions import Instruction
 from .plan import ExecutionPlan
 
 
 def sent_bytes(ins: Instruction) -> int:
-    """The bytes this rank sends for `ins` (0 for compute and receives)."""
-    if isinstance(ins, Send):
-        return ins.nbytes
-    if isinstance(ins, Collective):
-        return ins.nbytes
-    if isinstance(ins, _ShardCollective):
-        d = len(ins.ranks)
-        return ins.padded_nbytes * (d - 1) // d
-    if isinstance(ins, AllReduce):
-        d = len(ins.ranks)
-        return 2 * sum(t.nbytes for t in ins.tensors) * (d - 1) // d
-    return 0
+    """The bytes this rank sends for `ins` (0 for compute and receives): each kind says its
+    own (Instruction.sent_bytes)."""
+    return ins.sent_bytes()
 
 
 def step_bytes(plan: ExecutionPlan) -> Dict[str, int]:
     """Bytes sent per step by instruction word (SEND, ALL_REDUCE, REDUCE_SCATTER, ...)."""
     out: Counter = Counter()
     for ins in plan.instructions:
-        if not isinstance(ins, Recv):
-            n = sent_bytes(ins)
-            if n:
-                out[ins.word] += n
+        n = ins.sent_bytes()
+        if n:
+            out[ins.word] += n
     return dict(out)

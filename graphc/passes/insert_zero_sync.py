@@ -24,6 +24,7 @@ from typing import Dict, List, Sequence, Set, Tuple
 
 import torch.fx as fx
 
+from ..log import warn_user
 from ..meta import META_GRAD_PARTIAL, META_STAGE, META_TENSOR
 from ..plan.instructions import (COMPUTE, AllGather, AllReduce, OptimizerStep, OverlapFB, ReduceScatter,
                                  ReleaseParams, TensorSpec)
@@ -36,6 +37,7 @@ def insert_zero_sync(plans: Sequence[ExecutionPlan], gm: fx.GraphModule, stage: 
     if not stage:
         return list(plans)
     shardable = _shardable(gm)
+    _warn_two_axes(gm, stage)
     dtypes = {str(n.target): n.meta[META_TENSOR].dtype for n in gm.graph.nodes
               if n.op == "get_attr" and str(n.target) in shardable and n.meta.get(META_TENSOR)}
     for plan in plans:
@@ -65,6 +67,21 @@ def _shardable(gm: fx.GraphModule) -> Dict[str, int]:
     # all-reduce (insert_tie_sync): it stays whole
     return {n: next(iter(stages[key])) for key, ns in names.items() if len(stages[key]) == 1
             for n in ns if n in one_axis}
+
+
+def _warn_two_axes(gm: fx.GraphModule, stage: int) -> None:
+    """ZeRO shards a gradient summed over one mesh axis; one summed over two (data x context
+    or data x sequence parallel) stays whole and is all-reduced per axis, as without ZeRO: a
+    memory saving the user asked for and does not get, so said (the plan's ZeRO note lists
+    the count too)."""
+    two = sorted({str(n.target) for n in gm.graph.nodes if n.op == "get_attr"
+                  and len(n.meta.get(META_GRAD_PARTIAL, ())) > 1})
+    if two:
+        warn_user(f"enable_zero(stage={stage}) keeps {len(two)} parameter(s) whole (e.g. "
+                  f"'{two[0]}'): their gradients are summed over two mesh axes (data x context "
+                  "parallel), and ZeRO shards a gradient summed over one, so they are all-reduced "
+                  "per axis and their optimizer state is not split. Fix: data parallelism on one "
+                  "axis only for ZeRO's savings, or accept whole copies (the plan's ZeRO note).")
 
 
 def _shard(plan: ExecutionPlan, stage: int, shardable: Dict[str, int], min_size: int,

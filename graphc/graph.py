@@ -133,7 +133,7 @@ class Graph:
     def _entry(self):
         """Around each public call that may read or write the model's parameters: ZeRO stage 3's
         are refused to reads between calls (NOTE: ZeRO-3 parameters between calls)."""
-        return graph_entry(self._root.parameters())
+        return graph_entry(self._root.parameters)
 
     def __call__(self, *inputs):
         with self._entry():

@@ -449,6 +449,11 @@ def _hold_seen() -> None:
     _ANY_HELD = True
 
 
+def any_held() -> bool:
+    """Whether this process has held any parameter as stage-3 rows (nothing to look at if not)."""
+    return _ANY_HELD
+
+
 def _held(p: torch.nn.Parameter) -> Optional[Shard]:
     """The Shard of a parameter ZeRO stage 3 holds (the first executable's: every executable
     of a graph shards a parameter alike); None for any other."""

@@ -22,12 +22,13 @@ import os
 import threading
 import traceback
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch._C import _disabled_torch_function_impl
 
 from ..errors import GraphcError
+from .zero import any_held, released_in
 
 _T = torch.Tensor
 # what reads no values of a freed parameter and hands out no tensor sharing its storage
@@ -62,14 +63,17 @@ class HeldParameter(torch.nn.Parameter):
 
 def hold_between_calls(params: Iterable[torch.nn.Parameter]) -> None:
     """Each of `params` that ZeRO stage 3 holds as rows, its storage freed, becomes a
-    HeldParameter until the next graph entry."""
-    for p in params:
-        if type(p) is torch.nn.Parameter and _freed(p):
+    HeldParameter until the next graph entry (zero.released_in: no walk of the parameters in
+    a process that never held one, so the call of a graph without stage 3 pays nothing)."""
+    for p in released_in(params):
+        if type(p) is torch.nn.Parameter:
             p.__class__ = HeldParameter
 
 
 def release_hold(params: Iterable[torch.nn.Parameter]) -> None:
     """Every HeldParameter among `params` is a plain nn.Parameter again."""
+    if not any_held():
+        return
     for p in params:
         if type(p) is HeldParameter:
             p.__class__ = torch.nn.Parameter
@@ -79,21 +83,21 @@ _DEPTH = threading.local()   # graph entries open on this thread (a local world'
 
 
 @contextmanager
-def graph_entry(params) -> Iterator[None]:
-    """Around a graph's public call: its model's parameters plain inside, stage-3 ones freed
+def graph_entry(parameters: Callable[[], Iterable[torch.nn.Parameter]]) -> Iterator[None]:
+    """Around a graph's public call: its model's parameters() plain inside, stage-3 ones freed
     between calls held after the outermost entry returns (one may call another: a checked
-    step reads the state dict) (See NOTE: ZeRO-3 parameters between calls)."""
-    params = list(params)
+    step reads the state dict) (See NOTE: ZeRO-3 parameters between calls). parameters() is
+    walked only in a process that has held stage-3 rows."""
     depth = getattr(_DEPTH, "n", 0)
     if depth == 0:
-        release_hold(params)
+        release_hold(parameters())
     _DEPTH.n = depth + 1
     try:
         yield
     finally:
         _DEPTH.n = depth
         if depth == 0:
-            hold_between_calls(params)
+            hold_between_calls(parameters())
 
 
 def _freed(p: torch.nn.Parameter) -> bool:

@@ -5,9 +5,11 @@ partial over both axes, shards every parameter 4 ways.
 Numerics: examples/hf_llama.py's Llama as it comes (a padded row, attention_mask, labels=)
 on a 2 x 2 mesh, rows over axis 0 and the sequence over axis 1 (ring attention), every step
 checked against eager on the whole batch in float64 at 1e-10 (graphc.testing.local_world's
-check, the one-process local world). Memory: each rank's Adam state, measured from its
-optimizer, is 1/4 of the replicated run's (every sharded dim divides by 4), and the
-simulator's model state (tools/simulate/model_state.py) says the same bytes.
+check, the one-process local world). Memory: each rank's optimizer state (SGD's momentum
+buffers), measured from its optimizer, is 1/4 of the replicated run's (every sharded dim
+divides by 4), and the simulator's model state (tools/simulate/model_state.py) says the same
+bytes. Plan: the bytes per step, the simulator's time of the 4-rank reduce-scatter, and the
+verifier refusing a sharded gradient still all-reduced over one axis.
 """
 import os
 import sys
@@ -17,9 +19,14 @@ import torch
 
 import graphc
 from graphc import sbp
+from graphc.errors import PlanError
 from graphc.plan.instructions import AllGather, AllReduce, ReduceScatter
+from graphc.plan.traffic import step_bytes
+from graphc.plan.verify import verify_plans
+from graphc.tools.cost_model import CostModel
 from graphc.tools.simulate import model_inputs, model_state
-from helpers import global_input
+from helpers import compile_graph, global_input
+from models import OPTIMIZERS
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 
@@ -51,8 +58,9 @@ def _state_bytes(opt) -> int:
 
 def llama_dp2_cp2(zero: int, steps: int = 2, accumulation: int = 1, load_balance: bool = False,
                   rows: int = 4, after=None):
-    """HF Llama on dp2 x cp2 ring with enable_zero(stage=zero) and Adam, every step checked
-    against eager (graphc.testing.local_world). `after(rank, graph)` runs on each rank after
+    """HF Llama on dp2 x cp2 ring with enable_zero(stage=zero) and SGD with momentum (its
+    buffer is the state sharded; Adam's update would hide a gradient's scale), every step
+    checked against eager (graphc.testing.local_world). `after(rank, graph)` runs on each rank after
     the last step; its results are the run's `extra`."""
     pytest.importorskip("transformers")
     import hf_llama
@@ -62,7 +70,7 @@ def llama_dp2_cp2(zero: int, steps: int = 2, accumulation: int = 1, load_balance
 
     def make():
         model = hf_llama.make_model(64, args)
-        graph = hf_llama.LlamaGraph(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+        graph = hf_llama.LlamaGraph(model, OPTIMIZERS["sgd_momentum"](model.parameters()),
                                     Layout(1, 1, 1), accumulation)
         graph.model.config.set_stage(0, MESH)
         graph.config.set_context_parallel(method="ring", load_balance=load_balance)
@@ -79,21 +87,21 @@ def llama_dp2_cp2(zero: int, steps: int = 2, accumulation: int = 1, load_balance
 
 
 def _optimizer_state(rank, graph):
-    """(measured Adam state bytes, the simulator's) of this rank."""
+    """(measured optimizer state bytes, the simulator's) of this rank."""
     opt = graph._optimizer
     sim = model_state(graph.plan, model_inputs(graph.compiled, opt).params[rank])
     return _state_bytes(opt), sim.optimizer
 
 
 def test_zero2_on_dp2_cp2_shards_every_parameter_four_ways():
-    """The default check: ZeRO-2 on dp2 x cp2 equals eager (two Adam steps), each gradient
+    """The default check: ZeRO-2 on dp2 x cp2 equals eager (two steps), each gradient
     reduce-scattered once over ranks 0-3 (no per-axis all-reduce left), gathered over them
-    after the step, the plan's zero note naming the group, and each rank's Adam state 1/4
-    of the replicated run's, measured and as simulated."""
+    after the step, the plan's zero note naming the group, and each rank's momentum buffers
+    1/4 of the replicated run's, measured and as simulated."""
     run = llama_dp2_cp2(2, after=_optimizer_state)
     assert run.ok, run.text()
     params = dict(run.graphs[0].model.named_parameters())
-    whole = 2 * sum(p.numel() for p in params.values()) * 8   # Adam: exp_avg, exp_avg_sq in float64
+    whole = sum(p.numel() for p in params.values()) * 8   # a float64 momentum buffer each
     for rank, graph in enumerate(run.graphs):
         plan = graph.plan
         scattered = [t.name for i in plan.instructions if type(i) is ReduceScatter for t in i.tensors]
@@ -103,3 +111,44 @@ def test_zero2_on_dp2_cp2_shards_every_parameter_four_ways():
         assert "split(0) over ranks [0, 1, 2, 3] (mesh axes 0 x 1: 1/4" in plan.notes["zero"], plan.notes
         measured, simulated = run.extra[rank]
         assert measured == simulated == whole // 4, (rank, measured, simulated, whole)
+
+
+# -- the plan: groups, bytes, the verifier (one process, no ranks) ---------------------------
+def _stack_plans(zero: int):
+    """The block stack of tests/gpt_block_models.py on dp2 x cp2 ring, compiled for 4 ranks."""
+    from gpt_block_models import BlockStack, TokenLossGraph
+    torch.manual_seed(0)
+    model = graphc.to_global(BlockStack(layers=1, block=16), placement=MESH, sbp=(sbp.broadcast, sbp.broadcast))
+    graph = TokenLossGraph(model, torch.optim.Adam(model.parameters()))
+    graph.config.set_context_parallel(method="ring")
+    if zero:
+        graph.config.enable_zero(True, stage=zero, shard_min_size=1)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(4, 8, 8, generator=g), torch.randint(0, 5, (4, 8), generator=g)
+    return compile_graph(graph, [global_input(x, MESH, ROWS_AND_POSITIONS), global_input(y, MESH, ROWS_AND_POSITIONS)], 4).plans
+
+
+def test_joint_group_bytes_and_the_verifier():
+    """Per step a rank sends (d-1)/d of the padded gradients in the reduce-scatter and again in
+    the all-gather over the 4 ranks (1.5x the gradients), where data x context parallel without
+    ZeRO all-reduces them over each 2-rank axis (2 x 2 (1/2) = 2x); the simulator times the
+    reduce-scatter as a 4-rank ring moving those bytes. A plan that still all-reduces a sharded
+    gradient over one axis (as before) fails the verifier, naming it."""
+    plans, baseline = _stack_plans(2), _stack_plans(0)[0]
+    whole = sum(t.nbytes for t in next(i for i in baseline.instructions if type(i) is AllReduce).tensors)
+    for plan in plans:
+        scatter = next(i for i in plan.instructions if type(i) is ReduceScatter)
+        sent = step_bytes(plan)
+        assert sent["REDUCE_SCATTER"] == sent["ALL_GATHER"] == scatter.padded_nbytes * 3 // 4, sent
+        assert scatter.padded_nbytes >= whole
+        assert "ALL_REDUCE" not in sent, sent
+        costs = CostModel({}, {}, bandwidth=1e9, latency=1e-6)
+        assert costs.collective(scatter) == pytest.approx(scatter.padded_nbytes * 3 / 4 / 1e9 + 3 * 1e-6)
+    assert step_bytes(baseline)["ALL_REDUCE"] == 2 * whole, step_bytes(baseline)    # two 2-rank all-reduces of every gradient
+    verify_plans(plans)
+    name = scatter.tensors[0]
+    for plan in plans[:2]:   # ranks 0 and 1: the context axis's group, as before joint groups
+        plan.instructions.insert(0, AllReduce((0, 1), (name,)))
+    with pytest.raises(PlanError, match=f"'{name.name}' is reduce-scattered over ranks \\[0, 1, 2, 3\\].*"
+                                        "all-reduced over ranks \\[0, 1\\] too"):
+        verify_plans(plans)

@@ -152,3 +152,21 @@ def test_joint_group_bytes_and_the_verifier():
     with pytest.raises(PlanError, match=f"'{name.name}' is reduce-scattered over ranks \\[0, 1, 2, 3\\].*"
                                         "all-reduced over ranks \\[0, 1\\] too"):
         verify_plans(plans)
+
+
+@pytest.mark.slow   # ~4 x 4 s: ZeRO-2 on dp2 x cp2 runs by default above
+@pytest.mark.parametrize("zero,accumulation,load_balance", [(1, 1, False), (3, 1, False), (2, 2, False),
+                                                            (2, 1, True), (3, 2, True)])
+def test_zero_on_dp2_cp2_matches_eager(zero, accumulation, load_balance):
+    """Stages 1 and 3, two micro-batches (of 4 rows: HF's loss flattens the tokens, which then
+    need equal shards over the 4 ranks), and the sequence dealt zig-zag (load_balance), all
+    sharding over ranks 0-3; stage 3 gathers over them before the compute and releases after."""
+    run = llama_dp2_cp2(zero, accumulation=accumulation, load_balance=load_balance, rows=4 * accumulation)
+    assert run.ok, run.text()
+    plan = run.graphs[0].plan
+    assert {i.ranks for i in plan.instructions if isinstance(i, (ReduceScatter, AllGather))} == {(0, 1, 2, 3)}
+    assert not [i for i in plan.instructions if type(i) is AllReduce], str(plan)
+    assert plan.notes["zero"].startswith(f"stage {zero}; ")
+    if zero == 3:
+        assert [type(i).__name__ for i in plan.instructions if type(i).__name__ in ("AllGather", "ReleaseParams")] \
+            == ["AllGather", "ReleaseParams"], str(plan)   # one stage here: gathered once per step

@@ -20,7 +20,7 @@ import torch
 import graphc
 from graphc import sbp
 from graphc.errors import PlanError
-from graphc.plan.instructions import AllGather, AllReduce, ReduceScatter
+from graphc.plan.instructions import AllGather, AllReduce, ReduceScatter, ReleaseParams
 from graphc.plan.traffic import step_bytes
 from graphc.plan.verify import verify_plans
 from graphc.tools.cost_model import CostModel
@@ -57,7 +57,7 @@ def _state_bytes(opt) -> int:
 
 
 def llama_dp2_cp2(zero: int, steps: int = 2, accumulation: int = 1, load_balance: bool = False,
-                  rows: int = 4, after=None):
+                  rows: int = 4, after=None, unit_bytes: int = 0):
     """HF Llama on dp2 x cp2 ring with enable_zero(stage=zero) and SGD with momentum (its
     buffer is the state sharded; Adam's update would hide a gradient's scale), every step
     checked against eager (graphc.testing.local_world). `after(rank, graph)` runs on each rank after
@@ -75,7 +75,7 @@ def llama_dp2_cp2(zero: int, steps: int = 2, accumulation: int = 1, load_balance
         graph.model.config.set_stage(0, MESH)
         graph.config.set_context_parallel(method="ring", load_balance=load_balance)
         if zero:
-            graph.config.enable_zero(True, stage=zero, shard_min_size=1)
+            graph.config.enable_zero(True, stage=zero, shard_min_size=1, unit_bytes=unit_bytes)
         return graph
 
     def inputs(rank, step):
@@ -154,19 +154,23 @@ def test_joint_group_bytes_and_the_verifier():
         verify_plans(plans)
 
 
-@pytest.mark.slow   # ~4 x 4 s: ZeRO-2 on dp2 x cp2 runs by default above
-@pytest.mark.parametrize("zero,accumulation,load_balance", [(1, 1, False), (3, 1, False), (2, 2, False),
-                                                            (2, 1, True), (3, 2, True)])
-def test_zero_on_dp2_cp2_matches_eager(zero, accumulation, load_balance):
-    """Stages 1 and 3, two micro-batches (of 4 rows: HF's loss flattens the tokens, which then
-    need equal shards over the 4 ranks), and the sequence dealt zig-zag (load_balance), all
-    sharding over ranks 0-3; stage 3 gathers over them before the compute and releases after."""
-    run = llama_dp2_cp2(zero, accumulation=accumulation, load_balance=load_balance, rows=4 * accumulation)
+@pytest.mark.slow   # ~6 x 4 s: ZeRO-2 on dp2 x cp2 runs by default above
+@pytest.mark.parametrize("zero,accumulation,load_balance,unit_bytes", [
+    (1, 1, False, 0), (3, 1, False, 0), (2, 2, False, 0), (2, 1, True, 0), (3, 2, True, 0), (3, 1, False, 4096)])
+def test_zero_on_dp2_cp2_matches_eager(zero, accumulation, load_balance, unit_bytes):
+    """Stages 1 and 3 (whole stage, and per unit), two micro-batches (of 4 rows: HF's loss
+    flattens the tokens, which then need equal shards over the 4 ranks), and the sequence dealt
+    zig-zag (load_balance), all sharding over ranks 0-3; stage 3 gathers over them before the
+    compute and releases after (per unit: inside it)."""
+    run = llama_dp2_cp2(zero, accumulation=accumulation, load_balance=load_balance, rows=4 * accumulation,
+                        unit_bytes=unit_bytes)
     assert run.ok, run.text()
     plan = run.graphs[0].plan
     assert {i.ranks for i in plan.instructions if isinstance(i, (ReduceScatter, AllGather))} == {(0, 1, 2, 3)}
     assert not [i for i in plan.instructions if type(i) is AllReduce], str(plan)
     assert plan.notes["zero"].startswith(f"stage {zero}; ")
-    if zero == 3:
-        assert [type(i).__name__ for i in plan.instructions if type(i).__name__ in ("AllGather", "ReleaseParams")] \
-            == ["AllGather", "ReleaseParams"], str(plan)   # one stage here: gathered once per step
+    gathers = [type(i).__name__ for i in plan.instructions if isinstance(i, (AllGather, ReleaseParams))]
+    if zero == 3 and not unit_bytes:   # one stage here: gathered once per step
+        assert gathers == ["AllGather", "ReleaseParams"], str(plan)
+    if unit_bytes:
+        assert gathers.count("UnitGather") > 2 and "AllGather" not in gathers, str(plan)

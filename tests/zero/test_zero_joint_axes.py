@@ -25,7 +25,7 @@ from graphc.plan.traffic import step_bytes
 from graphc.plan.verify import verify_plans
 from graphc.tools.cost_model import CostModel
 from graphc.tools.simulate import model_inputs, model_state
-from helpers import compile_graph, global_input
+from helpers import assert_same_as_eager, compile_graph, eager_train, global_input, run_world
 from models import OPTIMIZERS
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
@@ -123,8 +123,7 @@ def _stack_plans(zero: int):
     graph.config.set_context_parallel(method="ring")
     if zero:
         graph.config.enable_zero(True, stage=zero, shard_min_size=1)
-    g = torch.Generator().manual_seed(5)
-    x, y = torch.randn(4, 8, 8, generator=g), torch.randint(0, 5, (4, 8), generator=g)
+    x, y = _stack_batches()[0]
     return compile_graph(graph, [global_input(x, MESH, ROWS_AND_POSITIONS), global_input(y, MESH, ROWS_AND_POSITIONS)], 4).plans
 
 
@@ -174,3 +173,36 @@ def test_zero_on_dp2_cp2_matches_eager(zero, accumulation, load_balance, unit_by
         assert gathers == ["AllGather", "ReleaseParams"], str(plan)
     if unit_bytes:
         assert gathers.count("UnitGather") > 2 and "AllGather" not in gathers, str(plan)
+
+
+# -- gloo ------------------------------------------------------------------------------------
+def _gloo_stack(rank, world, zero):
+    """The block stack on dp2 x cp2 ring with enable_zero(stage=zero), on 4 gloo processes:
+    stages 2 and 3 reduce and gather rank by rank in place over the 4-rank group (NOTE: ZeRO
+    rows in place), which the local world does not run."""
+    from gpt_block_models import BlockStack, TokenLossGraph
+    from helpers import feed_split, graphc_train
+    torch.manual_seed(0)
+    model = graphc.to_global(BlockStack(layers=2, block=16), placement=MESH, sbp=(sbp.broadcast, sbp.broadcast))
+    graph = TokenLossGraph(model, OPTIMIZERS["sgd_momentum"](model.parameters()))
+    graph.config.set_context_parallel(method="ring")
+    graph.config.enable_zero(True, stage=zero, shard_min_size=1)
+    return graphc_train(graph, _stack_batches(), feed=feed_split(MESH, rank, ROWS_AND_POSITIONS))
+
+
+def _stack_batches():
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(4, 8, 8, generator=g), torch.randint(0, 5, (4, 8), generator=g)) for _ in range(2)]
+
+
+@pytest.mark.world
+@pytest.mark.slow   # 4 processes: the local world's dp2 x cp2 runs by default
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_on_dp2_cp2_over_gloo_matches_eager(zero):
+    from gpt_block_models import BlockStack, token_loss
+    results = run_world(_gloo_stack, 4, zero)
+    torch.manual_seed(0)
+    ref_losses, ref_state = eager_train(BlockStack(layers=2, block=16), OPTIMIZERS["sgd_momentum"], None,
+                                        token_loss, _stack_batches(), 2)
+    for rank, (losses, state) in enumerate(results):
+        assert_same_as_eager(losses, state, ref_losses, ref_state, f"gloo dp2 x cp2 zero{zero} rank {rank}")

@@ -176,18 +176,35 @@ def test_zero_on_dp2_cp2_matches_eager(zero, accumulation, load_balance, unit_by
 
 
 # -- gloo ------------------------------------------------------------------------------------
-def _gloo_stack(rank, world, zero):
-    """The block stack on dp2 x cp2 ring with enable_zero(stage=zero), on 4 gloo processes:
-    stages 2 and 3 reduce and gather rank by rank in place over the 4-rank group (NOTE: ZeRO
-    rows in place), which the local world does not run."""
+def _stack_graph(where=MESH, zero: int = 0):
+    """The block stack with SGD and momentum; on `where` (None: one process) the dp2 x cp2 ring
+    with enable_zero(stage=zero)."""
     from gpt_block_models import BlockStack, TokenLossGraph
-    from helpers import feed_split, graphc_train
     torch.manual_seed(0)
-    model = graphc.to_global(BlockStack(layers=2, block=16), placement=MESH, sbp=(sbp.broadcast, sbp.broadcast))
+    model = BlockStack(layers=2, block=16)
+    if where is not None:
+        graphc.to_global(model, placement=where, sbp=(sbp.broadcast, sbp.broadcast))
     graph = TokenLossGraph(model, OPTIMIZERS["sgd_momentum"](model.parameters()))
-    graph.config.set_context_parallel(method="ring")
-    graph.config.enable_zero(True, stage=zero, shard_min_size=1)
-    return graphc_train(graph, _stack_batches(), feed=feed_split(MESH, rank, ROWS_AND_POSITIONS))
+    if where is not None:
+        graph.config.set_context_parallel(method="ring")
+        graph.config.enable_zero(True, stage=zero, shard_min_size=1)
+    return graph
+
+
+def _gloo_stack(rank, world, zero, checkpoint):
+    """Two steps on 4 gloo processes: stages 2 and 3 reduce and gather rank by rank in place
+    over the 4-rank group (NOTE: ZeRO rows in place), which the local world does not run;
+    after the first, the graph's state dict (each rank's momentum rows) saved by DCP."""
+    import torch.distributed.checkpoint as dcp
+    from helpers import feed_split
+    graph = _stack_graph(MESH, zero)
+    feed = feed_split(MESH, rank, ROWS_AND_POSITIONS)
+    losses = []
+    for step, batch in enumerate(_stack_batches()):
+        losses.append(graph(*feed(*batch)).to_local().item())
+        if step == 0:
+            dcp.save(graph.state_dict(), checkpoint_id=checkpoint)
+    return losses, graph.full_state_dict()
 
 
 def _stack_batches():
@@ -198,11 +215,25 @@ def _stack_batches():
 @pytest.mark.world
 @pytest.mark.slow   # 4 processes: the local world's dp2 x cp2 runs by default
 @pytest.mark.parametrize("zero", [2, 3])
-def test_zero_on_dp2_cp2_over_gloo_matches_eager(zero):
+def test_zero_on_dp2_cp2_over_gloo_matches_eager(zero, tmp_path):
+    """Equal to eager; and one process (no ZeRO, no context parallelism) that loads the
+    checkpoint of the first step (momentum saved as rows of 4 ranks: NOTE: ZeRO state in
+    checkpoints) takes the second step as eager does."""
+    import torch.distributed.checkpoint as dcp
     from gpt_block_models import BlockStack, token_loss
-    results = run_world(_gloo_stack, 4, zero)
+    checkpoint = str(tmp_path / "a")
+    results = run_world(_gloo_stack, 4, zero, checkpoint)
     torch.manual_seed(0)
     ref_losses, ref_state = eager_train(BlockStack(layers=2, block=16), OPTIMIZERS["sgd_momentum"], None,
                                         token_loss, _stack_batches(), 2)
     for rank, (losses, state) in enumerate(results):
         assert_same_as_eager(losses, state, ref_losses, ref_state, f"gloo dp2 x cp2 zero{zero} rank {rank}")
+    one = _stack_graph(where=None)
+    second = _stack_batches()[1]
+    one.compile(*second)
+    sd = one.state_dict()
+    dcp.load(sd, checkpoint_id=checkpoint)
+    one.load_state_dict(sd)
+    loss = one(*second).to_local().item()
+    assert_same_as_eager([loss], one.full_state_dict(), ref_losses[1:], ref_state,
+                         f"one process resumed from dp2 x cp2 zero{zero}")

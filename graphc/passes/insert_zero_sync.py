@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Dict, List, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch.fx as fx
 
@@ -41,9 +41,10 @@ def insert_zero_sync(plans: Sequence[ExecutionPlan], gm: fx.GraphModule, stage: 
     shardable = _shardable(gm)
     dtypes = {str(n.target): n.meta[META_TENSOR].dtype for n in gm.graph.nodes
               if n.op == "get_attr" and str(n.target) in shardable and n.meta.get(META_TENSOR)}
+    made: Dict[tuple, _Rewrite] = {}
     for plan in plans:
         if plan.training:
-            _shard(plan, stage, shardable, min_size, bucket_bytes, dtypes)
+            _shard(plan, stage, shardable, min_size, bucket_bytes, dtypes, made)
     return list(plans)
 
 
@@ -87,43 +88,71 @@ def _shardable(gm: fx.GraphModule) -> Dict[str, _Shardable]:
             for key, ns in names.items() if len(stages[key]) == 1 for n in ns if n in summed}
 
 
+@dataclass(frozen=True)
+class _Rewrite:
+    """What ZeRO makes of one rank's gradient ALL_REDUCEs, the same for every rank whose
+    ALL_REDUCEs name the same groups and gradients (made once for them: their plans share the
+    instructions, as list_collectives shares a group's)."""
+
+    kept: Tuple[Optional[AllReduce], ...]      # per ALL_REDUCE: what stays of it, or None
+    scatters: Tuple[ReduceScatter, ...]        # the buckets, where the first ALL_REDUCE was
+    gathers: Tuple[AllGather, ...]             # stages 1 and 2: after the optimizer step
+    in_order: Dict[Tuple[int, ...], List[TensorSpec]]   # group -> its sharded gradients
+    note: str
+
+
 def _shard(plan: ExecutionPlan, stage: int, shardable: Dict[str, _Shardable], min_size: int,
-           bucket_bytes: int, dtypes: Dict[str, str]) -> None:
-    # group -> name -> spec: a gradient summed over two axes is in two ALL_REDUCEs, once each
-    scatter: Dict[Tuple[int, ...], Dict[str, TensorSpec]] = defaultdict(dict)
-    out, first = [], None
+           bucket_bytes: int, dtypes: Dict[str, str], made: Dict[tuple, _Rewrite]) -> None:
+    reduces = [ins for ins in plan.instructions if type(ins) is AllReduce]
+    key = tuple((ins.ranks, tuple(map(id, ins.tensors))) for ins in reduces)
+    rewrite = made.get(key)
+    if rewrite is None:
+        rewrite = made[key] = _rewrite(reduces, plan.rank, stage, shardable, min_size, bucket_bytes, dtypes)
+    if not rewrite.scatters:
+        return
+    out, k = [], 0
     for ins in plan.instructions:
         if type(ins) is not AllReduce:
             out.append(ins)
             continue
-        first = len(out) if first is None else first
+        if k == 0:
+            out.extend(rewrite.scatters)
+        if rewrite.kept[k] is not None:
+            out.append(rewrite.kept[k])
+        k += 1
+    when = ""
+    if stage == 3:
+        out, when = _gather_for_use(out, plan, rewrite.in_order, shardable, dtypes)
+    else:
+        step = next(i for i, ins in enumerate(out) if isinstance(ins, OptimizerStep))
+        out[step + 1:step + 1] = rewrite.gathers
+    plan.instructions[:] = out
+    # the runtime reads the stage here (zero.py: stage 1 keeps its gradient buckets)
+    plan.notes[ZERO_NOTE] = f"stage {stage}; {rewrite.note}{when}"
+
+
+def _rewrite(reduces: List[AllReduce], rank: int, stage: int, shardable: Dict[str, _Shardable],
+             min_size: int, bucket_bytes: int, dtypes: Dict[str, str]) -> _Rewrite:
+    # group -> name -> spec: a gradient summed over two axes is in two ALL_REDUCEs, once each
+    scatter: Dict[Tuple[int, ...], Dict[str, TensorSpec]] = defaultdict(dict)
+    kept = []
+    for ins in reduces:
         keep = tuple(t for t in ins.tensors if not _sharded(t, shardable, min_size))
         for t in ins.tensors:
             if t not in keep:
-                scatter[shardable[t.name].group_of[plan.rank]].setdefault(t.name, t)
-        if keep:
-            out.append(AllReduce(ins.ranks, keep))
-    if not scatter:
-        return
+                scatter[shardable[t.name].group_of[rank]].setdefault(t.name, t)
+        kept.append(AllReduce(ins.ranks, keep) if keep else None)
     # every rank of a group lists its buckets alike: groups, then parameters, in backward order
     in_order = {group: sorted(specs.values(), key=lambda t: shardable[t.name].order)
                 for group, specs in sorted(scatter.items(), key=lambda gs: min(
                     shardable[n].order for n in gs[1]))}
     buckets = [(group, tuple(b)) for group, specs in in_order.items() for b in _buckets(specs, bucket_bytes)]
-    out[first:first] = [ReduceScatter(group, b) for group, b in buckets]
-    when = ""
-    if stage == 3:
-        out, when = _gather_for_use(out, plan, in_order, shardable, dtypes)
-    else:
-        step = next(i for i, ins in enumerate(out) if isinstance(ins, OptimizerStep))
-        out[step + 1:step + 1] = [AllGather(group, tuple(replace(t, dtype=dtypes.get(t.name, t.dtype)) for t in b))
-                                  for group, b in buckets]
-    plan.instructions[:] = out
-    # the runtime reads the stage here (zero.py: stage 1 keeps its gradient buckets)
-    kept = sorted({t.name for ins in out if type(ins) is AllReduce for t in ins.tensors})
+    gathers = () if stage == 3 else tuple(
+        AllGather(group, tuple(replace(t, dtype=dtypes.get(t.name, t.dtype)) for t in b)) for group, b in buckets)
+    whole = len({t.name for ins in kept if ins is not None for t in ins.tensors})
     groups = "; ".join(_group_note(group, specs, shardable) for group, specs in in_order.items())
-    plan.notes[ZERO_NOTE] = (f"stage {stage}; {groups}; {len(kept)} whole (fewer than {min_size} "
-                             f"elements, or tied){when}")
+    return _Rewrite(tuple(kept), tuple(ReduceScatter(group, b) for group, b in buckets), gathers, in_order,
+                    f"{groups}; {whole} whole (fewer than {min_size} elements, or tied)")
 
 
 def _group_note(group: Tuple[int, ...], specs: List[TensorSpec], shardable: Dict[str, _Shardable]) -> str:

@@ -50,12 +50,13 @@ def verify_plans(plans: Sequence[ExecutionPlan], world_size: Optional[int] = Non
     """
     by_rank = {p.rank: p for p in plans}
     checked = set()   # ranks of one pipeline position list the very same compute objects
+    zero_checked: set = set()   # and ranks of one ZeRO group the same gradient collectives
     for plan in plans:
         computes = (plan.training, plan.schedule, *(id(i) for i in plan.instructions if i.runs in COMPUTE_RUNS))
         if computes not in checked:
             _check_compute_order(plan)
             checked.add(computes)
-        check_zero_groups(plan, _fail)
+        check_zero_groups(plan, _fail, zero_checked)
     if world_size is not None and len(by_rank) < world_size and not quotient:
         for plan in plans:
             _check_peers_in_world(plan, world_size)

@@ -9,7 +9,7 @@ parameter and both groups.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Set, Tuple
 
 from .instructions import AllGather, AllReduce, ReduceScatter
 from .plan import ZERO_NOTE, ExecutionPlan
@@ -17,10 +17,16 @@ from .plan import ZERO_NOTE, ExecutionPlan
 Fail = Callable[[ExecutionPlan, int, str], None]
 
 
-def check_zero_groups(plan: ExecutionPlan, fail: Fail) -> None:
+def check_zero_groups(plan: ExecutionPlan, fail: Fail, passed: Set[tuple]) -> None:
     """Calls fail(plan, index, why) at the first instruction of a ZeRO plan that reduces or
-    gathers a sharded parameter other than over its one REDUCE_SCATTER's group."""
+    gathers a sharded parameter other than over its one REDUCE_SCATTER's group. `passed`:
+    the gradient collectives (by identity) of plans already checked, shared by the ranks of
+    a group (insert_zero_sync makes them once for all of them): those are not checked again."""
     if ZERO_NOTE not in plan.notes:
+        return
+    key = tuple(id(ins) for ins in plan.instructions if type(ins) in (ReduceScatter, AllReduce)
+                or isinstance(ins, AllGather))
+    if key in passed:
         return
     group: Dict[str, Tuple[Tuple[int, ...], int]] = {}   # name -> (its scatter's ranks, where)
     for i, ins in enumerate(plan.instructions):
@@ -35,6 +41,7 @@ def check_zero_groups(plan: ExecutionPlan, fail: Fail) -> None:
             for t in ins.tensors:
                 if t.name in group and (type(ins) is AllReduce or tuple(ins.ranks) != group[t.name][0]):
                     fail(plan, i, _why(t.name, ins, group[t.name]))
+    passed.add(key)
 
 
 def _why(name: str, ins, scattered: Tuple[Tuple[int, ...], int]) -> str:

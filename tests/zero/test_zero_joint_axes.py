@@ -43,7 +43,7 @@ def _float64():
     torch.set_default_dtype(before)
 
 
-def _batch(t: int = T, rows: int = 4):
+def _batch(t: int = T, rows: int = 2):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (rows, t), generator=g)
     lengths = torch.tensor([t - 3, t] * (rows // 2))
@@ -57,7 +57,7 @@ def _state_bytes(opt) -> int:
 
 
 def llama_dp2_cp2(zero: int, steps: int = 2, accumulation: int = 1, load_balance: bool = False,
-                  rows: int = 4, after=None, unit_bytes: int = 0, layers: int = 2):
+                  rows: int = 2, after=None, unit_bytes: int = 0, layers: int = 2):
     """HF Llama on dp2 x cp2 ring with enable_zero(stage=zero) and SGD with momentum (its
     buffer is the state sharded; Adam's update would hide a gradient's scale), every step
     checked against eager (graphc.testing.local_world). `after(rank, graph)` runs on each rank after
@@ -157,11 +157,12 @@ def test_joint_group_bytes_and_the_verifier():
 @pytest.mark.parametrize("zero,accumulation,load_balance,unit_bytes", [
     (1, 1, False, 0), (3, 1, False, 0), (2, 2, False, 0), (2, 1, True, 0), (3, 2, True, 0), (3, 1, False, 4096)])
 def test_zero_on_dp2_cp2_matches_eager(zero, accumulation, load_balance, unit_bytes):
-    """Stages 1 and 3 (whole stage, and per unit), two micro-batches (of 4 rows: HF's loss
-    flattens the tokens, which then need equal shards over the 4 ranks), and the sequence dealt
+    """Stages 1 and 3 (whole stage, and per unit), two micro-batches, and the sequence dealt
     zig-zag (load_balance), all sharding over ranks 0-3; stage 3 gathers over them before the
     compute and releases after (per unit: inside it)."""
-    run = llama_dp2_cp2(zero, accumulation=accumulation, load_balance=load_balance, rows=4 * accumulation,
+    rows = (4 if load_balance else 2) * accumulation   # zig-zag: 2 rows a data rank (HF's loss
+    # flattening one row's dealt positions in place is refused: NOTE: Nested shards)
+    run = llama_dp2_cp2(zero, accumulation=accumulation, load_balance=load_balance, rows=rows,
                         unit_bytes=unit_bytes)
     assert run.ok, run.text()
     plan = run.graphs[0].plan

@@ -19,7 +19,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-import graphc  # noqa: E402
 from graphc.plan.traffic import step_bytes  # noqa: E402
 from graphc.runtime.local_world import LocalWorld  # noqa: E402
 

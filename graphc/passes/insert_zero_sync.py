@@ -42,9 +42,11 @@ def insert_zero_sync(plans: Sequence[ExecutionPlan], gm: fx.GraphModule, stage: 
     dtypes = {str(n.target): n.meta[META_TENSOR].dtype for n in gm.graph.nodes
               if n.op == "get_attr" and str(n.target) in shardable and n.meta.get(META_TENSOR)}
     made: Dict[tuple, _Rewrite] = {}
+    group_of = list({id(s.group_of): s.group_of for s in shardable.values()}.values())   # a few
     for plan in plans:
         if plan.training:
-            _shard(plan, stage, shardable, min_size, bucket_bytes, dtypes, made)
+            groups = tuple(g.get(plan.rank) for g in group_of)
+            _shard(plan, stage, shardable, min_size, bucket_bytes, dtypes, made, groups)
     return list(plans)
 
 
@@ -102,9 +104,11 @@ class _Rewrite:
 
 
 def _shard(plan: ExecutionPlan, stage: int, shardable: Dict[str, _Shardable], min_size: int,
-           bucket_bytes: int, dtypes: Dict[str, str], made: Dict[tuple, _Rewrite]) -> None:
+           bucket_bytes: int, dtypes: Dict[str, str], made: Dict[tuple, _Rewrite], groups: tuple) -> None:
+    """`groups`: this rank's group for each mesh and set of axes: with its ALL_REDUCEs, what
+    the rewrite depends on."""
     reduces = [ins for ins in plan.instructions if type(ins) is AllReduce]
-    key = tuple((ins.ranks, tuple(map(id, ins.tensors))) for ins in reduces)
+    key = (groups, tuple((ins.ranks, tuple(map(id, ins.tensors))) for ins in reduces))
     rewrite = made.get(key)
     if rewrite is None:
         rewrite = made[key] = _rewrite(reduces, plan.rank, stage, shardable, min_size, bucket_bytes, dtypes)
@@ -137,11 +141,13 @@ def _rewrite(reduces: List[AllReduce], rank: int, stage: int, shardable: Dict[st
     scatter: Dict[Tuple[int, ...], Dict[str, TensorSpec]] = defaultdict(dict)
     kept = []
     for ins in reduces:
-        keep = tuple(t for t in ins.tensors if not _sharded(t, shardable, min_size))
+        keep = []
         for t in ins.tensors:
-            if t not in keep:
+            if _sharded(t, shardable, min_size):
                 scatter[shardable[t.name].group_of[rank]].setdefault(t.name, t)
-        kept.append(AllReduce(ins.ranks, keep) if keep else None)
+            else:
+                keep.append(t)
+        kept.append(AllReduce(ins.ranks, tuple(keep)) if keep else None)
     # every rank of a group lists its buckets alike: groups, then parameters, in backward order
     in_order = {group: sorted(specs.values(), key=lambda t: shardable[t.name].order)
                 for group, specs in sorted(scatter.items(), key=lambda gs: min(

@@ -23,6 +23,7 @@ from graphc.errors import PlanError
 from graphc.plan.instructions import AllGather, AllReduce, ReduceScatter, ReleaseParams
 from graphc.plan.traffic import step_bytes
 from graphc.plan.verify import verify_plans
+from graphc.sbp.layout import axis_groups, joint_groups
 from graphc.tools.cost_model import CostModel
 from graphc.tools.simulate import model_inputs, model_state
 from helpers import assert_same_as_eager, compile_graph, eager_train, global_input, run_world
@@ -114,6 +115,16 @@ def test_zero2_on_dp2_cp2_shards_every_parameter_four_ways():
 
 
 # -- the plan: groups, bytes, the verifier (one process, no ranks) ---------------------------
+def test_joint_groups():
+    """Both axes of a 2-D mesh: all its ranks, sorted (a shard's rows follow sorted ranks);
+    one axis: that axis's groups, as insert_grad_sync's all-reduces name them."""
+    mesh = ((0, 2), (1, 3))
+    assert joint_groups(mesh, (0, 1)) == ((0, 1, 2, 3),)
+    assert joint_groups(mesh, (0,)) == axis_groups(mesh, 0) == ((0, 1), (2, 3))
+    assert joint_groups(mesh, (1,)) == axis_groups(mesh, 1) == ((0, 2), (1, 3))
+    assert joint_groups((4, 5, 6), (0,)) == ((4, 5, 6),)
+
+
 def _stack_plans(zero: int):
     """The block stack of tests/gpt_block_models.py on dp2 x cp2 ring, compiled for 4 ranks."""
     from gpt_block_models import BlockStack, TokenLossGraph

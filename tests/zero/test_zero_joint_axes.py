@@ -61,8 +61,8 @@ def llama_dp2_cp2(zero: int, steps: int = 2, accumulation: int = 1, load_balance
                   rows: int = 2, after=None, unit_bytes: int = 0, layers: int = 2):
     """HF Llama on dp2 x cp2 ring with enable_zero(stage=zero) and SGD with momentum (its
     buffer is the state sharded; Adam's update would hide a gradient's scale), every step
-    checked against eager (graphc.testing.local_world). `after(rank, graph)` runs on each rank after
-    the last step; its results are the run's `extra`."""
+    checked against eager (graphc.testing.local_world). `after(rank, graph)` runs on each
+    rank after the last step; its results are the run's `extra`."""
     pytest.importorskip("transformers")
     import hf_llama
     from gpt import Layout
@@ -102,7 +102,8 @@ def test_zero2_on_dp2_cp2_shards_every_parameter_four_ways():
     run = llama_dp2_cp2(2, after=_optimizer_state, layers=1)   # CI time: 2 layers under -m slow
     assert run.ok, run.text()
     params = dict(run.graphs[0].model.named_parameters())
-    whole = sum(p.numel() for p in params.values()) * 8   # a float64 momentum buffer each
+    # the replicated run's state: torch's SGD keeps one float64 momentum buffer per parameter
+    whole = sum(p.numel() for p in params.values()) * 8
     for rank, graph in enumerate(run.graphs):
         plan = graph.plan
         scattered = [t.name for i in plan.instructions if type(i) is ReduceScatter for t in i.tensors]

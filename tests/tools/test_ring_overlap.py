@@ -5,7 +5,7 @@ ranks in one process and simulated with hand-set costs: each forward ring step c
 max(0, t - b) after its compute, each backward step max(0, t(k, v) - 2b) + bytes(dk, dv) /
 bandwidth, where the same plan without ring_blocks times every step's whole transfer in
 turn; the step time falls by exactly the hidden seconds. device_costs fills ring_blocks from
-the block's FLOPs: 4 q_numel Lk per block, causal (n+1)/(2n).
+the block's FLOPs: 4 q_numel Lk per block, causal (n+1)/(2n), an explicit mask as full.
 """
 import os
 import sys
@@ -30,15 +30,19 @@ B, T, H, E = 2, 16, 4, 4          # BlockStack: c=16, 4 heads of 4
 BANDWIDTH, LATENCY, BLOCK = 1e6, 1e-4, 1e-3
 
 
-@pytest.fixture(scope="module")
-def cp4():
+def _cp4(kind: str = "sdpa"):
     torch.manual_seed(0)
-    model = graphc.to_global(BlockStack(layers=1, block=T), placement=CP4, sbp=sbp.broadcast)
+    model = graphc.to_global(BlockStack(layers=1, block=T, kind=kind), placement=CP4, sbp=sbp.broadcast)
     graph = TokenLossGraph(model, torch.optim.SGD(model.parameters(), lr=0.1))
     graph.config.set_context_parallel(method="ring")
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(B, T, 8, generator=g), torch.randint(0, 5, (B, T), generator=g)
     return compile_graph(graph, [global_input(x, CP4, sbp.split(1)), global_input(y, CP4, sbp.split(1))], 4)
+
+
+@pytest.fixture(scope="module")
+def cp4():
+    return _cp4()
 
 
 def _hidden(step: Collective) -> float:
@@ -79,3 +83,12 @@ def test_device_costs_fill_ring_blocks_from_flops(cp4):
     assert set(blocks.values()) == {per_block * 5 / 8}      # causal: (n+1)/(2n) on average
     costs = device_costs(cp4, "h100")
     assert set(costs.ring_blocks) == set(blocks)
+
+
+def test_an_explicit_mask_is_counted_as_full():
+    """A ring with an explicit mask (HF's causal-and-padding one) skips the blocks it hides by
+    reading it; counting FLOPs on fake tensors it has no values, so every block is counted
+    (it raised DataDependentOutputException from `graphc plan --simulate h100` on HF Llama)."""
+    masked = _cp4("sdpa_mask")
+    assert set(ring_blocks(masked, 1.0, 1.0).values()) == {4 * (B * H * (T // 4) * E) * (T // 4)}
+    assert device_costs(masked, "h100").forward[0] > 0

@@ -375,7 +375,9 @@ class GraphConfig:
 
         On every stage whose parameters are replicated over a data-parallel mesh axis (their
         gradients partial_sum), each parameter of at least `shard_min_size` elements is
-        split(0) over that axis for the optimizer (See NOTE: ZeRO in graphc/runtime/zero.py):
+        split(0) over that axis for the optimizer (See NOTE: ZeRO in graphc/runtime/zero.py);
+        over several axes at once where its gradient is partial over several (data x context
+        parallel: the whole dp x cp group, See NOTE: ZeRO over joint axes):
           stage 1: the optimizer holds only this rank's rows of it (its state 1/d of the
                    replicated run's); gradients are reduce-scattered once per step (after the
                    last micro-batch's backward) into this rank's rows, the optimizer steps on

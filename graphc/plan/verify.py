@@ -13,7 +13,9 @@ Every rank can compute every rank's plan, so one process checks that:
      across ranks, is acyclic (so no rank can wait forever on another); a cycle is
      printed rank by rank;
   4. each rank computes every (stage, micro-batch) it starts as a program: one forward,
-     then one backward, whole (B) or split into I and, after it, W; in training, all of it.
+     then one backward, whole (B) or split into I and, after it, W; in training, all of it;
+  5. under ZeRO, each sharded gradient is reduce-scattered once, over one group, all-reduced
+     by nothing else, and its rows gathered over that group (verify_zero.py).
 A failure raises PlanError naming the rank and instruction, with the plan listing marked.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..errors import PlanError
 from .instructions import (COMPUTE_RUNS, JOINS_CONVERSION, JOINS_TENSORS, STAGE_COMPUTES, Backward,
                            BackwardInput, BackwardWeight, Forward, Instruction, Recv, Send)
 from .plan import ExecutionPlan
+from .verify_zero import check_zero_groups
 
 
 def is_collective(ins: Instruction) -> bool:
@@ -47,11 +50,13 @@ def verify_plans(plans: Sequence[ExecutionPlan], world_size: Optional[int] = Non
     """
     by_rank = {p.rank: p for p in plans}
     checked = set()   # ranks of one pipeline position list the very same compute objects
+    zero_checked: set = set()   # and ranks of one ZeRO group the same gradient collectives
     for plan in plans:
         computes = (plan.training, plan.schedule, *(id(i) for i in plan.instructions if i.runs in COMPUTE_RUNS))
         if computes not in checked:
             _check_compute_order(plan)
             checked.add(computes)
+        check_zero_groups(plan, _fail, zero_checked)
     if world_size is not None and len(by_rank) < world_size and not quotient:
         for plan in plans:
             _check_peers_in_world(plan, world_size)

@@ -451,11 +451,14 @@ def test_default_grouped_mm_experts_in_float32_on_ep2():
 def test_zero1_on_dp2xep2():
     """ZeRO stage 1 beside expert parallelism: each parameter's optimizer rows are split over
     the ranks holding the same values (the experts over the data axis only: REDUCE_SCATTER
-    over ranks [0, 2]), and the step equals eager."""
+    over ranks [0, 2]; every other parameter, its gradient partial over both axes, over their
+    joint group [0, 1, 2, 3]: See NOTE: ZeRO over joint axes), and the step equals eager."""
     graphs = check("mixtral", "dp2xep2", accumulation=2, zero=1, aux=False)
     scatters = [ins for ins in graphs[0].compiled.plans[0].instructions if type(ins).__name__ == "ReduceScatter"]
     experts = [ins for ins in scatters if "experts" in str(ins)]
     assert experts and all(tuple(ins.ranks) == (0, 2) for ins in experts), [str(i) for i in scatters]
+    rest = [t.name for ins in scatters if tuple(ins.ranks) == (0, 1, 2, 3) for t in ins.tensors]
+    assert rest and not [t for t in rest if "experts" in t], [str(i) for i in scatters]
 
 
 def _gloo_worker(rank, world, kind, skewed):

@@ -4,7 +4,9 @@ nonlinearly (a router's token counts), computed by a routing pre-pass.
 Invariant: no node of a stage program carries META_WHOLE_SUM; each such sum was replaced by
 `total / m`, with `total` a program input that the stage's Prologue computes once per step:
 the program's own computation of the sum (through the parameters and the model's forward up
-to it, with its exchanges), run without gradient on every micro-batch and summed.
+to it, with its exchanges), run without gradient on every micro-batch and summed. Every such
+Prologue runs in the plan (`in_plan`: PrePass instructions before the schedule), and reads
+what it needs of earlier stages from their pre-passes (Prologue.recv_from / send_to).
 Requires: feed_whole_batch (a Prologue it may already have made), find_batch_dims
 (META_WHOLE_SUM on the sums).
 
@@ -28,11 +30,33 @@ The counts depend on the parameters and on the forward of every layer before the
 they are known before any backward only by a pre-pass: the Prologue runs the stage program,
 cut to what the sums need, without gradient on each micro-batch's inputs (random ops replay
 the micro-batch's draws, NOTE: Replica-equal randomness; an expert layer's exchanges run on
-every rank of its group alike, as in the forward). Routing is deterministic given the
-parameters, which do not change within a step, so the counts are the forward's. The cost is
-about one extra forward per step, said at compile time. Under pipeline parallelism the sums
-read values received from an earlier stage (the router logits of its layers): that needs a
-pre-pass through the pipeline, which graphc does not build; it is refused, naming the fix.
+every rank of its group alike, as in the forward, and are listed as the pre-pass's
+collectives, `0P1.ALL_TO_ALL`). Routing is deterministic given the parameters, which do not
+change within a step, so the counts are the forward's. The cost is about one extra forward
+per step, said at compile time and priced by the simulator (a PrePass costs a forward).
+
+Through the pipeline. HF Mixtral and Qwen3-MoE concatenate every layer's router logits at
+the last stage, so the last stage's sums read values received from earlier stages (the
+hidden states its own routers need, an earlier layer's logits). The pre-pass therefore runs
+through the pipeline, as plan instructions: stage s's PrePass of micro-batch b (`1P0`)
+receives from the stages before it what its cut reads (`1RECV_P0`, the values the forward
+receives, the same specs and peers), runs its cut, and sends on (`0SEND_P0`) what later
+stages' cuts read. feed_whole_sums cuts the last stage first, so each stage's cut has as
+outputs its own sums and then the values later cuts read; any stage, not only the last,
+may have sums that depend on received values. The plan lists every local stage's PrePass of
+every micro-batch, stages in order, before the schedule's first instruction on every rank,
+whatever the schedule (1F1B, interleaved, zbv: between two chunks of one rank the values are
+handed over in memory, as the forward's); the verifier pairs the SEND_P and RECV_P like the
+step's transfers and proves the whole plan deadlock-free. After a stage's last PrePass its
+sums are totalled (and summed over ranks where feed_whole_batch's counts are split), and
+every micro-batch's forward reads the totals.
+
+ZeRO stage 3. A PrePass is a compute like a forward, so insert_zero_sync gathers a stage's
+sharded parameters before its first compute, the first PrePass, and releases them after its
+last (one stage per rank; per compute with several chunks): the pre-pass reads the same
+whole parameters as the step. Gathering unit by unit (enable_zero(unit_bytes=...), NOTE:
+ZeRO units) would need the units' begin/end calls inside the cut program too; such a plan
+keeps the whole-stage gathers instead, and says so (insert_zero_units warns).
 """
 from __future__ import annotations
 

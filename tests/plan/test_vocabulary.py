@@ -13,13 +13,14 @@ from graphc.runtime.trace import COMPUTE_KINDS, KINDS
 H = TensorSpec("h", (4, 8), "float64")
 SAMPLES = [Forward(1, 3), Backward(1, 3), BackwardInput(0, 2), BackwardWeight(0, 2),
            OverlapFB(Forward(2, 3), Backward(1, 1)), PrePass(0, 1),
-           Send(0, 3, 1, "F", 1, (H,)), Send(0, 1, 1, "P", 1, (H,)), Recv(1, 3, 0, "F", 0, (H,)),
+           Send(0, 3, 1, "F", 1, (H,)), Recv(1, 3, 0, "F", 0, (H,)),
            Collective("all_gather", 1, 0, "F", (0, 1), "box_1", "S(0)", "B", 128, "fallback: x"),
            AllReduce((0, 1), (H,)), TieAllReduce((0, 3), (H,), ("lm_head.weight",)),
            ClipGradNorm((0, 1), (TensorSpec("grad_norm_sq", (), "float64"),), 0.5, ("w",)),
            OutputAllReduce((0, 1), (TensorSpec("loss", (4,), "float64"),)),
            OptimizerStep(), ReduceScatter((0, 1), (H,)), AllGather((0, 1), (H,)), ReleaseParams((H,)),
-           UnitGather((0, 1), (H,), 1, 2, "B", 3), UnitRelease((H,), 1, 2, "F", 3)]
+           UnitGather((0, 1), (H,), 1, 2, "B", 3), UnitRelease((H,), 1, 2, "F", 3),
+           Send(0, 1, 1, "P", 1, (H,))]   # a pre-pass's values (NOTE: Whole-batch sums)
 
 
 def test_one_sample_of_every_class():
@@ -66,5 +67,5 @@ def test_every_collective_names_what_it_joins():
                       "ReduceScatter", "AllGather", "UnitGather"}
     for cls in INSTRUCTIONS:
         assert cls.joins in ("", *verify._SIGNATURES) and (not cls.joins or cls.joins in verify._DIFFERENCES)
-    assert verify.signature(SAMPLES[7])[0] == "collective"
-    assert verify.signature(SAMPLES[10]) == ("ClipGradNorm", (0, 1), SAMPLES[10].tensors, 0.5)
+    assert verify.signature(SAMPLES[8])[0] == "collective"
+    assert verify.signature(SAMPLES[11]) == ("ClipGradNorm", (0, 1), SAMPLES[11].tensors, 0.5)

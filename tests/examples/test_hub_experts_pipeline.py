@@ -18,7 +18,9 @@ import pytest
 
 from graphc.plan.instructions import PRE, Collective, PrePass, Recv, Send, parse_instruction
 from graphc.plan.verify import verify_plans
-from test_hub_experts import check
+from helpers import assert_close, run_world
+from test_hub_experts import (LOSS_RTOL, MoEGraph, aux_in_float64, batches, check, eager, local_inputs,
+                              model_of)
 
 pytest.importorskip("transformers")
 
@@ -73,6 +75,30 @@ def test_router_aux_loss_through_the_pipeline(kind, layout, accumulation, option
     graphs = check(kind, layout, accumulation, aux64=True, **options)
     pre = [i for g in graphs for i in pre_pass_of(g.plan) if isinstance(i, PrePass)]
     assert bool(pre) == (accumulation > 1)
+
+
+def _gloo_worker(rank, world):
+    with aux_in_float64():
+        graph = MoEGraph(model_of("mixtral"), "pp2xep2", accumulation=2)
+        losses = [graph(*local_inputs("pp2xep2", rank, *d)).to_local() for d in batches()]
+        return [float(x) if x.numel() else None for x in losses], graph.full_state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.world
+def test_mixtral_aux_loss_on_pp2xep2_on_gloo():
+    """Real processes on gloo: the pre-pass's SEND_P/RECV_P and its expert exchanges between
+    processes, equal to eager at 1e-10 over two steps."""
+    import torch
+    with aux_in_float64():
+        want_losses, want_state, _ = eager("mixtral", batches())
+    results = run_world(_gloo_worker, 4)
+    for losses, state in results:
+        if losses[0] is not None:
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0)
+        for k, v in want_state.items():
+            assert_close(state[k], v, f"gloo pp2 x ep2: {k}")
+    assert any(losses[0] is not None for losses, _ in results)
 
 
 @pytest.mark.slow

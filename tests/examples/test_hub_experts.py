@@ -150,6 +150,8 @@ LAYOUTS = {
     "pp2xep2_interleaved": EPLayout(4, ((0, 1), (2, 3), (0, 1), (2, 3)), (S0,), (S0,), tuple(FOUR_STAGES.items()),
                                     "interleaved_1f1b"),
     "pp2xep2_zbv": EPLayout(4, ((0, 1), (2, 3), (2, 3), (0, 1)), (S0,), (S0,), tuple(FOUR_STAGES.items()), "zbv"),
+    "pp2xep2_dualpipev": EPLayout(4, ((0, 1), (2, 3), (2, 3), (0, 1)), (S0,), (S0,), tuple(FOUR_STAGES.items()),
+                                  "dualpipev"),
 }
 TENSOR_AXIS = {"tp2xep2": 1}   # layouts whose attention is split Megatron's way on this axis
 

@@ -54,13 +54,14 @@ def test_mixtral_aux_loss_on_pp2xep2_at_accumulation_2():
 
 
 # -- the wider matrix (-m slow): Qwen3-MoE, accumulation 1 and 2, data x expert grids, the
-# skewed router, the interleaved and V schedules, ZeRO on the non-expert parameters ------------
+# skewed router, the interleaved and V schedules (dualpipev: 4 micro-batches), ZeRO on the
+# non-expert parameters ------------------------------------------------------------------------
 
 CASES = [("qwen3_moe", "pp2xep2", 1, {}), ("qwen3_moe", "pp2xep2", 2, {}), ("mixtral", "pp2xep2", 2, {}),
          ("qwen3_moe", "pp2xdp2xep2", 2, {}), ("mixtral", "pp2xep2", 2, {"skewed": True}),
          ("qwen3_moe", "pp2xep2", 2, {"skewed": True}),
          ("mixtral", "pp2xep2_interleaved", 2, {}), ("qwen3_moe", "pp2xep2_interleaved", 2, {}),
-         ("mixtral", "pp2xep2_zbv", 2, {}),
+         ("mixtral", "pp2xep2_zbv", 2, {}), ("mixtral", "pp2xep2_dualpipev", 4, {}),
          ("mixtral", "pp2xep2", 2, {"zero": 3}), ("qwen3_moe", "pp2xdp2xep2", 2, {"zero": 2})]
 
 

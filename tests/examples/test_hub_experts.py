@@ -8,7 +8,9 @@ Layouts (LAYOUTS): ep2 and ep4 (the batch and the experts split over the same ra
 DeepSpeed-MoE puts experts on the data ranks), dp2 x ep2 (4 ranks, the batch over both axes,
 the experts over the second: their gradient reduced only over the first), pp2 x ep2 (two
 stages of two ranks, each stage's experts split over its ranks), tp2 x ep2 (the experts and
-the batch over the first axis, Megatron's attention heads over the second).
+the batch over the first axis, Megatron's attention heads over the second); for the aux loss
+through the pipeline (tests/examples/test_hub_experts_pipeline.py) pp2 x dp2 x ep2 and four
+stages on two pipeline ranks (interleaved_1f1b, zbv, dualpipev).
 
 Tolerance: parameters at the oracle's 1e-10, at 2e-9 with the router's aux loss (AUX_ATOL:
 transformers computes it in float32); a causal LM's own loss upcasts its logits to float32, so

@@ -341,7 +341,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     # inputs without a batch dim fed whole; token-mean losses divided by the whole batch's count
     programs = _step(run, "feed_whole_batch", feed_whole_batch, programs, gm, m)
     # sums combined nonlinearly (a router's token counts) read the whole batch's, by a pre-pass
-    programs = _step(run, "feed_whole_sums", feed_whole_sums, programs, m, spec.zero_stage)
+    programs = _step(run, "feed_whole_sums", feed_whole_sums, programs, m)
     # modules marked for activation checkpointing run as recomputed regions (after grad modes)
     checkpointed = {name for name, c in spec.modules.items() if c.activation_checkpointing}
     programs = _step(run, "insert_checkpoints", insert_checkpoints, programs,

@@ -8,12 +8,14 @@ Every rank can compute every rank's plan, so one process checks that:
      collective over a group has the same kind, ranks, tensors (shapes, dtypes) or
      conversion and dtype as every other member's k-th (a differing dtype is named as such:
      the members would exchange buffers of other sizes and types). A prologue's sum (feed_whole_batch), which
-     the runtime runs before a step's instructions, is not listed and not checked here;
+     the runtime runs before a step's instructions, is not listed and not checked here; a
+     pre-pass's (PrePass, NOTE: Whole-batch sums) transfers and collectives are, like the step's;
   3. the union of all plans, with sends joined to their recvs and collectives joined
      across ranks, is acyclic (so no rank can wait forever on another); a cycle is
      printed rank by rank;
   4. each rank computes every (stage, micro-batch) it starts as a program: one forward,
      then one backward, whole (B) or split into I and, after it, W; in training, all of it;
+     a stage's pre-pass (P) comes before its first forward;
   5. under ZeRO, each sharded gradient is reduce-scattered once, over one group, all-reduced
      by nothing else, and its rows gathered over that group (verify_zero.py).
 A failure raises PlanError naming the rank and instruction, with the plan listing marked.
@@ -25,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PlanError
 from .instructions import (COMPUTE_RUNS, JOINS_CONVERSION, JOINS_TENSORS, STAGE_COMPUTES, Backward,
-                           BackwardInput, BackwardWeight, Forward, Instruction, Recv, Send)
+                           BackwardInput, BackwardWeight, Forward, Instruction, PrePass, Recv, Send)
 from .plan import ExecutionPlan
 from .verify_zero import check_zero_groups
 
@@ -92,11 +94,18 @@ def _check_compute_order(plan: ExecutionPlan) -> None:
     """Fails unless each (stage, micro-batch) runs F, then B or I then W, each once (check 4)."""
     seen: Dict[Tuple[int, int], str] = {}
     last: Dict[Tuple[int, int], int] = {}
+    forwarded = set()   # stages whose forward has begun
     for i, ins in enumerate(plan.instructions):
         parts = ins.parts
         for part in parts:
+            if type(part) is PrePass and part.stage in forwarded:
+                _fail(plan, i, f"`{part}` comes after a forward of stage {part.stage}: a stage's "
+                      "pre-pass (NOTE: Whole-batch sums) gives every micro-batch's forward its totals, "
+                      "so lower_plan lists it before the schedule")
             if type(part) not in STAGE_COMPUTES:
                 continue
+            if type(part) is Forward:
+                forwarded.add(part.stage)
             key, step = (part.stage, part.microbatch), part.letter
             done = seen.get(key, "")
             if not any(prog.startswith(done + step) for prog in _PROGRAMS):

@@ -29,9 +29,9 @@ from ..errors import RankFailedError
 from ..log import warn_user
 from ..meta import META_SBP
 from ..placement import Broadcast
-from ..plan.instructions import (ACT, COMPUTE_RUNS, INSIDE_COMPUTE, INSTRUCTIONS, AllGather, AllReduce,
+from ..plan.instructions import (ACT, COMPUTE_RUNS, INSIDE_COMPUTE, INSTRUCTIONS, PRE, AllGather, AllReduce,
                                  Backward, BackwardInput, BackwardWeight, ClipGradNorm, Forward, OptimizerStep,
-                                 OutputAllReduce, OverlapFB, Recv, ReleaseParams, Send)
+                                 OutputAllReduce, OverlapFB, PrePass, Recv, ReleaseParams, Send)
 from ..ops.conversions import all_reduce_sum
 from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
@@ -42,6 +42,7 @@ from .cuda_graphs import StepGraph, compute_prefix
 from .device import place_programs
 from .executor import StageExecutor
 from .grad_hooks import UserGradHooks
+from .pre_pass import PrePasses
 from .stopped_ranks import explain_stopped_peers
 from .zero import ZeroShards, released_in, whole_parameters
 from .zero_sync import ZeroGradSync
@@ -74,6 +75,9 @@ class _StepValues:
     produced: Dict[Tuple[int, int, str], Dict[str, torch.Tensor]] = field(default_factory=dict)
     results: Dict[str, List[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
     assembling: Dict[tuple, list] = field(default_factory=dict)
+    # the pre-pass's (NOTE: Whole-batch sums): values received per (stage, micro-batch), running sums per stage
+    pre_received: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = field(default_factory=lambda: defaultdict(dict))
+    pre_sums: Dict[int, list] = field(default_factory=dict)
 
 
 class RecvActor:
@@ -216,6 +220,7 @@ class Runtime:
         self.executors: Dict[int, StageExecutor] = {
             s: StageExecutor(prog, plan.training, prog.loss_weight(m), ckpt, memory_stats)
             for s, prog in programs.items()}
+        self.pre_passes = PrePasses(self.executors, m)   # PrePass (NOTE: Whole-batch sums)
         self.memory_stats = memory_stats   # config.set_memory_stats: StepStats.max_live_bytes
         # a measurement around each instruction (NOTE: Measured peak memory): an object with
         # before(i, step) and after(i, step), or None
@@ -384,7 +389,7 @@ class Runtime:
                 pieces = [t] * m if whole else t.tensor_split(m)
                 for mb in range(m):
                     per_mb[(s, mb)][name] = pieces[mb]
-            if prog.prologue is not None:  # values of the whole batch, e.g. a loss's token count
+            if prog.prologue is not None and not prog.prologue.in_plan:  # whole-batch values: a loss's token count
                 totals = ex.prologue([per_mb[(s, mb)] for mb in range(m)])
                 for mb in range(m):
                     per_mb[(s, mb)].update(totals)
@@ -472,12 +477,16 @@ class Runtime:
         got = _assemble(ins, step.recv_actors[ins.peer].take(ins), step.assembling)
         if ins.direction == ACT:
             step.values[(ins.stage, ins.microbatch)].update(got)
+        elif ins.direction == PRE:
+            step.pre_received[(ins.stage, ins.microbatch)].update(got)
         else:
             step.grads[(ins.stage, ins.microbatch)].extend(got.items())
 
     def _run_send(self, ins: Send, step: "_StepValues") -> None:
-        key = (ins.stage, ins.microbatch, ACT if ins.direction == ACT else "B")
-        step.send_actors[ins.peer].post(ins, step.produced[key])
+        step.send_actors[ins.peer].post(ins, step.produced[(ins.stage, ins.microbatch, ins.direction)])
+
+    def _run_pre_pass(self, ins: PrePass, step: "_StepValues") -> None:
+        self.pre_passes.run(ins, step)
 
     def _run_overlap(self, ins: OverlapFB, step: "_StepValues") -> None:
         """On one stream: the forward, then the backward."""

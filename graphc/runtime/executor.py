@@ -157,15 +157,28 @@ class StageExecutor:
     def prologue(self, per_mb: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """The program's per-step values: its prologue summed over the micro-batches' inputs,
         then over the ranks its inputs are split across (see plan.program.Prologue)."""
+        sums = None
+        for mb, values in enumerate(per_mb):
+            sums = self.prologue_sums(sums, self.prologue_microbatch(mb, values))
+        return self.prologue_totals(sums)
+
+    def prologue_microbatch(self, mb: int, values: Dict[str, torch.Tensor]) -> tuple:
+        """The prologue on one micro-batch's inputs (and received pre-pass values): its
+        outputs to sum, then the values it sends on (Prologue.sent)."""
         pro = self.program.prologue
-        with torch.no_grad():
-            sums = None
-            for mb, values in enumerate(per_mb):
-                with drawing(*self.draw, mb):   # a pre-pass replays the micro-batch's draws
-                    outs = pro.module(*[values[name] for name in pro.inputs])
-                sums = list(outs) if sums is None else [a + b for a, b in zip(sums, outs)]
-            return {name: all_reduce_sum(total, groups) if groups else total
-                    for name, total, groups in zip(pro.outputs, sums, pro.groups)}
+        with torch.no_grad(), drawing(*self.draw, mb):   # a pre-pass replays the micro-batch's draws
+            return tuple(pro.module(*[values[name] for name in pro.inputs]))
+
+    def prologue_sums(self, sums: Optional[list], outs: tuple) -> list:
+        """`sums` with one micro-batch's summed outputs added (None: the first)."""
+        outs = list(outs[:len(self.program.prologue.outputs)])
+        return outs if sums is None else [a + b for a, b in zip(sums, outs)]
+
+    def prologue_totals(self, sums: Optional[list]) -> Dict[str, torch.Tensor]:
+        """The summed outputs over the micro-batches, summed over each one's rank groups."""
+        pro = self.program.prologue
+        return {name: all_reduce_sum(total, groups) if groups else total
+                for name, total, groups in zip(pro.outputs, sums or [], pro.groups)}
 
     # -- backward --------------------------------------------------------------------
     def backward(self, mb: int, grads: List[Tuple[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:

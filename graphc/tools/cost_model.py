@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from ..plan.instructions import (AllGather, Backward, BackwardInput, BackwardWeight, Collective,
-                                 Forward, Instruction, OptimizerStep, OverlapFB, ReduceScatter)
+                                 Forward, Instruction, OptimizerStep, OverlapFB, PrePass, ReduceScatter)
 from ..sbp.cost import moved_bytes
 from .network import Network, collective_seconds
 from .ring_overlap import overlaps, ring_step_seconds
@@ -72,6 +72,11 @@ class CostModel:
         return cost(ins, rank) if cost is not None else 0.0
 
     def _cost_forward(self, ins: Forward, rank: int) -> float:
+        return self.forward.get(ins.stage, 0.0) + self.overhead
+
+    def _cost_pre_pass(self, ins: PrePass, rank: int) -> float:
+        """A forward's: the pre-pass runs at most the stage's forward, without autograd
+        (NOTE: Whole-batch sums)."""
         return self.forward.get(ins.stage, 0.0) + self.overhead
 
     def _cost_backward(self, ins: Backward, rank: int) -> float:

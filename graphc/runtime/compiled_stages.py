@@ -126,28 +126,17 @@ GRAPHC_OPS, RANDOM_OPS, AUTOCAST = "graphc ops (communication, losses)", "random
 
 def _eager_nodes(module: fx.GraphModule) -> Dict[fx.Node, str]:
     """The nodes that run as traced, each with why (NOTE: Compiled stages)."""
-    eager, state = {}, ()
+    eager = {}
     for node in module.graph.nodes:
-        if node.op == "call_function" and node.target is set_autocast:
-            state = node.args[0]
         if node.op in ("placeholder", "output", "get_attr"):
             continue
         if _graphc_op(node):
             eager[node] = GRAPHC_OPS
         elif _draws(module, node):
             eager[node] = RANDOM_OPS
-        elif state:
-            eager[node] = AUTOCAST
+        elif node.op == "call_module" and isinstance(module.get_submodule(node.target), CheckpointedRegion):
+            eager[node] = CHECKPOINTED
     return eager
-
-
-def _warn_autocast(stage: int, eager: Dict[fx.Node, str]) -> None:
-    inside = [n for n, why in eager.items() if why == AUTOCAST]
-    if inside:
-        warn_user(f"config.set_compile_stages: stage {stage} runs {len(inside)} op(s) inside "
-                  f"torch.autocast uncompiled (the first: {_line(inside[0])}): Inductor's "
-                  "low-precision kernels compute in float32 and round once, eager rounds after "
-                  "every op, so their numbers differ from eager autocast.")
 
 
 def _graphc_op(node: fx.Node) -> bool:

@@ -62,10 +62,12 @@ import torch
 import torch.fx as fx
 
 from ..log import get_logger, warn_user
-from ..ops.autocast import autocast_state, set_autocast
+from ..ops.autocast import autocast_state
+from ..ops.checkpointed_region import CheckpointedRegion
 from ..ops.random_ops import RANDOM_FUNCTIONS, RANDOM_METHODS
 from ..plan.instructions import BackwardInput
 from ..plan.plan import ExecutionPlan
+from .compiled_recompute import inline_checkpoints, recompute_variant, recomputing, tagged_for_recompute
 
 _RANDOM_TARGETS = {id(fn) for fn in RANDOM_FUNCTIONS.values()}
 _DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
@@ -94,9 +96,9 @@ def compile_program(module: fx.GraphModule, stage: int,
     GraphModule taking and returning what `module` does, sharing its parameters.
     `keeps_graph`: its backward runs with retain_graph (a split backward)."""
     record = CompileRecord(stage, keeps_graph=keeps_graph)
+    module = inline_checkpoints(module)
     eager = _eager_nodes(module)
     record.eager = dict(Counter(eager.values()))
-    _warn_autocast(stage, eager)
     top = fx.Graph()
     env: Dict[fx.Node, fx.Node] = {}
     pieces: Dict[str, torch.nn.Module] = {}
@@ -121,7 +123,8 @@ def compile_program(module: fx.GraphModule, stage: int,
     return fx.GraphModule(root, top, class_name=f"CompiledStage{stage}"), record
 
 
-GRAPHC_OPS, RANDOM_OPS, AUTOCAST = "graphc ops (communication, losses)", "random ops", "autocast regions"
+GRAPHC_OPS, RANDOM_OPS = "graphc ops (communication, losses)", "random ops"
+CHECKPOINTED = "checkpointed modules with buffers"
 
 
 def _eager_nodes(module: fx.GraphModule) -> Dict[fx.Node, str]:
@@ -135,6 +138,7 @@ def _eager_nodes(module: fx.GraphModule) -> Dict[fx.Node, str]:
         elif _draws(module, node):
             eager[node] = RANDOM_OPS
         elif node.op == "call_module" and isinstance(module.get_submodule(node.target), CheckpointedRegion):
+            # one inline_checkpoints left: its buffers are restored for its recompute
             eager[node] = CHECKPOINTED
     return eager
 
@@ -268,14 +272,15 @@ class CompiledPiece(torch.nn.Module):
 
     def _compile(self, args):
         start = time.perf_counter()
+        piece = recompute_variant(self.piece) if recomputing() and torch.is_grad_enabled() else self.piece
         try:
             with _COMPILE_LOCK:
-                compiled = _inductor(self.piece, args, self.record.keeps_graph)
+                compiled = _inductor(piece, args, self.record.keeps_graph)
         except Exception as exc:   # Inductor's own limits: this piece runs as traced, and says so
             first = (str(exc).strip().splitlines() or [""])[0]
             warn_user(f"config.set_compile_stages: {self.name} runs uncompiled: Inductor failed "
                       f"({type(exc).__name__}: {first})")
-            compiled = self.piece
+            compiled = piece
         spent = time.perf_counter() - start
         self.record.seconds += spent
         self.record.fresh += spent
@@ -295,7 +300,10 @@ def _inductor(piece: fx.GraphModule, args, keeps_graph: bool):
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     fakes = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-    with tracing(TracingContext(fake_mode)), torch._functorch.config.patch(donated_buffer=not keeps_graph):
+    with tracing(TracingContext(fake_mode)), torch._functorch.config.patch(
+            donated_buffer=not keeps_graph, backward_pass_autocast="off",
+            enable_autograd_cache=not tagged_for_recompute(piece)), \
+            torch._inductor.config.patch(emulate_precision_casts=True):
         return compile_fx(piece, fakes)
 
 
@@ -307,7 +315,7 @@ def _line(node: fx.Node) -> str:
 
 def _variant_key(args) -> tuple:
     """What AOTAutograd bakes into a compiled piece and a call may change."""
-    return (torch.is_grad_enabled(), autocast_state(),
+    return (torch.is_grad_enabled(), recomputing(), autocast_state(),
             tuple((a.requires_grad, a.dtype, a.shape, a.stride()) if isinstance(a, torch.Tensor) else a
                   for a in args))
 
@@ -344,4 +352,5 @@ def compile_stages(executors: Dict, plan: ExecutionPlan, zero_stage: int) -> Dic
     records = {}
     for s, ex in executors.items():
         ex.compute, records[s] = compile_program(ex.program.module, s, keeps_graph=split)
+        ex.recompute_inside = not ex._buffers   # NOTE: Recompute in compiled pieces
     return records

@@ -67,6 +67,7 @@ from ..ops.checkpointed_region import CheckpointedRegion
 from ..ops.random_ops import RANDOM_FUNCTIONS, RANDOM_METHODS
 from ..plan.instructions import BackwardInput
 from ..plan.plan import ExecutionPlan
+from .compiled_split import build_split
 from .compiled_recompute import inline_checkpoints, recompute_variant, recomputing, tagged_for_recompute
 
 _RANDOM_TARGETS = {id(fn) for fn in RANDOM_FUNCTIONS.values()}
@@ -275,16 +276,36 @@ class CompiledPiece(torch.nn.Module):
         piece = recompute_variant(self.piece) if recomputing() and torch.is_grad_enabled() else self.piece
         try:
             with _COMPILE_LOCK:
-                compiled = _inductor(piece, args, self.record.keeps_graph)
+                compiled = self._split(piece, args)
+                if compiled is None:
+                    compiled = _inductor(piece, args, self.record.keeps_graph)
         except Exception as exc:   # Inductor's own limits: this piece runs as traced, and says so
-            first = (str(exc).strip().splitlines() or [""])[0]
             warn_user(f"config.set_compile_stages: {self.name} runs uncompiled: Inductor failed "
-                      f"({type(exc).__name__}: {first})")
+                      f"({_first_line(exc)})")
             compiled = piece
         spent = time.perf_counter() - start
         self.record.seconds += spent
         self.record.fresh += spent
         return compiled
+
+
+    def _split(self, piece: fx.GraphModule, args):
+        """Under a split backward, the piece with its input and weight gradients compiled apart
+        (NOTE: Split compiled backward); None where that does not apply or the joint export
+        refuses the piece (it is then compiled whole, its backward run in I, as the warning says)."""
+        if not (self.record.keeps_graph and torch.is_grad_enabled()):
+            return None
+        try:
+            return build_split(piece, args, lambda graph, examples: _inductor(graph, examples, True))
+        except Exception as exc:
+            warn_user(f"config.set_compile_stages: {self.name}'s backward is compiled whole, its "
+                      f"parameters' gradients computed in I with its inputs' (W only accumulates "
+                      f"them): the joint export refused it ({_first_line(exc)})")
+            return None
+
+
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: " + (str(exc).strip().splitlines() or [""])[0]
 
 
 def _inductor(piece: fx.GraphModule, args, keeps_graph: bool):
@@ -343,12 +364,6 @@ def compile_stages(executors: Dict, plan: ExecutionPlan, zero_stage: int) -> Dic
                   "or 2, or no compile_stages.")
         return {}
     split = any(isinstance(ins, BackwardInput) for ins in plan.instructions)
-    if split:
-        warn_user(f"config.set_compile_stages: the split backward of schedule "
-                  f"'{plan.schedule}' computes a compiled piece's parameter gradients in I, "
-                  "with its input gradients (a compiled backward is one kernel program, not "
-                  "split in two); W only accumulates them. Same numbers, less work left for W "
-                  "to fill the pipeline's bubbles with.")
     records = {}
     for s, ex in executors.items():
         ex.compute, records[s] = compile_program(ex.program.module, s, keeps_graph=split)

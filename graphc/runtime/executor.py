@@ -38,6 +38,7 @@ from ..ops.conversions import all_reduce_sum
 from ..plan.program import StageProgram
 from ..ops.random_ops import drawing
 from .compiled_recompute import recompute_in_backward
+from .compiled_split import input_gradients_only
 from .weight_grads import WeightGroups
 
 
@@ -197,7 +198,7 @@ class StageExecutor:
             if weights is not None:
                 weights.keep()
             try:
-                with drawing(*self.draw, mb):
+                with drawing(*self.draw, mb), input_gradients_only():   # NOTE: Split compiled backward
                     got = torch.autograd.grad(roots, leaves, root_grads, retain_graph=True,
                                               allow_unused=True)
             finally:

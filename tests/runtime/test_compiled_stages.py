@@ -22,7 +22,7 @@ import graphc
 import graphc.testing
 from graphc import sbp
 from graphc.ops.autocast import set_autocast
-from graphc.runtime.compiled_stages import AUTOCAST, GRAPHC_OPS, RANDOM_OPS, compile_program
+from graphc.runtime.compiled_stages import GRAPHC_OPS, RANDOM_OPS, compile_program
 from graphc.runtime.weight_grads import WeightGroups
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "local"))

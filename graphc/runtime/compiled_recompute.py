@@ -78,15 +78,31 @@ def inline_checkpoints(module: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     env: Dict[fx.Node, fx.Node] = {}
     bodies: Dict[fx.Node, tuple] = {}
+    attrs = _attributes(module, module.graph)
     for node in module.graph.nodes:
         if node in regions:
-            bodies[node] = _inline(graph, module.get_submodule(node.target).body,
-                                   [env[a] for a in node.args], regions.index(node) + 1)
+            body = module.get_submodule(node.target).body
+            attrs.update(_attributes(body, body.graph))
+            bodies[node] = _inline(graph, body, [env[a] for a in node.args], regions.index(node) + 1)
         elif node.op == "call_function" and node.target is operator.getitem and node.args[0] in bodies:
             env[node] = bodies[node.args[0]][node.args[1]]
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
-    return fx.GraphModule(module, graph, class_name=type(module).__name__)
+    used = {n.target for n in graph.nodes if n.op in ("get_attr", "call_module")}
+    return fx.GraphModule({t: v for t, v in attrs.items() if t in used}, graph,
+                          class_name=type(module).__name__)
+
+
+def _attributes(module: fx.GraphModule, graph: fx.Graph) -> Dict[str, object]:
+    """What the graph's get_attr and call_module nodes name, from `module` (the same objects)."""
+    return {n.target: (module.get_submodule(n.target) if n.op == "call_module" else _get(module, n.target))
+            for n in graph.nodes if n.op in ("get_attr", "call_module")}
+
+
+def _get(module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
 
 
 def _inlinable(module: fx.GraphModule, node: fx.Node) -> bool:

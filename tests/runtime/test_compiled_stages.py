@@ -10,8 +10,8 @@ mode, NOTE: Checked steps). bf16 autocast is held to torch.compile's own distanc
 autocast on the same model (test_autocast_regions_compiled_as_torch_compile). Each layout runs
 in a local world (threads); compiling dominates the time (seconds per piece on a loaded 2-core
 machine, less from Inductor's disk cache), so the default run has one 2-rank zero-bubble check
-with both kinds of checkpointing (and the cheap unit checks), and the layouts of the issue are
-slow.
+with both kinds of checkpointing (and the cheap unit checks), and the layouts of the issue, what
+each piece saves under checkpointing and the bf16 comparison are slow.
 """
 import operator
 import os
@@ -135,6 +135,7 @@ class _Checkpointed(nn.Module):
         return torch.fx.GraphModule(self, g)
 
 
+@pytest.mark.slow
 def test_checkpointed_region_recomputed_inside_the_compiled_backward():
     """A CheckpointedRegion's body is inlined into the piece, tagged for recompute: the compiled
     piece saves what the region reads, not what it computes, and a checkpointed micro-batch
@@ -154,6 +155,10 @@ def test_checkpointed_region_recomputed_inside_the_compiled_backward():
         region_values = [pre, torch.tanh(pre)]
     fixed = {t.data_ptr() for t in [x] + list(net.parameters())}
     for whole_stage in (False, True):
+        with recompute_in_backward(whole_stage):   # compiled outside the hooks: Inductor's cache
+            compiled(x)[0].sum().backward()         # bypasses a trace under saved-tensor hooks
+        for t in [x] + list(net.parameters()):
+            t.grad = None
         saved = []
         hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
         with hooks, recompute_in_backward(whole_stage):

@@ -9,18 +9,30 @@ of the same interface (inputs, outputs, parameters) that runs them in order:
   `torch._inductor.compile_fx.compile_fx` (what `torch.compile(backend="inductor")` calls
   after Dynamo). Through AOTAutograd that gives a forward and a backward kernel program
   per piece, joined to the rest of the stage by one autograd node, so the executor's own
-  backward (whole, split, or after a recompute) runs the compiled backward unchanged.
+  backward (whole, or after a recompute) runs the compiled backward unchanged. Under a
+  split backward (zero-bubble schedules) the backward is two compiled parts instead, input
+  and weight gradients (NOTE: Split compiled backward). Checkpointing recomputes inside the
+  compiled backward (NOTE: Recompute in compiled pieces).
 - eager pieces, run as traced: every graphc op (communication boxes, sends of tensor
   parallelism, the losses graphc writes, seeded random ops, set_autocast), random ops
-  (Inductor draws other numbers than eager's generator), and every op inside an autocast
-  region (Inductor's low-precision kernels compute in float32 and round once, eager
-  rounds after each op: close, not equal).
+  (Inductor draws other numbers than eager's generator), and a checkpointed module with
+  buffers (its eager region restores them for the recompute).
+
+Autocast regions compile: the region's set_autocast calls are graphc ops, so its ops form
+their own pieces, each traced (at its first call) under the region's state, the casts in its
+graph as in eager; its backward is traced outside autocast (`backward_pass_autocast="off"`),
+as the executor runs eager's; and Inductor rounds each low-precision intermediate as eager
+does (`emulate_precision_casts`; without it Inductor keeps fused intermediates in float32
+and rounds once, as torch.compile does). Measured on a Linear-GELU-Linear-LayerNorm-Tanh
+stack under bf16 autocast: the forward bitwise eager autocast's, gradients 3e-3 to 6e-3 of
+their largest value away (torch.compile's: 2e-3 to 6e-3); the tolerance the tests hold it to
+is torch.compile's own distance from eager autocast (test_autocast_regions_compiled_as_torch_compile).
 
 Why compile_fx and not torch.compile on the piece: Dynamo would trace again what fx has
 already traced, and its guards would check every call what the plan has fixed. The one
 thing a call may change is what AOTAutograd bakes into a compiled piece: grad mode, which
-inputs need a gradient (a checkpointed micro-batch's forward runs under no_grad, its
-recompute records), the autocast state, and the inputs' shapes and strides. Each piece
+inputs need a gradient, whether it recomputes in its backward (a checkpointed micro-batch),
+the autocast state, and the inputs' shapes and strides. Each piece
 keeps one compiled variant per such key (`_variant_key`), built at the first call that
 needs it and reused for every later call and step of the plan.
 
@@ -35,19 +47,16 @@ inputs' shapes, dtypes and strides, and torch's and Inductor's configuration, so
 process compiling the same plan loads the kernels from disk instead of generating and
 building C++ (GPT, one stage: 29 s cold, 18 s cached, `fxgraph_cache_hit` 2). It needs a
 ShapeEnv in the tracing context, which Dynamo would supply (`_inductor`). AOTAutograd's own
-cache accepts only Dynamo-shaped graphs and bypasses graphc's, so the joint graph is traced
-again in each process. The compile time of each stage is logged once per step that
-compiled, and kept in `StepStats.compile_seconds`.
+cache keys a piece by its graph's code, which recompute tags are not part of: it is off for
+tagged pieces (it handed back the untagged piece's partition, measured). The compile time of
+each stage is logged once per step that compiled, and kept in `StepStats.compile_seconds`.
 
 What runs uncompiled, each with a warning naming it and why: every stage of a plan under
 ZeRO stage 3 (`compile_stages`: its parameters change storage between gathers, which the
-tensors a compiled piece saves for its backward would not follow); the ops inside autocast
-regions (`_warn_autocast`); a piece Inductor fails on (`CompiledPiece._compile`). Split
-backward (zero-bubble schedules) runs compiled, but a piece's backward is one kernel
-program that computes its inputs' and its parameters' gradients together: I runs it, and
-W only accumulates the parameters' gradients I computed (NOTE: Weight gradients). The
-numbers and the schedule are unchanged, the compute moves from W into I (no work is left
-for W to fill the bubbles with), and the warning says so.
+tensors a compiled piece saves for its backward would not follow); a piece Inductor fails on
+(`CompiledPiece._compile`). A piece whose joint graph the split export refuses (it mutates
+an input or returns an alias of one) compiles whole under a split backward, with a warning:
+its parameters' gradients are computed in I, and W only accumulates them.
 """
 from __future__ import annotations
 

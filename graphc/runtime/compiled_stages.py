@@ -380,5 +380,6 @@ def compile_stages(executors: Dict, plan: ExecutionPlan, zero_stage: int) -> Dic
     records = {}
     for s, ex in executors.items():
         ex.compute, records[s] = compile_program(ex.program.module, s, keeps_graph=split)
-        ex.recompute_inside = not ex._buffers   # NOTE: Recompute in compiled pieces
+        # NOTE: Recompute in compiled pieces (a stage with no piece would save everything)
+        ex.recompute_inside = records[s].pieces > 0 and not ex._buffers
     return records

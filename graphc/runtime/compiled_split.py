@@ -145,8 +145,9 @@ def build_split(piece: fx.GraphModule, args, compile_part) -> SplitPiece:
     from torch._functorch.aot_autograd import aot_export_joint_simple
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
-    names, state = zip(*(list(piece.named_parameters()) + list(piece.named_buffers()))) or ((), ())
-    grads_of = [s.requires_grad for s in state]
+    named = list(piece.named_parameters()) + list(piece.named_buffers())
+    names, state = [n for n, _ in named], [t for _, t in named]
+    grads_of = [t.requires_grad for t in state]
     n_state = len(state)
 
     def functional(*primals):
@@ -157,11 +158,14 @@ def build_split(piece: fx.GraphModule, args, compile_part) -> SplitPiece:
         joint = aot_export_joint_simple(functional, tuple(primals), trace_joint=True,
                                         decompositions=select_decomp_table())
     n_outputs = len(piece.graph.find_nodes(op="output")[0].args[0])
+    tangents = [n for n in joint.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
+    if len(tangents) != n_outputs:   # SplitFunction passes one gradient per output
+        raise NotImplementedError(f"{n_outputs - len(tangents)} of its outputs take no gradient")
     fw, bw = min_cut_rematerialization_partition(joint, primals, num_fwd_outputs=n_outputs)
     first, second = split_backward(bw, n_state)
     with torch.no_grad(), _outside_autocast():   # aten graphs, their casts traced in already
         parts = [compile_part(g, _examples(g)) for g in (fw, first, second)]
-    return SplitPiece(*parts, list(state), n_outputs, len(args))
+    return SplitPiece(*parts, state, n_outputs, len(args))
 
 
 @contextlib.contextmanager

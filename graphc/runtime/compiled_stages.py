@@ -308,6 +308,8 @@ class CompiledPiece(torch.nn.Module):
         refuses the piece (it is then compiled whole, its backward run in I, as the warning says)."""
         if not (self.record.keeps_graph and torch.is_grad_enabled()):
             return None
+        if not any(p.requires_grad for p in piece.parameters()):
+            return None    # its whole backward is input gradients: nothing for W
         try:
             return build_split(piece, args, lambda graph, examples: _inductor(graph, examples, True))
         except Exception as exc:

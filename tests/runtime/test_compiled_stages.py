@@ -256,7 +256,7 @@ def test_zero_bubble_split_and_checkpointed_compiled_equal_eager():
     run, warned = _compiled(config, checkpoint_block=0)
     assert run.ok, run.text()
     assert not [w for w in warned if "set_compile_stages" in w]
-    pieces = _pieces(run)
+    pieces = _pieces(run)   # each reads parameters
     assert pieces and all(isinstance(v, SplitPiece) for p in pieces for key, v in p.variants.items() if key[0])
     assert all(set(r.eager) <= {GRAPHC_OPS} for g in run.graphs for r in g._runtime.compiled.values())
 
@@ -278,8 +278,9 @@ def test_layouts_compiled_equal_eager(config):
     assert all(r.pieces for g in run.graphs if g._runtime.compiled for r in g._runtime.compiled.values())
     assert not [w for w in warned if "set_compile_stages" in w]
     split = config.schedule in ("zbv", "zero_bubble")
-    recording = [v for p in _pieces(run) for key, v in p.variants.items() if key[0]]
-    assert recording and all(isinstance(v, SplitPiece) == split for v in recording)
+    recording = [(v, any(True for _ in p.piece.parameters())) for p in _pieces(run)
+                 for key, v in p.variants.items() if key[0]]
+    assert recording and all(isinstance(v, SplitPiece) == (split and params) for v, params in recording)
 
 
 @pytest.mark.slow

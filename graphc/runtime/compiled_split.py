@@ -49,12 +49,13 @@ class SplitPiece:
     """The three compiled parts of one piece, and the parameters it reads, in order."""
 
     def __init__(self, forward, input_part, weight_part, params: List[torch.Tensor],
-                 n_outputs: int, n_inputs: int):
+                 differentiable: List[bool], n_inputs: int):
         self.forward = forward
         self.input_part = input_part
         self.weight_part = weight_part
         self.params = params
-        self.n_outputs = n_outputs
+        self.differentiable = differentiable   # per output: whether it takes a gradient
+        self.n_outputs = len(differentiable)
         self.n_inputs = n_inputs
 
     def __call__(self, *args):
@@ -70,6 +71,7 @@ class SplitFunction(torch.autograd.Function):
         ctx.piece = piece
         ctx.save_for_backward(*saved)
         ctx.kept = None
+        ctx.mark_non_differentiable(*[o for o, d in zip(outs, piece.differentiable) if not d])
         return tuple(outs)
 
     @staticmethod
@@ -77,7 +79,8 @@ class SplitFunction(torch.autograd.Function):
         piece = ctx.piece
         n_params = len(piece.params)
         if ctx.kept is None:    # I, or a whole backward
-            got = piece.input_part(*ctx.saved_tensors, *grads)
+            tangents = [g for g, d in zip(grads, piece.differentiable) if d]
+            got = piece.input_part(*ctx.saved_tensors, *tangents)
             input_grads, kept = got[:piece.n_inputs], got[piece.n_inputs:]
             if _INPUTS_ONLY.get():
                 ctx.kept = kept
@@ -150,22 +153,44 @@ def build_split(piece: fx.GraphModule, args, compile_part) -> SplitPiece:
     grads_of = [t.requires_grad for t in state]
     n_state = len(state)
 
-    def functional(*primals):
-        return tuple(torch.func.functional_call(piece, dict(zip(names, primals[:n_state])),
-                                                tuple(primals[n_state:])))
+    def functional(*primals):   # an output that is a view is a copy (the joint export's rule)
+        outs = torch.func.functional_call(piece, dict(zip(names, primals[:n_state])), tuple(primals[n_state:]))
+        return tuple(o.clone() if o._is_view() or any(o is p for p in primals) else o for o in outs)
     primals = [s.detach().requires_grad_(g) for s, g in zip(state, grads_of)] + list(args)
     with torch.enable_grad():
         joint = aot_export_joint_simple(functional, tuple(primals), trace_joint=True,
                                         decompositions=select_decomp_table())
-    n_outputs = len(piece.graph.find_nodes(op="output")[0].args[0])
-    tangents = [n for n in joint.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
-    if len(tangents) != n_outputs:   # SplitFunction passes one gradient per output
-        raise NotImplementedError(f"{n_outputs - len(tangents)} of its outputs take no gradient")
-    fw, bw = min_cut_rematerialization_partition(joint, primals, num_fwd_outputs=n_outputs)
+    differentiable = _differentiable(piece, joint, primals[n_state:])
+    fw, bw = min_cut_rematerialization_partition(joint, primals, num_fwd_outputs=len(differentiable))
     first, second = split_backward(bw, n_state)
     with torch.no_grad(), _outside_autocast():   # aten graphs, their casts traced in already
         parts = [compile_part(g, _examples(g)) for g in (fw, first, second)]
-    return SplitPiece(*parts, state, n_outputs, len(args))
+    return SplitPiece(*parts, state, differentiable, len(args))
+
+
+def _differentiable(piece: fx.GraphModule, joint: fx.GraphModule, args) -> List[bool]:
+    """Per output, whether the joint graph takes a gradient for it: a floating value that
+    reads a parameter or an input needing a gradient; checked against the joint's tangents."""
+    needs = {n for n, a in zip(piece.graph.find_nodes(op="placeholder"), args)
+             if isinstance(a, torch.Tensor) and a.requires_grad}
+    for node in piece.graph.nodes:
+        if node.op == "get_attr" and getattr(_attr(piece, node.target), "requires_grad", False):
+            needs.add(node)
+        elif any(a in needs for a in node.all_input_nodes):
+            needs.add(node)
+    outputs = piece.graph.find_nodes(op="output")[0].args[0]
+    values = joint.graph.find_nodes(op="output")[0].args[0][:len(outputs)]
+    out = [o in needs and v.meta["val"].dtype.is_floating_point for o, v in zip(outputs, values)]
+    tangents = [n for n in joint.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
+    if len(tangents) != sum(out):
+        raise NotImplementedError(f"{len(tangents)} output gradients, expected {sum(out)}")
+    return out
+
+
+def _attr(module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
 
 
 @contextlib.contextmanager

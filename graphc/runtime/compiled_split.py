@@ -174,9 +174,7 @@ def _differentiable(piece: fx.GraphModule, joint: fx.GraphModule, args) -> List[
     needs = {n for n, a in zip(piece.graph.find_nodes(op="placeholder"), args)
              if isinstance(a, torch.Tensor) and a.requires_grad}
     for node in piece.graph.nodes:
-        if node.op == "get_attr" and getattr(_attr(piece, node.target), "requires_grad", False):
-            needs.add(node)
-        elif any(a in needs for a in node.all_input_nodes):
+        if _reads_trained(piece, node) or any(a in needs for a in node.all_input_nodes):
             needs.add(node)
     outputs = piece.graph.find_nodes(op="output")[0].args[0]
     values = joint.graph.find_nodes(op="output")[0].args[0][:len(outputs)]
@@ -185,6 +183,16 @@ def _differentiable(piece: fx.GraphModule, joint: fx.GraphModule, args) -> List[
     if len(tangents) != sum(out):
         raise NotImplementedError(f"{len(tangents)} output gradients, expected {sum(out)}")
     return out
+
+
+def _reads_trained(piece: fx.GraphModule, node: fx.Node) -> bool:
+    """A parameter that needs a gradient, or a module call holding one."""
+    if node.op == "get_attr":
+        value = _attr(piece, node.target)
+        return isinstance(value, torch.Tensor) and value.requires_grad
+    if node.op == "call_module":
+        return any(p.requires_grad for p in piece.get_submodule(node.target).parameters())
+    return False
 
 
 def _attr(module, target: str):

@@ -25,8 +25,16 @@ the node for W, which runs the node again (NOTE: Weight gradients: an intermedia
 gave no parameter gradient is run from its kept output gradients) and gets the weight part
 alone.
 
-A piece the joint export refuses (it mutates an input, a buffer's running statistic, or an
-output aliases an input) is compiled whole as before; its backward then runs in I.
+The joint export takes no output that is a view (of an input, `targets.view(-1)`, or of an
+intermediate): such an output is a copy. A piece it still refuses (one that mutates an input,
+a buffer's running statistic) is compiled whole, with a warning; its backward then runs in I.
+A piece without trained parameters keeps its whole compiled backward (nothing for W).
+
+The flag `input_gradients_only` sets is a ContextVar (each rank of the local world is a
+thread), read on the thread that runs the backward. Where autograd runs a node on a device
+thread (CUDA), the flag is unseen there: the piece's backward runs both parts in I, and W
+accumulates the parameters' gradients I gave (NOTE: Weight gradients): the same numbers,
+without the split.
 """
 from __future__ import annotations
 

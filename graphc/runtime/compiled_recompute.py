@@ -22,7 +22,8 @@ nodes of the joint graph. graphc's two kinds of checkpointing use it:
   give it) and recomputes the rest inside its compiled backward; the executor then has no
   recompute of its own to run (NOTE: Activation checkpointing). A stage with buffers keeps
   the executor's recompute (the compiled pieces' forward again, recording), which restores
-  the buffers the forward updated.
+  the buffers the forward updated; so does a stage gathered per ZeRO-3 unit, whose plan lists
+  the recompute's gathers (NOTE: ZeRO units).
 
 The numbers are those of the forward: the same compiled kernels recompute the same values.
 """

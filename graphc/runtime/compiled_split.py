@@ -27,7 +27,9 @@ alone.
 
 The joint export takes no output that is a view (of an input, `targets.view(-1)`, or of an
 intermediate): such an output is a copy. A piece it still refuses (one that mutates an input,
-a buffer's running statistic) is compiled whole, with a warning; its backward then runs in I.
+a buffer's running statistic), or whose weight part reads a parameter (W would read it past
+the unpack hook that makes a ZeRO-3 unit whole, NOTE: ZeRO units), is compiled whole, with
+a warning; its backward then runs in I.
 A piece without trained parameters keeps its whole compiled backward (nothing for W).
 
 The flag `input_gradients_only` sets is a ContextVar (each rank of the local world is a
@@ -171,9 +173,19 @@ def build_split(piece: fx.GraphModule, args, compile_part) -> SplitPiece:
     differentiable = _differentiable(piece, joint, primals[n_state:])
     fw, bw = min_cut_rematerialization_partition(joint, primals, num_fwd_outputs=len(differentiable))
     first, second = split_backward(bw, n_state)
+    if any(_is_state(n, n_state) for n in second.graph.find_nodes(op="placeholder")):
+        # W would read a parameter kept since I, past the hook that makes a ZeRO-3 unit whole
+        raise NotImplementedError("its weight gradients read the parameters themselves")
     with torch.no_grad(), _outside_autocast():   # aten graphs, their casts traced in already
         parts = [compile_part(g, _examples(g)) for g in (fw, first, second)]
     return SplitPiece(*parts, state, differentiable, len(args))
+
+
+def _is_state(node: fx.Node, n_state: int) -> bool:
+    """A backward placeholder that is one of the first `n_state` forward inputs (AOTAutograd
+    keeps the joint's names: primals_1, ... for the inputs, the parameters first)."""
+    name, _, k = node.name.partition("primals_")
+    return name == "" and k.isdigit() and int(k) <= n_state
 
 
 def _differentiable(piece: fx.GraphModule, joint: fx.GraphModule, args) -> List[bool]:

@@ -98,7 +98,9 @@ class StageExecutor:
         if not self.training:
             with torch.no_grad(), drawing(*self.draw, mb):
                 return dict(zip(prog.outputs, self.compute(*args)))
-        if mb in self.checkpointed and not self.recompute_inside:
+        # gathered per unit, the plan lists the recompute's gathers (NOTE: ZeRO units)
+        inside = self.recompute_inside and self.units is None
+        if mb in self.checkpointed and not inside:
             buffers = {n: b.clone() for n, b in self._buffers.items()} if self._buffers else None
             versions = {n: b._version for n, b in self._buffers.items()}
             with torch.no_grad(), drawing(*self.draw, mb):
@@ -110,8 +112,8 @@ class StageExecutor:
             seen: Dict[int, int] = {}
             count = self._counter(seen) if self.count_bytes else _identity
             saving = self._saving(count) if self.count_bytes or self.units is not None else nullcontext()
-            inside = recompute_in_backward(mb in self.checkpointed)
-            with torch.enable_grad(), drawing(*self.draw, mb), saving, inside:
+            with torch.enable_grad(), drawing(*self.draw, mb), saving, \
+                    recompute_in_backward(mb in self.checkpointed):
                 out = self.compute(*args)
             outs = dict(zip(prog.outputs, out))
             saved = _Saved(leaves, outs, nbytes=sum(seen.values()))

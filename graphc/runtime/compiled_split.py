@@ -14,8 +14,9 @@ Inductor's own path uses:
    tags honoured, NOTE: Recompute in compiled pieces);
 3. the backward graph is cut once more: the *input part* is every node an input's gradient
    needs, the *weight part* the nodes only the parameters' gradients need; the values the
-   weight part reads from the input part (and the saved values and output gradients it reads)
-   are the input part's extra outputs, kept between I and W;
+   weight part reads from the input part are the input part's extra outputs, kept between I
+   and W with the output gradients; the saved tensors it reads it takes from autograd again
+   in W (unpacked: a ZeRO-3 unit's parameters are whole again there, NOTE: ZeRO units);
 4. forward, input part and weight part are each compiled by Inductor (no autograd inside).
 
 `SplitFunction` (a torch.autograd.Function) joins them to the stage's autograd graph. Its
@@ -27,9 +28,7 @@ alone.
 
 The joint export takes no output that is a view (of an input, `targets.view(-1)`, or of an
 intermediate): such an output is a copy. A piece it still refuses (one that mutates an input,
-a buffer's running statistic), or whose weight part reads a parameter (W would read it past
-the unpack hook that makes a ZeRO-3 unit whole, NOTE: ZeRO units), is compiled whole, with
-a warning; its backward then runs in I.
+a buffer's running statistic) is compiled whole, with a warning; its backward then runs in I.
 A piece without trained parameters keeps its whole compiled backward (nothing for W).
 
 The flag `input_gradients_only` sets is a ContextVar (each rank of the local world is a
@@ -59,7 +58,7 @@ class SplitPiece:
     """The three compiled parts of one piece, and the parameters it reads, in order."""
 
     def __init__(self, forward, input_part, weight_part, params: List[torch.Tensor],
-                 differentiable: List[bool], n_inputs: int):
+                 differentiable: List[bool], n_inputs: int, weight_reads: List[int]):
         self.forward = forward
         self.input_part = input_part
         self.weight_part = weight_part
@@ -67,6 +66,7 @@ class SplitPiece:
         self.differentiable = differentiable   # per output: whether it takes a gradient
         self.n_outputs = len(differentiable)
         self.n_inputs = n_inputs
+        self.weight_reads = weight_reads   # the backward inputs (saved, then output gradients) W reads
 
     def __call__(self, *args):
         return SplitFunction.apply(self, *self.params, *args)
@@ -91,13 +91,20 @@ class SplitFunction(torch.autograd.Function):
         if ctx.kept is None:    # I, or a whole backward
             tangents = [g for g, d in zip(grads, piece.differentiable) if d]
             got = piece.input_part(*ctx.saved_tensors, *tangents)
-            input_grads, kept = got[:piece.n_inputs], got[piece.n_inputs:]
+            input_grads, computed = got[:piece.n_inputs], got[piece.n_inputs:]
             if _INPUTS_ONLY.get():
-                ctx.kept = kept
+                ctx.kept = (computed, tangents)
                 return (None,) + (None,) * n_params + tuple(input_grads)
-            return (None,) + tuple(piece.weight_part(*kept)) + tuple(input_grads)
-        kept, ctx.kept = ctx.kept, None   # W: the weight part alone, from what I kept
-        return (None,) + tuple(piece.weight_part(*kept)) + (None,) * piece.n_inputs
+            return (None,) + _weight_grads(ctx, computed, tangents) + tuple(input_grads)
+        (computed, tangents), ctx.kept = ctx.kept, None   # W: the weight part alone
+        return (None,) + _weight_grads(ctx, computed, tangents) + (None,) * piece.n_inputs
+
+
+def _weight_grads(ctx, computed, tangents) -> tuple:
+    """The weight part on what the input part computed and the backward inputs it reads, the
+    saved ones unpacked again (ZeRO-3 units make their parameters whole there, NOTE: ZeRO units)."""
+    inputs = list(ctx.saved_tensors) + list(tangents)
+    return tuple(ctx.piece.weight_part(*computed, *[inputs[i] for i in ctx.piece.weight_reads]))
 
 
 @contextlib.contextmanager
@@ -111,10 +118,12 @@ def input_gradients_only():
         _INPUTS_ONLY.reset(token)
 
 
-def split_backward(bw: fx.GraphModule, n_params: int) -> Tuple[fx.GraphModule, fx.GraphModule]:
+def split_backward(bw: fx.GraphModule, n_params: int) -> Tuple[fx.GraphModule, fx.GraphModule, List[int]]:
     """The backward graph cut in two (NOTE: Split compiled backward): the input part returns
-    the inputs' gradients then every value the weight part reads; the weight part takes those
-    and returns the parameters' gradients. A gradient that is None stays a None output."""
+    the inputs' gradients then the values it computes that the weight part reads; the weight
+    part takes those, then the backward's own inputs it reads (their indices, returned too:
+    W takes them from the saved tensors again, through autograd's unpack hooks), and returns
+    the parameters' gradients. A gradient that is None stays a None output."""
     output = next(n for n in bw.graph.nodes if n.op == "output")
     grads = list(output.args[0])
     weight_grads, input_grads = grads[:n_params], grads[n_params:]
@@ -124,10 +133,13 @@ def split_backward(bw: fx.GraphModule, n_params: int) -> Tuple[fx.GraphModule, f
     inside = set(second)
     crossing = [n for n in bw.graph.nodes if n in for_weights and n not in inside
                 and (n in weight_grads or any(u in inside for u in n.users))]
-    first = [n for n in bw.graph.nodes if n in for_inputs and n.op != "placeholder"]
+    computed = [n for n in crossing if n.op != "placeholder"]
     placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
-    return (_subgraph(bw, first, placeholders, input_grads + crossing),
-            _subgraph(bw, second, crossing, weight_grads))
+    reads = [n for n in crossing if n.op == "placeholder"]
+    first = [n for n in bw.graph.nodes if n in for_inputs and n.op != "placeholder"]
+    return (_subgraph(bw, first, placeholders, input_grads + computed),
+            _subgraph(bw, second, computed + reads, weight_grads),
+            [placeholders.index(n) for n in reads])
 
 
 def _ancestors(values) -> set:
@@ -172,20 +184,10 @@ def build_split(piece: fx.GraphModule, args, compile_part) -> SplitPiece:
                                         decompositions=select_decomp_table())
     differentiable = _differentiable(piece, joint, primals[n_state:])
     fw, bw = min_cut_rematerialization_partition(joint, primals, num_fwd_outputs=len(differentiable))
-    first, second = split_backward(bw, n_state)
-    if any(_is_state(n, n_state) for n in second.graph.find_nodes(op="placeholder")):
-        # W would read a parameter kept since I, past the hook that makes a ZeRO-3 unit whole
-        raise NotImplementedError("its weight gradients read the parameters themselves")
+    first, second, reads = split_backward(bw, n_state)
     with torch.no_grad(), _outside_autocast():   # aten graphs, their casts traced in already
         parts = [compile_part(g, _examples(g)) for g in (fw, first, second)]
-    return SplitPiece(*parts, state, differentiable, len(args))
-
-
-def _is_state(node: fx.Node, n_state: int) -> bool:
-    """A backward placeholder that is one of the first `n_state` forward inputs (AOTAutograd
-    keeps the joint's names: primals_1, ... for the inputs, the parameters first)."""
-    name, _, k = node.name.partition("primals_")
-    return name == "" and k.isdigit() and int(k) <= n_state
+    return SplitPiece(*parts, state, differentiable, len(args), reads)
 
 
 def _differentiable(piece: fx.GraphModule, joint: fx.GraphModule, args) -> List[bool]:

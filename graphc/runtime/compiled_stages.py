@@ -61,9 +61,8 @@ per unit; measured equal to eager at 1e-10 with data parallel, pipeline x data p
 (1F1B, ZBV, interleaved), units, and units with checkpointing
 (test_zero_stage_3_compiled_equal_eager); gathered per unit, a checkpointed micro-batch keeps
 the executor's recompute, whose gathers the plan lists. A piece the split export refuses (it
-mutates an input, or its weight gradients read a parameter, which W would read past the hook
-that makes a ZeRO-3 unit whole) compiles whole under a split backward, with a warning: its
-parameters' gradients are computed in I, and W only accumulates them.
+mutates an input) compiles whole under a split backward, with a warning: its parameters'
+gradients are computed in I, and W only accumulates them.
 """
 from __future__ import annotations
 

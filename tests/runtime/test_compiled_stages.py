@@ -9,9 +9,10 @@ test holds it to the repository's oracle, eager PyTorch on the whole batch at 1e
 mode, NOTE: Checked steps). bf16 autocast is held to torch.compile's own distance from eager
 autocast on the same model (test_autocast_regions_compiled_as_torch_compile). Each layout runs
 in a local world (threads); compiling dominates the time (seconds per piece on a loaded 2-core
-machine, less from Inductor's disk cache), so the default run has one 2-rank zero-bubble check
-with both kinds of checkpointing (and the cheap unit checks), and the layouts of the issue, what
-each piece saves under checkpointing and the bf16 comparison are slow.
+machine, less from Inductor's disk cache, and the first compile of a process imports Inductor:
+~8 s), so the default run has one 2-rank zero-bubble check with a checkpointed module
+(and the unit checks that compile nothing); the layouts of the issue, ZeRO-3, what each piece
+saves under checkpointing, what I and W each compute, and the bf16 comparison are slow.
 """
 import operator
 import os
@@ -199,6 +200,7 @@ def test_a_piece_inductor_fails_on_runs_as_traced(monkeypatch):
     assert torch.equal(out, net(x)) and record.pieces == 1
 
 
+@pytest.mark.slow
 def test_split_backward_compiles_input_and_weight_gradients_apart():
     """Zero bubble's I and W over a compiled piece: I (input_gradients_only) runs its compiled
     input part and gives the parameters nothing, W runs its compiled weight part from what I
@@ -248,11 +250,12 @@ def _pieces(run):
 
 
 def test_zero_bubble_split_and_checkpointed_compiled_equal_eager():
-    """The default check: a 2-rank zero-bubble pipeline (split backward) with every micro-batch
-    but the last checkpointed and block 0 a checkpointed module, compiled, every step equal to
-    eager at 1e-10 (float64); each piece's backward compiled as an input and a weight part, and
-    nothing left uncompiled but the loss."""
-    config = sweep.Config("skip", pp=2, schedule="zero_bubble", acc=4, checkpointing="except_last")
+    """The default check: a 2-rank zero-bubble pipeline (split backward) with block 0 a
+    checkpointed module, compiled, every step equal to eager at 1e-10 (float64); each piece's
+    backward compiled as an input and a weight part (the region recomputed in the input part),
+    and nothing left uncompiled but the loss. Checkpointed micro-batches (a variant of each
+    piece more to compile) are in the slow layouts."""
+    config = sweep.Config("skip", pp=2, schedule="zero_bubble", acc=4)
     run, warned = _compiled(config, checkpoint_block=0)
     assert run.ok, run.text()
     assert not [w for w in warned if "set_compile_stages" in w]
@@ -264,6 +267,7 @@ def test_zero_bubble_split_and_checkpointed_compiled_equal_eager():
 LAYOUTS = [sweep.Config("gpt"), sweep.Config("gpt", pp=2, acc=2), sweep.Config("gpt", dp=2, acc=2),
            sweep.Config("gpt", tp=2, acc=2), sweep.Config("skip", pp=2, schedule="zbv", acc=4),
            sweep.Config("skip", pp=2, acc=2, checkpointing="always"),
+           sweep.Config("skip", pp=2, schedule="zero_bubble", acc=4, checkpointing="except_last"),
            # a split backward over pieces whose backward donates buffers, between boxes
            sweep.Config("gpt", pp=2, tp=2, schedule="zero_bubble", acc=2)]
 

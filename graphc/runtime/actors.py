@@ -251,7 +251,7 @@ class Runtime:
         self.not_gathered = self._gathered_elsewhere()
         self.prefetch = _prefetches(plan.instructions) if self.zero is not None and self.zero.stage == 3 else {}
         if compile_stages:
-            self.compiled = compile_stages_of(self.executors, plan, self.zero.stage if self.zero else 0)
+            self.compiled = compile_stages_of(self.executors, plan)
         # ... or, gathered per unit, the gathers and releases inside its computes (NOTE: ZeRO units)
         units = UnitGatherer.from_plan(plan, self.zero)   # by stage: one per chunk with units
         for s, ex in self.executors.items():

@@ -31,6 +31,7 @@ LAYER_OF = {
     "graphc.runtime": "runtime",
     "graphc.passes": "passes",
     "graphc.compiler": "compiler",
+    "graphc.compile_values": "compiler",  # what compile() reads (CompileSpec) and produces (CompiledGraph)
     "graphc.history": "compiler",  # the compilation history's records and their text
     "graphc.plan_cache": "compiler",  # compile's plans on disk, keyed by its inputs (NOTE: Plan cache)
     "graphc": "api",      # graph.py, config.py, global_tensor.py, block.py, executable_cache.py, ...

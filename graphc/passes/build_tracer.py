@@ -191,7 +191,7 @@ class BuildTracer(fx.Tracer):
         if id(m) not in self._first_names:   # known_modules() was read by _name_of
             return self._call_unowned(m, forward, args, kwargs)
         path = self.path_of_module(m)
-        check_backward_hooks(m, path, caller_line(self.source_file))
+        check_backward_hooks(m, path, lambda: caller_line(self.source_file))   # the line: only for an error
         if has_forward_hooks(m) and self.is_leaf_module(m, path):
             return self._call_hooked_leaf(m, path, args, kwargs)
         act = experts_activation(m)

@@ -141,8 +141,7 @@ class CostModel:
         if isinstance(ins, Collective):     # nbytes: what this rank sends in the ring
             whole = ins.nbytes * n // (2 * (n - 1)) if ins.kind == "all_reduce" else 0
             return collective_seconds(ins.kind, ins.nbytes, whole, n, link)
-        if isinstance(ins, (ReduceScatter, AllGather)):   # ZeRO's: half a ring all-reduce each
-            return collective_seconds(ReduceScatter.op if isinstance(ins, ReduceScatter) else AllGather.op,
-                                      ins.sent_bytes(), 0, n, link)
+        if type(ins) in (ReduceScatter, AllGather):   # ZeRO's: half a ring all-reduce each
+            return collective_seconds(ins.op, ins.sent_bytes(), 0, n, link)
         whole = sum(t.nbytes for t in ins.tensors)
         return collective_seconds("all_reduce", moved_bytes("all_reduce", whole, n), whole, n, link)

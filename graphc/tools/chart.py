@@ -57,6 +57,8 @@ TALL = ("forward", "backward", "backward_input", "backward_weight", "overlap", "
         "collective")
 MAX_TEXTS = 3000        # box captions drawn at most (each is an artist)
 EDGE_BOXES = 20000      # above this many boxes, no white outlines (they would hide the boxes)
+DPI = 100               # a 24-inch chart of a thousand ranks: 2400 pixels wide
+TIGHT_PAD_INCHES = 0.1  # savefig's pad around the tight box
 
 
 def draw_timeline(timeline: Timeline, path: str, title: str,
@@ -113,11 +115,16 @@ def draw_timeline(timeline: Timeline, path: str, title: str,
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), ncol=1,
               fontsize=8, frameon=False)
     fig.tight_layout()
+    # the tight box (rows, labels and the legend beside them) worked out once for every
+    # format, as savefig(bbox_inches="tight") would for each; a PNG compressed fast (zlib
+    # level 1: a third larger, a sixth of the encoding time at 8192 ranks)
+    box = fig.get_tightbbox(fig.canvas.get_renderer()).padded(TIGHT_PAD_INCHES)
     written = []
     for fmt in formats:
         out = f"{path}.{fmt}"
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        fig.savefig(out, dpi=120, bbox_inches="tight")
+        fast = {"pil_kwargs": {"compress_level": 1}} if fmt == "png" else {}
+        fig.savefig(out, dpi=DPI, bbox_inches=box, **fast)
         written.append(out)
     plt.close(fig)
     return written

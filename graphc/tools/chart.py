@@ -57,6 +57,7 @@ TALL = ("forward", "backward", "backward_input", "backward_weight", "overlap", "
         "collective")
 MAX_TEXTS = 3000        # box captions drawn at most (each is an artist)
 EDGE_BOXES = 20000      # above this many boxes, no white outlines (they would hide the boxes)
+FORMATS = ("png", "svg")   # what draw_timeline writes by default
 DPI = 100               # a 24-inch chart of a thousand ranks: 2400 pixels wide
 TIGHT_PAD_INCHES = 0.1  # savefig's pad around the tight box
 
@@ -64,7 +65,7 @@ TIGHT_PAD_INCHES = 0.1  # savefig's pad around the tight box
 def draw_timeline(timeline: Timeline, path: str, title: str,
                   time_unit: str = "ms", scale: float = 1e3,
                   notes: Optional[Dict[int, str]] = None,
-                  formats: Sequence[str] = ("png", "svg")) -> List[str]:
+                  formats: Sequence[str] = FORMATS) -> List[str]:
     """Draws the chart; writes `path`.png and `path`.svg (path without extension).
 
     Args:

@@ -4,6 +4,7 @@ them), the step equals eager PyTorch on the whole batch in float64 at 1e-10 (hel
 one-process local world on pipeline 2 x data 2, and the memory model's predicted peak per rank
 drops below the whole-stage gathers'. See NOTE: ZeRO units in graphc/runtime/zero_units.py.
 """
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -111,6 +112,7 @@ def test_units_on_dualpipev_pairs_equal_eager():
     assert both, "no pair gathers units for both of its chunks"
 
 
+@pytest.mark.slow     # the default suite's budget: the numerics test above is the default check
 def test_units_on_dualpipev_lower_the_predicted_peak():
     """The memory model (NOTE: Peak memory model) on every rank: per-unit gathers hold one or
     two layers whole at a time where the whole-stage gathers hold both chunks whole."""

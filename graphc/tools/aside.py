@@ -15,6 +15,7 @@ lock another thread holds would never be released in the child), it draws here.
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -58,7 +59,10 @@ class Aside:
 
 
 def _child(fn: Callable, args) -> None:
-    """The forked child: runs fn and leaves without the parent's exit handlers."""
+    """The forked child: runs fn and leaves without the parent's exit handlers. Its collector
+    is off: a full collection would walk (and, writing to them, copy) the parent's millions of
+    objects, which the child shares until it writes them, and the child lives for one chart."""
+    gc.disable()
     code = 0
     try:
         fn(*args)

@@ -45,17 +45,15 @@ class Held:
 
     def __init__(self, base: Dict[str, int]):
         self.parts = dict(base)
+        self.total = sum(self.parts.values())   # the parts' sum, kept as they change (add)
         self.peak = self.between = self.total
         self.at = self.between_at = STEP_START
         self.at_parts = dict(self.parts)
         self.series: List[int] = []
 
-    @property
-    def total(self) -> int:
-        return sum(self.parts.values())
-
     def add(self, kind: str, nbytes: int) -> None:
         self.parts[kind] = self.parts.get(kind, 0) + nbytes
+        self.total += nbytes
 
     def point(self, where: Where) -> None:
         """A point the probe measures too."""
@@ -65,9 +63,9 @@ class Held:
 
     def inside(self, where: Where, extra: Optional[Dict[str, int]] = None) -> None:
         """A moment inside an instruction, holding `extra` beside the parts."""
-        extra = extra or {}
-        total = self.total + sum(extra.values())
+        total = self.total + sum(extra.values()) if extra else self.total
         if total > self.peak:
+            extra = extra or {}
             self.peak, self.at = total, where
             self.at_parts = {k: self.parts.get(k, 0) + extra.get(k, 0)
                              for k in [*self.parts, *(k for k in extra if k not in self.parts)]}

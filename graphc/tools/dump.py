@@ -22,6 +22,7 @@ import os
 from typing import List, Optional, Tuple
 
 from ..errors import GraphcError
+from ..history import history_text
 from ..runtime.trace import timeline_to_chrome
 from .aside import Aside
 from .chart import FORMATS, INSTALL_HINT, charts_available, draw_timeline
@@ -45,8 +46,7 @@ def write_all(graph, compiled, folder: str, mode, routing: Optional[str] = None)
     written = write_plans([compiled.plans[r] for r in chosen], folder)
     written.append(_write(os.path.join(folder, "stages.txt"), stage_summary(name, compiled, chosen)))
     written += write_programs(compiled, folder)
-    written.append(_write(os.path.join(folder, "passes.txt"),
-                          "\n\n".join(r.text for r in compiled.history)))
+    written.append(_write(os.path.join(folder, "passes.txt"), history_text(compiled.history)))
     # the values the plan was compiled under, as every call checks them (NOTE: Guards)
     written.append(_write(os.path.join(folder, "guards.txt"), compiled.guards.text()))
     if mode.chart and not charts_available():

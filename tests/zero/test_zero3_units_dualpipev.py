@@ -44,9 +44,12 @@ CHUNKS = [("inp", 0), (1, 2), (3, 4), (5, "head")]     # a layer's index, or a m
 
 
 class DualPipeGraph(ZeroGraph):
-    def __init__(self, model, unit_bytes):
+    def __init__(self, model, unit_bytes, reshard=True, per="microbatch", checkpointing="never"):
         super().__init__(model, torch.optim.Adam(model.parameters(), lr=1e-2), 3, ACCUMULATION, False)
-        self.config.enable_zero(True, stage=3, shard_min_size=MIN_SIZE, unit_bytes=unit_bytes)
+        self.config.enable_zero(True, stage=3, shard_min_size=MIN_SIZE, unit_bytes=unit_bytes,
+                                reshard_after_forward=reshard, gather_per=per)
+        if checkpointing != "never":
+            self.config.set_activation_checkpointing(checkpointing)
         first, second = graphc.placement("cpu", [0, 1]), graphc.placement("cpu", [2, 3])
         for stage, (names, where) in enumerate(zip(CHUNKS, [first, second, second, first])):
             for name in names:
@@ -81,12 +84,17 @@ def _pair_events(plan):
             yield pair, after
 
 
-def test_units_on_dualpipev_pairs_equal_eager():
+@pytest.mark.parametrize("reshard,per,checkpointing", [
+    (True, "microbatch", "never"),
+    pytest.param(False, "microbatch", "never", marks=pytest.mark.slow),     # CI time
+    pytest.param(True, "step", "never", marks=pytest.mark.slow),
+    pytest.param(True, "microbatch", "always", marks=pytest.mark.slow)])
+def test_units_on_dualpipev_pairs_equal_eager(reshard, per, checkpointing):
     data, x_at = batches(), graphc.placement("cpu", [0, 1])
 
     def make():
         torch.manual_seed(0)
-        return DualPipeGraph(Tower(), unit_bytes=1)
+        return DualPipeGraph(Tower(), 1, reshard, per, checkpointing)
 
     def inputs(rank, step):
         x, y = data[step]
@@ -95,7 +103,8 @@ def test_units_on_dualpipev_pairs_equal_eager():
 
     run = graphc.testing.local_world(make, inputs, 4, steps=len(data))
     ref_losses, ref_state = _eager()
-    assert_same_as_eager(run.losses, run.state, ref_losses, ref_state, "units, dualpipev, pp2 x dp2")
+    assert_same_as_eager(run.losses, run.state, ref_losses, ref_state,
+                         f"units, dualpipev, pp2 x dp2, reshard {reshard}, per {per}, {checkpointing}")
     both = 0
     for graph in run.graphs:
         plan = graph.plan
@@ -109,7 +118,8 @@ def test_units_on_dualpipev_pairs_equal_eager():
             assert after == sorted(after, key=[forward, backward].index), (str(pair), after)
             both += {forward, backward} <= set(after)
         assert ExecutionPlan.from_json(plan.to_json()).instructions == plan.instructions
-    assert both, "no pair gathers units for both of its chunks"
+    # kept whole for the step, a unit is gathered by its first compute only
+    assert both or per == "step", "no pair gathers units for both of its chunks"
 
 
 @pytest.mark.slow     # the default suite's budget: the numerics test above is the default check

@@ -16,7 +16,7 @@ from graphc.plan.instructions import AllGather, OverlapFB, ReleaseParams, UnitGa
 from graphc.plan.plan import ExecutionPlan
 from graphc.tools.costs import device_costs
 from graphc.tools.simulate import memory_peak, model_inputs
-from helpers import assert_same_as_eager
+from helpers import assert_same_as_eager, run_world
 from test_zero_numerics import MIN_SIZE, ZeroGraph, batches, rows
 
 ACCUMULATION = 4        # DualPipeV pairs a chunk's forward with the other's backward from here
@@ -139,3 +139,30 @@ def test_units_on_dualpipev_lower_the_predicted_peak():
         peaks[unit_bytes] = [memory_peak(p, model.params[p.rank], costs).peak for p in compiled.plans]
     layer = 64 * 64 * torch.get_default_dtype().itemsize    # one layer's weight, whole
     assert all(whole - unit >= layer for unit, whole in zip(peaks[1], peaks[0])), peaks
+
+
+def _gloo_dualpipev(rank, world):
+    x_at = graphc.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    graph = DualPipeGraph(Tower(), unit_bytes=1)
+    losses = []
+    for x, y in batches():
+        xs = graphc.to_global(rows(x, rank % 2, 2), placement=x_at, sbp=graphc.sbp.split(0))
+        ys = graphc.to_global(rows(y, rank % 2, 2), placement=x_at, sbp=graphc.sbp.split(0))
+        loss = graph(xs, ys).to_local()       # empty outside the loss's ranks
+        losses.append(loss.item() if loss.numel() else None)
+    return {"losses": losses, "state": graph.full_state_dict(),
+            "units": sum(isinstance(i, UnitGather) for i in graph.plan.instructions)}
+
+
+@pytest.mark.world
+@pytest.mark.slow       # four gloo processes; the local world above is the default check
+def test_units_on_dualpipev_on_gloo_equal_eager():
+    """On gloo a unit is gathered into its parameters and reduced from its gradients rank by
+    rank (NOTE: ZeRO rows in place): the pairs' units too."""
+    ref_losses, ref_state = _eager()
+    for rank, res in enumerate(run_world(_gloo_dualpipev, 4)):
+        assert res["units"] > 0
+        if rank in (0, 1):      # the loss's stage: the loss on its ranks
+            assert_same_as_eager(res["losses"], res["state"], ref_losses, ref_state,
+                                 f"gloo units dualpipev rank {rank}")

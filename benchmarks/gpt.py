@@ -2,6 +2,7 @@
 
     python benchmarks/gpt.py [--iters 30] [--accumulation 1] [--embd 64]
     python benchmarks/gpt.py --compile --embd 256      # + torch.compile, + compiled stages
+    python benchmarks/gpt.py --compile --amp bf16      # every contender under bf16 autocast
 
 One process, the same model, batches and AdamW; each iteration runs one step of every
 contender (each trains its own copy of the model), one after the other and each first in
@@ -16,11 +17,14 @@ same iteration) as the spread, with the machine's load average beside it.
 (forward and, through AOTAutograd, backward compiled; AdamW eager, as graphc's), and the
 graph with config.set_compile_stages(True) (NOTE: Compiled stages); it prints graphc
 compiled / torch.compile and each one's compile time (the first step's, less a median
-step). --memory-stats adds the graph with config.set_memory_stats(True) (a Python hook on
+step). --amp bf16 runs every contender's forward under bf16 autocast (eager and torch.compile
+inside `torch.autocast`, the graphs with config.enable_amp; backward outside it, float32
+weights). --memory-stats adds the graph with config.set_memory_stats(True) (a Python hook on
 every saved tensor): what counting activation bytes costs. Multi-rank tokens/s are printed
 by the example itself (`torchrun --nproc_per_node 2 examples/gpt.py --pp 2`).
 """
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -33,18 +37,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import gpt  # noqa: E402
 
 
-def eager_step(model, opt):
+def eager_step(model, opt, amp: str = ""):
     """One eager training step of `model` (or its torch.compile'd forward)."""
+    autocast = torch.autocast("cpu", gpt.DTYPES[amp]) if amp else contextlib.nullcontext()
+
     def step(x, y):
         opt.zero_grad()
-        gpt.lm_loss(model(x), y).backward()
+        with autocast:   # the forward; the backward outside, as graphc's enable_amp
+            loss = gpt.lm_loss(model(x), y)
+        loss.backward()
         opt.step()
     return step
 
 
 def graph_step(model, opts, args, compile_stages=False, memory_stats=False):
     graph = gpt.GPTGraph(model, torch.optim.AdamW(model.parameters(), lr=opts.lr), gpt.Layout(),
-                         args.accumulation)
+                         args.accumulation, amp=args.amp)
     graph.config.set_compile_stages(compile_stages)
     graph.config.set_memory_stats(memory_stats)
     return graph
@@ -55,12 +63,12 @@ def contenders(model, opts, args):
     fresh = lambda: copy.deepcopy(model)   # noqa: E731 - the same initial weights for each
     ref = fresh()
     out = {"graphc": graph_step(model, opts, args),
-           "eager": eager_step(ref, torch.optim.AdamW(ref.parameters(), lr=opts.lr))}
+           "eager": eager_step(ref, torch.optim.AdamW(ref.parameters(), lr=opts.lr), args.amp)}
     if args.compile:
         compiled = fresh()
         out["torch.compile"] = eager_step(
             torch.compile(compiled, backend="inductor", fullgraph=True, dynamic=False),
-            torch.optim.AdamW(compiled.parameters(), lr=opts.lr))
+            torch.optim.AdamW(compiled.parameters(), lr=opts.lr), args.amp)
         out["graphc compiled"] = graph_step(fresh(), opts, args, compile_stages=True)
     if args.memory_stats:
         out["graphc+memory stats"] = graph_step(fresh(), opts, args, memory_stats=True)
@@ -75,6 +83,8 @@ def main(argv=None):
     parser.add_argument("--embd", type=int, default=64, help="the model's width (n_embd)")
     parser.add_argument("--compile", action="store_true",
                         help="also time torch.compile and graphc with config.set_compile_stages")
+    parser.add_argument("--amp", default="", choices=("", "bf16"),
+                        help="every contender's forward under autocast to this dtype")
     parser.add_argument("--memory-stats", action="store_true",
                         help="also time a graph counting activation bytes (config.set_memory_stats)")
     args = parser.parse_args(argv)
@@ -116,7 +126,8 @@ def report(times, cpu, args, tokens, load):
     for k, v in med.items():
         print(f"{k:19s} median {v * 1e3:7.2f} ms/step (CPU {statistics.median(cpu[k]) * 1e3:7.2f})"
               f"  {tokens / v:8.0f} tokens/s")
-    print(f"one process, width {args.embd}, accumulation {args.accumulation}, {args.iters} interleaved "
+    print(f"one process, width {args.embd}, accumulation {args.accumulation}, "
+          f"{'bf16 autocast, ' if args.amp else ''}{args.iters} interleaved "
           f"steps, load average {load:.1f} on {os.cpu_count()} cores")
     print(ratio_line("graphc", "eager", times, cpu, 1.02))
     if args.compile:

@@ -7,6 +7,7 @@
     torchrun --nproc_per_node 4 examples/long_context.py --cp 4 --load-balance   # zig-zag chunks
     torchrun --nproc_per_node 4 examples/long_context.py --cp 2 --tp 2 --sp
     torchrun --nproc_per_node 4 examples/long_context.py --dp 2 --cp 2
+    torchrun --nproc_per_node 4 examples/long_context.py --dp 2 --cp 2 --zero 2   # state / 4
     graphc check examples/long_context.py --cp 2 --nproc 2             # against eager
 
 The model is examples/hf_llama.py's `transformers.LlamaForCausalLM` (random weights, nothing
@@ -15,8 +16,10 @@ downloaded), called as a Hugging Face loop calls it: `self.model(**batch)` on `i
 the model: every input's sequence is split over the --cp ranks (`sbp.split(1)`) and
 `config.set_context_parallel(method=...)` runs attention on the split sequence (See NOTE:
 Context parallel in graphc/sbp/context_parallel.py); --tp lays the projections out as
-Megatron does, --sp adds sequence parallelism inside them, --dp splits the rows. Up to two
-of --dp, --cp, --tp may exceed 1 (a 2-D mesh: rows the first of them, columns the second).
+Megatron does, --sp adds sequence parallelism inside them, --dp splits the rows, --zero
+shards the optimizer state (and more, by stage) over the ranks each gradient is summed over
+(with --dp 2 --cp 2 all 4: See NOTE: ZeRO over joint axes in graphc/runtime/zero.py). Up to
+two of --dp, --cp, --tp may exceed 1 (a 2-D mesh: rows the first of them, columns the second).
 """
 import argparse
 import os
@@ -67,7 +70,7 @@ class Mesh:
 
 class LongContextGraph(graphc.Graph):
     def __init__(self, model, opt, mesh: Mesh, method: str, sequence_parallel: bool,
-                 load_balance: bool = False):
+                 load_balance: bool = False, zero: int = 0):
         super().__init__()
         self.model = model
         if mesh.world > 1:
@@ -83,6 +86,8 @@ class LongContextGraph(graphc.Graph):
             self.config.enable_sequence_parallel(sequence_parallel)
         if mesh.sizes["cp"] > 1:
             self.config.set_context_parallel(method=method, load_balance=load_balance)
+        if zero:
+            self.config.enable_zero(True, stage=zero)
         self.add_optimizer(opt)
 
     def build(self, batch):
@@ -125,6 +130,8 @@ def main(argv=None):
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism inside --tp")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                        help="ZeRO stage over the ranks each gradient is summed over (0: off)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
@@ -144,7 +151,7 @@ def main(argv=None):
     model = hf_llama.make_model(vocab, argparse.Namespace(seed=args.seed, embd=args.embd, layers=args.layers,
                                                           heads=args.heads, block=args.seq))
     graph = LongContextGraph(model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0),
-                             mesh, args.method, args.sp, args.load_balance)
+                             mesh, args.method, args.sp, args.load_balance, args.zero)
     losses = []
     for step, batch in zip(range(args.steps), long_batches(ids, args.batch, args.seq, args.seed)):
         start = time.perf_counter()

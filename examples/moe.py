@@ -7,6 +7,7 @@ expert x data x pipeline parallelism on CPU ranks.
     torchrun --nproc_per_node 8 examples/moe.py --pp 2 --dp 2 --ep 2
     graphc check examples/moe.py --nproc 8 -- --pp 2 --dp 2 --ep 2
     torchrun --nproc_per_node 4 examples/moe.py --dp 2 --ep 2 --aux-loss 0.01   # + router aux loss
+    graphc check examples/moe.py --nproc 8 -- --pp 2 --dp 2 --ep 2 --aux-loss 0.01 --aux-float64
 
 The model is `transformers.MixtralForCausalLM` (a small config, random weights: nothing is
 downloaded), on its own loss (`labels=`). Parallelism lives outside the model: set_stage on
@@ -67,6 +68,32 @@ def make_model(args):
                         use_cache=False, experts_implementation=args.experts_implementation,
                         output_router_logits=args.aux_loss > 0, router_aux_loss_coef=args.aux_loss)
     return MixtralForCausalLM(cfg)
+
+
+def switch_loss_float64(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+    """transformers' load_balancing_loss_func (Switch Transformer's E * sum_e f_e * P_e over
+    every layer's router logits) with its sums in float64 instead of float32: on micro-batches
+    float32 sums round otherwise than on the whole batch (1 ulp of the loss), so `graphc check`
+    holds 1e-10 only with these (--aux-float64)."""
+    counts = probs = 0.0
+    rows = 0
+    for logits in gate_logits:
+        weights = torch.softmax(logits.double(), dim=-1)
+        _, chosen = torch.topk(weights, top_k, dim=-1)
+        counts = counts + torch.histc(chosen.reshape(-1).to(weights.dtype), bins=num_experts, min=0, max=num_experts)
+        probs = probs + weights.sum(dim=0)
+        rows += weights.shape[0]
+    return torch.sum((counts / rows) * (probs / rows)) * num_experts
+
+
+def use_float64_aux_loss() -> None:
+    """Mixtral's forward calling switch_loss_float64 (this script passes no attention mask).
+    Once per process: `graphc check` runs every rank's copy of this script in one process, and
+    a global replaced again (by another copy's function) would change what a rank's compiled
+    graph read, so that rank alone would compile again."""
+    from transformers.models.mixtral import modeling_mixtral
+    if modeling_mixtral.load_balancing_loss_func.__name__ != switch_loss_float64.__name__:
+        modeling_mixtral.load_balancing_loss_func = switch_loss_float64
 
 
 class MoEGraph(graphc.Graph):
@@ -131,6 +158,8 @@ def main(argv=None):
     # on split batches, with or without accumulation (measured: 2e-10 at 0.01 on ep2)
     parser.add_argument("--aux-loss", type=float, default=0.0,
                         help="router_aux_loss_coef; > 0 turns output_router_logits on")
+    parser.add_argument("--aux-float64", action="store_true",
+                        help="the aux loss's sums in float64 (switch_loss_float64), for graphc check at 1e-10")
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
@@ -141,6 +170,8 @@ def main(argv=None):
     if world != layout.world:
         raise SystemExit(f"--pp {args.pp} --dp {args.dp} --ep {args.ep} needs {layout.world} "
                          f"processes; launch with torchrun --nproc_per_node {layout.world}")
+    if args.aux_float64:
+        use_float64_aux_loss()
     model = make_model(args)
     graph = MoEGraph(model, torch.optim.SGD(model.parameters(), lr=args.lr), layout, args.accumulation)
     g = torch.Generator().manual_seed(args.seed)  # every rank draws the same batches

@@ -26,6 +26,8 @@ from .log import get_logger, warn_user
 from .runtime.dist_env import ensure_process_group, timeout_seconds
 from .runtime.rng import agree_base_seed
 from .runtime.zero import whole_parameters
+from .checkpoint.dcp import dcp_state_dict
+from .checkpoint.dcp_load import unprefixed
 from .checkpoint.graph_state import GraphState
 
 _log = get_logger("guards")
@@ -165,6 +167,35 @@ class ExecutableCache:
                          f"{graph._instance}/{len(self)}", with_parameters=new_state)
         exe.start(self.rank, graph._optimizer, graph._lr_scheduler, options, graph.grad_scaler,
                   self.state.masters)
+
+    # -- the graph's state (graph.state_dict and friends) ---------------------------------
+    def state_dict(self) -> dict:
+        """graph.state_dict(): this rank's DCP state dict, ZeRO stage 3's shards gathered for it."""
+        if self.state is None:
+            raise GraphcError("state_dict() needs a compiled graph: run one step or call "
+                              "graph.compile(*inputs) first")
+        with whole_parameters(self.graph._root.parameters()):   # (NOTE: ZeRO stage 3)
+            return dcp_state_dict(self.state, self.base_seed)
+
+    def load_state_dict(self, state: dict, strict: bool) -> None:
+        """graph.load_state_dict(): loaded now, or kept for the first compile; written whole,
+        kept as ZeRO stage 3's rows. The saved run's base seed replaces this run's (runtime/rng.py)."""
+        if self.state is None:
+            self.pending_state = (state, strict)
+            return
+        with whole_parameters(self.graph._root.parameters()):
+            self.state.load(state, strict)
+        if self.state.base_seed is not None:
+            self.base_seed = self.state.base_seed
+
+    def full_state_dict(self, rank0_only: bool, cpu_offload: bool) -> dict:
+        """graph.full_state_dict(): the whole model's, by the user's names (the model's own
+        state before the first compile)."""
+        root = self.graph._root
+        if self.state is None:
+            return unprefixed(root, {k: v.detach().clone() for k, v in root.state_dict().items()})
+        with whole_parameters(root.parameters()):   # ZeRO stage 3's shards (NOTE: ZeRO stage 3)
+            return unprefixed(root, self.state.full_state_dict(rank0_only, cpu_offload))
 
     # -- the executables by key ----------------------------------------------------------
 

@@ -13,14 +13,11 @@ from .block import ModuleBlock
 from .build_root import BuildRoot
 from .checking.every_step import StepChecks
 from .config import GraphConfig
-from .checkpoint.dcp import dcp_state_dict
-from .checkpoint.dcp_load import unprefixed
 from .errors import GraphcError
 from .executable import flatten_call
 from .executable_cache import ExecutableCache
 from .checking.optimizer import check_optimizer
 from .plan.plan import ExecutionPlan
-from .runtime.zero import whole_parameters
 from .runtime.zero_access import graph_entry
 from .checkpoint.graph_state import check_state_dict
 
@@ -171,7 +168,6 @@ class Graph:
     _runtime = property(lambda self: getattr(self.__dict__["_cache"].current, "runtime", None))
     _state = property(lambda self: self.__dict__["_cache"].state)
     _rank = property(lambda self: self.__dict__["_cache"].rank)
-    _base_seed = property(lambda self: self.__dict__["_cache"].base_seed)
 
     @property
     def recompiles(self) -> List[str]:
@@ -196,11 +192,8 @@ class Graph:
             graph.compile(x, y); sd = graph.state_dict()
             dcp.load(sd, checkpoint_id="ckpt/step100"); graph.load_state_dict(sd)
         """
-        if self._state is None:
-            raise GraphcError("state_dict() needs a compiled graph: run one step or call "
-                              "graph.compile(*inputs) first")
-        with self._entry(), whole_parameters(self._root.parameters()):   # ZeRO stage 3's shards, gathered for the call (NOTE: ZeRO stage 3)
-            sd = dcp_state_dict(self._state, self._base_seed)
+        with self._entry():
+            sd = self._cache.state_dict()
         if self.grad_scaler is not None:  # the loss scale resumes where it was (graphc/amp.py)
             sd["grad_scaler"] = self.grad_scaler.state_dict()
         return sd
@@ -223,13 +216,8 @@ class Graph:
         check_state_dict(state)  # the structure now; keys and shapes once compiled
         if self.grad_scaler is not None and "grad_scaler" in state:  # graphc/amp.py
             self.grad_scaler.load_state_dict(state["grad_scaler"])
-        if self._state is None:
-            self._cache.pending_state = (state, strict)
-            return
-        with self._entry(), whole_parameters(self._root.parameters()):   # written whole, kept as ZeRO stage 3's rows (NOTE: ZeRO stage 3)
-            self._state.load(state, strict)
-        if self._state.base_seed is not None:  # the saved run's random ops (runtime/rng.py)
-            self._cache.base_seed = self._state.base_seed
+        with self._entry():
+            self._cache.load_state_dict(state, strict)
 
     def full_state_dict(self, rank0_only: bool = False, cpu_offload: bool = True) -> Dict[str, torch.Tensor]:
         """Collective: the complete model state dict, loadable into the eager model.
@@ -243,10 +231,8 @@ class Graph:
             full = graph.full_state_dict(rank0_only=True)
             if rank == 0: torch.save(full, "model.pt")
         """
-        if self._state is None:
-            return unprefixed(self._root, {k: v.detach().clone() for k, v in self._root.state_dict().items()})
-        with self._entry(), whole_parameters(self._root.parameters()):   # ZeRO stage 3's shards (NOTE: ZeRO stage 3)
-            return unprefixed(self._root, self._state.full_state_dict(rank0_only, cpu_offload))
+        with self._entry():
+            return self._cache.full_state_dict(rank0_only, cpu_offload)
 
     def __repr__(self) -> str:
         name = type(self).__name__

@@ -42,6 +42,13 @@ _READERS = {"dp2": ([0, 1], [0, 1]), "zero3": ([0, 1], [0, 1]), "pp2xdp2": ([0, 
 every_layout = pytest.mark.parametrize("layout", LAYOUTS)
 
 
+def every_layout_slow_on(*slow: str):
+    """every_layout, with the layouts `slow` run under -m slow (CI time): the test says, beside
+    it, which default test still covers them."""
+    return pytest.mark.parametrize("layout", [pytest.param(lay, marks=pytest.mark.slow) if lay in slow else lay
+                                              for lay in LAYOUTS])
+
+
 class Pair(nn.Module):
     """Two Linears with a tanh between: x (B, d_in) -> (B, d_out)."""
 

@@ -79,12 +79,14 @@ def test_search_returns_a_layout_that_fits_and_the_same_each_time():
     graph = _graph()
     spec = graph._compile_spec()
     x, y = _batches(1)[0]
-    runs = [search(spec, [x, y], 4, [True, True], graph._optimizer, "h100", budget_s=60, top=3,
+    # the two best estimates compiled and simulated (top=3 cost 40 s of the default run at load 7;
+    # the winner is the same, and best-of-tried is still a choice between two)
+    runs = [search(spec, [x, y], 4, [True, True], graph._optimizer, "h100", budget_s=60, top=2,
                    progress=False) for _ in range(2)]
     assert runs[0].best.layout == runs[1].best.layout
     best = runs[0].best
     assert best.fits and best.step is not None and best.layout.world == 4
-    assert best.step == min(c.step for c in runs[0].tried if c.fits)
+    assert len(runs[0].tried) == 2 and best.step == min(c.step for c in runs[0].tried if c.fits)
     report = runs[0].report()
     assert best.layout.describe() in report and "**winner**" in report
 

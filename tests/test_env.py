@@ -3,6 +3,7 @@ Environment variables), read through it, and shown in docs/design.md's table gen
 
 Modules are read with `ast`, as tests/test_layers.py reads imports."""
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -37,9 +38,10 @@ def _environ_reads(tree: ast.AST):
             yield node.lineno, key.value
 
 
+@functools.lru_cache(maxsize=None)
 def _sources():
-    for path in sorted(PACKAGE.rglob("*.py")):
-        yield str(path.relative_to(ROOT)), ast.parse(path.read_text())
+    """(file, its ast) for every graphc module, parsed once for the tests here (read only)."""
+    return tuple((str(path.relative_to(ROOT)), ast.parse(path.read_text())) for path in sorted(PACKAGE.rglob("*.py")))
 
 
 def test_only_env_reads_graphc_variables_from_the_environment():

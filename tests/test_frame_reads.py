@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import graphc
 from graphc.guards import FrameReads, observe_frames
-from layouts import Pair, SquaredError, assert_same, batches, eager, every_layout, sgd, train
+from layouts import Pair, SquaredError, assert_same, batches, eager, every_layout, every_layout_slow_on, sgd, train
 
 SCALE = 2.0
 
@@ -84,7 +84,9 @@ def _closure_cell_model():
     return model
 
 
-@every_layout
+# pp2xdp2 -m slow (9.5 s at load 7): a guarded read's recompile on all four ranks of that layout
+# is test_a_module_level_global_is_guarded[pp2xdp2]; this test's own pp2 and dp2 stay default
+@every_layout_slow_on("pp2xdp2")
 def test_closure_variables_are_guarded(layout):
     _check(layout, _closure_model, lambda m, step: m.setting.update(shift=0.5 * step), recompiles=2)
 

@@ -31,6 +31,7 @@ LAYER_OF = {
     "graphc.runtime": "runtime",
     "graphc.passes": "passes",
     "graphc.compiler": "compiler",
+    "graphc.compile_values": "compiler",  # what compile() reads (CompileSpec) and produces (CompiledGraph)
     "graphc.history": "compiler",  # the compilation history's records and their text
     "graphc.plan_cache": "compiler",  # compile's plans on disk, keyed by its inputs (NOTE: Plan cache)
     "graphc": "api",      # graph.py, config.py, global_tensor.py, block.py, executable_cache.py, ...
@@ -253,7 +254,8 @@ GRAPH_SIDE = {"graphc.graph", "graphc.config", "graphc.graph_spec"}
 
 def graph_side_imports(module: str, source: str, where: str):
     return [f"{where}:{line}: {module} imports {target} (built from values, never from the Graph)"
-            for line, target in graphc_imports(module, source) if target in GRAPH_SIDE]
+            for line, target in graphc_imports(module, source)
+            if any(target == side or target.startswith(side + ".") for side in GRAPH_SIDE)]
 
 
 def test_executable_and_checks_are_built_from_values():
@@ -283,6 +285,7 @@ def test_executable_reaches_down_to_compiler_runtime_and_plan_only():
     assert not wrong_way("graphc.executable", ok, "x.py")
     assert not graph_side_imports("graphc.executable", ok, "x.py")
     assert graph_side_imports("graphc.executable", "from .graph import Graph\n", "x.py")
+    assert graph_side_imports("graphc.executable", "from .config.graph_config import GraphConfig\n", "x.py")
     assert graph_side_imports("graphc.checking.first_step", "def f():\n    from ..graph_spec import compile_spec\n",
                               "x.py")
 

@@ -108,6 +108,69 @@ def test_expert_load_loss(layout):
     assert_same(train(layout, graph_maker(expert_load, acc=2), bs), eager(Pair, bs, expert_load), layout)
 
 
+def augmented(model, out, y):
+    """Augmented assignment and in-place methods on traced values (NOTE: In-place methods):
+    `h += 1` and `h.mul_(2)` change every name bound to h, whatever the layout makes of h
+    (split rows, a partial sum, a value received from another stage)."""
+    h = out * 2
+    r = h
+    h += 1.0
+    h.mul_(0.5)
+    total = (r * h).mean()
+    total.clamp_(max=100.0)
+    return total * 0.1
+
+
+@every_layout
+def test_in_place_writes_reach_every_name(layout):
+    bs = batches()
+    assert_same(train(layout, graph_maker(augmented), bs), eager(Pair, bs, augmented), layout)
+
+
+class LossPlusFloat64Term(graphc.Graph):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def build(self, x, y):
+        out = self.model(x).float()
+        loss = ((out - y.float()) ** 2).mean()
+        loss += 1e-3 * out.double().pow(2).sum()   # as transformers adds a router's aux loss
+        loss.backward()
+        return loss
+
+
+def test_augmented_assignment_keeps_its_dtype():
+    """`loss += coef * aux` with a float64 aux leaves a float32 loss float32, as in eager
+    (it came out float64: the Python operator fell back to loss = loss + ...)."""
+    x, y = batches(1)[0]
+    torch.manual_seed(0)
+    model = Pair()
+    got = LossPlusFloat64Term(model)(x, y).to_local()
+    torch.manual_seed(0)
+    ref = Pair()
+    out = ref(x).float()
+    want = ((out - y.float()) ** 2).mean()
+    want += 1e-3 * out.double().pow(2).sum()
+    assert got.dtype == want.dtype == torch.float32
+    assert got.item() == want.item()
+
+
+def test_a_view_read_after_an_in_place_write_is_refused():
+    class ViewRead(Trained):
+        def build(self, x, y):
+            out = self.model(x) * 1.0
+            first = out[0]
+            out.add_(1.0)
+            loss = ((out - y) ** 2).mean() + first.sum()
+            loss.backward()
+            return loss
+    graph = ViewRead(Pair(), "one", None)
+    with pytest.raises(graphc.GraphcError, match=r"writes into a tensor .*then reads 'getitem'.*Fix: take the view after"):
+        graph(*batches(1)[0])
+
+
 def test_no_constant_written_in_place():
     """The traced graph writes into no get_attr constant."""
     graph = Trained(Pair(), "one", lambda model, out, y: accumulated(out, y))

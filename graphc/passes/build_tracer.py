@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import traceback
 from typing import Any, Dict, List, Optional
@@ -21,7 +22,7 @@ from ..ops.autocast import autocast_state
 from .traced_experts import experts_activation, traced_experts_call
 from .traced_hooks import check_backward_hooks, has_forward_hooks, run_forward_hooks, without_forward_hooks
 from .traced_tensors import refuse_parameter_write, writes_in_place
-from .traced_writes import write_item
+from .traced_writes import in_place_twin, write_in_place, write_item
 from .unsupported_modules import check_runnable_module, check_traceable_module
 from .user_lines import GRAPHC_DIR, TORCH_DIR, caller_line, deepest_user_frame
 
@@ -70,7 +71,13 @@ class ShapeProxy(fx.Proxy):
         fields = _result_fields(self.node.meta.get(FAKE))
         if k in fields:  # torch.topk(x, k).values: the named result's field, as getitem
             return self[fields.index(k)]
+        if writes_in_place(k) and in_place_twin(k) and isinstance(self.node.meta.get(FAKE), torch.Tensor):
+            return functools.partial(self._write, k)   # NOTE: In-place methods
         return super().__getattr__(k)
+
+    def _write(self, method: str, *args, **kwargs) -> "ShapeProxy":
+        where = deepest_user_frame(self.tracer.source_file, traceback.extract_stack())
+        return write_in_place(self.tracer, self, method, where, *args, **kwargs)
 
     @classmethod
     def __torch_function__(cls, orig_method, types, args=None, kwargs=None):
@@ -83,6 +90,48 @@ class ShapeProxy(fx.Proxy):
 
     def __len__(self) -> int:
         return len(self.tracer.fake_of(self))
+
+    # NOTE: Augmented assignment
+    # `h += x` on a tensor is Tensor.__iadd__, the in-place add_: the result keeps h's dtype
+    # (HF's `loss += coef * aux_loss` stays float32 with a float64 aux) and every other name
+    # for h sees the change (`r = h; h += 1` changes r). fx's Proxy has no __iadd__, so Python
+    # falls back to `h = h + x`: a new value, promoted dtype, r unchanged -- silently another
+    # program. A traced tensor's augmented assignment is the in-place method, as if the user
+    # had written h.add_(x) (NOTE: In-place methods); any other value takes the operator.
+    def _in_place(self, method: str, other):
+        if isinstance(self.node.meta.get(FAKE), torch.Tensor):
+            return getattr(self, method)(other)
+        return NotImplemented
+
+    def __iadd__(self, other):
+        return self._in_place("add_", other)
+
+    def __isub__(self, other):
+        return self._in_place("sub_", other)
+
+    def __imul__(self, other):
+        return self._in_place("mul_", other)
+
+    def __itruediv__(self, other):
+        return self._in_place("div_", other)
+
+    def __ifloordiv__(self, other):
+        return self._in_place("floor_divide_", other)
+
+    def __imod__(self, other):
+        return self._in_place("remainder_", other)
+
+    def __ipow__(self, other):
+        return self._in_place("pow_", other)
+
+    def __iand__(self, other):
+        return self._in_place("bitwise_and_", other)
+
+    def __ior__(self, other):
+        return self._in_place("bitwise_or_", other)
+
+    def __ixor__(self, other):
+        return self._in_place("bitwise_xor_", other)
 
 
     def __iter__(self):
@@ -142,7 +191,7 @@ class BuildTracer(fx.Tracer):
         if id(m) not in self._first_names:   # known_modules() was read by _name_of
             return self._call_unowned(m, forward, args, kwargs)
         path = self.path_of_module(m)
-        check_backward_hooks(m, path, caller_line(self.source_file))
+        check_backward_hooks(m, path, lambda: caller_line(self.source_file))   # the line: only for an error
         if has_forward_hooks(m) and self.is_leaf_module(m, path):
             return self._call_hooked_leaf(m, path, args, kwargs)
         act = experts_activation(m)

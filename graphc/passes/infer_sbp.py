@@ -225,7 +225,8 @@ def _choose(node: fx.Node, mesh: tuple, paid: Dict[tuple, set], seq_axes=(),
     outs, need = [], {a: [] for a in tensors}
     for axis, n in enumerate(mesh_shape(mesh)):
         prod = {a: _producer(a, node, axis, mesh) for a in inputs}
-        found = rule(RuleCtx(node, n, prod))
+        found = rule(RuleCtx(node, n, prod, mesh_shape(mesh)[:axis],
+                             {a: tuple(v) for a, v in need.items()}, tuple(outs)))
         if found is None:  # a case the rule does not cover
             return _fallback(node, mesh, tensors)
         cands = found + [({a: B for a in tensors}, B)]

@@ -17,6 +17,7 @@ Requires: insert_zero_sync (stage 3).
 """
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -26,8 +27,8 @@ import torch.fx as fx
 from ..ops.zero_units import zero_unit_begin, zero_unit_end
 from ..meta import META_TENSOR
 from ..plan.instructions import (COMPUTE, AllGather, Backward, BackwardInput, BackwardWeight, Forward,
-                                 OverlapFB, ReduceScatter, ReleaseParams, TensorSpec, UnitGather,
-                                 UnitRelease)
+                                 OverlapFB, PrePass, ReduceScatter, ReleaseParams, TensorSpec,
+                                 UnitGather, UnitRelease)
 from ..plan.plan import ZERO_NOTE, ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
 
@@ -58,6 +59,7 @@ def insert_zero_units(plans: Sequence[ExecutionPlan], programs: Sequence[StagePr
     placed: Dict[int, PlacedUnits] = {}   # stage -> its units (fx nodes placed once)
     for plan in plans:
         if not _unit_plan(plan):
+            _warn_pre_pass(plan)
             continue
         gathers = [ins for ins in plan.instructions if type(ins) is AllGather]
         mine = _specs_by_stage(gathers, by_stage, plan.local_stages)
@@ -84,6 +86,17 @@ def _unit_plan(plan: ExecutionPlan) -> bool:
         return False
     groups = {tuple(ins.ranks) for ins in plan.instructions if type(ins) is AllGather}
     return len(groups) == 1
+
+
+def _warn_pre_pass(plan: ExecutionPlan) -> None:
+    """A pre-pass (NOTE: Whole-batch sums) reads the parameters outside the units' calls."""
+    pre = next((ins for ins in plan.instructions if isinstance(ins, PrePass)), None)
+    if pre is not None and plan.notes.get(ZERO_NOTE, "").startswith("stage 3"):
+        logging.getLogger("graphc").warning(
+            "rank %d: enable_zero(unit_bytes=...) gathers stage %d whole once per step instead of unit "
+            "by unit: its pre-pass for whole-batch sums (%s, See NOTE: Whole-batch sums) reads the "
+            "parameters outside the units. Fix: set_gradient_accumulation_steps(1) or no auxiliary "
+            "loss for units", plan.rank, pre.stage, pre)
 
 
 def _specs_by_stage(gathers: List[AllGather], by_stage: Dict[int, StageProgram],

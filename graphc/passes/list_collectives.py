@@ -5,7 +5,9 @@ every communicating conversion that compute issues: kind, conversion node, SBP b
 and after, this rank's group, the dtype that travels (the value's: autocast's where it ran
 under it, and its gradient's in the backward alike) and the bytes it sends. Local
 conversions (slices, zero fills) move nothing and are not listed. An expert-parallel layer
-lists its exchanges, 3 forward and 2 backward (See NOTE: Expert parallel). The runtime runs them inside the compute.
+lists its exchanges, 3 forward and 2 backward (See NOTE: Expert parallel). A pre-pass (PrePass,
+NOTE: Whole-batch sums) lists its cut program's forward conversions likewise (`0P1.ALL_TO_ALL`).
+The runtime runs them inside the compute.
 Requires: split_stages, lower_plan (programs hold the box nodes insert_boxing made).
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ..ops.context_parallel import context_parallel_attention
 from ..ops.expert_capacity import capacity_of
 from ..ops.experts import EXCHANGES, GRAD_EXCHANGES, expert_parallel
 from ..placement import Broadcast, PartialSum
-from ..plan.instructions import ACT, GRAD, Backward, Collective, Forward, Instruction
+from ..plan.instructions import ACT, GRAD, PRE, Backward, Collective, Forward, Instruction, PrePass
 from ..plan.plan import ExecutionPlan
 from ..plan.program import StageProgram
 from ..sbp.boxing import BOXINGS, backward_collective
@@ -31,15 +33,18 @@ def list_collectives(plans: Sequence[ExecutionPlan], programs: Sequence[StagePro
     """Ranks of one stage list the same conversions; each member of a group gets the same
     Collective objects (one per conversion and micro-batch), so a thousand-rank plan holds
     each collective once per group, not once per rank."""
-    conversions = {(prog.stage, fwd): _conversions(prog, fwd) for prog in programs for fwd in (True, False)}
+    conversions = {(prog.stage, kind): _conversions(prog.module, kind is not Backward)
+                   for prog in programs for kind in (Forward, Backward)}
+    conversions.update({(prog.stage, PrePass): _conversions(prog.prologue.module, True)
+                        for prog in programs if prog.prologue is not None and prog.prologue.in_plan})
     shared: Dict[tuple, Collective] = {}
     for plan in plans:
         mine: Dict[tuple, list] = {}   # (stage, forward) -> its conversions with this rank's group
         out: List[Instruction] = []
         for ins in plan.instructions:
             out.append(ins)
-            if isinstance(ins, (Forward, Backward)):
-                key = (ins.stage, isinstance(ins, Forward))
+            if isinstance(ins, (Forward, Backward, PrePass)):
+                key = (ins.stage, type(ins))
                 if key not in mine:
                     mine[key] = _with_group(conversions[key], plan.rank)
                 out += _collectives(mine[key], ins, shared)
@@ -72,8 +77,10 @@ class _Conversion:
     sent: int = -1              # bytes a rank sends, where known directly (attention's exchanges)
 
 
-def _conversions(prog: StageProgram, forward: bool) -> List[_Conversion]:
-    nodes = [n for n in prog.module.graph.nodes if META_BOXING in n.meta or _exchanging(n)]
+def _conversions(module, forward: bool) -> List[_Conversion]:
+    """A stage program's (or its prologue's) communicating conversions, in the order its
+    forward (backward) runs them."""
+    nodes = [n for n in module.graph.nodes if META_BOXING in n.meta or _exchanging(n)]
     found = []
     for node in (nodes if forward else reversed(nodes)):
         if node.target is expert_parallel:
@@ -140,13 +147,15 @@ def _layer_of(node) -> str:
     return gate_up.target.rsplit(".", 1)[0] if gate_up.op == "get_attr" else gate_up.name
 
 
+_DIRECTION = {Forward: ACT, Backward: GRAD, PrePass: PRE}
+
+
 def _collectives(conversions: List[tuple], ins, shared: dict) -> List[Collective]:
-    forward = isinstance(ins, Forward)
     found = []
     for c, group in conversions:
         key = (ins, c.node, group, c.note)   # an expert layer: several per node
         if key not in shared:
-            shared[key] = Collective(c.kind, ins.stage, ins.microbatch, ACT if forward else GRAD,
+            shared[key] = Collective(c.kind, ins.stage, ins.microbatch, _DIRECTION[type(ins)],
                                      group, c.node, c.sbp_in, c.sbp_out,
                                      c.sent if c.sent >= 0 else moved_bytes(c.kind, c.nbytes, len(group)),
                                      c.note, c.dtype)

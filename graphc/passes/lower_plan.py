@@ -9,7 +9,10 @@ one mesh shape replica k of a stage talks to replica k of the other; between mes
 shapes (n-to-m) each value moves in pieces, each receiver getting only its box of the value
 from the senders that hold it, and each sender its gradient's box back (NOTE: Reshard
 pieces in graphc/sbp/pieces.py; TensorSpec.at/of say where a piece sits).
-Requires: split_stages.
+A stage whose Prologue runs in the plan (feed_whole_sums) first runs its PrePass of every
+micro-batch, each with the receives and sends of its pre-pass values (`0SEND_P3`), before
+any instruction of the schedule; a rank's stages in stage order (NOTE: Whole-batch sums).
+Requires: split_stages, feed_whole_sums.
 """
 from __future__ import annotations
 
@@ -17,8 +20,8 @@ import functools
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..plan.instructions import (ACT, GRAD, Backward, BackwardInput, Forward, Instruction,
-                                 OptimizerStep, OverlapFB, Recv, Send, TensorSpec)
+from ..plan.instructions import (ACT, GRAD, PRE, Backward, BackwardInput, Forward, Instruction,
+                                 OptimizerStep, OverlapFB, PrePass, Recv, Send, TensorSpec)
 from ..plan.plan import NO_CHECKPOINTING, ExecutionPlan, StageInfo
 from ..plan.program import StageProgram
 from ..plan.schedules import compute_order, pipeline_ranks
@@ -73,12 +76,18 @@ class _Listing:
     def _order(self, pos: int) -> List[Instruction]:
         if pos not in self.orders:
             if self.training:
-                self.orders[pos] = compute_order(self.schedule, pos, max(self.position) + 1,
-                                                 len(self.stages), self.m, True)
+                order = compute_order(self.schedule, pos, max(self.position) + 1, len(self.stages), self.m, True)
             else:  # each chunk's forwards, chunks in stage order
-                self.orders[pos] = [Forward(s, i) for s, g in enumerate(self.position) if g == pos
-                                    for i in range(self.m)]
+                order = [Forward(s, i) for s, g in enumerate(self.position) if g == pos for i in range(self.m)]
+            self.orders[pos] = self._pre_passes(pos) + order
         return self.orders[pos]
+
+    def _pre_passes(self, pos: int) -> List[Instruction]:
+        """Before the schedule: each of the position's stages whose Prologue runs in the plan,
+        every micro-batch, stages in order (NOTE: Whole-batch sums)."""
+        return [PrePass(s, i) for s, g in enumerate(self.position) if g == pos
+                and self.programs[s].prologue is not None and self.programs[s].prologue.in_plan
+                for i in range(self.m)]
 
 
 def _source(stages: Sequence[StageInfo], rank: int, mine: int, other: int) -> int:
@@ -125,12 +134,13 @@ class _Transfers:
 
     def around(self, ins, before: bool) -> List[Instruction]:
         """The receives before `ins` (before=True) or the sends after it."""
-        if not isinstance(ins, (Forward, Backward, BackwardInput)):
+        if not isinstance(ins, (Forward, Backward, BackwardInput, PrePass)):
             return []
-        key = (isinstance(ins, Forward), ins.stage, before)
+        key = (type(ins) if type(ins) is not BackwardInput else Backward, ins.stage, before)
         if key not in self.worked_out:
-            find = _recvs if before else _sends
-            self.worked_out[key] = find(key[0], ins.stage, self.programs, self.stages, self.rank)
+            find = _pre_pass_transfers if key[0] is PrePass else _recvs if before else _sends
+            args = (before,) if key[0] is PrePass else (key[0] is Forward,)
+            self.worked_out[key] = find(*args, ins.stage, self.programs, self.stages, self.rank)
         return [kind(ins.stage, ins.microbatch, peer, direction, other, payload)
                 for kind, peer, direction, other, payload in self.worked_out[key]]
 
@@ -157,6 +167,21 @@ def _recvs(forward: bool, s: int, programs, stages, rank) -> List[tuple]:
             for src, got in _by_peer(prog, grads, b, rank, (_source(stages, rank, s, b),),
                                      receiving=True, grad=True):
                 out.append((Recv, src, GRAD, b, got))
+    return out
+
+
+def _pre_pass_transfers(before: bool, s: int, programs, stages, rank) -> List[tuple]:
+    """(Recv, ...) of what stage s's pre-pass receives (before=True), or (Send, ...) of what it
+    sends: the values later stages' pre-passes read, as the forward moves them."""
+    prog, pro = programs[s], programs[s].prologue
+    out: List[tuple] = []
+    for other, specs in sorted((pro.recv_from if before else pro.send_to).items()):
+        if _local(stages, rank, other):
+            continue
+        receiver = s if before else other
+        peers = (_source(stages, rank, s, other),) if before else _targets(stages, rank, s, other)
+        for peer, moved in _by_peer(prog, specs, receiver, rank, peers, receiving=before, grad=False):
+            out.append((Recv if before else Send, peer, PRE, other, moved))
     return out
 
 

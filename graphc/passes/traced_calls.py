@@ -19,6 +19,7 @@ import torch.nn.modules.transformer as transformer_layers
 from ..errors import GraphcError
 from ..ops.buffers import assign_buffer
 from .build_tracer import FAKE, BuildTracer, ShapeProxy
+from .traced_tensors import writes_in_place
 from .traced_attributes import check_attribute_write
 from .user_lines import caller_line
 
@@ -163,8 +164,9 @@ def _assign_buffer(tracer: BuildTracer, source_file: Optional[str], module, name
     """`self.buf += 1` is in place already (recorded); `self.buf = expr` copies into the buffer."""
     node = value.node
     first = node.args[0] if node.args else None
-    if isinstance(first, fx.Node) and first.op == "get_attr" and str(node.target).endswith(("iadd", "isub",
-                                                                                             "imul", "itruediv")):
+    in_place = str(node.target).endswith(("iadd", "isub", "imul", "itruediv")) or \
+        (node.op == "call_method" and writes_in_place(str(node.target)))   # NOTE: Augmented assignment
+    if isinstance(first, fx.Node) and first.op == "get_attr" and in_place:
         return
     fake = node.meta.get(FAKE)
     if isinstance(fake, torch.Tensor) and fake.requires_grad:

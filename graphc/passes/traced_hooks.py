@@ -86,12 +86,14 @@ def install_modules(gm: fx.GraphModule, root: nn.Module, modules: Dict[str, nn.M
         parent._modules[name] = module
 
 
-def check_backward_hooks(m: nn.Module, name: str, line: str) -> None:
-    """Refuses a module build() calls that has backward hooks (NOTE: Module hooks)."""
+def check_backward_hooks(m: nn.Module, name: str, line: Callable[[], str]) -> None:
+    """Refuses a module build() calls that has backward hooks (NOTE: Module hooks). `line()`
+    gives the user's calling line, read only for the error: the stack walk it takes cost more
+    than the trace of a small module, on every module call."""
     hooks = [fn for t in BACKWARD_HOOK_TABLES for fn in (m.__dict__.get(t) or {}).values()]
     if hooks:
         raise GraphcError(
-            f"module '{name}' ({type(m).__name__}), called by build() at {line}, has a backward "
+            f"module '{name}' ({type(m).__name__}), called by build() at {line()}, has a backward "
             f"hook ({defined_at(hooks[0])}; register_full_backward_hook, "
             "register_full_backward_pre_hook or register_backward_hook). graphc runs the backward per micro-batch and, on data- and "
             "tensor-parallel stages, per shard, so the hook would see partial gradients, not "

@@ -340,7 +340,7 @@ class Collective(Instruction):
     kind: str                          # all_gather, reduce_scatter, all_to_all, all_reduce
     stage: int
     microbatch: int
-    direction: str                     # ACT (inside the forward) or GRAD (inside the backward)
+    direction: str                     # ACT (inside the forward), GRAD (the backward) or PRE (a pre-pass)
     ranks: Tuple[int, ...]
     node: str                          # the conversion's fx node
     sbp_in: str
@@ -349,7 +349,7 @@ class Collective(Instruction):
     note: str = ""                     # e.g. "fallback: ..." (an op without an SBP rule)
     dtype: str = ""                    # torch name of what travels (the value's, or its gradient's)
     TEXT: ClassVar[re.Pattern] = re.compile(
-        r"(\d+)([FB])(\d+)\.(\w+) ([^\s:]+)(?::(\w+))? (.+)->(.+) ranks=\[([\d, ]*)\] bytes=(\d+)"
+        r"(\d+)([FBP])(\d+)\.(\w+) ([^\s:]+)(?::(\w+))? (.+)->(.+) ranks=\[([\d, ]*)\] bytes=(\d+)"
         r"(?: # (.*))?")
 
     @property

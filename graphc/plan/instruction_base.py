@@ -8,6 +8,7 @@ from typing import ClassVar, Optional, Tuple
 
 ACT = "F"   # activations flow forward
 GRAD = "B"  # gradients flow backward
+PRE = "P"   # a pre-pass's values flow forward before the step (NOTE: Whole-batch sums)
 
 # What a collective instruction joins the other members of its group in (its class's `joins`,
 # by which plan verification pairs it: plan/verify.py's tables): a sum, gather or scatter of

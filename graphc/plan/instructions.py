@@ -26,7 +26,7 @@ from ..errors import GraphcError
 from .collective_instructions import (INSIDE_COMPUTE, UNIT_EVENTS, AllGather, AllReduce, ClipGradNorm,
                                       Collective, OutputAllReduce, ReduceScatter, ReleaseParams,
                                       TieAllReduce, UnitGather, UnitRelease)
-from .instruction_base import ACT, GRAD, JOINS_CONVERSION, JOINS_TENSORS, Instruction
+from .instruction_base import ACT, GRAD, JOINS_CONVERSION, JOINS_TENSORS, PRE, Instruction
 from .tensor_spec import TensorSpec, _specs, _specs_from_json
 
 
@@ -103,6 +103,19 @@ class BackwardWeight(_StageCompute):
 
 
 @dataclass(frozen=True)
+class PrePass(_StageCompute):
+    """One micro-batch of a stage's pre-pass, before the step's schedule: its Prologue (the
+    program cut to what the whole-batch sums need) without gradient; it receives from the
+    stage before what that cut reads and sends on what later stages' cuts read (`0SEND_P3`).
+    The sums are totalled after the stage's last micro-batch (NOTE: Whole-batch sums)."""
+
+    op: ClassVar[str] = "pre_pass"
+    span_kind: ClassVar[str] = "pre_pass"
+    runs: ClassVar[str] = "pre_pass"
+    letter: ClassVar[str] = "P"
+
+
+@dataclass(frozen=True)
 class OverlapFB(Instruction):
     """DualPipeV's pair: a forward of one chunk and a (whole) backward of another, meant to
     overlap (one's compute under the other's communication). Printed as torch prints it,
@@ -149,13 +162,13 @@ class _P2P(Instruction):
     stage: int
     microbatch: int
     peer: int
-    direction: str                      # ACT or GRAD
+    direction: str                      # ACT, GRAD or PRE (a pre-pass's values)
     peer_stage: int
     tensors: Tuple[TensorSpec, ...] = field(default=())
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
-        cls.TEXT = re.compile(rf"(\d+){cls.word}_([FB])(\d+) {cls.towards}=(\d+) stage=(\d+) \[(.*)\]")
+        cls.TEXT = re.compile(rf"(\d+){cls.word}_([FBP])(\d+) {cls.towards}=(\d+) stage=(\d+) \[(.*)\]")
 
     @property
     def nbytes(self) -> int:
@@ -230,7 +243,7 @@ class OptimizerStep(Instruction):
 
 
 STAGE_COMPUTES = (Forward, Backward, BackwardInput, BackwardWeight)
-COMPUTE = STAGE_COMPUTES + (OverlapFB,)
+COMPUTE = STAGE_COMPUTES + (OverlapFB, PrePass)
 COMPUTE_RUNS = frozenset(cls.runs for cls in COMPUTE)   # the run entries of compute
 # every instruction class, the most frequent first (the order parse_instruction tries them)
 INSTRUCTIONS = COMPUTE + (Send, Recv, Collective, AllReduce, TieAllReduce, ClipGradNorm, OutputAllReduce,
@@ -266,7 +279,7 @@ def instruction_from_json(d: dict) -> Instruction:
 
 
 # every instruction class and table, importable from here whichever module defines it
-__all__ = ["ACT", "GRAD", "JOINS_TENSORS", "JOINS_CONVERSION", "TensorSpec", "Instruction", "Forward",
+__all__ = ["ACT", "GRAD", "PRE", "PrePass", "JOINS_TENSORS", "JOINS_CONVERSION", "TensorSpec", "Instruction", "Forward",
            "Backward", "BackwardInput", "BackwardWeight", "OverlapFB", "Send", "Recv", "AllReduce",
            "TieAllReduce", "OutputAllReduce", "ClipGradNorm", "ReduceScatter", "AllGather", "ReleaseParams",
            "UnitGather", "UnitRelease", "UNIT_EVENTS", "INSIDE_COMPUTE", "OptimizerStep", "Collective",

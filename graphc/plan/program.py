@@ -20,12 +20,22 @@ class Prologue:
     k-th value's inputs are split across ranks; none: the sum is complete), and passes the
     totals to every micro-batch's forward as the program inputs of those names. Example: the
     whole batch's count of non-ignored targets of a token-mean loss (see feed_whole_batch).
+
+    A pre-pass (feed_whole_sums, NOTE: Whole-batch sums) runs as plan instructions instead
+    (`in_plan`: PrePass, one per micro-batch, before the schedule): its inputs may include
+    values received from earlier stages' pre-passes (`recv_from`, producer stage -> values),
+    and after the summed outputs the module returns the values later stages' pre-passes read
+    (`send_to`, consumer stage -> values, in `sent` order), sent per micro-batch.
     """
 
     module: fx.GraphModule
     inputs: List[str]
     outputs: List[str]
     groups: List[Tuple[Tuple[int, ...], ...]]
+    in_plan: bool = False
+    sent: List[str] = field(default_factory=list)
+    recv_from: Dict[int, List[TensorSpec]] = field(default_factory=dict)
+    send_to: Dict[int, List[TensorSpec]] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,7 +94,11 @@ class StageProgram:
         summed = " (batch sum)" if self.loss_summed else ""
         head = (f"# stage {self.stage}: inputs={self.inputs} recv_from={recv} send_to={send} "
                 f"loss={self.loss}{summed} results={self.results}{whole}")
-        if self.prologue is not None:
-            head += (f"\n# prologue (once per step, summed over micro-batches): "
-                     f"{self.prologue.outputs}\n{self.prologue.module.code.strip()}")
+        pro = self.prologue
+        if pro is not None:
+            where = "the plan's pre-pass (P)" if pro.in_plan else "once per step"
+            moved = "".join(f" recv_from {a}: {[t.name for t in v]}" for a, v in sorted(pro.recv_from.items())) + \
+                "".join(f" send_to {b}: {[t.name for t in v]}" for b, v in sorted(pro.send_to.items()))
+            head += (f"\n# prologue ({where}, summed over micro-batches): "
+                     f"{pro.outputs}{moved}\n{pro.module.code.strip()}")
         return f"{head}\n{self.module.code.strip()}"

@@ -8,12 +8,16 @@ Every rank can compute every rank's plan, so one process checks that:
      collective over a group has the same kind, ranks, tensors (shapes, dtypes) or
      conversion and dtype as every other member's k-th (a differing dtype is named as such:
      the members would exchange buffers of other sizes and types). A prologue's sum (feed_whole_batch), which
-     the runtime runs before a step's instructions, is not listed and not checked here;
+     the runtime runs before a step's instructions, is not listed and not checked here; a
+     pre-pass's (PrePass, NOTE: Whole-batch sums) transfers and collectives are, like the step's;
   3. the union of all plans, with sends joined to their recvs and collectives joined
      across ranks, is acyclic (so no rank can wait forever on another); a cycle is
      printed rank by rank;
   4. each rank computes every (stage, micro-batch) it starts as a program: one forward,
-     then one backward, whole (B) or split into I and, after it, W; in training, all of it.
+     then one backward, whole (B) or split into I and, after it, W; in training, all of it;
+     a stage's pre-pass (P) comes before its first forward;
+  5. under ZeRO, each sharded gradient is reduce-scattered once, over one group, all-reduced
+     by nothing else, and its rows gathered over that group (verify_zero.py).
 A failure raises PlanError naming the rank and instruction, with the plan listing marked.
 """
 from __future__ import annotations
@@ -23,8 +27,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PlanError
 from .instructions import (COMPUTE_RUNS, JOINS_CONVERSION, JOINS_TENSORS, STAGE_COMPUTES, Backward,
-                           BackwardInput, BackwardWeight, Forward, Instruction, Recv, Send)
+                           BackwardInput, BackwardWeight, Forward, Instruction, PrePass, Recv, Send)
 from .plan import ExecutionPlan
+from .verify_zero import check_zero_groups
 
 
 def is_collective(ins: Instruction) -> bool:
@@ -47,11 +52,13 @@ def verify_plans(plans: Sequence[ExecutionPlan], world_size: Optional[int] = Non
     """
     by_rank = {p.rank: p for p in plans}
     checked = set()   # ranks of one pipeline position list the very same compute objects
+    zero_checked: set = set()   # and ranks of one ZeRO group the same gradient collectives
     for plan in plans:
         computes = (plan.training, plan.schedule, *(id(i) for i in plan.instructions if i.runs in COMPUTE_RUNS))
         if computes not in checked:
             _check_compute_order(plan)
             checked.add(computes)
+        check_zero_groups(plan, _fail, zero_checked)
     if world_size is not None and len(by_rank) < world_size and not quotient:
         for plan in plans:
             _check_peers_in_world(plan, world_size)
@@ -87,11 +94,18 @@ def _check_compute_order(plan: ExecutionPlan) -> None:
     """Fails unless each (stage, micro-batch) runs F, then B or I then W, each once (check 4)."""
     seen: Dict[Tuple[int, int], str] = {}
     last: Dict[Tuple[int, int], int] = {}
+    forwarded = set()   # stages whose forward has begun
     for i, ins in enumerate(plan.instructions):
         parts = ins.parts
         for part in parts:
+            if type(part) is PrePass and part.stage in forwarded:
+                _fail(plan, i, f"`{part}` comes after a forward of stage {part.stage}: a stage's "
+                      "pre-pass (NOTE: Whole-batch sums) gives every micro-batch's forward its totals, "
+                      "so lower_plan lists it before the schedule")
             if type(part) not in STAGE_COMPUTES:
                 continue
+            if type(part) is Forward:
+                forwarded.add(part.stage)
             key, step = (part.stage, part.microbatch), part.letter
             done = seen.get(key, "")
             if not any(prog.startswith(done + step) for prog in _PROGRAMS):

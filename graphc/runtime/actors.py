@@ -1,7 +1,7 @@
 """The actor runtime.
 
 One compute actor walks the plan's compute instructions in order; one receive actor and
-one send actor per peer move tensors. Receive actors run ahead of compute: each keeps up
+one send actor per peer move tensors (runtime/peer_actors.py). Receive actors run ahead of compute: each keeps up
 to `window` receives posted (its buffers), so a transfer overlaps the compute before the
 one that needs it. Send actors post a send as soon as compute has produced its tensors
 and hold them until the transfer completes. Compute fires when its received inputs have
@@ -29,9 +29,9 @@ from ..errors import RankFailedError
 from ..log import warn_user
 from ..meta import META_SBP
 from ..placement import Broadcast
-from ..plan.instructions import (ACT, COMPUTE_RUNS, INSIDE_COMPUTE, INSTRUCTIONS, AllGather, AllReduce,
+from ..plan.instructions import (ACT, COMPUTE_RUNS, INSIDE_COMPUTE, INSTRUCTIONS, PRE, AllGather, AllReduce,
                                  Backward, BackwardInput, BackwardWeight, ClipGradNorm, Forward, OptimizerStep,
-                                 OutputAllReduce, OverlapFB, Recv, ReleaseParams, Send)
+                                 OutputAllReduce, OverlapFB, PrePass, Recv, ReleaseParams, Send)
 from ..ops.conversions import all_reduce_sum
 from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
@@ -42,6 +42,8 @@ from .cuda_graphs import StepGraph, compute_prefix
 from .device import place_programs
 from .executor import StageExecutor
 from .grad_hooks import UserGradHooks
+from .peer_actors import RecvActor, SendActor, _assemble
+from .pre_pass import PrePasses
 from .stopped_ranks import explain_stopped_peers
 from .zero import ZeroShards, released_in, whole_parameters
 from .zero_sync import ZeroGradSync
@@ -74,62 +76,9 @@ class _StepValues:
     produced: Dict[Tuple[int, int, str], Dict[str, torch.Tensor]] = field(default_factory=dict)
     results: Dict[str, List[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
     assembling: Dict[tuple, list] = field(default_factory=dict)
-
-
-class RecvActor:
-    """Posts the receives from one peer in plan order, at most `window` ahead of use."""
-
-    def __init__(self, peer: int, recvs: List[Recv], p2p, device, window: int):
-        self.peer, self.queue, self.p2p, self.device, self.window = peer, recvs, p2p, device, window
-        self.posted: Dict[int, Tuple[Dict[str, torch.Tensor], list]] = {}
-        self.next_post = self.next_take = self.tag = 0
-
-    def pump(self) -> None:
-        while self.next_post < len(self.queue) and self.next_post - self.next_take < self.window:
-            ins = self.queue[self.next_post]
-            bufs, works = {}, []
-            for spec in ins.tensors:
-                buf = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=self.device)
-                works.append(self.p2p.irecv(buf, self.peer, self.tag))
-                self.tag += 1
-                bufs[spec.name] = buf
-            self.posted[self.next_post] = (bufs, works)
-            self.next_post += 1
-
-    def take(self, ins: Recv) -> Dict[str, torch.Tensor]:
-        k = self.next_take
-        assert self.queue[k] == ins, f"receive actor for peer {self.peer} out of plan order"
-        self.pump()
-        bufs, works = self.posted.pop(k)
-        for w in works:
-            _wait(w, self.peer)
-        self.next_take += 1
-        self.pump()
-        return bufs
-
-
-class SendActor:
-    """Posts the sends to one peer in plan order and keeps their tensors until done."""
-
-    def __init__(self, peer: int, p2p):
-        self.peer, self.p2p = peer, p2p
-        self.inflight: List[Tuple[object, torch.Tensor]] = []
-        self.tag = 0
-
-    def post(self, ins: Send, tensors: Dict[str, torch.Tensor]) -> None:
-        for spec in ins.tensors:
-            t = tensors[spec.name].detach()
-            if spec.is_piece:   # NOTE: Reshard pieces: only the rows the peer needs
-                t = t[_window(spec)]
-            t = t.contiguous()
-            self.inflight.append((self.p2p.isend(t, self.peer, self.tag), t))
-            self.tag += 1
-        self.inflight = [(w, t) for w, t in self.inflight if not w.is_completed()]
-
-    def drain(self) -> None:
-        for w, _ in self.inflight:
-            _wait(w, self.peer)
-        self.inflight = []
+    # the pre-pass's (NOTE: Whole-batch sums): values received per (stage, micro-batch), running sums per stage
+    pre_received: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = field(default_factory=lambda: defaultdict(dict))
+    pre_sums: Dict[int, list] = field(default_factory=dict)
 
 
 def range_names(instructions) -> List[Optional[str]]:
@@ -149,43 +98,6 @@ def range_names(instructions) -> List[Optional[str]]:
 
 
 _NO_RANGE = nullcontext()
-
-
-def _window(spec) -> tuple:
-    """The slices of a piece within its local tensor."""
-    return tuple(slice(a, a + n) for a, n in zip(spec.at, spec.shape))
-
-
-def _assemble(ins: Recv, got: Dict[str, torch.Tensor], assembling: dict) -> Dict[str, torch.Tensor]:
-    """A value received in pieces (NOTE: Reshard pieces) is put together in one tensor of its
-    local shape: the first piece's receive returns that tensor (the compute that reads it
-    comes after every piece's receive in the plan), later pieces fill it in and return
-    nothing more."""
-    out = {}
-    for spec in ins.tensors:
-        if not spec.is_piece:
-            out[spec.name] = got[spec.name]
-            continue
-        key = (ins.stage, ins.microbatch, ins.direction, ins.peer_stage, spec.name)
-        if key not in assembling:
-            whole = got[spec.name].new_empty(spec.of)
-            assembling[key] = [whole, whole.numel()]
-            out[spec.name] = whole
-        entry = assembling[key]
-        entry[0][_window(spec)] = got[spec.name]
-        entry[1] -= got[spec.name].numel()
-        if entry[1] <= 0:       # complete: the step's values keep it from here
-            del assembling[key]
-    return out
-
-
-def _wait(work, peer: int) -> None:
-    """Waits for a transfer; a transport error records the peer (see NOTE: Failure propagation)."""
-    try:
-        work.wait()
-    except RuntimeError as exc:
-        exc.graphc_peer = peer
-        raise
 
 
 class Runtime:
@@ -216,6 +128,7 @@ class Runtime:
         self.executors: Dict[int, StageExecutor] = {
             s: StageExecutor(prog, plan.training, prog.loss_weight(m), ckpt, memory_stats)
             for s, prog in programs.items()}
+        self.pre_passes = PrePasses(self.executors, m)   # PrePass (NOTE: Whole-batch sums)
         self.memory_stats = memory_stats   # config.set_memory_stats: StepStats.max_live_bytes
         # a measurement around each instruction (NOTE: Measured peak memory): an object with
         # before(i, step) and after(i, step), or None
@@ -246,7 +159,7 @@ class Runtime:
         self.not_gathered = self._gathered_elsewhere()
         self.prefetch = _prefetches(plan.instructions) if self.zero is not None and self.zero.stage == 3 else {}
         if compile_stages:
-            self.compiled = compile_stages_of(self.executors, plan, self.zero.stage if self.zero else 0)
+            self.compiled = compile_stages_of(self.executors, plan)
         # ... or, gathered per unit, the gathers and releases inside its computes (NOTE: ZeRO units)
         units = UnitGatherer.from_plan(plan, self.zero)   # by stage: one per chunk with units
         for s, ex in self.executors.items():
@@ -384,7 +297,7 @@ class Runtime:
                 pieces = [t] * m if whole else t.tensor_split(m)
                 for mb in range(m):
                     per_mb[(s, mb)][name] = pieces[mb]
-            if prog.prologue is not None:  # values of the whole batch, e.g. a loss's token count
+            if prog.prologue is not None and not prog.prologue.in_plan:  # whole-batch values: a loss's token count
                 totals = ex.prologue([per_mb[(s, mb)] for mb in range(m)])
                 for mb in range(m):
                     per_mb[(s, mb)].update(totals)
@@ -472,12 +385,16 @@ class Runtime:
         got = _assemble(ins, step.recv_actors[ins.peer].take(ins), step.assembling)
         if ins.direction == ACT:
             step.values[(ins.stage, ins.microbatch)].update(got)
+        elif ins.direction == PRE:
+            step.pre_received[(ins.stage, ins.microbatch)].update(got)
         else:
             step.grads[(ins.stage, ins.microbatch)].extend(got.items())
 
     def _run_send(self, ins: Send, step: "_StepValues") -> None:
-        key = (ins.stage, ins.microbatch, ACT if ins.direction == ACT else "B")
-        step.send_actors[ins.peer].post(ins, step.produced[key])
+        step.send_actors[ins.peer].post(ins, step.produced[(ins.stage, ins.microbatch, ins.direction)])
+
+    def _run_pre_pass(self, ins: PrePass, step: "_StepValues") -> None:
+        self.pre_passes.run(ins, step)
 
     def _run_overlap(self, ins: OverlapFB, step: "_StepValues") -> None:
         """On one stream: the forward, then the backward."""

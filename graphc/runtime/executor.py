@@ -18,6 +18,8 @@ backward first recomputes the forward, recording, with the buffers as they were 
 forward (then puts back their current values: a recompute updates no running statistic
 twice) and inside the same random draw (ops/random_ops.py: masks are a pure function of
 step and micro-batch), so every value, and therefore every gradient, is the forward's.
+Compiled stages without buffers record the forward instead, their pieces saving only their
+inputs and recomputing inside their compiled backward (NOTE: Recompute in compiled pieces).
 
 Live activation bytes (only with `count_bytes`: config.set_memory_stats, since counting
 runs a Python hook on every tensor autograd saves, ~2% of a step): every tensor autograd
@@ -35,6 +37,8 @@ import torch
 from ..ops.conversions import all_reduce_sum
 from ..plan.program import StageProgram
 from ..ops.random_ops import drawing
+from .compiled_recompute import recompute_in_backward
+from .compiled_split import input_gradients_only
 from .weight_grads import WeightGroups
 
 
@@ -75,6 +79,9 @@ class StageExecutor:
         self.units = None   # ZeRO stage 3 gathered per unit: a UnitGatherer (NOTE: ZeRO units)
         # what a forward calls: the program itself, or its compiled pieces (NOTE: Compiled stages)
         self.compute = module
+        # compiled pieces recompute a checkpointed micro-batch inside their backward
+        # (NOTE: Recompute in compiled pieces): its forward records, no recompute of ours
+        self.recompute_inside = False
 
     # -- forward ---------------------------------------------------------------------
     def forward(self, mb: int, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -91,7 +98,9 @@ class StageExecutor:
         if not self.training:
             with torch.no_grad(), drawing(*self.draw, mb):
                 return dict(zip(prog.outputs, self.compute(*args)))
-        if mb in self.checkpointed:
+        # gathered per unit, the plan lists the recompute's gathers (NOTE: ZeRO units)
+        inside = self.recompute_inside and self.units is None
+        if mb in self.checkpointed and not inside:
             buffers = {n: b.clone() for n, b in self._buffers.items()} if self._buffers else None
             versions = {n: b._version for n, b in self._buffers.items()}
             with torch.no_grad(), drawing(*self.draw, mb):
@@ -103,7 +112,8 @@ class StageExecutor:
             seen: Dict[int, int] = {}
             count = self._counter(seen) if self.count_bytes else _identity
             saving = self._saving(count) if self.count_bytes or self.units is not None else nullcontext()
-            with torch.enable_grad(), drawing(*self.draw, mb), saving:
+            with torch.enable_grad(), drawing(*self.draw, mb), saving, \
+                    recompute_in_backward(mb in self.checkpointed):
                 out = self.compute(*args)
             outs = dict(zip(prog.outputs, out))
             saved = _Saved(leaves, outs, nbytes=sum(seen.values()))
@@ -157,15 +167,28 @@ class StageExecutor:
     def prologue(self, per_mb: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """The program's per-step values: its prologue summed over the micro-batches' inputs,
         then over the ranks its inputs are split across (see plan.program.Prologue)."""
+        sums = None
+        for mb, values in enumerate(per_mb):
+            sums = self.prologue_sums(sums, self.prologue_microbatch(mb, values))
+        return self.prologue_totals(sums)
+
+    def prologue_microbatch(self, mb: int, values: Dict[str, torch.Tensor]) -> tuple:
+        """The prologue on one micro-batch's inputs (and received pre-pass values): its
+        outputs to sum, then the values it sends on (Prologue.sent)."""
         pro = self.program.prologue
-        with torch.no_grad():
-            sums = None
-            for mb, values in enumerate(per_mb):
-                with drawing(*self.draw, mb):   # a pre-pass replays the micro-batch's draws
-                    outs = pro.module(*[values[name] for name in pro.inputs])
-                sums = list(outs) if sums is None else [a + b for a, b in zip(sums, outs)]
-            return {name: all_reduce_sum(total, groups) if groups else total
-                    for name, total, groups in zip(pro.outputs, sums, pro.groups)}
+        with torch.no_grad(), drawing(*self.draw, mb):   # a pre-pass replays the micro-batch's draws
+            return tuple(pro.module(*[values[name] for name in pro.inputs]))
+
+    def prologue_sums(self, sums: Optional[list], outs: tuple) -> list:
+        """`sums` with one micro-batch's summed outputs added (None: the first)."""
+        outs = list(outs[:len(self.program.prologue.outputs)])
+        return outs if sums is None else [a + b for a, b in zip(sums, outs)]
+
+    def prologue_totals(self, sums: Optional[list]) -> Dict[str, torch.Tensor]:
+        """The summed outputs over the micro-batches, summed over each one's rank groups."""
+        pro = self.program.prologue
+        return {name: all_reduce_sum(total, groups) if groups else total
+                for name, total, groups in zip(pro.outputs, sums or [], pro.groups)}
 
     # -- backward --------------------------------------------------------------------
     def backward(self, mb: int, grads: List[Tuple[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
@@ -190,7 +213,7 @@ class StageExecutor:
             if weights is not None:
                 weights.keep()
             try:
-                with drawing(*self.draw, mb):
+                with drawing(*self.draw, mb), input_gradients_only():   # NOTE: Split compiled backward
                     got = torch.autograd.grad(roots, leaves, root_grads, retain_graph=True,
                                               allow_unused=True)
             finally:

@@ -28,9 +28,11 @@ The result is the whole backward's gradient, summed in the same places; float64 
 compare it with a whole backward (tests/runtime/test_weight_grads.py).
 
 An intermediate whose backward already gave I every gradient of its parameter branches (a
-compiled piece's: one kernel program computes them all, NOTE: Compiled stages) is not run
+piece compiled whole: one kernel program computes them all, NOTE: Compiled stages) is not run
 again: a post-hook keeps what it gave, and W starts from its edges into those branches with
-those gradients. An eager node computes only what I asked for, so W runs it as above.
+those gradients. An eager node computes only what I asked for, so W runs it as above; so
+does a compiled piece whose backward is split, which gives its parameters nothing in I and
+runs only its weight part in W (NOTE: Split compiled backward).
 """
 from __future__ import annotations
 

@@ -3,12 +3,13 @@
 NOTE: ZeRO
 config.enable_zero(True, stage=1|2, shard_min_size) shards data parallelism's replicated
 model state over the data-parallel axis (ZeRO, DeepSpeed; OneFlow's enable_zero):
-- which parameters: those whose gradient is partial_sum on exactly one mesh axis (a
-  broadcast parameter read by ops split over the batch), held by one stage (a tied one is
-  summed over its stages afterwards, so it stays whole), whose local component has a dim 0
-  and at least shard_min_size elements (passes/insert_zero_sync.py). Each is split(0) over
-  that axis's group, torch.chunk's sizes (sbp/layout.py chunk_range): rank k of d holds
-  rows [k*c, min((k+1)*c, n)) with c = ceil(n/d), maybe none;
+- which parameters: those whose gradient is partial_sum on one or more mesh axes (a
+  broadcast parameter read by ops split over the batch, or over the batch and the sequence),
+  held by one stage (a tied one is summed over its stages afterwards, so it stays whole),
+  whose local component has a dim 0 and at least shard_min_size elements
+  (passes/insert_zero_sync.py). Each is split(0) over the joint group of those axes (See
+  NOTE: ZeRO over joint axes), torch.chunk's sizes (sbp/layout.py chunk_range): rank k of
+  d holds rows [k*c, min((k+1)*c, n)) with c = ceil(n/d), maybe none;
 - the optimizer holds, for each, a shard parameter: a view of this rank's rows of the
   parameter (its state is created for those rows alone, 1/d of the replicated run's);
 - gradients are reduce-scattered (REDUCE_SCATTER), once per step, as soon as the last
@@ -26,6 +27,27 @@ At stages 2 and 3 on a gloo group both run rank by rank on views, without a pack
 A reduce-scatter and an all-gather send what one all-reduce sends ((d-1)/d of the bucket
 each, in a ring), so the bytes per step equal data parallel's. Gradient clipping counts each
 shard's gradient on its own rank (insert_grad_clip) and scales the shards'.
+
+NOTE: ZeRO over joint axes
+A gradient partial over several mesh axes is summed over all of them; ZeRO reduce-scatters it
+once over their joint group (the ranks that differ only along those axes, sbp/layout.py
+joint_groups; torchtitan's FSDP over the flattened dp_shard x cp mesh) and all-gathers its
+rows over that group, so each of the d = d_1 x d_2 ranks steps 1/d of it and holds 1/d of its
+optimizer state; before, it stayed whole and was all-reduced axis by axis. Per step a rank
+sends 2 (d-1)/d of the gradient (a reduce-scatter and an all-gather), where the per-axis
+all-reduces sent 2 (d_1-1)/d_1 + 2 (d_2-1)/d_2 (dp2 x cp2: 1.5x against 2x). The sum runs in
+another order than the per-axis one (a 4-rank reduce against two 2-rank ones): equal at
+float64's 1e-10, not bit for bit. Which cases take it, one path for all:
+- data x context parallel (rows over one axis, the sequence over the other, set_context_parallel):
+  every parameter, over the whole 2-D mesh;
+- data x expert parallel (a 2-D mesh whose batch is split over both axes, the experts
+  split(0) over one): the non-expert parameters over the whole mesh, the experts over the
+  data axis alone (their gradient is partial there only);
+- a gradient partial on one axis (plain data parallel, data x tensor parallel): that axis's
+  group, as before.
+Stage 3 gathers before use over the same group (whole stage or unit by unit), and the
+verifier refuses a plan that reduces a sharded gradient over anything but its one group
+(plan/verify_zero.py). What stays whole: parameters below shard_min_size and tied ones.
 
 NOTE: ZeRO step overlap
 An all-gather after one optimizer.step() would have nothing to run beside it. So under ZeRO

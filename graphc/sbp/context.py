@@ -2,8 +2,8 @@
 rule modules (rules.py, routing.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
@@ -17,6 +17,11 @@ class RuleCtx:
     node: fx.Node
     n: int                          # ranks on this mesh axis
     prod: Dict[fx.Node, object]     # each input's producer SBP on this axis
+    # the earlier mesh axes' sizes, and what this node's signature chose on them: each
+    # input's required SBP and the output's (NOTE: Nested shards)
+    outer_sizes: Sequence[int] = ()
+    outer_ins: Dict[fx.Node, Sequence[object]] = field(default_factory=dict)
+    outer_out: Sequence[object] = ()
 
     def meta(self, a) -> Optional[TensorMeta]:
         return a.meta.get(META_TENSOR) if isinstance(a, fx.Node) else None
@@ -43,3 +48,30 @@ class RuleCtx:
         """Equal shards: for local forms that need them (a reshape merging or cutting a split
         dim, grouped-query heads, a parameter stored in pieces)."""
         return size % self.n == 0 and size >= self.n
+
+    def shard_shape(self, a: Optional[fx.Node] = None) -> Optional[Tuple[int, ...]]:
+        """The shape of one shard of input `a` (None: the output) as the earlier mesh axes
+        cut it: the piece this axis splits further. None where an earlier axis cuts a dim
+        unevenly (shards differ by rank: a rule then reasons on the whole shape)."""
+        meta = self.out if a is None else self.meta(a)
+        chosen = self.outer_out if a is None else self.outer_ins.get(a, ())
+        if meta is None:
+            return None
+        shape = list(meta.shape)
+        for n, s in zip(self.outer_sizes, chosen):
+            dim = getattr(s, "dim", None)
+            if dim is not None:
+                if shape[dim] % n:
+                    return None
+                shape[dim] //= n
+        return tuple(shape)
+
+
+# NOTE: Nested shards
+# On a mesh of several axes, SBP is chosen axis by axis (infer_sbp._choose), and a dim split on
+# two axes is cut by the first, then each piece by the second (sbp.layout.local_shape). A rule
+# whose validity depends on sizes (a reshape merging dims) must judge the second axis on the
+# piece the first left, not on the whole value: rows over data ranks and the sequence over
+# context ranks, (split(0), split(1)) of [B, T, V], flatten to (split(0), split(0)) of
+# [B*T, V] with no exchange when each data rank holds one row, and cannot be re-split by rows
+# over the context axis then (1 row in 2). RuleCtx.shard_shape gives that piece.

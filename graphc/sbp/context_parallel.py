@@ -141,3 +141,16 @@ def exchanges(node: fx.Node, forward: bool, n: int) -> List[Tuple[str, int, str]
     return steps + [("send_recv", grads, "ring home: dk, dv")]
 
 
+def ring_block_flops(node: fx.Node, n: int) -> float:
+    """FLOPs of the forward of one ring step's block on a rank (its queries' scores against
+    one block of keys, and their product with the values: 2 matmuls of 2 q_numel Lk each), the
+    blocks a causal ring skips averaged over the steps ((n+1)/(2n) of a full block); an explicit
+    mask is taken as full (what it hides is data). See NOTE: Ring overlap in
+    graphc/tools/ring_overlap.py."""
+    q, k = (a.meta[META_TENSOR] for a in node.args[:2])
+    out, sig = node.meta[META_TENSOR].shape, node.meta[META_SBP]
+    held = math.prod(local_shape(out, sig.out, sig.mesh)) / math.prod(out)   # q, k, v split alike
+    flops = 4 * math.prod(q.shape) * held * k.shape[-2] / n
+    return flops * (n + 1) / (2 * n) if node.kwargs.get("is_causal") else flops
+
+

@@ -1,7 +1,7 @@
 """Meshes and layouts: which ranks hold a value and how its global shape maps to local shards.
 
-The mesh helpers (mesh_shape and flat from placement.py, same_shape, axis_groups, coord,
-stage_meshes) and the shard arithmetic all live here.
+The mesh helpers (mesh_shape and flat from placement.py, same_shape, axis_groups,
+joint_groups, coord, stage_meshes) and the shard arithmetic all live here.
 
 A mesh is the `ranks` of a placement: a flat tuple (1-D) or a tuple of equal rows (2-D).
 An nd-SBP is a tuple with one SBP value per mesh axis. Axis 0 of a 2-D mesh indexes rows,
@@ -36,6 +36,22 @@ def axis_groups(mesh: tuple, axis: int) -> Tuple[Tuple[int, ...], ...]:
     if axis == 1:
         return tuple(rows)
     return tuple(tuple(row[c] for row in rows) for c in range(len(rows[0])))
+
+
+def joint_groups(mesh: tuple, axes: Sequence[int]) -> Tuple[Tuple[int, ...], ...]:
+    """The rank groups that talk along all of `axes` together (the flattened group of those
+    axes, torchtitan's dp_shard x cp): the ranks at one position on the other axes, sorted
+    (the order ZeRO's shards take rows in). One axis's are axis_groups'."""
+    if len(axes) == 1:
+        return axis_groups(mesh, axes[0])
+    if mesh and isinstance(mesh[0], tuple):
+        at = [((i, j), r) for i, row in enumerate(mesh) for j, r in enumerate(row)]
+    else:
+        at = [((j,), r) for j, r in enumerate(mesh)]
+    groups: dict = {}
+    for c, r in at:
+        groups.setdefault(tuple(x for i, x in enumerate(c) if i not in axes), []).append(r)
+    return tuple(tuple(sorted(g)) for g in groups.values())
 
 
 def coord(mesh: tuple, rank: int) -> Tuple[int, ...]:

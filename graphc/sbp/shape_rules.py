@@ -32,7 +32,9 @@ def reshape(ctx: RuleCtx) -> List[Candidate]:
     same offset. A dim kept as it is may be split unevenly; merging it with the dims after
     it, or cutting it, needs equal shards (chunks of the merged dim would cut elsewhere)."""
     x = ctx.node.args[0]
-    ins, outs = ctx.meta(x).shape, ctx.out.shape
+    ins, outs = ctx.shard_shape(x), ctx.shard_shape()   # NOTE: Nested shards
+    if ins is None or outs is None or math.prod(ins) != math.prod(outs):
+        ins, outs = ctx.meta(x).shape, ctx.out.shape
     pin, pout = _prefix(ins), _prefix(outs)
     cands: List[Candidate] = [({x: P}, P)]
     for d, size in enumerate(ins):

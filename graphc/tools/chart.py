@@ -31,6 +31,7 @@ INSTALL_HINT = 'pip install "graphc[plan]"'
 
 COLOURS = {
     "forward": "#4C72B0",
+    "pre_pass": "#A1C9F4",
     "backward": "#DD8452",
     "backward_input": "#E9B949",
     "backward_weight": "#937860",
@@ -43,6 +44,7 @@ COLOURS = {
 }
 LEGEND = {
     "forward": "F: forward (micro-batch on the box)",
+    "pre_pass": "P: pre-pass for whole-batch sums (no gradient)",
     "backward": "B: backward",
     "backward_input": "I: backward, input gradients",
     "backward_weight": "W: backward, weight gradients",
@@ -53,7 +55,7 @@ LEGEND = {
     "optimizer": "optimizer step",
     "release": "ZeRO-3: whole parameters freed",
 }
-TALL = ("forward", "backward", "backward_input", "backward_weight", "overlap", "optimizer",
+TALL = ("forward", "pre_pass", "backward", "backward_input", "backward_weight", "overlap", "optimizer",
         "collective")
 MAX_TEXTS = 3000        # box captions drawn at most (each is an artist)
 EDGE_BOXES = 20000      # above this many boxes, no white outlines (they would hide the boxes)

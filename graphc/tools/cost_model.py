@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ..plan.instructions import (Backward, BackwardInput, BackwardWeight, Collective,
-                                 Forward, Instruction, OptimizerStep, OverlapFB)
+from ..plan.instructions import (AllGather, Backward, BackwardInput, BackwardWeight, Collective,
+                                 Forward, Instruction, OptimizerStep, OverlapFB, PrePass, ReduceScatter)
 from ..sbp.cost import moved_bytes
 from .network import Network, collective_seconds
+from .ring_overlap import overlaps, ring_step_seconds
 
 
 @dataclass
@@ -54,6 +55,9 @@ class CostModel:
     # share: the step is then at least their summed busy time over it (NOTE: Shared cores);
     # None: every rank has a device or core of its own
     cores: Optional[float] = None
+    # (stage, attention node) -> forward seconds of one ring block on a rank: its steps'
+    # transfers run beside it (NOTE: Ring overlap, tools/ring_overlap.py); empty: in turn
+    ring_blocks: Dict[Tuple[int, str], float] = field(default_factory=dict)
 
     @staticmethod
     def uniform(num_stages: int, forward: float = 1.0, backward: float = 2.0) -> "CostModel":
@@ -68,6 +72,11 @@ class CostModel:
         return cost(ins, rank) if cost is not None else 0.0
 
     def _cost_forward(self, ins: Forward, rank: int) -> float:
+        return self.forward.get(ins.stage, 0.0) + self.overhead
+
+    def _cost_pre_pass(self, ins: PrePass, rank: int) -> float:
+        """A forward's: the pre-pass runs at most the stage's forward, without autograd
+        (NOTE: Whole-batch sums)."""
         return self.forward.get(ins.stage, 0.0) + self.overhead
 
     def _cost_backward(self, ins: Backward, rank: int) -> float:
@@ -127,8 +136,13 @@ class CostModel:
         link = self.collective_link or (self.bandwidth, self.latency)
         if self.network is not None and self.network.crosses(ins.ranks):
             link = (self.network.bandwidth, self.network.latency)
+        if isinstance(ins, Collective) and (ins.stage, ins.node) in self.ring_blocks and overlaps(ins):
+            return ring_step_seconds(ins, self.ring_blocks[(ins.stage, ins.node)], link)
         if isinstance(ins, Collective):     # nbytes: what this rank sends in the ring
             whole = ins.nbytes * n // (2 * (n - 1)) if ins.kind == "all_reduce" else 0
             return collective_seconds(ins.kind, ins.nbytes, whole, n, link)
+        if isinstance(ins, (ReduceScatter, AllGather)):   # ZeRO's: half a ring all-reduce each
+            return collective_seconds(ReduceScatter.op if isinstance(ins, ReduceScatter) else AllGather.op,
+                                      ins.sent_bytes(), 0, n, link)
         whole = sum(t.nbytes for t in ins.tensors)
         return collective_seconds("all_reduce", moved_bytes("all_reduce", whole, n), whole, n, link)

@@ -28,6 +28,7 @@ from ..errors import GraphcError
 from ..plan.instructions import AllReduce, Instruction
 from .cost_model import CostModel
 from .network import DEVICES, Network  # noqa: F401 (DEVICES: API)
+from .ring_overlap import ring_blocks
 from .transport_costs import measure_transport
 
 
@@ -366,6 +367,8 @@ def device_costs(compiled, device: str = "h100", **overrides) -> CostModel:
                              + (f"; host {dev.op_us} us per op, {dev.instruction_us} per instruction, "
                                 f"{dev.collective_us} per collective, {dev.p2p_us} per transfer, "
                                 f"{dev.cores_per_node} cores a node" if host else ""))
+    # each ring step's transfer beside its block's compute (NOTE: Ring overlap)
+    costs.ring_blocks = ring_blocks(compiled, dev.tflops * 1e12 * dev.efficiency, dev.fp32_tflops * 1e12 * dev.efficiency)
     return _for_ranks(costs, compiled)
 
 

@@ -24,6 +24,7 @@ def _check(layout, nproc):
 @pytest.mark.parametrize("layout,nproc", [(["--cp", "4", "--tp", "2"], 8),
                                           (["--cp", "2", "--tp", "2", "--sp"], 4),
                                           (["--cp", "2", "--dp", "2"], 4),
+                                          (["--cp", "2", "--dp", "2", "--zero", "2"], 4),
                                           (["--cp", "2", "--method", "all_to_all"], 2),
                                           (["--cp", "4", "--load-balance"], 4),
                                           (["--cp", "2", "--tp", "2", "--sp", "--load-balance"], 4)])

@@ -19,8 +19,13 @@ from helpers import run_world
 
 pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
 
-common = pytest.importorskip("torch.testing._internal.distributed._tensor.common_dtensor",
-                             reason="needs the expecttest package (pip install graphc[test])")
+
+def _common():
+    """torch's DTensor test module, imported when a test runs: its import (hypothesis, torch's
+    test harness) took 3.4 s of every collection, the one-process loop's too (issue 36)."""
+    return pytest.importorskip("torch.testing._internal.distributed._tensor.common_dtensor",
+                               reason="needs the expecttest package (pip install graphc[test])")
+
 
 STEPS, BATCH, SEQ, VOCAB = 3, 8, 12, 16
 TOL = 1e-6
@@ -28,6 +33,7 @@ TOL = 1e-6
 
 def make_model():
     torch.manual_seed(0)
+    common = _common()
     args = common.ModelArgs(n_layers=2, vocab_size=VOCAB, max_seq_len=16, dim=16, n_heads=4,
                             dropout_p=0.0, weight_tying=True)
     return common.Transformer(args)
@@ -87,6 +93,7 @@ def _train(rank, world, layouts):
 
 
 def test_torch_test_transformer_pipeline_and_tensor_parallel_match_eager():
+    _common()   # skipped here, before any rank starts, without the package
     results = run_world(_train, 2, ("pp2", "tp2"))
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

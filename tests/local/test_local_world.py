@@ -193,23 +193,26 @@ def test_collectives_combine_in_rank_order():
 
 def test_graphc_check_command_on_the_gpt_example():
     """`graphc check` runs the example's 4 ranks (pipeline 2 x tensor 2, tied embedding) and
-    exits 0 with every step equal to eager; a wrong tolerance of 0 makes it return 1 (its
+    exits 0 with every step equal to eager; a wrong tolerance of 0 makes it return 1 (the
     command's main called in this process: a second interpreter would cost more than the run,
-    and one step is enough, as the first step already differs)."""
-    args = ["check", "examples/gpt.py", "--nproc", "4", "--steps", "2",
+    `python -m graphc` itself is test_plan_cli.py's; one step is enough for the strict run, as
+    the first step already differs)."""
+    args = ["check", os.path.join(REPO, "examples", "gpt.py"), "--nproc", "4", "--steps", "2",
             "--", "--pp", "2", "--tp", "2", "--layers", "2", "--embd", "32", "--batch", "8"]
-    env = dict(os.environ, PYTHONPATH=REPO)
-    ok = subprocess.run([sys.executable, "-m", "graphc"] + args, cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "OK: 2 step(s)" in ok.stdout and "graphc check: OK" in ok.stdout
-    strict = args[:5] + ["1", "--tolerance", "0"] + args[6:]
-    strict[1] = os.path.join(REPO, strict[1])
+    code, out = _cli(args)
+    assert code == 0, out
+    assert "OK: 2 step(s)" in out and "graphc check: OK" in out
+    code, out = _cli(args[:5] + ["1", "--tolerance", "0"] + args[6:])
+    # float64 reordering leaves ~1e-16 differences: a zero bound must fail, naming a parameter
+    assert code == 1 and "DIFFERS: first at step" in out, out
+
+
+def _cli(args):
+    """graphc's command line in this process: its exit code and what it printed."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = cli_main(strict)
-    # float64 reordering leaves ~1e-16 differences: a zero bound must fail, naming a parameter
-    assert code == 1 and "DIFFERS: first at step" in out.getvalue(), out.getvalue()
+        code = cli_main(args)
+    return code, out.getvalue()
 
 
 FAKE_MODES_IN_RANK_THREADS = """

@@ -2,7 +2,8 @@
 
 A toy schedule, registered here and nowhere else (no other test names it), is verified as
 a program and as lowered plans, swept in a local world against eager (float64, 1e-10),
-charted in the bubble table and tabled in the docs' table. It has no torch equivalent, so
+charted (its simulated schedule drawn, and its row of the bubble table) and tabled in the
+docs' table. It has no torch equivalent, so
 the torch comparisons leave it out rather than fail.
 """
 import os
@@ -16,6 +17,9 @@ from graphc.plan.schedule_text import schedule_from_text
 from graphc.plan.schedules import (ONE_STAGE_LAYOUT, SCHEDULES, Schedule, register_schedule,
                                    unregister_schedule)
 from graphc.tools import bubbles, schedule_table
+from graphc.tools.chart import draw_timeline
+from graphc.tools.cost_model import CostModel
+from graphc.tools.simulate import simulate
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "plan"))
 import test_schedules  # noqa: E402  (the checks every registered schedule gets)
@@ -52,6 +56,18 @@ def test_a_registered_schedule_is_verified_tabled_and_charted(toy):
     gpipe = bubbles.bubble("gpipe", 4, 1, 8)
     assert len(rows) == 1 and rows[0].over_ideal == pytest.approx(gpipe.over_ideal)   # same bubble
     assert f"| {toy} | 0.375 | 0.375 | 0.187 |  |" in bubbles.markdown()            # the docs' bubbles
+
+
+def test_a_registered_schedule_is_charted(toy, tmp_path):
+    """Its plans simulated at unit costs and drawn as graphc plan's schedule chart is: a box per
+    compute, the toy's backwards newest first on every rank."""
+    pytest.importorskip("matplotlib")
+    plans, n = bubbles.chain_plans(toy, 2, 1, 4)
+    result = simulate(plans, CostModel.uniform(n))
+    backwards = [[s.label for s in spans if s.kind == "backward"] for spans in result.timeline.values()]
+    assert backwards == [[f"{r}B{i}" for i in (3, 2, 1, 0)] for r in range(2)]
+    paths = draw_timeline(result.timeline, str(tmp_path / "schedule"), f"{toy}: 2 ranks, 4 micro-batches")
+    assert paths and all(os.path.getsize(p) > 1000 for p in paths)
 
 
 def test_a_registered_schedule_is_swept_and_trains_like_eager(toy):

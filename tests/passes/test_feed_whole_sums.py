@@ -123,9 +123,27 @@ def test_a_sum_with_a_gradient_combined_nonlinearly_is_still_refused():
         graph(*_batches()[0])
 
 
-def test_zero3_is_refused_since_the_pre_pass_reads_whole_parameters():
-    """ZeRO stage 3 gathers parameters inside the step, after the pre-pass would need them."""
-    graph = LossGraph(routed, Router(), 2)
-    graph.config.enable_zero(True, stage=3)
-    with pytest.raises(graphc.GraphcError, match=r"ZeRO stage 3 holds each parameter sharded.*stage=2"):
-        graph(*_batches()[0])
+def test_zero3_gathers_the_parameters_before_the_pre_pass():
+    """ZeRO stage 3 on data 2 (the local world): the pre-pass is the stage's first compute
+    (0P0), so the whole-stage gather comes before it and the pre-pass reads the parameters
+    the step reads; the steps equal eager's at 1e-10 (See NOTE: Whole-batch sums)."""
+    from graphc.plan.instructions import AllGather, PrePass
+    from graphc.runtime.local_world import LocalWorld
+    from helpers import global_input
+    p01, s0 = graphc.placement("cpu", [0, 1]), graphc.sbp.split(0)
+
+    def rank_main(rank: int):
+        model = Router()
+        graphc.to_global(model, placement=p01, sbp=graphc.sbp.broadcast)
+        graph = LossGraph(routed, model, 2)
+        graph.config.enable_zero(True, stage=3, shard_min_size=1)
+        losses = [graph(*(global_input(t, p01, s0, rank) for t in batch)).to_local().item()
+                  for batch in _batches()]
+        return losses, graph.full_state_dict(rank0_only=True), graph.plan
+    (losses, state, plan), _ = LocalWorld(2).run(rank_main)
+    kinds = [type(ins) for ins in plan.instructions]
+    assert kinds[:3] == [AllGather, PrePass, PrePass], str(plan)
+    want_losses, want_state = _eager(routed)
+    assert_close(torch.tensor(losses), torch.tensor(want_losses), "losses")
+    for k, v in want_state.items():
+        assert_close(state[k], v, k)

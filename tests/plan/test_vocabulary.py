@@ -5,25 +5,26 @@ import pytest
 
 from graphc.plan.instructions import (INSIDE_COMPUTE, INSTRUCTIONS, STAGE_COMPUTES, AllReduce, Backward,
                                       BackwardInput, BackwardWeight, ClipGradNorm, Collective,
-                                      Forward, OptimizerStep, OutputAllReduce, OverlapFB, Recv, Send, TensorSpec,
+                                      Forward, OptimizerStep, OutputAllReduce, OverlapFB, PrePass, Recv, Send, TensorSpec,
                                       TieAllReduce, instruction_from_json, parse_instruction,
                                       AllGather, ReduceScatter, ReleaseParams, UnitGather, UnitRelease)
 from graphc.runtime.trace import COMPUTE_KINDS, KINDS
 
 H = TensorSpec("h", (4, 8), "float64")
 SAMPLES = [Forward(1, 3), Backward(1, 3), BackwardInput(0, 2), BackwardWeight(0, 2),
-           OverlapFB(Forward(2, 3), Backward(1, 1)),
+           OverlapFB(Forward(2, 3), Backward(1, 1)), PrePass(0, 1),
            Send(0, 3, 1, "F", 1, (H,)), Recv(1, 3, 0, "F", 0, (H,)),
            Collective("all_gather", 1, 0, "F", (0, 1), "box_1", "S(0)", "B", 128, "fallback: x"),
            AllReduce((0, 1), (H,)), TieAllReduce((0, 3), (H,), ("lm_head.weight",)),
            ClipGradNorm((0, 1), (TensorSpec("grad_norm_sq", (), "float64"),), 0.5, ("w",)),
            OutputAllReduce((0, 1), (TensorSpec("loss", (4,), "float64"),)),
            OptimizerStep(), ReduceScatter((0, 1), (H,)), AllGather((0, 1), (H,)), ReleaseParams((H,)),
-           UnitGather((0, 1), (H,), 1, 2, "B", 3), UnitRelease((H,), 1, 2, "F", 3)]
+           UnitGather((0, 1), (H,), 1, 2, "B", 3), UnitRelease((H,), 1, 2, "F", 3),
+           Send(0, 1, 1, "P", 1, (H,))]   # a pre-pass's values (NOTE: Whole-batch sums)
 
 
 def test_one_sample_of_every_class():
-    assert [type(s) for s in SAMPLES] == list(INSTRUCTIONS)
+    assert list(dict.fromkeys(type(s) for s in SAMPLES)) == list(INSTRUCTIONS)
 
 
 @pytest.mark.parametrize("ins", SAMPLES, ids=lambda i: type(i).__name__)
@@ -36,7 +37,7 @@ def test_prints_parses_and_serialises_back(ins):
 
 
 def test_kinds_and_letters_come_from_the_classes():
-    assert COMPUTE_KINDS == ("forward", "backward", "backward_input", "backward_weight", "overlap")
+    assert COMPUTE_KINDS == ("forward", "backward", "backward_input", "backward_weight", "overlap", "pre_pass")
     assert [c.letter for c in STAGE_COMPUTES] == ["F", "B", "I", "W"]
     assert [c.word for c in STAGE_COMPUTES] == ["F", "B", "I", "W"]
     assert OverlapFB(Forward(2, 3), Backward(1, 1)).caption == "F3|B1"
@@ -66,5 +67,5 @@ def test_every_collective_names_what_it_joins():
                       "ReduceScatter", "AllGather", "UnitGather"}
     for cls in INSTRUCTIONS:
         assert cls.joins in ("", *verify._SIGNATURES) and (not cls.joins or cls.joins in verify._DIFFERENCES)
-    assert verify.signature(SAMPLES[7])[0] == "collective"
-    assert verify.signature(SAMPLES[10]) == ("ClipGradNorm", (0, 1), SAMPLES[10].tensors, 0.5)
+    assert verify.signature(SAMPLES[8])[0] == "collective"
+    assert verify.signature(SAMPLES[11]) == ("ClipGradNorm", (0, 1), SAMPLES[11].tensors, 0.5)

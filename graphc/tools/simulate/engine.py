@@ -13,7 +13,7 @@ from collections import deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...errors import PlanError
-from ...plan.instructions import AllReduce, Collective, Instruction, Recv, Send
+from ...plan.instructions import Instruction, Recv, Send
 from ...plan.plan import ExecutionPlan
 from ...runtime.trace import COMPUTE_KINDS
 from ..cost_model import CostModel
@@ -133,7 +133,7 @@ class _Simulation:
         if kind == "recv":
             return RECV, self.links.get((ins.peer, rank)) or self._link(ins.peer, rank), \
                 costs.recv_cost(self._nbytes(ins))
-        if isinstance(ins, (AllReduce, Collective)):
+        if kind == "collective":   # by its class's span_kind, as send, recv and optimizer above
             group = tuple(sorted(ins.ranks))
             if group not in self.groups:
                 self.groups[group] = _Group(self._members(group))

@@ -105,7 +105,7 @@ def _gradient_buffers(plan: ExecutionPlan, by_name: Dict[str, ParamSpec], stage:
     sharded one, the ids of the parameters some collective reduces)."""
     grads, rows, reduced = 0, {}, set()
     for ins in plan.instructions:
-        if isinstance(ins, ReduceScatter):
+        if type(ins) is ReduceScatter:   # by exact class, as the branch below
             d, k = len(ins.ranks), sorted(ins.ranks).index(plan.rank)
             part = 0
             for t in ins.tensors:

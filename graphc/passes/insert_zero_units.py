@@ -1,11 +1,13 @@
 """insert_zero_units: ZeRO stage 3 gathered unit by unit inside each stage program.
 
 Invariant: on a training plan at ZeRO stage 3 computed by Forward and Backward instructions
-(whole, or split into BackwardInput and BackwardWeight) over one data-parallel group (a rank holding one stage, or several chunks: each of its
+(whole, split into BackwardInput and BackwardWeight, or paired in DualPipeV's OverlapFB) over
+one data-parallel group (a rank holding one stage, or several chunks: each of its
 stages alike), the whole-stage ALL_GATHER and RELEASE are gone; the stage's sharded
 parameters are cut into units (consecutive modules, in order of
 first use, each closed once it reaches `unit_bytes`); each compute is followed by the unit
-gathers and releases it runs (`0F1.GATHER u2`), in the order it runs them; the stage program calls
+gathers and releases it runs (`0F1.GATHER u2`), in the order it runs them (an overlapped
+pair: its forward's, then its backward's, as the pair runs them); the stage program calls
 zero_unit_begin(k) before unit k's first use and zero_unit_end(k) after its last (views
 followed); the group's REDUCE_SCATTERs are one per unit, in backward order (a chunk whose
 last backward runs later, later). Any other stage-3
@@ -25,7 +27,8 @@ import torch.fx as fx
 from ..ops.zero_units import zero_unit_begin, zero_unit_end
 from ..meta import META_TENSOR
 from ..plan.instructions import (COMPUTE, AllGather, Backward, BackwardInput, BackwardWeight, Forward,
-                                 PrePass, ReduceScatter, ReleaseParams, TensorSpec, UnitGather, UnitRelease)
+                                 OverlapFB, PrePass, ReduceScatter, ReleaseParams, TensorSpec,
+                                 UnitGather, UnitRelease)
 from ..plan.plan import ZERO_NOTE, ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
 
@@ -74,11 +77,12 @@ BACKWARDS = (Backward, BackwardInput, BackwardWeight)
 
 def _unit_plan(plan: ExecutionPlan) -> bool:
     """Whether this plan's stage-3 parameters can be gathered per unit: stage 3, forwards and
-    backwards (whole or split, not overlapped pairs), one data-parallel group (one local stage
-    or several chunks)."""
+    backwards (whole, split, or an overlapped pair of a forward and a whole backward), one
+    data-parallel group (one local stage or several chunks)."""
     if not plan.training or not plan.notes.get(ZERO_NOTE, "").startswith("stage 3"):
         return False
-    if any(isinstance(ins, COMPUTE) and type(ins) not in (Forward,) + BACKWARDS for ins in plan.instructions):
+    if any(isinstance(part, COMPUTE) and type(part) not in (Forward,) + BACKWARDS
+           for ins in plan.instructions for part in _halves(ins)):
         return False
     groups = {tuple(ins.ranks) for ins in plan.instructions if type(ins) is AllGather}
     return len(groups) == 1
@@ -284,7 +288,8 @@ def _rewrite(plan: ExecutionPlan, ranks: Tuple[int, ...], placed: Dict[int, "Pla
     """Each stage of `placed` gathered per unit: its computes followed by their unit events,
     the group's REDUCE_SCATTERs one per unit, where the first was, in the order the units'
     gradients become final (a later chunk's last backward runs first)."""
-    computes = [ins for ins in plan.instructions if isinstance(ins, (Forward,) + BACKWARDS)]
+    computes = [part for ins in plan.instructions for part in _halves(ins)
+                if isinstance(part, (Forward,) + BACKWARDS)]
     recomputed = checkpointed_microbatches(plan.checkpointing, plan.num_microbatches)
     events: Dict[int, List[Tuple[str, int]]] = {}
     for stage, units in placed.items():
@@ -307,11 +312,18 @@ def _rewrite(plan: ExecutionPlan, ranks: Tuple[int, ...], placed: Dict[int, "Pla
                 scattered = {}
             continue
         out.append(ins)
-        if id(ins) in events:
-            out.extend(_listed(ins, events[id(ins)], ranks, placed[ins.stage].units))
+        for part in _halves(ins):       # a pair's forward's events, then its backward's
+            if id(part) in events:
+                out.extend(_listed(part, events[id(part)], ranks, placed[part.stage].units))
     plan.instructions[:] = out
     plan.notes[ZERO_NOTE] = plan.notes[ZERO_NOTE].split("; parameters gathered")[0] + "".join(
         _unit_note(stage, len(placed[stage].units), options) for stage in sorted(placed))
+
+
+def _halves(ins) -> tuple:
+    """The computes an instruction runs one after the other: an OverlapFB's forward, then its
+    backward (as the runtime runs the pair); any other instruction is itself."""
+    return (ins.forward, ins.backward) if isinstance(ins, OverlapFB) else (ins,)
 
 
 def _unit_note(stage: int, units: int, options: UnitOptions) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .instructions import Instruction, instruction_from_json, parse_instruction
 
@@ -64,7 +64,13 @@ class ExecutionPlan:
 
     def __str__(self) -> str:
         """The header, the stages line and the notes (`# ...`), then one instruction a line."""
-        return "\n".join(self._header() + [f"{i:4d}  {ins}" for i, ins in enumerate(self.instructions)])
+        return self.listing()
+
+    def listing(self, text_of: Callable[[Instruction], str] = str) -> str:
+        """str(plan), each instruction's text from `text_of` (the compile history prints the
+        instruction objects its records share once: history.history_text)."""
+        lines = [f"{i:4d}  {text_of(ins)}" for i, ins in enumerate(self.instructions)]
+        return "\n".join(self._header() + lines)
 
     def _header(self) -> List[str]:
         head = (f"# graphc plan: rank {self.rank} of {self.world_size}, schedule={self.schedule}, "

@@ -54,8 +54,11 @@ that both read the units: the input half I and the weight half W (which runs the
 to the parameters again, and they unpack them: NOTE: Weight gradients) each gather, in reverse
 order, the units they read and free each once done (`0I1.GATHER u2`, `0W1.GATHER u2`); a
 recomputed micro-batch runs its forward again in I; the step's last W frees what is left.
-DualPipeV's overlapped pairs, or several data-parallel groups in one stage, keep the
-whole-stage gathers (the plan's zero note says which).
+DualPipeV's overlapped pair runs its forward, then its backward (two computes of two chunks,
+each driving its own chunk's UnitGatherer): the plan lists the forward's unit events, then the
+backward's, after the pair (`(2F3;1B1)OVERLAP_F_B`, `2F3.GATHER u0`, ..., `1B1.GATHER u1`),
+and each event names its compute. Several data-parallel groups in one stage keep the
+whole-stage gathers (the plan's zero note says so).
 """
 from __future__ import annotations
 
@@ -107,17 +110,18 @@ class UnitGatherer:
         chunks has one for each chunk with units; empty: no unit events in the plan)."""
         if zero is None or not any(isinstance(ins, UNIT_EVENTS) for ins in plan.instructions):
             return {}
-        found: Dict[int, tuple] = {}   # stage -> (units, events)
-        current = None
+        found: Dict[int, tuple] = {}   # stage -> (units, events by compute, in plan order)
         for ins in plan.instructions:   # by kind exactly: a UnitGather is an AllGather too
             if ins.runs in COMPUTE_RUNS:
-                _, events = found.setdefault(ins.stage, ({}, {}))
-                current = events.setdefault((_direction(ins), ins.microbatch), [])
-            elif type(ins) is UnitGather:
-                found[ins.stage][0].setdefault(ins.unit, AllGather(ins.ranks, ins.tensors))
-                current.append(("G", ins.unit))
-            elif type(ins) is UnitRelease:
-                current.append(("R", ins.unit))
+                for part in ins.parts:  # an overlapped pair: its forward, then its backward
+                    _, events = found.setdefault(part.stage, ({}, {}))
+                    events.setdefault((_direction(part), part.microbatch), [])
+            elif type(ins) in (UnitGather, UnitRelease):   # each names its compute
+                units, events = found[ins.stage]
+                if type(ins) is UnitGather:
+                    units.setdefault(ins.unit, AllGather(ins.ranks, ins.tensors))
+                events[(ins.direction, ins.microbatch)].append(("G" if type(ins) is UnitGather else "R",
+                                                                ins.unit))
         return {s: UnitGatherer(zero, units, {key: ComputeUnits.of(e, key[0] != ACT)
                                               for key, e in events.items()})
                 for s, (units, events) in found.items() if units}

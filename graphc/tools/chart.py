@@ -59,12 +59,15 @@ TALL = ("forward", "pre_pass", "backward", "backward_input", "backward_weight", 
         "collective")
 MAX_TEXTS = 3000        # box captions drawn at most (each is an artist)
 EDGE_BOXES = 20000      # above this many boxes, no white outlines (they would hide the boxes)
+FORMATS = ("png", "svg")   # what draw_timeline writes by default
+DPI = 100               # a 24-inch chart of a thousand ranks: 2400 pixels wide
+TIGHT_PAD_INCHES = 0.1  # savefig's pad around the tight box
 
 
 def draw_timeline(timeline: Timeline, path: str, title: str,
                   time_unit: str = "ms", scale: float = 1e3,
                   notes: Optional[Dict[int, str]] = None,
-                  formats: Sequence[str] = ("png", "svg")) -> List[str]:
+                  formats: Sequence[str] = FORMATS) -> List[str]:
     """Draws the chart; writes `path`.png and `path`.svg (path without extension).
 
     Args:
@@ -115,11 +118,16 @@ def draw_timeline(timeline: Timeline, path: str, title: str,
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), ncol=1,
               fontsize=8, frameon=False)
     fig.tight_layout()
+    # the tight box (rows, labels and the legend beside them) worked out once for every
+    # format, as savefig(bbox_inches="tight") would for each; a PNG compressed fast (zlib
+    # level 1: a third larger, a sixth of the encoding time at 8192 ranks)
+    box = fig.get_tightbbox(fig.canvas.get_renderer()).padded(TIGHT_PAD_INCHES)
     written = []
     for fmt in formats:
         out = f"{path}.{fmt}"
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        fig.savefig(out, dpi=120, bbox_inches="tight")
+        fast = {"pil_kwargs": {"compress_level": 1}} if fmt == "png" else {}
+        fig.savefig(out, dpi=DPI, bbox_inches=box, **fast)
         written.append(out)
     plt.close(fig)
     return written

@@ -10,18 +10,22 @@
   simulation.txt, simulated.png / .svg, simulated_trace.json   with --simulate (the table
                                adds each rank's model-state bytes: NOTE: Model-state bytes)
 
-Charts and the simulated trace fold ranks with identical timelines into one row.
+Charts and the simulated trace fold ranks with identical timelines into one row; the charts
+are drawn in forked children while the rest is written (NOTE: Charts drawn aside, aside.py).
 Without matplotlib (the `plan` extra) the charts are skipped, said once per run.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import List, Optional, Tuple
 
 from ..errors import GraphcError
+from ..history import history_text
 from ..runtime.trace import timeline_to_chrome
-from .chart import INSTALL_HINT, charts_available, draw_timeline
+from .aside import Aside
+from .chart import FORMATS, INSTALL_HINT, charts_available, draw_timeline
 from .cost_model import CostModel
 from .costs import DEVICES, device_costs, measure_costs
 from .routing import read_routing, routed_plans, routing_table
@@ -42,18 +46,19 @@ def write_all(graph, compiled, folder: str, mode, routing: Optional[str] = None)
     written = write_plans([compiled.plans[r] for r in chosen], folder)
     written.append(_write(os.path.join(folder, "stages.txt"), stage_summary(name, compiled, chosen)))
     written += write_programs(compiled, folder)
-    written.append(_write(os.path.join(folder, "passes.txt"),
-                          "\n\n".join(r.text for r in compiled.history)))
+    written.append(_write(os.path.join(folder, "passes.txt"), history_text(compiled.history)))
     # the values the plan was compiled under, as every call checks them (NOTE: Guards)
     written.append(_write(os.path.join(folder, "guards.txt"), compiled.guards.text()))
     if mode.chart and not charts_available():
         mode.chart = False          # said once, for every graph the script compiles
         print(f"graphc plan: matplotlib is not installed, so no schedule charts are drawn "
               f"(plans and tables are written). For charts: {INSTALL_HINT}", flush=True)
+    aside = Aside()         # the charts are drawn in children meanwhile (NOTE: Charts drawn aside)
     if mode.chart:
-        written += write_schedule_chart(compiled, folder, name)
+        written += write_schedule_chart(compiled, folder, name, aside)
     if mode.simulate:
-        written += write_simulation(graph, compiled, folder, mode.simulate, mode.chart, routing)
+        written += write_simulation(graph, compiled, folder, mode.simulate, mode.chart, routing, aside)
+    aside.wait()
     print(f"graphc plan: {name}: {len(compiled.plans)} rank(s), {len(compiled.stages)} stage(s), "
           f"{compiled.num_microbatches} micro-batch(es); plans verified; wrote {len(written)} "
           f"files to {folder}", flush=True)
@@ -159,15 +164,27 @@ def rank_notes(compiled):
             for r, ids in held.items()}
 
 
-def write_schedule_chart(compiled, folder: str, name: str) -> List[str]:
+def write_schedule_chart(compiled, folder: str, name: str, aside: Optional[Aside] = None) -> List[str]:
+    """schedule.png / .svg: the step simulated with unit costs and drawn, here or `aside`."""
+    path = os.path.join(folder, "schedule")
+    (aside or Aside(forking=False)).run("the schedule chart", _draw_schedule, compiled, path, name)
+    return chart_files(path)
+
+
+def chart_files(path: str) -> List[str]:
+    """The files draw_timeline writes for `path`."""
+    return [f"{path}.{fmt}" for fmt in FORMATS]
+
+
+def _draw_schedule(compiled, path: str, name: str) -> List[str]:
     plan = compiled.plans[0]
     result = simulate(compiled.plans, CostModel.uniform(len(compiled.stages)))
     title = (f"{name}: schedule {plan.schedule}, {len(compiled.stages)} stage(s), "
              f"{compiled.num_microbatches} micro-batch(es), {len(compiled.plans)} rank(s)\n"
              f"unit costs (forward 1, backward 2, communication free): "
              f"bubble {result.bubble_fraction:.1%}")
-    return draw_timeline(result.timeline, os.path.join(folder, "schedule"), title,
-                         time_unit="cost units", scale=1.0, notes=rank_notes(compiled))
+    return draw_timeline(result.timeline, path, title, time_unit="cost units", scale=1.0,
+                         notes=rank_notes(compiled))
 
 
 def costs_for(graph, compiled, how: str) -> CostModel:
@@ -178,7 +195,11 @@ def costs_for(graph, compiled, how: str) -> CostModel:
 
 
 def write_simulation(graph, compiled, folder: str, how: str, chart: bool = True,
-                     routing: Optional[str] = None) -> List[str]:
+                     routing: Optional[str] = None, aside: Optional[Aside] = None) -> List[str]:
+    """simulation.txt (printed too), simulated.png / .svg (drawn here or `aside`) and
+    simulated_trace.json: the step simulated on `how`'s costs."""
+    if how == "measure" and aside is not None:
+        aside.wait()        # timing the stages here wants the cores a chart would take
     costs = costs_for(graph, compiled, how)
     # every rank's parameters from the stage programs: the table adds model-state bytes
     model = model_inputs(compiled, getattr(graph, "_optimizer", None))
@@ -203,10 +224,12 @@ def write_simulation(graph, compiled, folder: str, how: str, chart: bool = True,
              f"{result.step_time * 1e3:.3f} ms, first step {result.first_step_time * 1e3:.3f} ms, "
              f"mean bubble {result.bubble_fraction:.1%}")
     out = [_write(os.path.join(folder, "simulation.txt"), table)]
-    if chart:
-        out += draw_timeline(result.timeline, os.path.join(folder, "simulated"), title,
-                             notes=rank_notes(compiled))
     notes = rank_notes(compiled)
+    if chart:
+        path = os.path.join(folder, "simulated")
+        draw = functools.partial(draw_timeline, result.timeline, path, title, notes=notes)
+        (aside or Aside(forking=False)).run("the simulated chart", draw)
+        out += chart_files(path)
     rows = [(ranks, row_label(ranks, notes)) for ranks in fold_ranks(result.timeline)]
     trace = timeline_to_chrome(result.timeline, process_prefix="simulated", rows=rows)
     out.append(_write(os.path.join(folder, "simulated_trace.json"), json.dumps(trace)))

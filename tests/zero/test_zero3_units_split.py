@@ -19,14 +19,16 @@ from test_zero_numerics import Net, batches, eager, rows
 
 
 class SplitUnitGraph(UnitGraph):
-    """ZB-V: stages 0 (fc1) and 3 (head) on ranks 0, 1, stages 1 (norm) and 2 (fc2) on ranks
-    2, 3; zero_bubble: fc1 and norm on ranks 0, 1, fc2 and head on ranks 2, 3. Each data 2."""
+    """ZB-V (DualPipeV alike): stages 0 (fc1) and 3 (head) on ranks 0, 1, stages 1 (norm) and
+    2 (fc2) on ranks 2, 3; zero_bubble: fc1 and norm on ranks 0, 1, fc2 and head on ranks 2, 3.
+    Each data 2."""
 
     def __init__(self, model, opt, schedule, accumulation, clip, checkpointing="never"):
         super().__init__(model, opt, accumulation, clip=clip, checkpointing=checkpointing)
         first, second = graphc.placement("cpu", [0, 1]), graphc.placement("cpu", [2, 3])
-        where = {"zbv": [first, second, second, first], "zero_bubble": [first, first, second, second]}[schedule]
-        stages = {"zbv": [0, 1, 2, 3], "zero_bubble": [0, 0, 1, 1]}[schedule]
+        v, loop = [first, second, second, first], [first, first, second, second]
+        where = {"zbv": v, "dualpipev": v, "zero_bubble": loop}[schedule]
+        stages = {"zbv": [0, 1, 2, 3], "dualpipev": [0, 1, 2, 3], "zero_bubble": [0, 0, 1, 1]}[schedule]
         for module, s, p in zip([self.model.fc1, self.model.norm, self.model.fc2, self.model.head], stages, where):
             module.config.set_stage(s, p)
         self.config.set_pipeline_schedule(schedule)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ...plan.instructions import (INSIDE_COMPUTE, AllGather, AllReduce, Backward, BackwardInput,
                                   BackwardWeight, ClipGradNorm, Forward, Instruction,
@@ -32,36 +32,40 @@ class Transport:
 TRANSPORTS = {"gloo": Transport(1, True), "nccl": Transport(0, False), "local": Transport(0, False)}
 
 
+STEP_START = "step start"
+Where = Union[int, str]     # an instruction's index, or STEP_START
+
+
 class Held:
     """Bytes held by kind while the walk goes. Two highs: `between`, over the points a
     running rank's probe also measures (each instruction's end, a recomputed micro-batch),
-    and `peak`, which adds what an instruction holds only inside itself."""
+    and `peak`, which adds what an instruction holds only inside itself. Where each high
+    happens (`at`, `between_at`) is an instruction's index, or STEP_START: only the two
+    highs are labelled (Walk.label), not every instruction walked."""
 
     def __init__(self, base: Dict[str, int]):
         self.parts = dict(base)
+        self.total = sum(self.parts.values())   # the parts' sum, kept as they change (add)
         self.peak = self.between = self.total
-        self.at = self.between_at = "step start"
+        self.at = self.between_at = STEP_START
         self.at_parts = dict(self.parts)
         self.series: List[int] = []
 
-    @property
-    def total(self) -> int:
-        return sum(self.parts.values())
-
     def add(self, kind: str, nbytes: int) -> None:
         self.parts[kind] = self.parts.get(kind, 0) + nbytes
+        self.total += nbytes
 
-    def point(self, where: str) -> None:
+    def point(self, where: Where) -> None:
         """A point the probe measures too."""
         if self.total > self.between:
             self.between, self.between_at = self.total, where
         self.inside(where)
 
-    def inside(self, where: str, extra: Optional[Dict[str, int]] = None) -> None:
+    def inside(self, where: Where, extra: Optional[Dict[str, int]] = None) -> None:
         """A moment inside an instruction, holding `extra` beside the parts."""
-        extra = extra or {}
-        total = self.total + sum(extra.values())
+        total = self.total + sum(extra.values()) if extra else self.total
         if total > self.peak:
+            extra = extra or {}
             self.peak, self.at = total, where
             self.at_parts = {k: self.parts.get(k, 0) + extra.get(k, 0)
                              for k in [*self.parts, *(k for k in extra if k not in self.parts)]}
@@ -95,11 +99,15 @@ class Walk:
         self.steps_per_unit = self.units and not any(type(i) is ClipGradNorm for i in plan.instructions)
         self.recvs = _Receives(plan, recv_window, self.held)
         self.sent: set = set()
-        self.label = ""
+        self.index = 0       # the instruction being walked
+
+    def label(self, where: "Where") -> str:
+        """How a peak names where it happens (MemoryPeak.at)."""
+        return where if where == STEP_START else instruction_label(where, self.plan.instructions[where])
 
     def run(self) -> None:
         for i, ins in enumerate(self.plan.instructions):
-            self.label = instruction_label(i, ins)
+            self.index = i
             for part in ins.parts:
                 effect = COMPUTES.get(part.runs)
                 if effect is not None:
@@ -111,9 +119,9 @@ class Walk:
             for scatter in self.launches.get(i, ()):
                 self._launch_scatter(scatter)
             if ins.runs == INSIDE_COMPUTE:   # a unit's gather or release, inside its compute
-                self.held.inside(self.label)
+                self.held.inside(self.index)
             else:
-                self.held.point(self.label)
+                self.held.point(self.index)
             self.held.series.append(self.held.total)
 
     # -- compute ------------------------------------------------------------------------
@@ -130,7 +138,7 @@ class Walk:
             self.held.add("activations", recompute)   # a checkpointed one recomputes first
             self.saved[key] = whole
             if recompute:
-                self.held.point(self.label)
+                self.held.point(self.index)
         if part.stage not in self.graded and part.runs != BackwardInput.runs:
             self.graded.add(part.stage)
             self.held.add("gradients", self.grads_of.get(part.stage, 0))
@@ -179,14 +187,14 @@ class Walk:
             for g in (x for x in self.plan.instructions if type(x) is AllGather):
                 self.gathering[g] = self._gather_buffer(g)
                 self.held.add("communication", self.gathering[g])
-                self.held.inside(self.label)
-        self.held.inside(self.label)
+                self.held.inside(self.index)
+        self.held.inside(self.index)
         self.held.add("gradients", -self.held.parts.get("gradients", 0))
 
     def gather(self, ins: AllGather) -> None:
         if self.stage == 3:       # the shards own their rows: the whole parameters are new
             whole = {t.name: self.by_name[t.name].nbytes for t in ins.tensors}
-            self.held.inside(self.label, {"communication": self._gather_buffer(ins)})
+            self.held.inside(self.index, {"communication": self._gather_buffer(ins)})
             self.gathered.update(whole)
             self.held.add("gathered parameters", sum(whole.values()))
         elif ins in self.gathering:

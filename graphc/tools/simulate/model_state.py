@@ -202,10 +202,17 @@ def batch_bytes(compiled) -> Dict[int, int]:
 
 def _local_stages(plans):
     """(rank, its stages) for every rank; a world of templates reads them off the templates
-    (NOTE: Simulated classes): no instance is made."""
-    if hasattr(plans, "plan_or_template"):
-        return ((r, plans.plan_or_template(r).local_stages) for r in range(len(plans)))
-    return ((p.rank, p.local_stages) for p in plans)
+    (NOTE: Simulated classes), once per template: no instance is made, and a stage's ranks
+    are not scanned again for every rank of a class."""
+    if not hasattr(plans, "plan_or_template"):
+        return ((p.rank, p.local_stages) for p in plans)
+    held: Dict[int, List[int]] = {}     # id(template) -> its stages
+
+    def stages_of(plan) -> List[int]:
+        if id(plan) not in held:
+            held[id(plan)] = plan.local_stages
+        return held[id(plan)]
+    return ((r, stages_of(plans.plan_or_template(r))) for r in range(len(plans)))
 
 
 @dataclass(frozen=True)

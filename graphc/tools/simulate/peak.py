@@ -85,5 +85,5 @@ def memory_peak(plan: ExecutionPlan, params: Sequence[ParamSpec], costs: CostMod
     walk.run()
     held = walk.held
     parts_at = {k: v for k, v in held.at_parts.items() if v}
-    return MemoryPeak(plan.rank, walk.base, held.peak, held.at, parts_at, tuple(held.series),
-                      held.between, held.between_at)
+    return MemoryPeak(plan.rank, walk.base, held.peak, walk.label(held.at), parts_at, tuple(held.series),
+                      held.between, walk.label(held.between_at))

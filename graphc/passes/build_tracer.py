@@ -21,7 +21,7 @@ from ..meta import META_AUTOCAST, META_GRAD_ENABLED
 from ..ops.autocast import autocast_state
 from .traced_experts import experts_activation, traced_experts_call
 from .traced_hooks import check_backward_hooks, has_forward_hooks, run_forward_hooks, without_forward_hooks
-from .traced_tensors import refuse_parameter_write, writes_in_place
+from .traced_tensors import IN_PLACE_OPERATORS, refuse_parameter_write, writes_in_place
 from .traced_writes import in_place_twin, write_in_place, write_item
 from .unsupported_modules import check_runnable_module, check_traceable_module
 from .user_lines import GRAPHC_DIR, TORCH_DIR, caller_line, deepest_user_frame
@@ -103,36 +103,6 @@ class ShapeProxy(fx.Proxy):
             return getattr(self, method)(other)
         return NotImplemented
 
-    def __iadd__(self, other):
-        return self._in_place("add_", other)
-
-    def __isub__(self, other):
-        return self._in_place("sub_", other)
-
-    def __imul__(self, other):
-        return self._in_place("mul_", other)
-
-    def __itruediv__(self, other):
-        return self._in_place("div_", other)
-
-    def __ifloordiv__(self, other):
-        return self._in_place("floor_divide_", other)
-
-    def __imod__(self, other):
-        return self._in_place("remainder_", other)
-
-    def __ipow__(self, other):
-        return self._in_place("pow_", other)
-
-    def __iand__(self, other):
-        return self._in_place("bitwise_and_", other)
-
-    def __ior__(self, other):
-        return self._in_place("bitwise_or_", other)
-
-    def __ixor__(self, other):
-        return self._in_place("bitwise_xor_", other)
-
 
     def __iter__(self):
         value = self.node.meta.get(FAKE)
@@ -141,6 +111,10 @@ class ShapeProxy(fx.Proxy):
         if isinstance(value, torch.Tensor) and value.dim() >= 1:
             return iter([self[i] for i in range(value.shape[0])])
         return super().__iter__()
+
+
+for _operator, _method in IN_PLACE_OPERATORS.items():   # h += x is h.add_(x): NOTE: Augmented assignment
+    setattr(ShapeProxy, _operator, lambda self, other, method=_method: self._in_place(method, other))
 
 
 # NOTE: Composite torch layers

@@ -28,7 +28,7 @@ from __future__ import annotations
 import operator
 import traceback
 from contextlib import contextmanager
-from typing import Any, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -53,9 +53,10 @@ _OPERATORS = {
     "__invert__": operator.invert,
 }
 # Python's in-place operators, recorded as the tensor method they are
-_IN_PLACE_OPERATORS = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_",
-                       "__itruediv__": "div_", "__ipow__": "pow_", "__iand__": "bitwise_and_",
-                       "__ior__": "bitwise_or_"}
+IN_PLACE_OPERATORS = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_",
+                      "__itruediv__": "div_", "__ifloordiv__": "floor_divide_", "__imod__": "remainder_",
+                      "__ipow__": "pow_", "__iand__": "bitwise_and_", "__ior__": "bitwise_or_",
+                      "__ixor__": "bitwise_xor_"}
 # factories whose values are unset: made zero while tracing, so a constant is the same every trace
 _UNSET = frozenset({"empty", "empty_like", "new_empty", "empty_strided"})
 # methods ending in "_" that set flags, not values
@@ -71,7 +72,7 @@ _QUESTIONS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "eleme
 
 def writes_in_place(name: str) -> bool:
     """Does the op named `name` (a tensor method or Python operator) write into its first argument?"""
-    if name in _IN_PLACE_OPERATORS or name == "__setitem__":
+    if name in IN_PLACE_OPERATORS or name == "__setitem__":
         return True
     return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
 
@@ -209,7 +210,7 @@ class TracedTensors(TorchFunctionMode):
                 or self.memory.get(_memory_key(t)) is not None:
             return
         raise GraphcError(
-            f"build() writes in place ({_IN_PLACE_OPERATORS.get(op, op)}) into a tensor of shape "
+            f"build() writes in place ({IN_PLACE_OPERATORS.get(op, op)}) into a tensor of shape "
             f"{list(t.shape)} that it did not make and that is no parameter or buffer of the "
             f"Graph's modules (a plain tensor attribute, a global) at {_user_line()}. graphc "
             "records build() once, so the write would not happen once per call as in eager. "
@@ -221,13 +222,13 @@ class TracedTensors(TorchFunctionMode):
             return
         name = self.params[id(t)][0] if id(t) in self.params else self.param_storages.get(_storage(t))
         if name is not None:
-            raise refuse_parameter_write(name, _IN_PLACE_OPERATORS.get(op, op), _user_line())
+            raise refuse_parameter_write(name, IN_PLACE_OPERATORS.get(op, op), _user_line())
 
 
 def _untraced(name: str) -> bool:
     if name in ("__get__", "__set__") or name in _QUESTIONS:
         return True
-    return name.startswith("_") and name not in _OPERATORS and name not in _IN_PLACE_OPERATORS \
+    return name.startswith("_") and name not in _OPERATORS and name not in IN_PLACE_OPERATORS \
         and name != "__setitem__"
 
 
@@ -246,8 +247,8 @@ def _record(func, name: str, args, kwargs):
     if name == "__setitem__":
         args[0][args[1]] = args[2]  # NOTE: Item writes (traced_writes.py)
         return None
-    if name in _IN_PLACE_OPERATORS:
-        func, name = getattr(torch.Tensor, _IN_PLACE_OPERATORS[name]), _IN_PLACE_OPERATORS[name]
+    if name in IN_PLACE_OPERATORS:
+        func, name = getattr(torch.Tensor, IN_PLACE_OPERATORS[name]), IN_PLACE_OPERATORS[name]
     if name in _OPERATORS and isinstance(args[0], fx.Proxy):
         return _OPERATORS[name](*args)
     proxy = next(p for p in _proxies((args, kwargs)))

@@ -15,9 +15,13 @@ one torch thread, float64 (what benchmarks/auto_quality.py trains):
     over its 2 compute instructions: what the runtime adds per instruction;
   * link_gbps: the same all-reduce of 4 MiB: the bandwidth at which collective_seconds'
     2-rank ring (B bytes per member) charges its time per member beyond the 8-byte one's;
-  * collective_us and p2p_us: a 2-rank local world's all-reduce of 8 bytes and a send /
-    receive pair, wall time per call over the 2 ranks (one rank runs at a time there, so
-    the wall time is the ranks' summed host time).
+  * handoff_us: a 2-rank local world's barrier, wall time per call: one rank runs at a time
+    there, and each barrier is one wait (the first rank to join hands the core to the
+    other); the ping-pong's time per message, each received by a rank that waits for it,
+    is printed beside it;
+  * collective_us: the 2-rank all-reduce of 8 bytes less that wait, per member;
+  * p2p_us: a message sent before its receiver asks for it, per side (calls sent, then
+    received: no wait but the first).
 Each is the least of 5 rounds. The load is printed: on a loaded machine every number grows alike, so their ratios (what
 ranks layouts against each other) hold better than the numbers.
 """
@@ -94,8 +98,10 @@ def instruction_seconds(repeats: int = 20) -> float:
 
 
 def local_world_seconds(calls: int = 200, big: int = 1 << 22):
-    """(all-reduce of 8 bytes, of `big` bytes, send + receive of 8 bytes): wall seconds per
-    call, 2 ranks."""
+    """Wall seconds per call on 2 ranks of a local world: (an all-reduce of 8 bytes, of
+    `big` bytes, a barrier, a message of 8 bytes that its receiver waits for (a ping-pong:
+    each hands the core to the other rank), one whose data is there (`calls` sent, then
+    received))."""
     def rank_main(rank):
         from graphc import world
         w = world.current()
@@ -109,6 +115,12 @@ def local_world_seconds(calls: int = 200, big: int = 1 << 22):
             times.append((time.perf_counter() - t0) / count)
         w.barrier()
         t0 = time.perf_counter()
+        for _ in range(calls):
+            w.barrier()
+        times.append((time.perf_counter() - t0) / calls)
+        t = torch.zeros(1)
+        w.barrier()
+        t0 = time.perf_counter()
         for i in range(calls):     # a ping-pong: each message hands the baton to the other rank
             if rank == 0:
                 w.isend(t, 1, tag=2 * i).wait()
@@ -116,9 +128,18 @@ def local_world_seconds(calls: int = 200, big: int = 1 << 22):
             else:
                 w.irecv(t, 0, tag=2 * i).wait()
                 w.isend(t, 0, tag=2 * i + 1).wait()
-        return times[0], times[1], (time.perf_counter() - t0) / (2 * calls)
+        times.append((time.perf_counter() - t0) / (2 * calls))
+        w.barrier()
+        t0 = time.perf_counter()
+        for i in range(calls):     # sent ahead: rank 1 finds every message there but the first
+            if rank == 0:
+                w.isend(t, 1, tag=10 ** 6 + i).wait()
+            else:
+                w.irecv(t, 0, tag=10 ** 6 + i).wait()
+        times.append((time.perf_counter() - t0) / calls)
+        return times
     runs = LocalWorld(2).run(rank_main)
-    return tuple(max(r[i] for r in runs) for i in range(3))
+    return tuple(max(r[i] for r in runs) for i in range(5))
 
 
 def main(rounds: int = 5) -> None:
@@ -128,16 +149,22 @@ def main(rounds: int = 5) -> None:
     found = []
     for _ in range(rounds):     # the least of each: the one least slowed by other processes
         found.append((op_seconds(), instruction_seconds()) + local_world_seconds())
-    op, ins, reduce_s, big_s, p2p_s = (min(col) for col in zip(*found))
+    op, ins, reduce_s, big_s, barrier_s, pingpong_s, ahead_s = (min(col) for col in zip(*found))
+    # a 2-rank barrier is one wait (the first to join hands the core to the other): the
+    # hand-off; a 2-rank all-reduce is that wait and each member's own work (NOTE: Shared cores)
+    handoff = barrier_s
+    member = max(reduce_s - handoff, 0.0) / 2
     # a 2-rank ring moves B per member (collective_seconds): the bandwidth that charges the
     # big all-reduce's time per member beyond the small one's
     link = (1 << 22) / max((big_s - reduce_s) / 2, 1e-12)
     print(f"load average {load[0]:.2f} -> {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     print(f"op_us          {op * 1e6:8.1f}   host time per dispatched forward op (backward: 2x)")
     print(f"instruction_us {ins * 1e6:8.1f}   the runtime's time per compute instruction")
-    print(f"collective_us  {reduce_s / 2 * 1e6:8.1f}   per member of a 2-rank all-reduce (local world)")
+    print(f"collective_us  {member * 1e6:8.1f}   per member of a 2-rank all-reduce, its wait aside (local world)")
     print(f"link_gbps      {link / 1e9:8.2f}   a 2-rank all-reduce's bytes per second per member (local world)")
-    print(f"p2p_us         {p2p_s / 2 * 1e6:8.1f}   per side of a send / receive (local world)")
+    print(f"p2p_us         {ahead_s / 2 * 1e6:8.1f}   per side of a send / receive whose data is there (local world)")
+    print(f"handoff_us     {handoff * 1e6:8.1f}   per wait: a 2-rank barrier (ping-pong per message "
+          f"{pingpong_s * 1e6:.1f}, all-reduce per call {reduce_s * 1e6:.1f})")
 
 
 if __name__ == "__main__":

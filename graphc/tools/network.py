@@ -80,7 +80,8 @@ class DevicePreset:
     op_us: float = 0.0          # per op a forward dispatches (its backward: twice)
     instruction_us: float = 0.0     # the runtime's time per compute instruction
     collective_us: float = 0.0      # per member of a collective call, whatever its bytes
-    p2p_us: float = 0.0             # per send and per receive
+    p2p_us: float = 0.0             # per send and per receive whose data is there
+    handoff_us: float = 0.0         # per wait, where ranks share cores (NOTE: Shared cores)
     cores_per_node: float = 0.0     # cores a node's ranks share (0: a device each; NOTE: Shared cores)
 
 
@@ -92,9 +93,10 @@ DEVICES: Dict[str, DevicePreset] = {
     "a100": DevicePreset("a100", tflops=312, hbm_gbps=2039, link_gbps=300, latency_us=5,
                          net_gbps=25, fp32_tflops=19.5, memory_gib=80),
     # CPU ranks of one host (See the cpu row above: assumed rates, measured host costs)
-    "cpu": DevicePreset("cpu", tflops=0.1, hbm_gbps=20, link_gbps=0.65, latency_us=30, gpus_per_node=64,
+    "cpu": DevicePreset("cpu", tflops=0.1, hbm_gbps=20, link_gbps=1.4, latency_us=30, gpus_per_node=64,
                         net_gbps=1.25, net_latency_us=50, fp32_tflops=0.1, memory_gib=16,
-                        op_us=18, instruction_us=256, collective_us=279, p2p_us=279, cores_per_node=1),
+                        op_us=8.1, instruction_us=61, collective_us=13, p2p_us=2.2, handoff_us=268,
+                        cores_per_node=1),
 }
 
 

@@ -90,7 +90,8 @@ def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
         raise ValueError(f"steps must be >= 1, found {steps}")
     if isinstance(plans, PlanWorld):   # templates: one timeline per class (NOTE: Simulated classes)
         result = simulate_classes(plans, costs, steps, cores, model)
-        if result is not None:
+        if result is not None:   # ranks sharing cores take their summed work here too
+            result.step_time = max(result.step_time, shared_core_floor(plans, costs))
             return result
     sim = _Simulation(plans, costs, steps, cores)
     sim.run()

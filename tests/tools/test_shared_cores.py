@@ -111,6 +111,7 @@ def test_the_estimate_prefers_less_work_when_ranks_share_a_core():
     assert estimate(data, replace(facts, cores=0))[0] == pytest.approx(shared / 8, rel=1e-6)
 
 
+@pytest.mark.slow    # a compile, then two replays with forked processes: 14 s at load 9
 def test_concurrent_replay_keeps_what_replaying_alone_measures():
     from graphc.tools.costs import measure_costs
     compiled, g = _compiled()

@@ -1,15 +1,17 @@
 """The simulator's predicted step against the measured one, on three 2-rank CPU layouts.
 
-    python benchmarks/simulator_accuracy.py [--layouts pipeline data tensor] [--repeat 2]
+    python benchmarks/simulator_accuracy.py [--layouts pipeline data tensor] [--repeat 2] [--alone]
 
 Per layout, --repeat rounds, each predicting then measuring (alternated, so both sides see
 the same load):
   * predicted: graphc's own measured costs (graphc.tools.costs.measure_costs: each stage's
     compute replayed here with one torch thread) and simulate() over 8 steady steps, twice:
-    `alone` replays the stages one after the other (measure_costs' default), `together`
-    replays every rank's stage at once in its own forked process (concurrent=True, NOTE:
-    Concurrent replay): ranks sharing this host's cores and memory slow each other, which
-    a stage replayed alone does not see. The point-to-point transport and gloo's
+    `together` replays every rank's stage at once in its own forked process (concurrent=True,
+    NOTE: Concurrent replay): ranks sharing this host's cores and memory slow each other,
+    which a stage replayed alone does not see; with --alone also `alone`, the stages
+    replayed one after the other (measure_costs' default). Each stage's Prologue (a
+    cross-entropy's whole-batch token count, all-reduced over the data ranks) is replayed
+    and charged before each step (NOTE: Prologue costs). The point-to-point transport and gloo's
     all-reduce are measured once per layout between two processes (NOTE: Calibrated
     collectives). No constant is fitted to the runs being predicted.
   * measured: the same graph on 2 spawned processes (gloo, one torch thread each, as
@@ -156,7 +158,8 @@ def measure(layout: str, steps: int):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=15, help="steps per measured run, 5 of them warm-up")
+    parser.add_argument("--alone", action="store_true", help="also predict from stages replayed one by one")
     parser.add_argument("--repeat", type=int, default=2, help="predict-then-measure rounds per layout")
     args = parser.parse_args(argv)
     print(f"{os.cpu_count()} cores; times in ms; ratios are predicted / measured median "
@@ -168,7 +171,7 @@ def main(argv=None) -> None:
         rows = []
         for _ in range(args.repeat):   # alternated, so both sides see the same load
             load = os.getloadavg()[0]
-            alone = predict(compiled, optimizer, transport, concurrent=False)
+            alone = predict(compiled, optimizer, transport, concurrent=False) if args.alone else float("nan")
             together = predict(compiled, optimizer, transport, concurrent=True)
             median, fastest = measure(layout, args.steps)
             rows.append((alone / median, together / median, together / fastest))

@@ -159,3 +159,24 @@ def test_graphc_plan_auto_writes_a_layout_the_example_trains_on(tmp_path):
     assert len(pairs) >= 2
     for got, want in pairs:          # float64 (the tests' default dtype)
         assert_close(torch.tensor(got), torch.tensor(want), "the example on its auto layout")
+
+
+def test_a_table_defined_after_the_layers_goes_to_the_first_stage():
+    """HF Llama's `rotary_emb` (buffers, no parameters) is defined after `layers` and `norm`
+    but feeds every layer: on the last stage the earlier stages would read a later one's
+    value, and every pipeline of a Llama was refused."""
+    from graphc.auto.layout import _outer_modules
+
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.ones(4))
+
+    class Body(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(5, 4)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+            self.norm = torch.nn.LayerNorm(4)
+            self.rotary = Rotary()
+    assert _outer_modules(Body(), "layers") == (["embed", "rotary"], ["norm"])

@@ -192,7 +192,10 @@ def even_boundaries(layers: int, stages: int) -> Tuple[int, ...]:
 
 def _outer_modules(root: nn.Module, layers_name: str) -> Tuple[List[str], List[str]]:
     """The outermost modules with parameters or buffers that neither hold the layer list nor
-    lie in it: (those defined before the list, those after it)."""
+    lie in it: (those defined before the list, those after it). A module after the list that
+    holds buffers and no parameters counts as before it: such a table (HF Llama's
+    `rotary_emb`, defined after `layers` and `norm`) feeds the layers from constants, and on
+    the last stage every earlier stage would read a later one's value."""
     before: List[str] = []
     after: List[str] = []
     seen_list = False
@@ -206,7 +209,8 @@ def _outer_modules(root: nn.Module, layers_name: str) -> Tuple[List[str], List[s
             continue          # inside a module already taken whole
         if next(m.parameters(), None) is None and next(m.buffers(), None) is None:
             continue
-        (after if seen_list else before).append(name)
+        table = next(m.parameters(), None) is None
+        (after if seen_list and not table else before).append(name)
     return before, after
 
 

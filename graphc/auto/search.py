@@ -31,8 +31,10 @@ adds the host time of the stage's share of the model's ops (not cut by data or t
 degree, nor by micro-batches: each op is dispatched whatever its size), u the runtime's
 time per compute instruction and per transfer, each collective its host time per member;
 where a node's ranks share C cores the step is at least the world's summed work over C
-(NOTE: Shared cores in graphc/tools/shared_cores.py): on 8 local-world ranks of a small
-model, the layout that does the least work wins, not the one with the shortest path.
+(NOTE: Shared cores in graphc/tools/shared_cores.py), a hand-off per wait included (every
+member of a collective but the last to join, and about one receive a micro-batch on a
+pipeline's rank): on 8 local-world ranks of a small model, the layout that does the least
+work and waits least wins, not the one with the shortest path.
 """
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ class ModelFacts:
     p2p_s: float = 0.0
     cores: float = 0.0
     node_ranks: int = 0         # ranks a node holds (the preset's gpus_per_node)
+    handoff_s: float = 0.0      # per wait where ranks share cores (NOTE: Shared cores)
 
 
 @dataclass
@@ -237,7 +240,8 @@ def model_facts(spec, inputs, optimizer, device: str) -> ModelFacts:
     return ModelFacts(forward - host, sum(costs.activation_bytes.values()),
                       sum(p.nbytes for p in params), states, len(layers), degrees, rows,
                       dev.link_gbps * 1e9, dev.latency_us * 1e-6, host, dev.instruction_us * 1e-6,
-                      dev.collective_us * 1e-6, dev.p2p_us * 1e-6, dev.cores_per_node, dev.gpus_per_node)
+                      dev.collective_us * 1e-6, dev.p2p_us * 1e-6, dev.cores_per_node, dev.gpus_per_node,
+                      dev.handoff_us * 1e-6)
 
 
 def enumerate_layouts(facts: ModelFacts, nproc: int, root) -> List[Layout]:
@@ -268,8 +272,10 @@ def estimate(lay: Layout, f: ModelFacts) -> Tuple[float, int]:
     F = f.forward_s / (lay.dp * m * lay.stages * tp_split) + f.forward_host_s / lay.stages
     computes = 3 if lay.schedule == "zbv" else 2          # F, B (ZB-V: F, I, W) per micro-batch
     u = (4 if lay.checkpointing == "always" else 3) * F + computes * f.instruction_s
+    waits = 0.0   # a rank's waits per step where ranks share cores (NOTE: Shared cores)
     if p > 1:     # a send and a receive each way per stage boundary and micro-batch
         u += 4 * f.p2p_s
+        waits += m * lay.chunks    # about one a micro-batch: a gradient not yet sent back
     W = lay.chunks * u
     bubble = {"interleaved_1f1b": (p - 1) * u, "zbv": (p - 1) * u / 2}.get(lay.schedule, (p - 1) * W)
     step = m * W + (bubble if p > 1 else 0)
@@ -281,15 +287,17 @@ def estimate(lay: Layout, f: ModelFacts) -> Tuple[float, int]:
         ring = 2 * (lay.dp - 1) / lay.dp * grads / f.link_bytes_per_s + 2 * (lay.dp - 1) * f.latency_s
         calls = 1 if lay.zero == 0 else 2 + (2 * f.layers / p * m if lay.zero == 3 else 0)
         collectives.append(ring / 2 * (1.5 if lay.zero == 3 else 1.0) + calls * f.collective_s)
+        waits += calls * (lay.dp - 1) / lay.dp      # every member but the last to join waits
     if tp_split > 1:
         msg = f.activation_bytes / max(f.layers, 1) / (lay.dp * m) / 8
         one = 2 * (tp_split - 1) / tp_split * msg / f.link_bytes_per_s + 2 * (tp_split - 1) * f.latency_s
         collectives.append(4 * (f.layers / p) * m * (one + f.collective_s))
+        waits += 4 * (f.layers / p) * m * (tp_split - 1) / tp_split
     for seconds in collectives:
         step += seconds
     if f.cores:   # a node's ranks share its cores: at least their summed work (NOTE: Shared cores)
         ranks = min(lay.world, f.node_ranks) if f.node_ranks else lay.world
-        step = max(step, ranks * (m * W + sum(collectives)) / f.cores)
+        step = max(step, ranks * (m * W + sum(collectives) + waits * f.handoff_s) / f.cores)
     return step, memory_estimate(lay, f)
 
 

@@ -8,13 +8,25 @@ to measure a transport, and neither needs the other for the record itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..plan.instructions import (AllGather, Backward, BackwardInput, BackwardWeight, Collective,
-                                 Forward, Instruction, OptimizerStep, OverlapFB, PrePass, ReduceScatter)
+from ..plan.instructions import (AllGather, AllReduce, Backward, BackwardInput, BackwardWeight, Collective,
+                                 Forward, Instruction, OptimizerStep, OverlapFB, PrePass, ReduceScatter,
+                                 TensorSpec)
 from ..sbp.cost import moved_bytes
 from .network import Network, collective_seconds
 from .ring_overlap import overlaps, ring_step_seconds
+
+
+@dataclass(frozen=True)
+class PrologueCost:
+    """One stage's Prologue (plan/program.py) per step, which runs before the plan's first
+    instruction and outside it: its module over every micro-batch, then one blocking
+    all-reduce per value whose inputs are split over ranks (NOTE: Prologue costs)."""
+
+    seconds: float                                  # the module, summed over the micro-batches
+    # per all-reduced value: (the mesh groups it is summed over, its bytes)
+    reduces: Tuple[Tuple[Tuple[Tuple[int, ...], ...], int], ...] = ()
 
 
 @dataclass
@@ -58,6 +70,13 @@ class CostModel:
     # (stage, attention node) -> forward seconds of one ring block on a rank: its steps'
     # transfers run beside it (NOTE: Ring overlap, tools/ring_overlap.py); empty: in turn
     ring_blocks: Dict[Tuple[int, str], float] = field(default_factory=dict)
+    # seconds a rank's wait costs where ranks share cores: the baton handed to another rank
+    # when a receive's data or a collective's other members are not there yet (a local
+    # world's thread switch); a transfer whose data is there costs only send/recv_overhead
+    # (NOTE: Shared cores)
+    handoff: float = 0.0
+    # stage -> its Prologue's cost per step (NOTE: Prologue costs); stages without one absent
+    prologue: Dict[int, PrologueCost] = field(default_factory=dict)
 
     @staticmethod
     def uniform(num_stages: int, forward: float = 1.0, backward: float = 2.0) -> "CostModel":
@@ -96,6 +115,27 @@ class CostModel:
 
     def _half(self, measured: Dict[int, float], stage: int) -> float:
         return measured[stage] if stage in measured else self.backward.get(stage, 0.0) / 2
+
+    def step_start(self, rank: int, stages: Sequence[int]) -> float:
+        """Seconds `rank` spends before its plan's first instruction each step: the Prologues
+        of its `stages` and their all-reduces (See NOTE: Prologue costs)."""
+        total = 0.0
+        for s in stages:
+            pro = self.prologue.get(s)
+            if pro is None:
+                continue
+            total += pro.seconds
+            for groups, nbytes in pro.reduces:
+                group = next((g for g in groups if rank in g), groups[0])
+                total += self._scalar_sum(tuple(group), nbytes)
+        return total
+
+    def _scalar_sum(self, group: Tuple[int, ...], nbytes: int) -> float:
+        n = len(group)
+        if n < 2:
+            return 0.0
+        spec = TensorSpec("prologue", (max(nbytes // 8, 1),), "float64")
+        return self.collective(AllReduce(group, (spec,)))
 
     def link(self, src: int, dst: int) -> Tuple[float, float]:
         """(bandwidth, latency) of the link from rank src to rank dst."""

@@ -28,6 +28,7 @@ from ..errors import GraphcError
 from ..plan.instructions import AllReduce, Instruction
 from .cost_model import CostModel
 from .network import DEVICES, Network  # noqa: F401 (DEVICES: API)
+from .prologue_costs import prologue_costs, prologue_ops_and_bytes
 from .ring_overlap import ring_blocks
 from .transport_costs import measure_transport
 
@@ -101,7 +102,8 @@ def measure_costs(compiled, optimizer=None, repeats: int = 5, threads: Optional[
                                        if t.backward_weight is not None},
                       input_bytes={p.stage: sum(t.nbytes for t in stage_inputs(p, compiled).values()
                                                 if isinstance(t, torch.Tensor))
-                                   for p in compiled.programs})
+                                   for p in compiled.programs},
+                      prologue=prologue_costs(compiled, {s: t.prologue for s, t in times.items()}))
     if transport is not None:
         sizes = sorted({t.nbytes for p in compiled.plans for ins in p.instructions
                         if ins.runs == "send" for t in ins.tensors})
@@ -141,6 +143,7 @@ class _StageTimes:
     backward_weight: Optional[float] = None
     optimizer: float = 0.0
     activation: int = 0
+    prologue: float = 0.0           # the stage's Prologue over every micro-batch (NOTE: Prologue costs)
 
 
 def _replay_stage(prog, compiled, optimizer, repeats: int) -> _StageTimes:
@@ -168,10 +171,11 @@ def _replay_stage_here(prog, compiled, optimizer, repeats: int, rank: int) -> _S
     order = [part for ins in plan.instructions for part in _parts(ins)
              if getattr(part, "stage", prog.stage) == prog.stage]
     inputs = stage_inputs(prog, compiled)
-    per_step: Dict[str, List[float]] = {k: [] for k in "FBIWO"}
+    per_step: Dict[str, List[float]] = {k: [] for k in "FBIWOP"}
     replay = _Replay(ex, opt, prog, inputs)
     for step in range(repeats + 1):
         replay.start_step()
+        replay.prologue(compiled.num_microbatches)
         for ins in order:
             replay.run(ins)
         if step:    # the first step warms caches, allocators and optimizer state
@@ -181,7 +185,8 @@ def _replay_stage_here(prog, compiled, optimizer, repeats: int, rank: int) -> _S
     med = {k: statistics.median(v) for k, v in per_step.items()}
     split = any(ins.runs == "backward_input" for ins in order)
     return _StageTimes(med["F"], med["B"] if not split else med["I"] + med["W"],
-                       med["I"] if split else None, med["W"] if split else None, med["O"], act)
+                       med["I"] if split else None, med["W"] if split else None, med["O"], act,
+                       med["P"])
 
 
 def _parts(ins: Instruction) -> tuple:
@@ -200,8 +205,17 @@ class _Replay:
         self.start_step()
 
     def start_step(self) -> None:
-        self.times: Dict[str, List[float]] = {k: [] for k in "FBIWO"}
+        self.times: Dict[str, List[float]] = {k: [] for k in "FBIWOP"}
         self.outs: Dict[int, dict] = {}
+
+    def prologue(self, m: int) -> None:
+        """The stage's Prologue over m micro-batches, as the runtime runs it before the plan
+        (its all-reduces move nothing here: NOTE: Prologue costs charges them)."""
+        if self.prog.prologue is None:
+            return
+        t0 = time.perf_counter()
+        self.ex.prologue([dict(self.inputs) for _ in range(m)])
+        self.times["P"].append(time.perf_counter() - t0)
 
     def run(self, ins: Instruction) -> None:
         letter = _REPLAYED[ins.runs]
@@ -356,17 +370,22 @@ def device_costs(compiled, device: str = "h100", **overrides) -> CostModel:
                 (params + saved) / (dev.hbm_gbps * 1e9)) + flops.ops * dev.op_us * 1e-6
         fwd[prog.stage], bwd[prog.stage], act[prog.stage] = t, 2 * t, saved
     host = dev.op_us or dev.instruction_us or dev.collective_us or dev.p2p_us or dev.cores_per_node
+    # a Prologue's ops are a handful of small ones: their host time, not FLOPs (NOTE: Prologue costs)
+    prologue = {p.stage: prologue_ops_and_bytes(p, compiled)[0] * dev.op_us * 1e-6
+                for p in compiled.programs if p.prologue is not None}
     costs = CostModel(fwd, bwd, {}, act, dev.latency_us * 1e-6, dev.link_gbps * 1e9,
                       network=Network.of(dev), overhead=dev.instruction_us * 1e-6,
                       send_overhead=dev.p2p_us * 1e-6, recv_overhead=dev.p2p_us * 1e-6,
                       collective_overhead=dev.collective_us * 1e-6, cores=dev.cores_per_node or None,
+                      handoff=dev.handoff_us * 1e-6, prologue=prologue_costs(compiled, prologue),
                       source=f"modelled for {dev.name}: {dev.tflops} TFLOP/s bf16, "
                              f"{dev.fp32_tflops} fp32, x {dev.efficiency}, "
                              f"HBM {dev.hbm_gbps} GB/s, NVLink {dev.link_gbps} GB/s in nodes of "
                              f"{dev.gpus_per_node}, network {dev.net_gbps} GB/s between them"
                              + (f"; host {dev.op_us} us per op, {dev.instruction_us} per instruction, "
                                 f"{dev.collective_us} per collective, {dev.p2p_us} per transfer, "
-                                f"{dev.cores_per_node} cores a node" if host else ""))
+                                f"{dev.handoff_us} per wait, {dev.cores_per_node} cores a node"
+                                if host else ""))
     # each ring step's transfer beside its block's compute (NOTE: Ring overlap)
     costs.ring_blocks = ring_blocks(compiled, dev.tflops * 1e12 * dev.efficiency, dev.fp32_tflops * 1e12 * dev.efficiency)
     return _for_ranks(costs, compiled)

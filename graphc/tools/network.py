@@ -17,18 +17,25 @@ FLOP rates (an AVX2 core's FMA peak is about 0.1 TFLOP/s in float32; measured 0.
 0.012 float64 on a loaded 2-core build machine), the latency (30 us per step between ranks
 of a host, 50 us between hosts), the network and 16 GiB a rank are assumptions. What
 decides a small model's step on CPU ranks is host time, not FLOPs, and that is measured
-(`PYTHONPATH=. python benchmarks/cpu_calibration.py`, the least of 5 rounds, float64, one
-torch thread; 2026-11-28 at load average 10.6-11.7 on the 2 cores, so each is several
-times a quiet machine's, alike): op_us 18 per op a forward dispatches as device_costs
-counts them (its backward twice), instruction_us 256 per compute instruction of the
-runtime, collective_us 279 per member of a collective, link_gbps 0.65 (the local world's
-all-reduce copies and sums in memory: 0.53-0.65 GB/s per member measured, not the 5 GB/s
-assumed before), p2p_us as collective_us (a transfer hands the running rank over as a
-collective does; the ping-pong measured 150-1560 us between runs at load 9-12, the
-hand-off waiting for a time slice). cores_per_node 1: the ranks of a local world run one
-at a time (NOTE: Local world), so the step is at least their summed work (NOTE: Shared
-cores); for ranks that are processes on C cores pass cores_per_node=C to device_costs. The
-search weighs these against each other, so their ratios matter more than their scale.
+(`PYTHONPATH=. python benchmarks/cpu_calibration.py`, three runs of the least of 5 rounds,
+float64, one torch thread; 2026-11-28 at load average 6.9-8.1 on the 2 cores; the local
+world's numbers in the process's CPU time, which other processes' load does not stretch):
+op_us 8.1 per op a forward dispatches as device_costs counts them (its backward twice; the
+runs gave 8.0-9.5), instruction_us 61 per compute instruction of the runtime (a wall-time
+difference of two graph calls, 0-127 between the runs: the middle one), collective_us 13
+per member of a collective beside its wait (9.9-16.4), link_gbps 2.7 (the local world's
+all-reduce copies and sums in memory), p2p_us 1.7 per side of a transfer whose data is
+there (sent before its receiver asks; 1.6-2.2), and handoff_us 125 per wait (an 8-rank
+barrier's, per wait: 118-135 us of CPU; a 2-rank ping-pong, each message waited for,
+122-129 per message; the same wait took 204-264 us of wall time at that load): in a local
+world only a rank that must wait hands the core over, and that switch, not the transfer,
+is the cost (NOTE: Shared cores). The previous preset charged every transfer and every collective
+member a hand-off (p2p_us = collective_us = 279, and its ping-pong had moved a 4 MiB
+tensor), which ranked the pipeline of 8, whose ranks run ahead and rarely wait, last of
+the GPT's layouts. cores_per_node 1: the ranks of a local world run one at a time (NOTE:
+Local world), so the step is at least their summed work and waits (NOTE: Shared cores);
+for ranks that are processes on C cores pass cores_per_node=C to device_costs. The search
+weighs these against each other, so their ratios matter more than their scale.
 
 The fp32 column is the SXM parts' plain fp32 rate: PyTorch's default for float32 matmuls
 (torch.backends.cuda.matmul.allow_tf32 is False), so a float32 program runs there and a
@@ -80,7 +87,8 @@ class DevicePreset:
     op_us: float = 0.0          # per op a forward dispatches (its backward: twice)
     instruction_us: float = 0.0     # the runtime's time per compute instruction
     collective_us: float = 0.0      # per member of a collective call, whatever its bytes
-    p2p_us: float = 0.0             # per send and per receive
+    p2p_us: float = 0.0             # per send and per receive whose data is there
+    handoff_us: float = 0.0         # per wait, where ranks share cores (NOTE: Shared cores)
     cores_per_node: float = 0.0     # cores a node's ranks share (0: a device each; NOTE: Shared cores)
 
 
@@ -92,9 +100,10 @@ DEVICES: Dict[str, DevicePreset] = {
     "a100": DevicePreset("a100", tflops=312, hbm_gbps=2039, link_gbps=300, latency_us=5,
                          net_gbps=25, fp32_tflops=19.5, memory_gib=80),
     # CPU ranks of one host (See the cpu row above: assumed rates, measured host costs)
-    "cpu": DevicePreset("cpu", tflops=0.1, hbm_gbps=20, link_gbps=0.65, latency_us=30, gpus_per_node=64,
+    "cpu": DevicePreset("cpu", tflops=0.1, hbm_gbps=20, link_gbps=2.7, latency_us=30, gpus_per_node=64,
                         net_gbps=1.25, net_latency_us=50, fp32_tflops=0.1, memory_gib=16,
-                        op_us=18, instruction_us=256, collective_us=279, p2p_us=279, cores_per_node=1),
+                        op_us=8.1, instruction_us=61, collective_us=13, p2p_us=1.7, handoff_us=125,
+                        cores_per_node=1),
 }
 
 

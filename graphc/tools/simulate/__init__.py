@@ -16,7 +16,9 @@ Each rank issues its instructions in plan order, one at a time, as the runtime d
     after its compute) starts when its last member issues it and takes
     CostModel.collective (a ring or tree over the group's slowest link);
   * with `sends_complete_on_delivery` (gloo), the optimizer step and the end of a step
-    wait until every send of the rank has been delivered (the runtime drains its sends).
+    wait until every send of the rank has been delivered (the runtime drains its sends);
+  * each step begins with the Prologues of the rank's stages, which run outside the plan
+    (CostModel.step_start, NOTE: Prologue costs).
 With `steps` > 1 the plans run that many times back to back, as a training loop calls
 the graph: a rank starts step k+1 as soon as it finished its own step k, while others
 may still be in step k, bounded only by the data dependencies (messages on a link are
@@ -25,7 +27,8 @@ time between the ends of consecutive steps after the first.
 If the ranks that compute outnumber `cores`, every compute span is stretched by
 ranks / cores: processor sharing with all ranks busy (an upper bound; see docs/inspect.md).
 Where the CostModel's `cores` says the ranks of a node share that many cores, the step is
-at least their summed work over them (NOTE: Shared cores, graphc/tools/shared_cores.py).
+at least their summed work and waits over them (NOTE: Shared cores, graphc/tools/shared_cores.py),
+for a world of templates too.
 Link contention between different rank pairs is not modelled.
 
 The package, by concern:
@@ -90,7 +93,8 @@ def simulate(plans: Sequence[ExecutionPlan], costs: CostModel, steps: int = 1,
         raise ValueError(f"steps must be >= 1, found {steps}")
     if isinstance(plans, PlanWorld):   # templates: one timeline per class (NOTE: Simulated classes)
         result = simulate_classes(plans, costs, steps, cores, model)
-        if result is not None:
+        if result is not None:   # ranks sharing cores take their summed work here too
+            result.step_time = max(result.step_time, shared_core_floor(plans, costs))
             return result
     sim = _Simulation(plans, costs, steps, cores)
     sim.run()

@@ -82,7 +82,10 @@ class _Simulation:
         self.ops, self.shown = {}, {}
         for r, plan in self.plans.items():
             self.ops[r], self.shown[r] = self._lower(r, plan)
-        self.clock = {r: 0.0 for r in self.plans}
+        # each step begins with the rank's Prologues, outside its plan (NOTE: Prologue costs)
+        self.step_start = {r: costs.step_start(r, p.local_stages) if costs.prologue else 0.0
+                           for r, p in self.plans.items()}
+        self.clock = dict(self.step_start)
         self.pc = {r: 0 for r in self.plans}       # position in the plan repeated `steps` times
         self.starts = {r: array("d") for r in self.plans}
         self.ends = {r: array("d") for r in self.plans}
@@ -208,6 +211,7 @@ class _Simulation:
             if index == n - 1:      # the runtime drains its sends before a step returns
                 clock = self._drained(rank, end)
                 self.step_end[rank].append(clock)
+                clock += self.step_start[rank]
         self.pc[rank], self.clock[rank] = pc, clock
         return freed
 

@@ -43,7 +43,7 @@ def prologue_ops_and_bytes(prog, compiled) -> Tuple[int, List[int]]:
     returns), counted on fake tensors of one micro-batch's shapes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from ..ops.conversions import shapes_only
-    from .costs import stage_inputs
+    from .stage_inputs import stage_inputs
     from .flops import CountFlops
     pro = prog.prologue
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -182,7 +182,7 @@ def batch_bytes(compiled) -> Dict[int, int]:
     """rank -> bytes of the user's inputs its stages read, whole for the step (a rank holds its
     component of the batch while the step runs; its micro-batches are views of it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from ..costs import stage_inputs
+    from ..stage_inputs import stage_inputs
     m = compiled.plans[0].num_microbatches if compiled.plans else 1
     per_stage: Dict[int, Dict[str, int]] = {}
     with FakeTensorMode():

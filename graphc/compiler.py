@@ -179,6 +179,43 @@ def retrace(spec: CompileSpec, example_inputs: Sequence[torch.Tensor], world_siz
     return traced_text(_declare_and_trace(_Compilation(described=False), spec, example_inputs, world_size, layouts)[3])
 
 
+def _place(run: _Compilation, spec, gm, stages, stage_of_module, input_layouts, world_size: int,
+           training: bool):
+    """compile()'s place phase: every node's stage (META_STAGE), from set_stage or the
+    placements; returns (gm, stages)."""
+    if not stage_of_module:
+        # without set_stage every op runs where its inputs and parameters are placed; each
+        # placement is a stage, in data-flow order (NOTE: Stages from placements)
+        gm = _step(run, "place_by_layout", place_by_layout, gm, input_layouts)
+        stages = _step(run, "placed_stages", collect_placed_stages, gm, spec.pipeline_schedule,
+                       world_size) or stages
+    else:  # with set_stage, a GlobalTensor input starts on the stage of its placement
+        gm = _step(run, "place_inputs", place_inputs, gm, input_layouts, stages)
+    run.verifier.stage_count = len(stages)  # final from here on: META_STAGE ranges over them
+    if training:  # the stages are final: their ranks must be a layout the schedule can run
+        _step(run, "check_layout", check_layout, stages, stage_of_module, spec.pipeline_schedule)
+    # set_stage (or the placements) and data flow give the remaining nodes their stage
+    gm = _step(run, "annotate_stages", annotate_stages, gm, stage_of_module)
+    return gm, stages
+
+
+def stages_of(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
+              input_layouts: Sequence = ()) -> fx.GraphModule:
+    """build() traced and placed only: the graph with every node's stage (META_STAGE), what
+    compile() would give it, without sharding, splitting or lowering (a layout search asks
+    where each input is read once per stage cut: NOTE: Layout search).
+
+    Args and the spec's meaning as in compile(). Returns the annotated fx graph."""
+    if not isinstance(spec, CompileSpec):
+        spec = spec._compile_spec()
+    input_layouts = [Layout.of(layout) for layout in input_layouts]
+    run = _Compilation(described=False)
+    stages, stage_of_module, _, gm = _declare_and_trace(run, spec, example_inputs, world_size, input_layouts)
+    training = any(is_backward(n) for n in gm.graph.nodes)
+    gm, _ = _place(run, spec, gm, stages, stage_of_module, input_layouts, world_size, training)
+    return gm
+
+
 def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
             input_layouts: Sequence = (), ranks: Optional[Sequence[int]] = None) -> CompiledGraph:
     """Compiles the spec's build() for a world of `world_size`: the stage programs of every
@@ -206,19 +243,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     training = any(is_backward(n) for n in gm.graph.nodes)
 
     # ** place: a stage for every node, then its per-micro-batch shape and batch rows
-    if not stage_of_module:
-        # without set_stage every op runs where its inputs and parameters are placed; each
-        # placement is a stage, in data-flow order (NOTE: Stages from placements)
-        gm = _step(run, "place_by_layout", place_by_layout, gm, input_layouts)
-        stages = _step(run, "placed_stages", collect_placed_stages, gm, spec.pipeline_schedule,
-                       world_size) or stages
-    else:  # with set_stage, a GlobalTensor input starts on the stage of its placement
-        gm = _step(run, "place_inputs", place_inputs, gm, input_layouts, stages)
-    run.verifier.stage_count = len(stages)  # final from here on: META_STAGE ranges over them
-    if training:  # the stages are final: their ranks must be a layout the schedule can run
-        _step(run, "check_layout", check_layout, stages, stage_of_module, spec.pipeline_schedule)
-    # set_stage (or the placements) and data flow give the remaining nodes their stage
-    gm = _step(run, "annotate_stages", annotate_stages, gm, stage_of_module)
+    gm, stages = _place(run, spec, gm, stages, stage_of_module, input_layouts, world_size, training)
     # per-micro-batch shapes, so every transfer's buffer is known before running
     gm = _step(run, "propagate_shapes", propagate_shapes, gm, example_inputs, m)
     # where each value holds the batch's rows (outputs merge over micro-batches by it)

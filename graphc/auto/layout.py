@@ -260,11 +260,13 @@ def apply_layout(spec, layout: Layout):
 def input_stages(spec, inputs, layout: Layout) -> List[Optional[int]]:
     """The stage that first reads each input under `layout`'s stage cut: where graphc places
     a plain tensor input (its first user's stage), found by compiling the cut alone (one
-    rank per stage: the cut, not the data or tensor degree, decides it)."""
-    from ..compiler import compile as compile_graph
+    rank per stage: the cut, not the data or tensor degree nor the micro-batches, decides it).
+    Only the trace and the place phase run (compiler.stages_of): a whole compile of a
+    Llama-3-8B-shaped model cost the search ~10 s a cut, these ~3 s (benchmarks/auto_paper.py)."""
+    from ..compiler import stages_of
     from ..meta import META_STAGE
-    alone = replace(layout, tp=1, dp=1, zero=0, checkpointing="never")
-    gm = compile_graph(apply_layout(spec, alone), inputs, alone.world).gm
+    alone = replace(layout, tp=1, dp=1, zero=0, checkpointing="never", microbatches=1)
+    gm = stages_of(apply_layout(spec, alone), inputs, alone.world)
     return [n.meta.get(META_STAGE) for n in gm.graph.nodes if n.op == "placeholder"]
 
 

@@ -75,6 +75,22 @@ def test_inputs_split_on_the_stage_that_reads_them():
     assert [l.placement for l in laid] == [lay.placement(0), lay.placement(1)]
 
 
+def test_stages_of_places_as_the_whole_compile_does():
+    """compiler.stages_of (what input_stages runs: trace and place, no sharding or lowering)
+    gives every node the stage a whole compile gives it, a V schedule's folded stages too."""
+    from graphc.compiler import compile as compile_graph, stages_of
+    from graphc.meta import META_STAGE
+    graph = _graph()
+    spec = graph._compile_spec()
+    x, y = _batches(1)[0]
+    laid = apply_layout(spec, with_layers(Layout(pp=2, schedule="zbv", microbatches=2), spec.root))
+    placed = stages_of(laid, [x, y], 2)
+    whole = compile_graph(laid, [x, y], 2).gm
+    stage = {n.name: n.meta.get(META_STAGE) for n in placed.graph.nodes if n.op == "placeholder"}
+    assert stage == {n.name: n.meta.get(META_STAGE) for n in whole.graph.nodes if n.op == "placeholder"}
+    assert sorted(set(stage.values())) == [0, 3]
+
+
 def test_search_returns_a_layout_that_fits_and_the_same_each_time():
     graph = _graph()
     spec = graph._compile_spec()

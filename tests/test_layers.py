@@ -22,6 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "graphc"
 LAYER_OF = {
     "graphc.errors": "value", "graphc.meta": "value", "graphc.placement": "value",
     "graphc.log": "value", "graphc.env": "value",
+    "graphc.fx_graphs": "value",  # fx graph operations passes and the runtime share
     "graphc.modes": "value", "graphc.guards": "value",  # the plan and check modes' settings; tools write the files
     "graphc.world": "value",  # the world a rank communicates in (NOTE: Worlds)
     "graphc.sbp": "value", "graphc.batch_rows": "value",  # the batch rows micro-batching splits

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import GraphcError
+from ..fx_graphs import ancestors
 from ..meta import META_BATCHED, META_ROWS, META_TENSOR, META_WHOLE_SUM, RowsMeta, is_backward
 from ..batch_rows import Coupling, Rows, Symbols, WholeSums
 from ..batch_rows.rules import Ctx, default, rows_of
@@ -47,7 +48,7 @@ def find_batch_dims(gm: fx.GraphModule, num_microbatches: int, decide_inputs: bo
     backward = next((n for n in gm.graph.nodes
                      if is_backward(n)), None)
     roots = [backward.args[0]] if backward is not None else gm.graph.output_node().all_input_nodes
-    used = _ancestors(roots + _writes_into(gm, _ancestors(roots)))  # not buffer updates
+    used = ancestors(roots + _writes_into(gm, ancestors(roots)))  # not buffer updates
     events = [e for e in events if e.node in used]
     wholes = [e for e in events if isinstance(e, WholeSums)]
     events = [e for e in events if isinstance(e, Coupling)]
@@ -237,16 +238,6 @@ def _mutated(node: fx.Node) -> Optional[fx.Node]:
 def _writes_into(gm: fx.GraphModule, used: set) -> List[fx.Node]:
     """In-place writes into a tensor the loss (or the outputs) reads: they count as read too."""
     return [n for n in gm.graph.nodes if _mutated(n) in used]
-
-
-def _ancestors(roots: List[fx.Node]) -> set:
-    seen, todo = set(), list(roots)
-    while todo:
-        node = todo.pop()
-        if node not in seen:
-            seen.add(node)
-            todo.extend(node.all_input_nodes)
-    return seen
 
 
 def _meta(value, batch: FrozenSet[int], syms: Symbols) -> RowsMeta:

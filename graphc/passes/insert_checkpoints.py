@@ -17,11 +17,12 @@ Requires: split_stages (programs), insert_grad_modes.
 from __future__ import annotations
 
 import operator
-from typing import Dict, List, Sequence, Set
+from typing import List, Sequence, Set
 
 import torch.fx as fx
 
 from ..errors import GraphcError
+from ..fx_graphs import copy_subgraph
 from ..meta import META_BOXING
 from ..plan.program import StageProgram
 from ..ops.checkpointed_region import CheckpointedRegion
@@ -106,15 +107,7 @@ def _outline(module: fx.GraphModule, nodes: List[fx.Node], name: str, attr: str)
             if a not in inside and a not in inputs:
                 inputs.append(a)
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-    body = fx.Graph()
-    env: Dict[fx.Node, fx.Node] = {}
-    for a in inputs:
-        env[a] = body.placeholder(a.name)
-        env[a].meta = dict(a.meta)
-    for n in nodes:
-        env[n] = body.node_copy(n, lambda x: env[x])
-    body.output(tuple(env[o] for o in outputs))
-    region = CheckpointedRegion(fx.GraphModule(module, body), name)
+    region = CheckpointedRegion(copy_subgraph(module, nodes, inputs, outputs), name)
     module.add_submodule(attr, region)
     with module.graph.inserting_before(nodes[0]):
         call = module.graph.call_module(attr, tuple(inputs))

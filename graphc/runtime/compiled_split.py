@@ -41,11 +41,12 @@ from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
-from typing import Dict, List, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.fx as fx
 
+from ..fx_graphs import ancestors, copy_subgraph
 from ..ops.autocast import autocast_state, set_autocast
 
 
@@ -127,8 +128,8 @@ def split_backward(bw: fx.GraphModule, n_params: int) -> Tuple[fx.GraphModule, f
     output = next(n for n in bw.graph.nodes if n.op == "output")
     grads = list(output.args[0])
     weight_grads, input_grads = grads[:n_params], grads[n_params:]
-    for_inputs = _ancestors(input_grads)
-    for_weights = _ancestors(weight_grads)
+    for_inputs = ancestors(input_grads)
+    for_weights = ancestors(weight_grads)
     second = [n for n in bw.graph.nodes if n in for_weights and n not in for_inputs and n.op != "placeholder"]
     inside = set(second)
     crossing = [n for n in bw.graph.nodes if n in for_weights and n not in inside
@@ -137,31 +138,9 @@ def split_backward(bw: fx.GraphModule, n_params: int) -> Tuple[fx.GraphModule, f
     placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
     reads = [n for n in crossing if n.op == "placeholder"]
     first = [n for n in bw.graph.nodes if n in for_inputs and n.op != "placeholder"]
-    return (_subgraph(bw, first, placeholders, input_grads + computed),
-            _subgraph(bw, second, computed + reads, weight_grads),
+    return (copy_subgraph(bw, first, placeholders, input_grads + computed),
+            copy_subgraph(bw, second, computed + reads, weight_grads),
             [placeholders.index(n) for n in reads])
-
-
-def _ancestors(values) -> set:
-    out, todo = set(), [v for v in values if isinstance(v, fx.Node)]
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo.extend(n.all_input_nodes)
-    return out
-
-
-def _subgraph(bw: fx.GraphModule, nodes: List[fx.Node], inputs: List[fx.Node], outputs) -> fx.GraphModule:
-    graph = fx.Graph()
-    env: Dict[fx.Node, fx.Node] = {}
-    for n in inputs:
-        env[n] = graph.placeholder(n.name)
-        env[n].meta = dict(n.meta)
-    for n in nodes:
-        env[n] = graph.node_copy(n, lambda a: env[a])
-    graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
-    return fx.GraphModule(bw, graph)
 
 
 def build_split(piece: fx.GraphModule, args, compile_part) -> SplitPiece:

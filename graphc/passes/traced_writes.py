@@ -27,7 +27,8 @@ gathered into a whole copy for an op without a rule (add_ had none) takes the wr
 copy, and a name for the value before it keeps the value unwritten -- on data, tensor and
 pipeline layouts, while one process agrees with eager. Left in place: a write into a
 parameter or buffer, or into a view of one (traced_tensors.refuse_parameter_write, the
-buffer updates of modules), and a method without an out-of-place twin (uniform_, zero_).
+buffer updates of modules), and a method without an out-of-place twin computing the same
+write (uniform_, zero_, unsqueeze_, bernoulli_: traced_writes._NOT_TWINS).
 """
 from __future__ import annotations
 
@@ -79,9 +80,16 @@ def write_in_place(tracer, proxy: fx.Proxy, method: str, where: str, *args, **kw
     return proxy
 
 
+# in-place methods whose twin is not the same write: views changing the tensor's own shape
+# (h.unsqueeze_(0) is legal in eager) and bernoulli_ (its twin reads the tensor as probabilities)
+_NOT_TWINS = frozenset({"as_strided_", "resize_as_", "squeeze_", "unsqueeze_", "swapaxes_", "swapdims_",
+                        "t_", "transpose_", "bernoulli_"})
+
+
 def in_place_twin(method: str) -> bool:
-    """Has the in-place tensor method an out-of-place twin (add_ -> add)?"""
-    return method.endswith("_") and not method.startswith("_") and hasattr(torch.Tensor, method[:-1])
+    """Has the in-place tensor method an out-of-place twin computing the same write (add_ -> add)?"""
+    return method.endswith("_") and not method.startswith("_") and method not in _NOT_TWINS \
+        and hasattr(torch.Tensor, method[:-1])
 
 
 def check_item_writes(graph: fx.Graph, writes: List[Tuple[fx.Node, List[fx.Node], str]],

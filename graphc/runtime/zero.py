@@ -118,11 +118,11 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .. import world
 from ..errors import GraphcError
 from ..plan.instructions import AllGather, OptimizerStep, ReduceScatter, ReleaseParams
 from ..plan.plan import ZERO_NOTE
 from ..sbp.layout import chunk_range
+from .zero_packed import gather_rows, in_place, launch_into, launch_rows, reduce_scatter
 from .zero_rows import ReducedRows, in_place_group, launch_broadcast_rows, row_grad
 
 
@@ -327,13 +327,13 @@ class ZeroShards:
             for p in params[rows.launched:]:
                 rows.launch_next(row_grad(p))
             return rows, rows.out, None
-        if keep is None and _in_place(shards, params[0].grad, dtype):
+        if keep is None and in_place(shards, params[0].grad, dtype):
             # one tensor, even rows: its gradient is the packed bucket already (no copy)
             packed = params[0].grad.view(d, width)
             params[0].grad = None
             out = torch.empty(width, dtype=packed.dtype, device=packed.device)
             # stage 3 reduces inside the backward, where scratch is the peak: the lean form
-            return _reduce_scatter(out, packed, shards[0].ranks, flat=self.stage != 3), out, packed
+            return reduce_scatter(out, packed, shards[0].ranks, flat=self.stage != 3), out, packed
         packed = keep
         if packed is None or packed.shape != (d, width) or packed.dtype != dtype \
                 or packed.device != first.device:
@@ -348,7 +348,7 @@ class ZeroShards:
                 p.grad = None            # ZeRO keeps the gradient only as this rank's rows
             at += s.part_numel
         out = torch.empty(width, dtype=packed.dtype, device=packed.device)
-        work = _reduce_scatter(out, packed, shards[0].ranks)
+        work = reduce_scatter(out, packed, shards[0].ranks)
         return work, out, packed
 
     def _rows_in_place(self, shards: List[Shard]) -> bool:
@@ -421,10 +421,10 @@ class ZeroShards:
         if self._rows_in_place(shards):   # straight into the parameters (NOTE: ZeRO rows in place)
             self.gathering[ins] = launch_broadcast_rows(shards), None, None
             return
-        if self.stage == 3 and all(_in_place([s], s.param, s.param.dtype) for s in shards):
-            self.gathering[ins] = _launch_into(shards)
+        if self.stage == 3 and all(in_place([s], s.param, s.param.dtype) for s in shards):
+            self.gathering[ins] = launch_into(shards)
             return
-        self.gathering[ins] = _launch_rows(shards, ref.dtype, ref.device)
+        self.gathering[ins] = launch_rows(shards, ref.dtype, ref.device)
 
     def gather(self, ins: AllGather) -> None:
         """Waits for the bucket's all-gather (launching it first if step() or a prefetch did
@@ -433,7 +433,7 @@ class ZeroShards:
         if ins not in self.gathering:
             self.launch_gather(ins)
         work, packed, _ = self.gathering.pop(ins)
-        if isinstance(work, list):   # gathered into the parameters themselves (_launch_into, rows)
+        if isinstance(work, list):   # gathered into the parameters themselves (launch_into, rows)
             for w in work:
                 if w is not None:
                     w.wait()
@@ -503,11 +503,11 @@ def whole_parameters(params) -> Iterator[None]:
     freed = [s for s in chosen if s.released]
     for s in freed:
         s.materialize()
-        _gather_rows(s, s.param)
+        gather_rows(s, s.param)
     rows_only = _by_group(_master_rows(p) for p in params)
     for s in rows_only:
         s.materialize_master()
-        _gather_rows(s, s.master)
+        gather_rows(s, s.master)
     try:
         yield
     finally:
@@ -531,52 +531,6 @@ def _by_group(shards) -> List[Shard]:
 def _master_rows(p: torch.nn.Parameter) -> Optional[Shard]:
     """The Shard of a parameter whose float32 master ZeRO holds as rows (set_param_dtype)."""
     return getattr(p, "_graphc_zero_master", None)
-
-
-def _launch_rows(shards: List[Shard], dtype: torch.dtype, device) -> tuple:
-    """Starts gathering every rank's rows of `shards` (one group's), packed in `dtype`, each
-    rank's part of each padded to its largest chunk: (work or None, packed [d, width], this
-    rank's part)."""
-    d = len(shards[0].ranks)
-    width = sum(s.part_numel for s in shards)
-    packed = torch.empty((d, width), dtype=dtype, device=device)
-    mine = torch.zeros(width, dtype=dtype, device=device)
-    at = 0
-    for s in shards:
-        mine[at:at + s.rows * s.row_numel].copy_(s.view_rows().reshape(-1))
-        at += s.part_numel
-    return _all_gather(packed, mine, shards[0].ranks), packed, mine
-
-
-def _in_place(shards: List[Shard], t: Optional[torch.Tensor], dtype: torch.dtype) -> bool:
-    """Whether a bucket's collective can run on `t` itself: one tensor, contiguous, in the
-    bucket's dtype, whose rows every rank holds alike (no padding), so [d, rows/d * row]
-    is its own layout."""
-    if len(shards) != 1 or t is None or t.dtype != dtype or not t.is_contiguous():
-        return False
-    s = shards[0]
-    return s.rows == s.chunk and s.param.shape[0] == s.chunk * len(s.ranks)
-
-
-def _launch_into(shards: List[Shard]) -> tuple:
-    """Stage 3: starts gathering every rank's rows of each shard straight into its whole
-    parameter (its storage given back first): no packed copy. ([works], None, None). (On
-    gloo every bucket goes rank by rank instead: NOTE: ZeRO rows in place.)"""
-    works = []
-    for s in shards:
-        s.materialize()
-        blocks = s.param.data.view(len(s.ranks), -1)
-        mine = s.shard.data.reshape(-1).to(s.param.dtype)   # a float32 master's rows rounded
-        works.append(_all_gather(blocks, mine, s.ranks))
-    return works, None, None
-
-
-def _gather_rows(s: Shard, into: torch.Tensor) -> None:
-    """Every rank's rows of `s` (its shard's, in `into`'s dtype) written into `into`."""
-    work, packed, _ = _launch_rows([s], into.dtype, into.device)
-    if work is not None:
-        work.wait()
-    s.unpack(packed, into)
 
 
 def _shard_parameter(name: str, p: torch.nn.Parameter, master: Optional[torch.nn.Parameter],
@@ -630,34 +584,3 @@ def _made_shards(optimizer) -> Dict[int, torch.nn.Parameter]:
         made = {}
         optimizer._graphc_zero_shards = made
     return made
-
-
-def _reduce_scatter(out: torch.Tensor, packed: torch.Tensor, ranks: Tuple[int, ...], flat: bool = True):
-    """Rank k's `out` = the sum over `ranks` of their `packed[k]`. In the torch world
-    asynchronous (it overlaps the rest of the backward), the flat form unless `flat` is False:
-    the list form holds half the flat one's scratch (a unit's gradient, reduced inside the
-    backward: NOTE: ZeRO units; on gloo stage 3 reduces rank by rank instead, NOTE: ZeRO rows
-    in place); a local world's list form returns when done."""
-    w = world.current()
-    if len(ranks) == 1:
-        out.copy_(packed[0])
-        return None
-    if isinstance(w, world.TorchWorld) and not flat:
-        return w.reduce_scatter(out, list(packed.unbind(0)), ranks, async_op=True)
-    if isinstance(w, world.TorchWorld):
-        return w.reduce_scatter_from(out, packed.view(-1), ranks, async_op=True)
-    w.reduce_scatter(out, list(packed.unbind(0)), ranks)
-    return None
-
-
-def _all_gather(packed: torch.Tensor, mine: torch.Tensor, ranks: Tuple[int, ...]):
-    """`packed[k]` = rank k's `mine`, on every rank of `ranks`. In the torch world the flat
-    form, asynchronous (returns its work); a local world's list form returns when done."""
-    w = world.current()
-    if len(ranks) == 1:
-        packed[0].copy_(mine)
-    elif isinstance(w, world.TorchWorld):
-        return w.all_gather_into(packed.view(-1), mine, ranks, async_op=True)
-    else:
-        w.all_gather(list(packed.unbind(0)), mine, ranks)
-    return None

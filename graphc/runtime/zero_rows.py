@@ -20,7 +20,7 @@ The sums are the same two-addend sums at 2 ranks (a + b either way); at more ran
 orders a reduce's additions as it orders a reduce-scatter's, by its own algorithm, which a
 local world does not reproduce bit for bit at either. The choice is the plan's, the same on
 every rank: a bucket whose gradients need a cast (set_grad_reduce_dtype) or whose group is not
-gloo takes the packed path (zero.py: ZeroShards.scatter, _launch_rows), and so does stage 1,
+gloo takes the packed path (zero.py: ZeroShards.scatter, zero_packed.launch_rows), and so does stage 1,
 which keeps its packed buckets between steps as DDP keeps its buckets; a parameter unused in
 the step adds zeros, as the packed path's zero addend.
 

@@ -25,8 +25,9 @@ from .values import _PLAIN, MISSING, Guard, _entry_reader, fingerprint
 # code natively, so while tracing it observes every Python frame that starts (sys.settrace,
 # 'call' events only: no per-line cost) and reads the frame's code once per code object: the
 # names it loads with LOAD_GLOBAL (and the attribute chain after one), the free variables it
-# loads with LOAD_DEREF. Each is guarded where it lives (the frame's globals dict, the
-# function's cell):
+# loads with LOAD_DEREF, and the defaults of the function it runs (`def aux(out, w=0.1)`, whose
+# `__defaults__` a user may set between calls). Each is guarded where it lives (the frame's
+# globals dict, the function's cell, the function):
 # - frames of torch, graphc and the standard library are skipped (their globals are torch's
 #   machinery, not the user's settings);
 # - in the user's code (outside site-packages) plain values, containers of them and objects
@@ -159,6 +160,8 @@ class FrameReads:
                 continue
             self.guards[key] = self._guard(f"{module.__name__}.{attr} ({where})", _entry_reader(vars(module), attr),
                                            vars(module)[attr], "user", (vars(module), attr))
+        if reads.kind == "user":
+            self._observe_defaults(frame, where)
         if reads.cells and reads.kind == "user":
             self._observe_cells(frame, reads, where)
         else:   # a library's closures are its decorators' wrappers: their cells hold functions
@@ -187,6 +190,18 @@ class FrameReads:
                                                functools.partial(_cell_value, cell), _cell_value(cell),
                                                reads.kind)
 
+    def _observe_defaults(self, frame, where: str) -> None:
+        """The default values of the function the frame runs (`def aux(out, w=0.1)`): a call
+        that leaves `w` out reads `aux.__defaults__`, which the user may set between calls."""
+        fn = _function_of(frame)
+        if fn is None:
+            return
+        for attr in ("__defaults__", "__kwdefaults__"):
+            key = (id(fn), attr)
+            if key not in self.guards and getattr(fn, attr) is not None:
+                self.guards[key] = self._guard(f"{attr} of {fn.__qualname__} ({where})",
+                                               functools.partial(getattr, fn, attr), getattr(fn, attr), "user")
+
     @staticmethod
     def _guard(where: str, read: Callable[[], Any], value: Any, kind: str, source: Optional[tuple] = None) -> Guard:
         if _by_value(value, kind):
@@ -202,6 +217,21 @@ class FrameReads:
             if event == "call" and done.get(frame.f_code) != id(frame.f_globals):
                 observe(frame)
         return trace
+
+
+def _function_of(frame) -> Optional[types.FunctionType]:
+    """The function a frame runs, found by its qualified name from the frame's globals (a
+    module's function, a class's method); None for a function defined inside another (a
+    closure: its cells are guarded) or one not reachable so."""
+    code = frame.f_code
+    parts = code.co_qualname.split(".")
+    if "<locals>" in parts or parts[0] not in frame.f_globals:
+        return None
+    found = frame.f_globals[parts[0]]
+    for part in parts[1:]:
+        found = vars(found).get(part) if isinstance(found, type) else None
+    found = getattr(found, "__func__", found)   # a staticmethod's or classmethod's function
+    return found if isinstance(found, types.FunctionType) and found.__code__ is code else None
 
 
 def _cell_value(cell) -> Any:

@@ -3,14 +3,15 @@
 autograd Functions (kept as opaque calls), torch's random factories (recorded as nodes,
 drawn on every step), `module.buf = value` in a forward (recorded as ops.buffers.assign_buffer;
 other attribute writes are checked, NOTE: Attribute writes in traced_attributes.py),
-and the calls build() may not make (clip_grad_norm_, GradScaler, Python's random: refused,
-naming the user's line and the fix)."""
+and the calls build() may not make (clip_grad_norm_, GradScaler, Python's random, seeding a
+generator: refused, naming the user's line and the fix)."""
 from __future__ import annotations
 
 import builtins
 import random
+import sys
 from contextlib import contextmanager
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -59,6 +60,24 @@ _RANDOM_WHY = ("build() is traced once, so the number drawn while tracing would 
 # Python's own random draws: a draw while tracing would be frozen into the plan (refused)
 _PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choices", "sample",
                   "shuffle", "gauss", "normalvariate", "betavariate", "expovariate")
+_SEED_WHY = ("build() is traced once, so the seed would be set only while tracing: the random ops "
+             "graphc records draw from its own per-step generators (seeded by the step, the "
+             "micro-batch and the shard where a value has replicas or shards, else from the "
+             "rank's own generator, which this seed set once), so eager's repeated draw after "
+             "the seed would become a fresh draw on every step. Fix: seed once before the first "
+             "graph call; for noise that must repeat, draw it outside build() (with "
+             "torch.Generator().manual_seed(s)) and pass it in as an input.")
+
+
+def _seed_setters() -> List[Tuple[Any, str]]:
+    """(owner, name) of each call that seeds a global generator (torch's, CUDA's, Python's,
+    NumPy's): inside build() the seed would be set while tracing only, not on every call."""
+    found = [(torch, "manual_seed"), (torch, "seed"), (torch.random, "manual_seed"), (torch.random, "seed"),
+             (torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all"), (random, "seed")]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        found.append((numpy.random, "seed"))
+    return found
 
 
 # NOTE: isinstance while tracing. A model (or a library: transformers' masking_utils) that
@@ -120,7 +139,7 @@ def patched_calls(tracer: BuildTracer, source_file: Optional[str]):
 
     factories = [(torch, name, getattr(torch, name)) for name in _RANDOM_FACTORIES]
     python_random = [(random, name, getattr(random, name)) for name in _PYTHON_RANDOM]
-
+    seeds = [(owner, name, getattr(owner, name)) for owner, name in _seed_setters()]
 
     import torch.nn.utils as nn_utils
     import torch.nn.utils.clip_grad as clip_grad
@@ -132,6 +151,8 @@ def patched_calls(tracer: BuildTracer, source_file: Optional[str]):
         setattr(obj, name, recorded(name, fn))
     for obj, name, _ in python_random:
         setattr(obj, name, refusal(f"Python's random.{name}()", _RANDOM_WHY))
+    for obj, name, _ in seeds:
+        setattr(obj, name, refusal(f"{obj.__name__}.{name}()", _SEED_WHY))
     for obj, name, _ in scaler_methods:
         setattr(obj, name, refusal(f"GradScaler.{name}()", _SCALER_WHY))
     for obj, name, _ in saved:
@@ -148,7 +169,7 @@ def patched_calls(tracer: BuildTracer, source_file: Optional[str]):
         builtins.isinstance = _ISINSTANCE
         torch.autograd.Function.apply = original_apply
         torch.nn.Module.__setattr__ = original_setattr
-        for obj, name, fn in factories + python_random + scaler_methods:
+        for obj, name, fn in factories + python_random + seeds + scaler_methods:
             setattr(obj, name, fn)
         for obj, name, fn in saved:
             setattr(obj, name, fn)

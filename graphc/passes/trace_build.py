@@ -64,6 +64,7 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
                        for name, t, b in zip(names, example_inputs, batched)]
     outputs: Dict[str, Any] = {}
     check_global_hooks()  # NOTE: Module hooks (traced_hooks.py)
+    attributes_before = set(vars(root))
     with _traced_root(root, len(example_inputs), outputs), patched_calls(tracer, source_file), \
             traced_checkpoints(tracer):  # torch.utils.checkpoint traces as its function
         try:
@@ -85,10 +86,23 @@ def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], n
     for node in g.nodes:
         node.meta.pop(FAKE, None)
     gm = _LazyGraphModule(root, g, class_name=type(root).__name__)   # NOTE: Code written when read
+    _drop_constants(root, attributes_before)
     install_modules(gm, root, tracer.unhooked)  # hooked leaves run without their traced hooks
     if "tree" in outputs:
         gm.meta[META_OUTPUT_TREE] = outputs["tree"]
     return gm
+
+
+def _drop_constants(root: torch.nn.Module, before: set) -> None:
+    """The tensor constants fx left on the root while tracing (`_tensor_constant3`) taken off
+    it once the traced module holds them: fx names a constant by the first free index on the
+    root, so constants left by earlier traces (a recompile, the whole-batch trace) made the
+    names, and with them the compile key, depend on how often a rank had traced: two ranks of
+    one program disagreed (a list turned into a tensor in build() and edited between calls,
+    on every layout of several ranks), and every recompile kept its constants alive."""
+    for name in set(vars(root)) - before:
+        if re.fullmatch(r"_tensor_constant\d+", name):
+            delattr(root, name)
 
 
 # NOTE: Code written when read

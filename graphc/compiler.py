@@ -63,6 +63,7 @@ from .passes.lower_plan import lower_plan
 from .passes.note_stages import note_stages
 from .passes.place_by_layout import place_by_layout
 from .passes.place_inputs import place_inputs
+from .passes.check_batch_sizes import check_batch_sizes
 from .passes.propagate_shapes import propagate_shapes
 from .passes.seed_random_ops import seed_random_ops
 from .passes.split_inputs import split_inputs
@@ -105,6 +106,7 @@ class _Compilation:
     history: List[PassRecord] = field(default_factory=list)
     verifier: MetaVerifier = field(default_factory=MetaVerifier)
     described: bool = True   # each step's result kept as text (NOTE: History of a rank's compile)
+    whole: Optional[fx.GraphModule] = None   # build() traced for the whole batch (accumulation > 1)
 
 
 # NOTE: History of a rank's compile
@@ -154,6 +156,7 @@ def _declare_and_trace(run: _Compilation, spec, example_inputs, world_size: int,
         # ... which the data flow on build() for the whole batch confirms, or refuses
         whole = _step(run, "propagate_shapes (whole batch)", propagate_shapes, whole, example_inputs, 1)
         whole = _step(run, "find_batch_dims (whole batch)", find_batch_dims, whole, m, False, split)
+        run.whole = whole   # the batch size's uses are compared with the plan's (check_batch_sizes)
         batched = split
         # batched inputs cut their rows into micro-batches alike (NOTE: Row groups)
         _step(run, "check_row_groups", check_row_groups, input_names(whole), batched, input_layouts, m)
@@ -248,6 +251,8 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     gm = _step(run, "propagate_shapes", propagate_shapes, gm, example_inputs, m)
     # where each value holds the batch's rows (outputs merge over micro-batches by it)
     gm = _step(run, "find_batch_dims", find_batch_dims, gm, m, False)
+    # the batch's size read where the micro-batch's would mean something else is refused
+    _step(run, "check_batch_sizes", check_batch_sizes, run.whole, gm, m)
     # data flows forward through stages and the loss is a scalar, before anything is sharded
     _step(run, "verify_annotated", verify_annotated, gm, stage_of_module, len(stages))
 

@@ -414,3 +414,31 @@ PROGRAMS = [
     Program("where_on_batch_statistic", _where_batch_stat),
     Program("grad_clip_norm", _plain, configure=_clip_norm, after_backward=_eager_clip),
 ]
+
+
+def _penalty_per_row(host, x, y):
+    l2 = sum(p.pow(2).sum() for p in host.model.parameters())
+    return mse(host.model(x), y) + 0.01 * l2 / x.shape[0]
+
+
+def _ones_weights(host, x, y):
+    w = torch.ones(x.shape[0], 1) * 0.5
+    return (w * (host.model(x) - y) ** 2).mean()
+
+
+def _gather_rows(host, x, y):
+    logp = torch.log_softmax(host.model(x), -1)
+    return -logp[torch.arange(x.shape[0]), y].mean()
+
+
+def _expanded_bias(host, x, y):
+    shift = torch.linspace(0, 1, 4).expand(x.shape[0], 4)
+    return mse(host.model(x) + shift, y)
+
+
+PROGRAMS += [
+    Program("penalty_over_x_shape", _penalty_per_row),
+    Program("ones_row_weights", _ones_weights),
+    Program("arange_row_index", _gather_rows, batches=lambda: classes()),
+    Program("expanded_constant", _expanded_bias),
+]

@@ -25,7 +25,7 @@ from . import compiler, env
 from .errors import GraphcError
 from .global_tensor import GlobalTensor, declared_layout, global_from_local
 from .guards import (Guard, GuardSet, first_call_differs, global_guards, hook_guards, record_reads,
-                     requires_grad_guard, settle_own_writes, structure_of)
+                     refuse_traced_values_kept, requires_grad_guard, settle_own_writes, structure_of)
 from .meta import META_OUTPUT_TREE, META_ROWS, META_SBP, META_STAGE, META_TENSOR
 from .passes.trace_build import forward_replaced
 from .placement import Layout, PartialSum
@@ -187,6 +187,7 @@ class Executable:
                                         ranks=ranks)
         guards = GuardSet(tuple(before + structure_of(spec.root) + hook_guards(spec.root)
                                 + [requires_grad_guard(spec.root)] + reads.guards()))
+        refuse_traced_values_kept(spec.name, guards)
         if compiled.traces_differ is not None:   # NOTE: Writes of the first call
             first_call_differs(spec.name, guards, *compiled.traces_differ)
         compiled.guards = settle_own_writes(spec.name, guards, compiled.trace,   # NOTE: Writes of the first call

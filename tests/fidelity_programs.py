@@ -442,3 +442,12 @@ PROGRAMS += [
     Program("arange_row_index", _gather_rows, batches=lambda: classes()),
     Program("expanded_constant", _expanded_bias),
 ]
+
+
+def _attribute_grad(host, x, y):
+    loss = mse(host.model(x), y)
+    loss.backward()
+    return loss, host.model.a.weight.grad.norm()
+
+
+PROGRAMS += [Program("grad_of_attribute_in_build", _attribute_grad, backward_inside=True)]

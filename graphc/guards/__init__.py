@@ -26,10 +26,10 @@ from .frames import FrameReads, frames_unobserved, observe_frames
 from .modules import (BACKWARD_HOOK_TABLES, FORWARD_HOOK_TABLES, GLOBAL_HOOK_TABLES, ReadLog, class_value,
                       current_log, hook_guards, hook_state, record_reads, requires_grad_guard, structure_of,
                       traced_frames)
-from .own_writes import first_call_differs, settle_own_writes
+from .own_writes import first_call_differs, refuse_traced_values_kept, settle_own_writes
 from .values import MISSING, Guard, GuardSet, compiled_check, describe, difference, fingerprint, global_guards, shown
 
 __all__ = ["BACKWARD_HOOK_TABLES", "FORWARD_HOOK_TABLES", "GLOBAL_HOOK_TABLES", "FrameReads", "Guard", "GuardSet",
            "MISSING", "ReadLog", "class_value", "compiled_check", "current_log", "describe", "difference",
            "fingerprint", "frames_unobserved", "global_guards", "hook_guards", "hook_state", "observe_frames",
-           "record_reads", "requires_grad_guard", "settle_own_writes", "first_call_differs", "shown", "structure_of", "traced_frames"]
+           "record_reads", "requires_grad_guard", "settle_own_writes", "first_call_differs", "refuse_traced_values_kept", "shown", "structure_of", "traced_frames"]

@@ -23,11 +23,45 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, List
 
+import torch.fx as fx
+
 from ..errors import GraphcError
 from ..log import get_logger, warn_user
 from .values import MISSING, Guard, GuardSet, difference, fingerprint
 
 _log = get_logger("compile")
+
+
+def refuse_traced_values_kept(name: str, guards: GuardSet) -> None:
+    """Refuses a trace that left one of its traced values in Python state outside build() (a
+    metric list: `self.history.append(loss.detach())`, a dict of last outputs): eager keeps
+    each call's tensor there, the plan would keep the trace's stand-ins, once per trace, and
+    every later call would find the value changed and compile again. An attribute assigned a
+    traced value is refused where it is written (NOTE: Attribute writes); a container's own
+    method (list.append) cannot be seen there, so the guards' values are read after the trace."""
+    for guard in guards.guards:
+        if guard.holds():
+            continue
+        value = guard.read()
+        if _traced_count(value):
+            raise GraphcError(
+                f"{name}.build() put a traced value into {guard.where} while it was traced "
+                f"(it now holds {_traced_count(value)} of the trace's stand-ins, not tensors): build() "
+                "runs as a compiled plan, so Python code in it runs only while it is traced, never per "
+                "call. Fix: return the value from build() and keep it after the call: "
+                "`loss = graph(x, y); history.append(loss.to_local())`.")
+
+
+def _traced_count(value, depth: int = 0) -> int:
+    if isinstance(value, fx.Proxy):
+        return 1
+    if depth >= 4:
+        return 0
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return sum(_traced_count(v, depth + 1) for v in list(value)[:256])
+    return 0
 
 
 def first_call_differs(name: str, guards: GuardSet, whole_ops, plan_ops) -> None:

@@ -21,7 +21,7 @@ from ..meta import META_AUTOCAST, META_GRAD_ENABLED
 from ..ops.autocast import autocast_state
 from .traced_experts import experts_activation, traced_experts_call
 from .traced_hooks import check_backward_hooks, has_forward_hooks, run_forward_hooks, without_forward_hooks
-from .traced_tensors import IN_PLACE_OPERATORS, refuse_parameter_write, writes_in_place
+from .traced_tensors import IN_PLACE_OPERATORS, refuse_grad_read, refuse_parameter_write, writes_in_place
 from .traced_writes import in_place_twin, write_in_place, write_item
 from .unsupported_modules import check_runnable_module, check_traceable_module
 from .user_lines import GRAPHC_DIR, TORCH_DIR, caller_line, deepest_user_frame
@@ -68,6 +68,9 @@ class ShapeProxy(fx.Proxy):
     def __getattr__(self, k: str):
         if k in _SHAPE_ATTRS or k in _SHAPE_METHODS:
             return getattr(self.tracer.fake_of(self), k)
+        if k == "grad":   # a traced value's gradient: none while tracing (See refuse_grad_read)
+            raise refuse_grad_read(str(self.node.target if self.node.op == "get_attr" else self.node.name),
+                                   deepest_user_frame(None, traceback.extract_stack()))
         fields = _result_fields(self.node.meta.get(FAKE))
         if k in fields:  # torch.topk(x, k).values: the named result's field, as getitem
             return self[fields.index(k)]

@@ -87,6 +87,19 @@ def refuse_parameter_write(name: str, op: str, where: str) -> GraphcError:
         "student.parameters()): p_t.mul_(0.99).add_(p_s, alpha=0.01)`.")
 
 
+def refuse_grad_read(name: str, where: str) -> GraphcError:
+    """A gradient read inside build() (`p.grad`): while tracing there is none, and the plan runs
+    build() per micro-batch on each rank's shards, so no value the trace could read is eager's
+    gradient of the step."""
+    return GraphcError(
+        f"build() reads the gradient of '{name}' (.grad) at {where}: build() is traced before any "
+        "step runs and then runs once per micro-batch, on each rank's part of the batch and of the "
+        "weights, so the gradient it would read (or scale, or clip) is not eager's gradient of the "
+        "step. Fix: clip with self.config.set_grad_clip_norm(max_norm); scale the loss instead of "
+        "the gradients; to log or change the step's whole gradient use "
+        "param.register_post_accumulate_grad_hook(fn), which runs once per step.")
+
+
 class TracedTensors(TorchFunctionMode):
     """While tracing: parameters and buffers as their get_attr nodes, and in-place writes
     into tensors made while tracing as writes into a per-call copy (See NOTE: Tensors
@@ -118,6 +131,9 @@ class TracedTensors(TorchFunctionMode):
                     self._check_parameter_write(t, name)
             if name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data" and args:
                 self._check_parameter_write(args[0], ".data =")  # p_t.data = 0.99 * p_t.data + ...
+            if name in ("__get__", "__set__") and getattr(getattr(func, "__self__", None), "__name__", "") == "grad" \
+                    and args and id(args[0]) in self.params:   # p.grad of a parameter reached any way
+                raise refuse_grad_read(self.params[id(args[0])][0], _user_line())
             return self._made_by(func, args, kwargs)
         if name == "__setitem__":
             self._stored_back(args)

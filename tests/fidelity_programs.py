@@ -451,3 +451,73 @@ def _attribute_grad(host, x, y):
 
 
 PROGRAMS += [Program("grad_of_attribute_in_build", _attribute_grad, backward_inside=True)]
+
+
+# -- tensors the program holds, changed between calls ---------------------------------------
+
+def _class_weighted(host, x, y):
+    return F.cross_entropy(host.model(x), y, weight=host.class_weights)
+
+
+def _set_class_weights(host):
+    host.class_weights = torch.tensor([1.0, 2.0, 0.5, 1.0])
+
+
+def _edit_class_weights(host, model, opt, step):
+    host.class_weights.mul_(1.5)
+
+
+def _replace_class_weights(host, model, opt, step):
+    host.class_weights = torch.tensor([1.0, 2.0, 0.5, 1.0]) * (1 + step)
+
+
+class Scaled(Pair):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def _fill_buffer(host, model, opt, step):
+    model.scale.fill_((1.0, 2.0, 0.5)[step])
+
+
+_SAVED = {}
+
+
+def _reload_weights(host, model, opt, step):
+    if step == 0:
+        _SAVED[id(host)] = {k: v.clone() for k, v in model.state_dict().items()}
+        _SAVED["shifted"] = {k: v * 0.5 for k, v in model.state_dict().items()}
+    if step == 1:
+        model.load_state_dict(_SAVED["shifted"])
+
+
+def _replace_data(host, model, opt, step):
+    if step == 1:
+        model.b.weight.data = model.b.weight.data * 0.5
+
+
+def _ce_class_weights_ignore(host, x, y):
+    w = torch.tensor([1.0, 3.0, 0.5, 2.0])
+    return F.cross_entropy(host.model(x), y, weight=w, ignore_index=-100)
+
+
+def _output_with_float(host, x, y):
+    loss = mse(host.model(x), y)
+    return loss, {"scale": host.temperature, "rows": x.shape[0]}
+
+
+PROGRAMS += [
+    Program("class_weights_edited_in_place", _class_weighted, batches=lambda: classes(),
+            setup=_set_class_weights, between=_edit_class_weights),
+    Program("class_weights_replaced", _class_weighted, batches=lambda: classes(),
+            setup=_set_class_weights, between=_replace_class_weights),
+    Program("buffer_filled_between_calls", _plain, make_model=Scaled, between=_fill_buffer),
+    Program("load_state_dict_between_calls", _plain, between=_reload_weights),
+    Program("weight_data_replaced", _plain, between=_replace_data),
+    Program("cross_entropy_class_weights", _ce_class_weights_ignore, batches=lambda: classes(ignore_rows=(0, 1, 2))),
+    Program("output_with_python_values", _output_with_float, setup=lambda host: setattr(host, "temperature", 2.0)),
+]

@@ -1,5 +1,6 @@
 """check_batch_sizes: build()'s plan for one micro-batch means what build() means on the whole batch
-wherever the batch's size enters as a number or a tensor made from it.
+wherever the batch's size enters as a number or a tensor made from it (or is refused), and
+returns the whole batch's constants.
 
 NOTE: Batch size in a micro-batch
 Under accumulation > 1 build() is traced twice, for the whole batch and for one micro-batch
@@ -18,7 +19,9 @@ compared node by node:
 - a tensor made without the batch (factories, constants and numbers only; random draws
   aside) that lines up with the batch's rows in an op is computed in both traces: each
   micro-batch's must equal its part of the whole batch's.
-Either failure is refused at the user's line, with the fix.
+Either failure is refused at the user's line, with the fix. What build() returns as a Python
+number or a tensor constant (`{"rows": x.shape[0]}`) is no value of the plan: it is returned as
+the whole batch's trace has it, as eager returns it.
 Requires: propagate_shapes and find_batch_dims on both traces; their ops in the same order
 (else NOTE: Writes of the first call, and nothing is compared here).
 """
@@ -28,6 +31,7 @@ from typing import List, Optional
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from ..errors import GraphcError
 from ..fx_graphs import ancestors, copy_subgraph
@@ -53,6 +57,26 @@ def check_batch_sizes(whole: fx.GraphModule, gm: fx.GraphModule, num_microbatche
         if a.op in ("call_function", "call_method", "call_module"):
             _check_number(a, b, num_microbatches)
             _check_made_tensors(whole, gm, a, twin, num_microbatches)
+    _return_whole_constants(whole, gm)
+
+
+def _return_whole_constants(whole: fx.GraphModule, gm: fx.GraphModule) -> None:
+    """What build() returns that is no value of the plan (a Python number, a tensor constant:
+    `{"rows": x.shape[0]}`) is returned as the whole batch's trace has it, as eager returns it."""
+    a, b = whole.graph.output_node(), gm.graph.output_node()
+    whole_leaves, _ = pytree.tree_flatten(a.args)
+    leaves, spec = pytree.tree_flatten(b.args)
+    if len(leaves) != len(whole_leaves):
+        return
+    for i, (x, y) in enumerate(zip(whole_leaves, leaves)):
+        if not isinstance(x, fx.Node) and not isinstance(y, fx.Node) and x != y:
+            leaves[i] = x
+        elif isinstance(x, fx.Node) and isinstance(y, fx.Node) and x.op == y.op == "get_attr" \
+                and x.target.startswith("_tensor_constant"):
+            value = getattr(whole, x.target)
+            if not torch.equal(value, getattr(gm, y.target)):
+                setattr(gm, y.target, value)
+    b.args = pytree.tree_unflatten(leaves, spec)
 
 
 def _ops(gm: fx.GraphModule) -> list:

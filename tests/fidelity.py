@@ -64,6 +64,12 @@ class Program:
     configure: Callable[[graphc.Graph], None] = lambda graph: None
     after_backward: Callable[[nn.Module], None] = lambda model: None
     backward_inside: bool = False  # loss() calls backward itself (then reads or edits gradients)
+    expect: str = "equal"          # what graphc must do on every layout: "equal" or "refused"
+    refused_on: Tuple[str, ...] = ()   # layouts where it must refuse though others equal eager
+    says: str = ""                 # a part of the refusal's message
+
+    def expected(self, layout: str) -> str:
+        return "refused" if layout in self.refused_on else self.expect
 
 
 def _model(program: Program) -> nn.Module:

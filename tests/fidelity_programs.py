@@ -359,63 +359,6 @@ def _history(host):
     host.history = []
 
 
-PROGRAMS = [
-    # Python values changed between calls
-    Program("graph_attribute", _temperature, setup=lambda host: setattr(host, "temperature", 1.0),
-            between=_set_attr("temperature", (1.0, 2.0, 0.5))),
-    Program("coefficient_schedule", _coef_l2, setup=lambda host: setattr(host, "coef", 0.0),
-            between=_set_attr("coef", (0.0, 0.01, 0.05))),
-    Program("global_dict_edited", _global_dict, between=_set_global_dict),
-    Program("function_defaults_edited", _defaults, between=_set_defaults),
-    Program("tensor_from_list", _weights_list, setup=lambda host: setattr(host, "weights", [1.0, 1.0, 1.0, 1.0]),
-            between=_edit_list),
-    Program("python_float_argument", _python_arg, batches=_python_arg_batches),
-    Program("dict_batch_python_int", _dict_batch, batches=_dict_batches),
-    Program("scalar_tensor_argument", _scalar_tensor_arg, batches=_scalar_tensor_batches),
-    Program("kwargs_default", _kwargs_default, between=_set_kwargs_default),
-    # the optimizer changed between calls
-    Program("lr_sweep", _plain, between=_lr_sweep),
-    Program("weight_decay_changed", _plain, between=_wd_change),
-    Program("adamw_lr_sweep", _plain, between=_lr_sweep, make_opt=_adamw),
-    Program("param_group_lr", _plain, between=_lr_group_one, make_opt=_two_groups),
-    # the model changed between calls
-    Program("dropout_p_changed", _plain, make_model=Dropped, between=_dropout_p),
-    Program("submodule_replaced", _plain, make_model=Activated, between=_swap_activation),
-    Program("weight_edited_between_calls", _plain, between=_clamp_between),
-    Program("bias_frozen_for_a_call", _plain, between=_freeze_bias),
-    Program("hook_gain_edited", _plain, make_model=Gained, between=_hook_gain),
-    Program("buffers_updated_in_forward", _plain, make_model=Counting, accumulation=1),
-    Program("eval_toggled", _training_branch, between=_eval_toggle),
-    # what build() does
-    Program("python_random", _python_random),
-    Program("manual_seed_in_build", _seeded_noise),
-    Program("item_in_control_flow", _item_branch),
-    Program("tolist", _tolist),
-    Program("numpy_round_trip", _numpy_round_trip),
-    Program("boolean_mask_index", _mask_index),
-    Program("weight_clip_data_in_build", _weight_clip_in_build, backward_inside=True),
-    Program("grad_read_in_build", _grad_read, backward_inside=True),
-    Program("clip_grad_value_in_build", _clip_value, backward_inside=True),
-    Program("grad_scaled_in_build", _grad_scaled, backward_inside=True),
-    Program("no_grad_target", _no_grad_target),
-    Program("detach_of_sharded", _detached),
-    Program("metric_list_on_graph", _metric_list, setup=_history),
-    Program("weight_numel", _weight_numel),
-    # reductions over the batch
-    Program("sum_loss", _sum_loss),
-    Program("sum_over_x_shape", _per_batch_size),
-    Program("sum_over_fixed_batch_size", _fixed_batch_size),
-    Program("mse_reduction_sum", _mse_sum),
-    Program("row_weights_from_arange", _row_weights),
-    Program("cross_entropy_smoothing_ignore", _ce_smoothing, batches=lambda: classes(ignore_rows=(0, 1, 2))),
-    Program("cross_entropy_ignore", _ce_ignore, batches=lambda: classes(ignore_rows=(0, 1, 2))),
-    Program("masked_mean_valid_tokens", _masked_mean, batches=lambda: classes(ignore_rows=(0, 1, 2))),
-    Program("centred_by_batch_mean", _centred),
-    Program("where_on_batch_statistic", _where_batch_stat),
-    Program("grad_clip_norm", _plain, configure=_clip_norm, after_backward=_eager_clip),
-]
-
-
 def _penalty_per_row(host, x, y):
     l2 = sum(p.pow(2).sum() for p in host.model.parameters())
     return mse(host.model(x), y) + 0.01 * l2 / x.shape[0]
@@ -436,21 +379,10 @@ def _expanded_bias(host, x, y):
     return mse(host.model(x) + shift, y)
 
 
-PROGRAMS += [
-    Program("penalty_over_x_shape", _penalty_per_row),
-    Program("ones_row_weights", _ones_weights),
-    Program("arange_row_index", _gather_rows, batches=lambda: classes()),
-    Program("expanded_constant", _expanded_bias),
-]
-
-
 def _attribute_grad(host, x, y):
     loss = mse(host.model(x), y)
     loss.backward()
     return loss, host.model.a.weight.grad.norm()
-
-
-PROGRAMS += [Program("grad_of_attribute_in_build", _attribute_grad, backward_inside=True)]
 
 
 # -- tensors the program holds, changed between calls ---------------------------------------
@@ -510,14 +442,89 @@ def _output_with_float(host, x, y):
     return loss, {"scale": host.temperature, "rows": x.shape[0]}
 
 
-PROGRAMS += [
+# -- the programs, by what they change or do (tests/test_fidelity.py: one test a group) --------
+_MADE_IN_BUILD = "between graph calls"   # (a part of every refusal of a parameter read on ZeRO-3)
+STATE = [   # Python values changed between calls
+    Program("graph_attribute", _temperature, setup=lambda host: setattr(host, "temperature", 1.0),
+            between=_set_attr("temperature", (1.0, 2.0, 0.5))),
+    Program("coefficient_schedule", _coef_l2, setup=lambda host: setattr(host, "coef", 0.0),
+            between=_set_attr("coef", (0.0, 0.01, 0.05))),
+    Program("global_dict_edited", _global_dict, between=_set_global_dict),
+    Program("function_defaults_edited", _defaults, between=_set_defaults),
+    Program("kwargs_default", _kwargs_default, between=_set_kwargs_default),
+    Program("tensor_from_list", _weights_list, setup=lambda host: setattr(host, "weights", [1.0, 1.0, 1.0, 1.0]),
+            between=_edit_list),
+    Program("python_float_argument", _python_arg, batches=_python_arg_batches, expect="refused",
+            says="graph inputs must be tensors"),
+    Program("dict_batch_python_int", _dict_batch, batches=_dict_batches, expect="refused",
+            says="graph inputs must be tensors"),
+    Program("scalar_tensor_argument", _scalar_tensor_arg, batches=_scalar_tensor_batches),
     Program("class_weights_edited_in_place", _class_weighted, batches=lambda: classes(),
             setup=_set_class_weights, between=_edit_class_weights),
     Program("class_weights_replaced", _class_weighted, batches=lambda: classes(),
             setup=_set_class_weights, between=_replace_class_weights),
-    Program("buffer_filled_between_calls", _plain, make_model=Scaled, between=_fill_buffer),
-    Program("load_state_dict_between_calls", _plain, between=_reload_weights),
-    Program("weight_data_replaced", _plain, between=_replace_data),
-    Program("cross_entropy_class_weights", _ce_class_weights_ignore, batches=lambda: classes(ignore_rows=(0, 1, 2))),
     Program("output_with_python_values", _output_with_float, setup=lambda host: setattr(host, "temperature", 2.0)),
 ]
+OPTIMIZER = [   # the optimizer changed between calls
+    Program("lr_sweep", _plain, between=_lr_sweep),
+    Program("weight_decay_changed", _plain, between=_wd_change),
+    Program("adamw_lr_sweep", _plain, between=_lr_sweep, make_opt=_adamw),
+    Program("param_group_lr", _plain, between=_lr_group_one, make_opt=_two_groups),
+    Program("grad_clip_norm", _plain, configure=_clip_norm, after_backward=_eager_clip),
+]
+MODEL = [   # the model changed between calls
+    Program("dropout_p_changed", _plain, make_model=Dropped, between=_dropout_p),
+    Program("submodule_replaced", _plain, make_model=Activated, between=_swap_activation, expect="refused",
+            says="was replaced by another ReLU after the graph compiled"),
+    Program("weight_edited_between_calls", _plain, between=_clamp_between, refused_on=("zero3",),
+            says=_MADE_IN_BUILD),
+    Program("weight_data_replaced", _plain, between=_replace_data, refused_on=("zero3",), says=_MADE_IN_BUILD),
+    Program("bias_frozen_for_a_call", _plain, between=_freeze_bias),
+    Program("hook_gain_edited", _plain, make_model=Gained, between=_hook_gain),
+    Program("buffers_updated_in_forward", _plain, make_model=Counting, accumulation=1),
+    Program("buffer_filled_between_calls", _plain, make_model=Scaled, between=_fill_buffer),
+    Program("eval_toggled", _training_branch, between=_eval_toggle),
+]
+BUILD = [   # what build() does
+    Program("python_random", _python_random, expect="refused", says="Python's random.random()"),
+    Program("manual_seed_in_build", _seeded_noise, expect="refused", says="torch.manual_seed()"),
+    Program("item_in_control_flow", _item_branch, expect="refused", says=".item()"),
+    Program("tolist", _tolist, expect="refused", says="tolist"),
+    Program("numpy_round_trip", _numpy_round_trip, expect="refused", says="numpy"),
+    Program("boolean_mask_index", _mask_index, expect="refused", says="depends on the data"),
+    Program("weight_clip_data_in_build", _weight_clip_in_build, backward_inside=True, expect="refused",
+            says="writes into the parameter 'model.a.weight' in place"),
+    Program("grad_read_in_build", _grad_read, backward_inside=True, expect="refused", says="(.grad)"),
+    Program("grad_of_attribute_in_build", _attribute_grad, backward_inside=True, expect="refused", says="(.grad)"),
+    Program("clip_grad_value_in_build", _clip_value, backward_inside=True, expect="refused",
+            says="clip_grad_value_"),
+    Program("grad_scaled_in_build", _grad_scaled, backward_inside=True, expect="refused", says="(.grad)"),
+    Program("no_grad_target", _no_grad_target),
+    Program("detach_of_sharded", _detached),
+    Program("metric_list_on_graph", _metric_list, setup=_history, expect="refused",
+            says="put a traced value into self.history"),
+    Program("weight_numel", _weight_numel),
+]
+REDUCTIONS = [   # what the loss reduces over the batch, and the batch's size read in build()
+    Program("sum_loss", _sum_loss),
+    Program("sum_over_x_shape", _per_batch_size),
+    Program("sum_over_fixed_batch_size", _fixed_batch_size),
+    Program("mse_reduction_sum", _mse_sum),
+    Program("cross_entropy_smoothing_ignore", _ce_smoothing, batches=lambda: classes(ignore_rows=(0, 1, 2))),
+    Program("cross_entropy_ignore", _ce_ignore, batches=lambda: classes(ignore_rows=(0, 1, 2))),
+    Program("cross_entropy_class_weights", _ce_class_weights_ignore, batches=lambda: classes(ignore_rows=(0, 1, 2))),
+    Program("masked_mean_valid_tokens", _masked_mean, batches=lambda: classes(ignore_rows=(0, 1, 2))),
+    Program("centred_by_batch_mean", _centred, expect="refused", says="couples rows of the batch"),
+    Program("where_on_batch_statistic", _where_batch_stat, expect="refused", says="couples rows of the batch"),
+    Program("row_weights_from_arange", _row_weights, expect="refused", says="makes a tensor of the batch's length"),
+    Program("penalty_over_x_shape", _penalty_per_row, expect="refused", says="reads the batch's size as a number"),
+    Program("ones_row_weights", _ones_weights),
+    Program("arange_row_index", _gather_rows, batches=lambda: classes()),
+    Program("expanded_constant", _expanded_bias),
+    Program("load_state_dict_between_calls", _plain, between=_reload_weights),
+]
+# left as they are (the table shows them; no test holds them): on tp2 the model holds its
+# shards and torch's load_state_dict refuses the whole tensors (size mismatch); on ZeRO-3 the
+# refusal of a read between calls comes wrapped in torch's RuntimeError
+KNOWN = [REDUCTIONS.pop()]
+PROGRAMS = STATE + OPTIMIZER + MODEL + BUILD + REDUCTIONS + KNOWN

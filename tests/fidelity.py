@@ -82,7 +82,7 @@ def eager(program: Program) -> Tuple[List[Any], Dict[str, torch.Tensor]]:
     model = _model(program)
     host = SimpleNamespace(model=model)
     program.setup(host)
-    opt = program.make_opt(model.parameters())
+    opt = host.opt = program.make_opt(model.parameters())
     outs = []
     for step, batch in enumerate(program.batches()):
         program.between(host, model, opt, step)
@@ -223,5 +223,6 @@ def table(programs: Sequence[Program], layouts: Sequence[str] = LAYOUTS, verbose
 if __name__ == "__main__":
     import sys
     from fidelity_programs import PROGRAMS
-    chosen = [p for p in PROGRAMS if len(sys.argv) < 2 or p.name in sys.argv[1:]]
+    from fidelity_programs import PROBES
+    chosen = [p for p in PROGRAMS + PROBES if len(sys.argv) < 2 or p.name in sys.argv[1:]]
     print(table(chosen, verbose=True))

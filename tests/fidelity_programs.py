@@ -528,3 +528,56 @@ REDUCTIONS = [   # what the loss reduces over the batch, and the batch's size re
 # refusal of a read between calls comes wrapped in torch's RuntimeError
 KNOWN = [REDUCTIONS.pop()]
 PROGRAMS = STATE + OPTIMIZER + MODEL + BUILD + REDUCTIONS + KNOWN
+
+
+def _zero_grad_habit(host, x, y):
+    host.model.zero_grad()
+    host.opt.zero_grad()
+    return mse(host.model(x), y)
+
+
+def _gradient_penalty(host, x, y):
+    x = x.clone().requires_grad_(True)
+    out = host.model(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return mse(out, y) + 0.1 * g.pow(2).sum(1).mean()
+
+
+def _a_only(params):
+    params = list(params)
+    return torch.optim.SGD(params[:2], lr=0.1)
+
+
+def _unfreeze_b(host, model, opt, step):
+    if step == 1:
+        opt.add_param_group({"params": list(model.b.parameters()), "lr": 0.05})
+
+
+def _smaller_last(n: int = 3):
+    data = regression(n)
+    x, y = data[-1]
+    return data[:-1] + [(x[:4], y[:4])]
+
+
+class Smoothed(Pair):
+    def __init__(self):
+        super().__init__()
+        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=0.0)
+
+
+def _module_loss(host, x, y):
+    return host.model.loss_fn(host.model(x), y)
+
+
+def _smoothing_schedule(host, model, opt, step):
+    model.loss_fn.label_smoothing = (0.0, 0.2, 0.1)[step]
+
+
+PROBES = [
+    Program("zero_grad_in_build", _zero_grad_habit),
+    Program("gradient_penalty", _gradient_penalty),
+    Program("param_group_added", _plain, make_opt=_a_only, between=_unfreeze_b),
+    Program("smaller_last_batch", _plain, batches=_smaller_last),
+    Program("label_smoothing_schedule", _module_loss, make_model=Smoothed, batches=lambda: classes(),
+            between=_smoothing_schedule),
+]

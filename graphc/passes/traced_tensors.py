@@ -26,6 +26,7 @@ any way stay writable in place, as buffers reached as attributes are.
 from __future__ import annotations
 
 import operator
+import sys
 import traceback
 from contextlib import contextmanager
 from typing import Dict, Optional, Tuple
@@ -36,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import GraphcError
 from ..ops.random_ops import RANDOM_METHODS
-from .user_lines import deepest_user_frame
+from .user_lines import TORCH_DIR, deepest_user_frame
 
 # Python's operators on a tensor, recorded as the operator (fx's own form for a proxy)
 _OPERATORS = {
@@ -132,7 +133,8 @@ class TracedTensors(TorchFunctionMode):
             if name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data" and args:
                 self._check_parameter_write(args[0], ".data =")  # p_t.data = 0.99 * p_t.data + ...
             if name in ("__get__", "__set__") and getattr(getattr(func, "__self__", None), "__name__", "") == "grad" \
-                    and args and id(args[0]) in self.params:   # p.grad of a parameter reached any way
+                    and args and id(args[0]) in self.params and _called_by_user():
+                # p.grad of a parameter reached any way (torch's own zero_grad() may ask)
                 raise refuse_grad_read(self.params[id(args[0])][0], _user_line())
             return self._made_by(func, args, kwargs)
         if name == "__setitem__":
@@ -269,6 +271,13 @@ def _record(func, name: str, args, kwargs):
         return _OPERATORS[name](*args)
     proxy = next(p for p in _proxies((args, kwargs)))
     return type(proxy).__torch_function__(func, (type(proxy),), args, kwargs)
+
+
+def _called_by_user() -> bool:
+    """Is the code that made the call running now (the frame below this mode's) the user's,
+    not torch's own (Module.zero_grad reading p.grad)?"""
+    frame = sys._getframe(2)   # _called_by_user <- __torch_function__ <- the caller
+    return not frame.f_code.co_filename.startswith(TORCH_DIR)
 
 
 def _user_line() -> str:

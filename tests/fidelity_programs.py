@@ -549,6 +549,16 @@ def _a_only(params):
 
 
 def _unfreeze_b(host, model, opt, step):
+    """Progressive unfreezing: b frozen and outside the optimizer, then trained with its own lr."""
+    if step == 0:
+        model.b.requires_grad_(False)
+    if step == 1:
+        model.b.requires_grad_(True)
+        opt.add_param_group({"params": list(model.b.parameters()), "lr": 0.05})
+
+
+def _add_b_group(host, model, opt, step):
+    """b trains outside the optimizer at step 0 (its .grad accumulates in eager), then joins it."""
     if step == 1:
         opt.add_param_group({"params": list(model.b.parameters()), "lr": 0.05})
 
@@ -577,6 +587,7 @@ PROBES = [
     Program("zero_grad_in_build", _zero_grad_habit),
     Program("gradient_penalty", _gradient_penalty),
     Program("param_group_added", _plain, make_opt=_a_only, between=_unfreeze_b),
+    Program("param_group_added_after_grads_accumulated", _plain, make_opt=_a_only, between=_add_b_group),
     Program("smaller_last_batch", _plain, batches=_smaller_last),
     Program("label_smoothing_schedule", _module_loss, make_model=Smoothed, batches=lambda: classes(),
             between=_smoothing_schedule),

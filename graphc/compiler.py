@@ -251,8 +251,8 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     gm = _step(run, "propagate_shapes", propagate_shapes, gm, example_inputs, m)
     # where each value holds the batch's rows (outputs merge over micro-batches by it)
     gm = _step(run, "find_batch_dims", find_batch_dims, gm, m, False)
-    # the batch's size read where the micro-batch's would mean something else is refused
-    _step(run, "check_batch_sizes", check_batch_sizes, run.whole, gm, m)
+    if m > 1:  # the batch's size read where the micro-batch's would mean something else: refused
+        _step(run, "check_batch_sizes", check_batch_sizes, run.whole, gm, m)
     # data flows forward through stages and the loss is a scalar, before anything is sharded
     _step(run, "verify_annotated", verify_annotated, gm, stage_of_module, len(stages))
 

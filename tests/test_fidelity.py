@@ -21,8 +21,7 @@ DEFAULT = {
     ("grad_read_in_build", "one"),              # traced_tensors: a parameter's .grad refused
     ("grad_of_attribute_in_build", "one"),      # build_tracer: a traced value's .grad refused
     ("metric_list_on_graph", "one"),            # guards/own_writes.py: traced values kept refused
-    ("row_weights_from_arange", "one"),         # check_batch_sizes: a made tensor meeting the rows
-    ("penalty_over_x_shape", "one"),            # check_batch_sizes: the size read as a number
+    # (check_batch_sizes' refusals: tests/passes/test_check_batch_sizes.py, in one process)
     ("arange_row_index", "dp2"),                # check_batch_sizes: what it must not refuse
     ("lr_sweep", "zero3"),                      # the optimizer's settings between calls
 }

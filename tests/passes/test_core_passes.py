@@ -102,7 +102,7 @@ def test_history_records_every_pass():
     assert names == ["collect_stages", "declared_layouts", "trace_build (whole batch)", "split_inputs", "propagate_shapes (whole batch)",
                      "find_batch_dims (whole batch)", "check_row_groups", "trace_build",
                      "verify_traced", "warn_unused_parameters", "place_inputs", "check_layout",
-                     "annotate_stages", "propagate_shapes", "find_batch_dims", "verify_annotated",
+                     "annotate_stages", "propagate_shapes", "find_batch_dims", "check_batch_sizes", "verify_annotated",
                      "declared_meshes", "decompose_modules", "defer_batch_norm", "infer_sbp",
                      "warn_replicated_stages", "insert_boxing", "localize_ops", "deal_zigzag", "seed_random_ops",
                      "split_stages", "insert_grad_modes", "insert_autocast_modes", "cast_to_traced_dtypes", "feed_whole_batch", "feed_whole_sums", "insert_checkpoints", "compile_key", "find_plan_symmetry", "lower_plan",

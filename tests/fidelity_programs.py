@@ -592,3 +592,42 @@ PROBES = [
     Program("label_smoothing_schedule", _module_loss, make_model=Smoothed, batches=lambda: classes(),
             between=_smoothing_schedule),
 ]
+
+
+def _over_detached(host, x, y):
+    loss = mse(host.model(x), y)
+    return loss / loss.detach().clamp(min=0.5)
+
+
+def _dynamic_weights(host, x, y):
+    out = host.model(x)
+    l1, l2 = mse(out, y), out.abs().mean()
+    w = l1.detach() / (l1.detach() + l2.detach())
+    return w * l1 + (1 - w) * l2
+
+
+def _ohem(host, x, y):
+    per = ((host.model(x) - y) ** 2).mean(1)
+    return per.topk(x.shape[0] // 2).values.mean()
+
+
+def _first_half(host, x, y):
+    per = ((host.model(x) - y) ** 2).mean(1)
+    return per[: x.shape[0] // 2].mean()
+
+
+def _mixup_flip(host, x, y):
+    lam = 0.7
+    xm, ym = lam * x + (1 - lam) * x.flip(0), lam * y + (1 - lam) * y.flip(0)
+    return mse(host.model(xm), ym)
+
+
+PROBES += [
+    Program("loss_over_its_detached_value", _over_detached),
+    Program("dynamic_loss_weights", _dynamic_weights),
+    Program("hard_example_topk", _ohem),
+    Program("first_half_of_batch", _first_half),
+    Program("mixup_with_flipped_batch", _mixup_flip),
+]
+# the same, without micro-batches: the ops that mix the batch's rows run on a split batch
+PROBES += [Program(p.name + "_acc1", p.loss, accumulation=1) for p in PROBES[-5:]]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import traceback
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -67,6 +67,8 @@ class Program:
     expect: str = "equal"          # what graphc must do on every layout: "equal" or "refused"
     refused_on: Tuple[str, ...] = ()   # layouts where it must refuse though others equal eager
     says: str = ""                 # a part of the refusal's message
+    after: Optional[Callable[[Any, nn.Module, int], Any]] = None   # user code after each call (a
+    # validation pass, an EMA teacher's update): its result is compared on every rank
 
     def expected(self, layout: str) -> str:
         return "refused" if layout in self.refused_on else self.expect
@@ -93,7 +95,13 @@ def eager(program: Program) -> Tuple[List[Any], Dict[str, torch.Tensor]]:
         program.after_backward(model)
         opt.step()
         outs.append(pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, out))
+        if program.after is not None:
+            outs.append(_detached(program.after(host, model, step)))
     return outs, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _detached(value):
+    return pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, value)
 
 
 def _graph_class(program: Program):
@@ -127,15 +135,21 @@ def run_graphc(program: Program, layout: str) -> Tuple[List[Any], Dict[str, torc
     def rank_main(rank: int):
         model = _model(program)
         graph = make(model, layout)
-        outs = []
+        outs, seen = [], []
         for step in range(len(data)):
             program.between(graph, model, graph.opt, step)
-            outs.append(graph(*(args(rank, step) if callable(args) else args[step])))
-        return [_local(out) for out in outs], graph.full_state_dict(rank0_only=True)
+            outs.append(_local(graph(*(args(rank, step) if callable(args) else args[step]))))
+            if program.after is not None:
+                seen.append(_detached(program.after(graph, model, step)))
+        return outs, graph.full_state_dict(rank0_only=True), seen
 
     results = LocalWorld(NPROC[layout]).run(rank_main)
-    # a returned value lives on its stage's ranks: take it from the first rank that holds it
-    outs = [_first_held([r[0][step] for r in results]) for step in range(len(data))]
+    outs = []
+    for step in range(len(data)):
+        # a returned value lives on its stage's ranks: take it from the first rank that holds it
+        outs.append(_first_held([r[0][step] for r in results]))
+        if program.after is not None:   # what the user's code after the call saw, on every rank
+            outs.append(tuple(r[2][step] for r in results))
     return outs, results[0][1]
 
 
@@ -151,9 +165,11 @@ def _first_held(candidates):
     return next((c for c in candidates if held(c)), candidates[0])
 
 
-def _differences(got, want) -> List[str]:
+def _differences(got, want, ranks: int, observed: bool) -> List[str]:
     outs, state = got
     want_outs, want_state = want
+    if observed:   # each rank's view of the user's code after the call, against eager's one
+        want_outs = [w if i % 2 == 0 else (w,) * ranks for i, w in enumerate(want_outs)]
     found = []
     for step, (a, b) in enumerate(zip(outs, want_outs)):
         for i, (x, y) in enumerate(zip(pytree.tree_leaves(a), pytree.tree_leaves(b))):
@@ -198,7 +214,7 @@ def outcome(program: Program, layout: str) -> Outcome:
             return Outcome("refused", str(e))
         except Exception as e:  # noqa: BLE001 - the probe reports any other failure as a crash
             return Outcome("crash", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-6)}")
-        found = _differences(got, want)
+        found = _differences(got, want, NPROC[layout], program.after is not None)
         return Outcome("wrong", "; ".join(found[:4])) if found else Outcome("equal")
     finally:
         torch.set_default_dtype(before)

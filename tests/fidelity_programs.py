@@ -631,3 +631,45 @@ PROBES += [
 ]
 # the same, without micro-batches: the ops that mix the batch's rows run on a split batch
 PROBES += [Program(p.name + "_acc1", p.loss, accumulation=1) for p in PROBES[-5:]]
+
+
+# -- the user's code after each call, on the user's own model ------------------------------
+_VALIDATION = torch.Generator().manual_seed(7)
+X_VAL = torch.randn(5, 6, generator=_VALIDATION, dtype=torch.float64)
+
+
+def _validate(host, model, step):
+    with torch.no_grad():
+        return model(X_VAL.to(torch.get_default_dtype()))
+
+
+def _weight_norm(host, model, step):
+    return sum(p.detach().pow(2).sum() for p in model.parameters())
+
+
+class Teacher:
+    """An EMA teacher updated after every call, as graphc's refusal of an EMA inside build() says."""
+
+    def __init__(self):
+        self.params = None
+
+    def update(self, model):
+        with torch.no_grad():
+            if self.params is None:
+                self.params = [p.detach().clone() for p in model.parameters()]
+            for t, p in zip(self.params, model.parameters()):
+                t.mul_(0.9).add_(p, alpha=0.1)
+        return [t.clone() for t in self.params]
+
+
+def _ema_after(host, model, step):
+    if not hasattr(host, "teacher"):
+        host.teacher = Teacher()
+    return host.teacher.update(model)
+
+
+PROBES += [
+    Program("validation_on_the_model_between_calls", _plain, after=_validate),
+    Program("weight_norm_logged_between_calls", _plain, after=_weight_norm),
+    Program("ema_teacher_after_each_call", _plain, after=_ema_after),
+]

@@ -19,6 +19,7 @@ from ..placement import Split
 from ..runtime.agreement import check_agreement, fingerprint_tensor, step_facts
 from ..runtime.dist_env import timeout_seconds
 from ..runtime.master_params import MasterParams
+from ..runtime.zero_access import hold_elsewhere, release_elsewhere
 from ..meta import META_PIECES
 from ..sbp.layout import coord, flat, local_component, place_shard
 
@@ -64,6 +65,7 @@ class GraphState:
         if device.type != "cpu":
             for k in self.local_keys:
                 tensors[k].data = tensors[k].data.to(device)
+        hold_elsewhere(self._held_elsewhere(tensors))   # NOTE: Parameters held elsewhere
         if self.optimizer is None:
             return
         all_params = {id(p) for p in self.root.parameters()}
@@ -80,6 +82,22 @@ class GraphState:
             self.masters = MasterParams.take([tensors[k] for k in self.local_keys
                                               if isinstance(tensors[k], nn.Parameter)],
                                              self.optimizer, self.param_dtype)
+
+    def _held_elsewhere(self, tensors) -> Dict[str, Tuple[nn.Parameter, str]]:
+        """The parameters this rank does not hold whole after the plans (See NOTE: Parameters
+        held elsewhere): a stage another rank runs, or a part of a split one."""
+        local, found = set(self.local_keys), {}
+        for k, t in tensors.items():
+            if not isinstance(t, nn.Parameter) or k not in self.holders:
+                continue
+            if k not in local:
+                ranks = sorted({r for s in self.holders[k] for r in self.compiled.stages[s].ranks})
+                found[k] = (t, f"it is trained on rank(s) {ranks} (stage {list(self.holders[k])}), not on rank "
+                               f"{self.rank}, whose copy keeps the value the model started with")
+            elif k in self.shards:
+                found[k] = (t, f"rank {self.rank} holds a part of it ({list(t.shape)} of {list(self.shards[k][0])}: "
+                               "a split parameter)")
+        return found
 
     def adopt(self, compiled, device: torch.device) -> None:
         """Another plan of the graph (NOTE: Guards) may use parameters the first did not: an
@@ -101,6 +119,8 @@ class GraphState:
         self.holders.update(new)
         self.owner.update({k: s[0] for k, s in new.items()})
         self.local_keys += mine
+        release_elsewhere(tensors[k] for k in mine)
+        hold_elsewhere({k: v for k, v in self._held_elsewhere(tensors).items() if k in new})
         adopted = {id(tensors[k]) for k in mine}
         if device.type != "cpu":
             for k in mine:

@@ -22,7 +22,7 @@ import os
 import threading
 import traceback
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Tuple
 
 import torch
 from torch._C import _disabled_torch_function_impl
@@ -58,21 +58,85 @@ class HeldParameter(torch.nn.Parameter):
             freed = _freed_among(args, kwargs)
             if freed is not None:
                 raise _read_refused(freed, func)
+            elsewhere = _elsewhere_among(func, args, kwargs)
+            if elsewhere is not None:
+                raise _elsewhere_refused(elsewhere, func)
         return _disabled_torch_function_impl(func, types, args, kwargs)
+
+
+# NOTE: Parameters held elsewhere
+# Between calls the user's model on a rank holds what the plans left there: on a pipeline,
+# the parameters of stages other ranks run are the values the model started with (never
+# trained here); under tensor parallelism a split parameter is this rank's part (its shape
+# the part's). Code that reads the model between calls (a validation pass, a logged weight
+# norm, an EMA teacher updated after each call) would read stale or partial values silently,
+# on some ranks only. So such parameters are held as ZeRO-3's are (See NOTE: ZeRO-3
+# parameters between calls): a read of their values is a GraphcError naming the parameter,
+# the line and the fix; an in-place update of the parameter itself (every rank runs the
+# same script, and the rank that holds it does the same) still runs.
+_ELSEWHERE_SEEN = False
+
+
+def hold_elsewhere(params: Mapping[str, Tuple[torch.nn.Parameter, str]]) -> None:
+    """Marks each parameter (by name: the parameter and why this rank does not hold it whole)
+    to be held between calls (See NOTE: Parameters held elsewhere); a parameter this rank
+    now holds whole (a later plan's) is unmarked by `release_elsewhere`."""
+    global _ELSEWHERE_SEEN
+    for name, (p, why) in params.items():
+        p._graphc_elsewhere = (name, why)
+        _ELSEWHERE_SEEN = True
+
+
+def release_elsewhere(params: Iterable[torch.nn.Parameter]) -> None:
+    for p in params:
+        if getattr(p, "_graphc_elsewhere", None) is not None:
+            p._graphc_elsewhere = None
+
+
+def _elsewhere_among(func, args, kwargs) -> Optional[torch.nn.Parameter]:
+    name = getattr(func, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__")
+    for i, a in enumerate((*args, *kwargs.values())):
+        if type(a) is HeldParameter and getattr(a, "_graphc_elsewhere", None) is not None \
+                and not (in_place and i == 0):
+            return a
+        if isinstance(a, (list, tuple)):
+            found = _elsewhere_among(func, a, {})
+            if found is not None:
+                return found
+    return None
+
+
+def _elsewhere_refused(p: torch.nn.Parameter, func) -> GraphcError:
+    name, why = p._graphc_elsewhere
+    what = getattr(func, "__name__", None) or repr(func)
+    if what == "__get__":
+        what = "." + getattr(getattr(func, "__self__", None), "__name__", "attribute")
+    return GraphcError(
+        f"{_user_line()}: reads the parameter '{name}' ({what}) between graph calls, but {why}, so "
+        "what this rank's model holds is not the trained parameter (See NOTE: Parameters held "
+        "elsewhere). Fix: read the whole model with graph.full_state_dict() (collective: every rank "
+        "calls it), compute it inside a graph (a validation loss: a forward-only Graph of the same "
+        "model), or update it in place (p.mul_(...), which every rank may run).")
 
 
 def hold_between_calls(params: Iterable[torch.nn.Parameter]) -> None:
     """Each of `params` that ZeRO stage 3 holds as rows, its storage freed, becomes a
     HeldParameter until the next graph entry (zero.released_in: no walk of the parameters in
     a process that never held one, so the call of a graph without stage 3 pays nothing)."""
+    params = list(params)
     for p in released_in(params):
         if type(p) is torch.nn.Parameter:
             p.__class__ = HeldParameter
+    if _ELSEWHERE_SEEN:   # (See NOTE: Parameters held elsewhere)
+        for p in params:
+            if type(p) is torch.nn.Parameter and getattr(p, "_graphc_elsewhere", None) is not None:
+                p.__class__ = HeldParameter
 
 
 def release_hold(params: Iterable[torch.nn.Parameter]) -> None:
     """Every HeldParameter among `params` is a plain nn.Parameter again."""
-    if not any_held():
+    if not any_held() and not _ELSEWHERE_SEEN:
         return
     for p in params:
         if type(p) is HeldParameter:

@@ -238,7 +238,6 @@ def table(programs: Sequence[Program], layouts: Sequence[str] = LAYOUTS, verbose
 
 if __name__ == "__main__":
     import sys
-    from fidelity_programs import PROGRAMS
-    from fidelity_programs import PROBES
-    chosen = [p for p in PROGRAMS + PROBES if len(sys.argv) < 2 or p.name in sys.argv[1:]]
+    from fidelity_probes import PROGRAMS
+    chosen = [p for p in PROGRAMS if len(sys.argv) < 2 or p.name in sys.argv[1:]]
     print(table(chosen, verbose=True))

@@ -1,5 +1,6 @@
 """The fidelity probe's programs (NOTE: Fidelity probe, tests/fidelity.py): small training
-programs as users write them, each changing its Python state between calls."""
+programs as users write them, each changing its Python state between calls; grouped with
+those of tests/fidelity_probes.py there."""
 from __future__ import annotations
 
 import random
@@ -443,7 +444,8 @@ def _output_with_float(host, x, y):
 
 
 # -- the programs, by what they change or do (tests/test_fidelity.py: one test a group) --------
-_MADE_IN_BUILD = "between graph calls"   # (a part of every refusal of a parameter read on ZeRO-3)
+BETWEEN_CALLS = "between graph calls"   # (a part of every refusal of a parameter read between calls)
+NOT_WHOLE = ("pp2", "tp2", "pp2xdp2", "zero3")   # where some rank does not hold every parameter whole
 STATE = [   # Python values changed between calls
     Program("graph_attribute", _temperature, setup=lambda host: setattr(host, "temperature", 1.0),
             between=_set_attr("temperature", (1.0, 2.0, 0.5))),
@@ -477,8 +479,8 @@ MODEL = [   # the model changed between calls
     Program("submodule_replaced", _plain, make_model=Activated, between=_swap_activation, expect="refused",
             says="was replaced by another ReLU after the graph compiled"),
     Program("weight_edited_between_calls", _plain, between=_clamp_between, refused_on=("zero3",),
-            says=_MADE_IN_BUILD),
-    Program("weight_data_replaced", _plain, between=_replace_data, refused_on=("zero3",), says=_MADE_IN_BUILD),
+            says=BETWEEN_CALLS),
+    Program("weight_data_replaced", _plain, between=_replace_data, refused_on=NOT_WHOLE, says=BETWEEN_CALLS),
     Program("bias_frozen_for_a_call", _plain, between=_freeze_bias),
     Program("hook_gain_edited", _plain, make_model=Gained, between=_hook_gain),
     Program("buffers_updated_in_forward", _plain, make_model=Counting, accumulation=1),
@@ -528,148 +530,3 @@ REDUCTIONS = [   # what the loss reduces over the batch, and the batch's size re
 # refusal of a read between calls comes wrapped in torch's RuntimeError
 KNOWN = [REDUCTIONS.pop()]
 PROGRAMS = STATE + OPTIMIZER + MODEL + BUILD + REDUCTIONS + KNOWN
-
-
-def _zero_grad_habit(host, x, y):
-    host.model.zero_grad()
-    host.opt.zero_grad()
-    return mse(host.model(x), y)
-
-
-def _gradient_penalty(host, x, y):
-    x = x.clone().requires_grad_(True)
-    out = host.model(x)
-    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
-    return mse(out, y) + 0.1 * g.pow(2).sum(1).mean()
-
-
-def _a_only(params):
-    params = list(params)
-    return torch.optim.SGD(params[:2], lr=0.1)
-
-
-def _unfreeze_b(host, model, opt, step):
-    """Progressive unfreezing: b frozen and outside the optimizer, then trained with its own lr."""
-    if step == 0:
-        model.b.requires_grad_(False)
-    if step == 1:
-        model.b.requires_grad_(True)
-        opt.add_param_group({"params": list(model.b.parameters()), "lr": 0.05})
-
-
-def _add_b_group(host, model, opt, step):
-    """b trains outside the optimizer at step 0 (its .grad accumulates in eager), then joins it."""
-    if step == 1:
-        opt.add_param_group({"params": list(model.b.parameters()), "lr": 0.05})
-
-
-def _smaller_last(n: int = 3):
-    data = regression(n)
-    x, y = data[-1]
-    return data[:-1] + [(x[:4], y[:4])]
-
-
-class Smoothed(Pair):
-    def __init__(self):
-        super().__init__()
-        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=0.0)
-
-
-def _module_loss(host, x, y):
-    return host.model.loss_fn(host.model(x), y)
-
-
-def _smoothing_schedule(host, model, opt, step):
-    model.loss_fn.label_smoothing = (0.0, 0.2, 0.1)[step]
-
-
-PROBES = [
-    Program("zero_grad_in_build", _zero_grad_habit),
-    Program("gradient_penalty", _gradient_penalty),
-    Program("param_group_added", _plain, make_opt=_a_only, between=_unfreeze_b),
-    Program("param_group_added_after_grads_accumulated", _plain, make_opt=_a_only, between=_add_b_group),
-    Program("smaller_last_batch", _plain, batches=_smaller_last),
-    Program("label_smoothing_schedule", _module_loss, make_model=Smoothed, batches=lambda: classes(),
-            between=_smoothing_schedule),
-]
-
-
-def _over_detached(host, x, y):
-    loss = mse(host.model(x), y)
-    return loss / loss.detach().clamp(min=0.5)
-
-
-def _dynamic_weights(host, x, y):
-    out = host.model(x)
-    l1, l2 = mse(out, y), out.abs().mean()
-    w = l1.detach() / (l1.detach() + l2.detach())
-    return w * l1 + (1 - w) * l2
-
-
-def _ohem(host, x, y):
-    per = ((host.model(x) - y) ** 2).mean(1)
-    return per.topk(x.shape[0] // 2).values.mean()
-
-
-def _first_half(host, x, y):
-    per = ((host.model(x) - y) ** 2).mean(1)
-    return per[: x.shape[0] // 2].mean()
-
-
-def _mixup_flip(host, x, y):
-    lam = 0.7
-    xm, ym = lam * x + (1 - lam) * x.flip(0), lam * y + (1 - lam) * y.flip(0)
-    return mse(host.model(xm), ym)
-
-
-PROBES += [
-    Program("loss_over_its_detached_value", _over_detached),
-    Program("dynamic_loss_weights", _dynamic_weights),
-    Program("hard_example_topk", _ohem),
-    Program("first_half_of_batch", _first_half),
-    Program("mixup_with_flipped_batch", _mixup_flip),
-]
-# the same, without micro-batches: the ops that mix the batch's rows run on a split batch
-PROBES += [Program(p.name + "_acc1", p.loss, accumulation=1) for p in PROBES[-5:]]
-
-
-# -- the user's code after each call, on the user's own model ------------------------------
-_VALIDATION = torch.Generator().manual_seed(7)
-X_VAL = torch.randn(5, 6, generator=_VALIDATION, dtype=torch.float64)
-
-
-def _validate(host, model, step):
-    with torch.no_grad():
-        return model(X_VAL.to(torch.get_default_dtype()))
-
-
-def _weight_norm(host, model, step):
-    return sum(p.detach().pow(2).sum() for p in model.parameters())
-
-
-class Teacher:
-    """An EMA teacher updated after every call, as graphc's refusal of an EMA inside build() says."""
-
-    def __init__(self):
-        self.params = None
-
-    def update(self, model):
-        with torch.no_grad():
-            if self.params is None:
-                self.params = [p.detach().clone() for p in model.parameters()]
-            for t, p in zip(self.params, model.parameters()):
-                t.mul_(0.9).add_(p, alpha=0.1)
-        return [t.clone() for t in self.params]
-
-
-def _ema_after(host, model, step):
-    if not hasattr(host, "teacher"):
-        host.teacher = Teacher()
-    return host.teacher.update(model)
-
-
-PROBES += [
-    Program("validation_on_the_model_between_calls", _plain, after=_validate),
-    Program("weight_norm_logged_between_calls", _plain, after=_weight_norm),
-    Program("ema_teacher_after_each_call", _plain, after=_ema_after),
-]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from fidelity import outcome
-from fidelity_programs import BUILD, MODEL, OPTIMIZER, REDUCTIONS, STATE
+from fidelity_probes import AFTER, BUILD, MODEL, OPTIMIZER, REDUCTIONS, STATE
 from layouts import LAYOUTS
 
 # the default cases: one per mechanism (what it covers in the comment), the rest under -m slow
@@ -24,6 +24,7 @@ DEFAULT = {
     # (check_batch_sizes' refusals: tests/passes/test_check_batch_sizes.py, in one process)
     ("arange_row_index", "dp2"),                # check_batch_sizes: what it must not refuse
     ("lr_sweep", "zero3"),                      # the optimizer's settings between calls
+    ("validation_on_the_model_between_calls", "pp2"),   # zero_access: parameters held elsewhere
 }
 
 
@@ -64,4 +65,9 @@ def test_what_build_does(program, layout):
 
 @pytest.mark.parametrize("program,layout", _cases(REDUCTIONS))
 def test_reductions_and_the_batch_size(program, layout):
+    _check(program, layout)
+
+
+@pytest.mark.parametrize("program,layout", _cases(AFTER))
+def test_the_users_code_after_each_call(program, layout):
     _check(program, layout)

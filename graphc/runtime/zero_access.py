@@ -117,7 +117,7 @@ def _elsewhere_refused(p: torch.nn.Parameter, func) -> GraphcError:
         "what this rank's model holds is not the trained parameter (See NOTE: Parameters held "
         "elsewhere). Fix: read the whole model with graph.full_state_dict() (collective: every rank "
         "calls it), compute it inside a graph (a validation loss: a forward-only Graph of the same "
-        "model), or update it in place (p.mul_(...), which every rank may run).")
+        "model on the same stages), or update it in place (p.mul_(...), which every rank may run).")
 
 
 def hold_between_calls(params: Iterable[torch.nn.Parameter]) -> None:

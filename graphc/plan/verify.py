@@ -45,7 +45,7 @@ def verify_plans(plans: Sequence[ExecutionPlan], world_size: Optional[int] = Non
     world_size: the job's ranks, when `plans` are only some of them (a rank's own compile,
     NOTE: Plans of some ranks): then each plan's compute order is checked (4) and its peers
     lie in the world; pairing (1, 2) is checked at startup between the ranks themselves
-    (NOTE: Plan digests, runtime/agreement.py), and deadlock freedom (3) by `graphc plan`.
+    (runtime/agreement.py; NOTE: Plan digests), and deadlock freedom (3) by `graphc plan`.
     quotient: `plans` are the templates of a symmetric world (NOTE: Plan templates), checked
     in full as a world whose groups' members are the members among them.
     """

@@ -9,12 +9,10 @@ import math
 import importlib.util
 import sys
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import graphc
 from graphc.guards import FrameReads, observe_frames
 from layouts import Pair, SquaredError, assert_same, batches, eager, every_layout, every_layout_slow_on, sgd, train
 

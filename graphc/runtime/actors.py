@@ -13,7 +13,6 @@ listing (`1F3`, `0SEND_F3 to=1 stage=1`, `ALL_REDUCE bucket 2`), so a profile sh
 plan's steps with the kernels under them. Without a profiler the ranges are skipped: a
 record_function costs ~10 us on a CPU even when nothing records it.
 """
-
 from __future__ import annotations
 
 import time

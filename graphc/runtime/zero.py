@@ -109,7 +109,6 @@ master's rows from the gathered master, never from the parameter's rounding. Sam
 same order as the replicated set_param_dtype run: equal to it bit for bit at 2 ranks
 (tests/zero/test_zero3_param_dtype.py).
 """
-
 from __future__ import annotations
 
 from collections import defaultdict
@@ -126,7 +125,8 @@ from .zero_rows import ReducedRows, in_place_group, launch_broadcast_rows, row_g
 from .zero_shard import Shard
 from .zero_whole import any_held, held, hold_seen, released_in, whole_parameters
 
-# every name that lived here before the shard and the whole-parameter block had files of their own
+# what other modules import from here: ZeroShards and prefetches, and the names that lived here
+# before a shard (zero_shard.py) and the whole-parameter block (zero_whole.py) had files of their own
 __all__ = ["Shard", "ZeroShards", "any_held", "released_in", "whole_parameters", "prefetches"]
 
 

@@ -48,7 +48,7 @@ PIECES = [
     ("graphc.runtime.actors", "Runtime.step"),
     ("graphc.runtime.grad_hooks", "UserGradHooks.set_aside"),
     ("graphc.runtime.grad_hooks", "UserGradHooks.run"),
-    ("graphc.runtime.actors", "Runtime._own_grads"),
+    ("graphc.runtime.optimizer_runner", "OptimizerRunner._own_grads"),
     ("graphc.runtime.actors", "Runtime._microbatches"),
     ("graphc.runtime.actors", "Runtime._run_forward"),
     ("graphc.runtime.executor", "StageExecutor.forward"),

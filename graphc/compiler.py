@@ -229,7 +229,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     (placement, sbp) pair is read as one).
     ranks: whose plans to lower and verify; None: every rank's (graphc plan). A rank lowers
     its own (NOTE: Plans of some ranks, passes/lower_plan.py), and agrees with its peers at
-    startup (NOTE: Plan digests, runtime/agreement.py).
+    startup (runtime/agreement.py; NOTE: Plan digests).
     """
     if not isinstance(spec, CompileSpec):
         spec = spec._compile_spec()

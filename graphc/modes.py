@@ -31,7 +31,7 @@ import importlib
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -140,10 +140,23 @@ def stop_before_step(graph) -> None:
 # (config.set_check_microbatching, checking/first_step.py) bounds a whole tensor by its largest
 # value: max |graphc - eager| <= t * max(max |eager|, 1) — a safety net that stops a user's
 # job with a GraphcError, so ten times looser in float64 than the tests' oracle.
-TOLERANCE: Dict[torch.dtype, float] = {torch.float64: 1e-10, torch.float32: 1e-4,
-                                       torch.bfloat16: 1e-2, torch.float16: 1e-2}
-FIRST_STEP_TOLERANCE: Dict[torch.dtype, float] = {torch.float64: 1e-9, torch.float32: 1e-4,
-                                                  torch.bfloat16: 1e-2, torch.float16: 1e-2}
+class Bounds(NamedTuple):
+    check: float         # check mode: per value, the tests' oracle
+    first_step: float    # the first-step check of a training job: per tensor, by its largest value
+
+
+TOLERANCES: Dict[torch.dtype, Bounds] = {
+    torch.float64: Bounds(check=1e-10, first_step=1e-9),
+    torch.float32: Bounds(check=1e-4, first_step=1e-4),
+    torch.bfloat16: Bounds(check=1e-2, first_step=1e-2),
+    torch.float16: Bounds(check=1e-2, first_step=1e-2),
+}
+OTHER_DTYPES = Bounds(check=1e-2, first_step=1e-2)
+
+
+def tolerance(dtype: torch.dtype) -> Bounds:
+    """graphc's bounds against eager for values of `dtype` (the table above)."""
+    return TOLERANCES.get(dtype, OTHER_DTYPES)
 
 
 # -- check mode ----------------------------------------------------------------------
@@ -157,10 +170,10 @@ class CheckDone(Exception):
 class CheckMode:
     steps: Optional[int] = 3                    # calls compared per graph; None: all
     reports: List[object] = field(default_factory=list)   # one StepReport per graph (rank 0)
-    tolerance: Optional[float] = None           # None: TOLERANCE by the values' dtype
+    tolerance: Optional[float] = None           # None: tolerance(dtype).check
 
     def bound(self, dtype: torch.dtype) -> float:
-        return self.tolerance if self.tolerance is not None else TOLERANCE.get(dtype, 1e-2)
+        return self.tolerance if self.tolerance is not None else tolerance(dtype).check
 
 
 _CHECKS: List[CheckMode] = []

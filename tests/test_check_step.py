@@ -119,7 +119,7 @@ def test_check_mode_on_an_amp_job_runs_eager_under_the_same_autocast():
 @pytest.mark.parametrize("nproc, m", [(1, 2), (2, 2)])
 def test_check_mode_on_an_amp_job_is_ok_at_the_amp_tolerance(nproc, m):
     """Micro-batches (and a pipeline) round bf16 elsewhere than eager on the whole batch: the
-    values agree to bf16's tolerance (modes.TOLERANCE), which the report states."""
+    values agree to bf16's tolerance (modes.TOLERANCES), which the report states."""
     from test_amp import _batches
     run = graphc.testing.local_world(lambda: _amp_graph(nproc == 2, m), _batches(), nproc=nproc, check=True)
     assert run.ok, run.text()

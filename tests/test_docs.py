@@ -1,6 +1,7 @@
-"""The docs cannot drift from the code: every `NOTE:` cited is defined, every code name the docs
-cite exists, README's sweep counts are the sweep's, README's snippets parse and the graphc
-names they use resolve after `import graphc` alone. Read as text (and one subprocess for
+"""The docs cannot drift from the code: every `NOTE:` cited is defined (in the file a citation
+names, if it names one), every code name and file the docs cite exists, README's sweep counts
+are the sweep's, README's snippets parse and the graphc names they use resolve after `import
+graphc` alone. Read as text (and one subprocess for
 the names), so nothing here runs a model.
 """
 import ast
@@ -56,11 +57,44 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
+# a file named right after a cited title says where the NOTE is defined: "NOTE: Guards in
+# graphc/guards/__init__.py", "(NOTE: ZeRO, runtime/zero.py)"
+NAMED_HOME = re.compile(r"\s*(?:in|,)\s+`?((?:\w+/)*\w+\.(?:py|md))\b")
+
+
+def misplaced_citations(titles, paths):
+    """Citations whose named file is not one that defines the NOTE (a split moved it)."""
+    by_length = sorted(titles, key=len, reverse=True)
+    for path in paths:
+        text = _one_line(path.read_text())
+        for m in re.finditer(r"NOTE:\s*", text):
+            rest = text[m.end():m.end() + 200]
+            title = next((t for t in by_length if rest.startswith(t)), None)
+            named = NAMED_HOME.match(rest[len(title):]) if title else None
+            if named and not any(str(home).endswith(named.group(1)) for home in titles[title]):
+                homes = ", ".join(_shown(home) for home in titles[title])
+                yield f"{_shown(path)}: NOTE: {title} is cited in {named.group(1)}, defined in {homes}"
+
+
 def test_every_cited_note_has_a_definition():
     titles = note_definitions()
     assert len(titles) >= 60
     assert {"Watchdog cost", "Schedule registry", "SBP rule check", "Worlds"} <= set(titles)
     assert list(unresolved_citations(titles)) == []
+
+
+def test_a_note_cited_with_a_file_is_defined_in_that_file():
+    assert list(misplaced_citations(note_definitions(), SOURCES + DOCS)) == []
+
+
+def test_a_note_cited_in_the_wrong_file_is_found(tmp_path):
+    home, doc = tmp_path / "zero.py", tmp_path / "design.md"
+    home.write_text('"""\nNOTE: ZeRO stage 3\nAt stage 3 ...\n"""\n')
+    doc.write_text("freed between uses (NOTE: ZeRO stage 3 in runtime/actors.py), or (See\n"
+                   "NOTE: ZeRO stage 3, `zero.py`) and (NOTE: ZeRO stage 3) alone\n")
+    titles = {"ZeRO stage 3": [home]}
+    assert list(misplaced_citations(titles, [doc])) == [
+        "design.md: NOTE: ZeRO stage 3 is cited in runtime/actors.py, defined in zero.py"]
 
 
 def test_a_note_cited_without_definition_is_found(tmp_path, monkeypatch):
@@ -107,6 +141,29 @@ def missing_code_names(docs):
                 homes = [t for p, t in sources.items() if str(p).endswith(at_file.group(1))]
                 if not any(_defines(text, at_file.group(2)) for text in homes):
                     yield f"{doc.name}: {name}"
+
+
+# a path the docs cite (graphc/plan/verify.py, runtime/zero.py, tests/sbp/rule_check.py), read
+# from the repository root or from graphc/ or tests/; what graphc writes (DIR/, plans/) is not one
+CITED_PATH = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)+[\w-]+\.(?:py|md))\b")
+WRITTEN = ("DIR/", "plans/")
+
+
+def missing_paths(docs):
+    """Files the docs cite that the repository lacks (a file split or renamed since)."""
+    for doc in docs:
+        for path in sorted(set(CITED_PATH.findall(doc.read_text()))):
+            if not path.startswith(WRITTEN) and not any(
+                    (ROOT / base / path).is_file() for base in ("", "graphc", "tests")):
+                yield f"{doc.name}: {path}"
+
+
+def test_files_the_docs_cite_exist(tmp_path):
+    assert list(missing_paths(DOCS)) == []
+    doc = tmp_path / "design.md"
+    doc.write_text("the walk (`plan/verify_deadlock.py: check_acyclic`), once in plan/verify.py's "
+                   "_check_acyclic and graphc/runtime/world.py, writes DIR/auto.md\n")
+    assert list(missing_paths([doc])) == ["design.md: graphc/runtime/world.py"]
 
 
 # bare names the docs cite that are not graphc's code, with what they are

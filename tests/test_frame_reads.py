@@ -1,5 +1,5 @@
 """Every Python value build() reads is guarded, whatever the path (NOTE: Frame reads,
-graphc/guards.py): a module-level global, a closure variable, a functools.partial's keywords,
+graphc/guards/frames.py): a module-level global, a closure variable, a functools.partial's keywords,
 an attribute of the user's own config module, a property, which parameters take gradients.
 Each is changed between calls as a user would, on every layout of the matrix (NOTE: Layout
 matrix, tests/layouts.py), and graphc must train as eager does on the whole batch (float64,
@@ -9,12 +9,10 @@ import math
 import importlib.util
 import sys
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import graphc
 from graphc.guards import FrameReads, observe_frames
 from layouts import Pair, SquaredError, assert_same, batches, eager, every_layout, every_layout_slow_on, sgd, train
 

@@ -1,4 +1,4 @@
-"""Guards (NOTE: Guards, graphc/guards.py): a Python value build() read is checked on every
+"""Guards (NOTE: Guards, graphc/guards/__init__.py): a Python value build() read is checked on every
 call; a change compiles (and caches) another plan, or is a GraphcError where it cannot.
 
 Each case runs a user's habit between calls (model.eval(), an annealed attribute, a Graph

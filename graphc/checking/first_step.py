@@ -29,7 +29,7 @@ from ..checkpoint.dcp import user_prefix
 from ..errors import GraphcError
 from ..global_tensor import GlobalTensor
 from ..log import warn_user
-from ..modes import FIRST_STEP_TOLERANCE
+from ..modes import tolerance
 from ..placement import Broadcast, Split
 from ..sbp.layout import coord, flat, place_shard
 
@@ -82,7 +82,7 @@ class FirstStepCheck:
         out, want = EagerTwin(graph, self.groups, self.before).step(self.inputs, self.tree)
         want_loss = _first_scalar(out)
         prefix = user_prefix(graph._root)  # full_state_dict's keys drop it; the report names it
-        rtol = amp_bound(graph, lambda dtype: FIRST_STEP_TOLERANCE.get(dtype, 1e-2))
+        rtol = amp_bound(graph, lambda dtype: tolerance(dtype).first_step)
         rows = []
         for k, v in want.items():
             got = after.get(k)

@@ -19,7 +19,7 @@ which every rank of its stage offers and DCP writes once (its planner keeps one 
 key and offset). The optimizer part follows `get_optimizer_state_dict`: state by parameter
 name, laid out like its parameter, and the optimizer's *global* param groups (every name of
 each group, not only this rank's), so they are the same on every rank and in every layout.
-`base_seed` (NOTE: Replica-equal randomness, runtime/rng.py) is shared, so a resumed run
+`base_seed` (runtime/rng.py; NOTE: Replica-equal randomness) is shared, so a resumed run
 draws the same dropout masks. Each rank's CPU RNG state: See NOTE: RNG states in checkpoints.
 
 NOTE: RNG states in checkpoints

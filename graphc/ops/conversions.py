@@ -46,7 +46,7 @@ class RankGroups(tuple):
 
 def create_groups(rank_sets: Iterable[Sequence[int]]) -> None:
     """Creates a process group per rank set; collective over the world, deterministic order
-    (a local world needs none: See NOTE: Worlds in graphc/runtime/world.py)."""
+    (a local world needs none: See NOTE: Worlds in graphc/world.py)."""
     torch_world = world.torch_world()
     if torch_world is not None:
         torch_world.create_groups(rank_sets)

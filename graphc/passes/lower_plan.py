@@ -53,7 +53,7 @@ def lower_plan(programs: Sequence[StageProgram], stages: Sequence[StageInfo], sc
 # (_in_receive_order). So lowering a set of ranks also lists the instructions of the ranks they
 # send to, and keeps only its own. A rank's plan lowered alone is the plan the whole world's
 # lowering gives it (tests/passes/test_lower_plan.py checks it for every layout family); what
-# its peers must agree with is checked at startup (NOTE: Plan digests, runtime/agreement.py).
+# its peers must agree with is checked at startup (runtime/agreement.py; NOTE: Plan digests).
 class _Listing:
     """Each rank's compute order with its receives and sends, before sends are reordered;
     ranks of one pipeline position share one compute order."""

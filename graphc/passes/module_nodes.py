@@ -3,7 +3,7 @@
 Each new node copies the module call's stage, grad mode, autocast region and stack trace,
 so later passes and messages see it where the module was; a parameter is read through a
 get_attr of its qualified name, and one stored in pieces is cut by torch.split (See NOTE:
-fused pieces, decompose_modules.py).
+fused pieces in fused_linear.py).
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ columns {M[*][t]} (then rho_d maps it onto itself and its instance keeps the tem
 Why verifying the templates verifies the world. verify_plans(quotient=True) checks the
 templates as a world of their own in which a group's members are its members in row 0 (and
 idle ranks). Map every world instruction (r, i) to (template of r, i). Each edge of the
-world's wait-for graph (plan/verify.py _check_acyclic) maps to an edge of the templates' graph:
+world's wait-for graph (plan/verify_deadlock.py check_acyclic) maps to an edge of the templates' graph:
 program order to program order; a send on M[d][t] to its peer M[d][t'] in the same row (B)
 pairs, by renaming, exactly as the template's send to M[0][t'] pairs; a collective over a group
 G of row d maps to the template's group rho_d(G) inside row 0, one over a union of columns to

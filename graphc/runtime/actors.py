@@ -18,21 +18,18 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.profiler import record_function
 
-from .. import world
 from ..errors import RankFailedError
 from ..log import warn_user
 from ..meta import META_SBP
 from ..placement import Broadcast
-from ..plan.instructions import (ACT, COMPUTE_RUNS, INSIDE_COMPUTE, INSTRUCTIONS, PRE, AllGather, AllReduce,
+from ..plan.instructions import (ACT, INSIDE_COMPUTE, INSTRUCTIONS, PRE, AllGather, AllReduce,
                                  Backward, BackwardInput, BackwardWeight, ClipGradNorm, Forward, OptimizerStep,
                                  OutputAllReduce, OverlapFB, PrePass, Recv, ReleaseParams, Send)
-from ..ops.conversions import all_reduce_sum
 from ..plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..plan.program import StageProgram
 from .collectives import GradSync, OutputSums
@@ -42,43 +39,14 @@ from .cuda_graphs import StepGraph, compute_prefix
 from .device import place_programs
 from .executor import StageExecutor
 from .grad_hooks import UserGradHooks
+from .optimizer_runner import OptimizerRunner, local_parameters
 from .peer_actors import RecvActor, SendActor, _assemble
 from .pre_pass import PrePasses
+from .step_values import StepStats, StepValues
 from .stopped_ranks import explain_stopped_peers
-from .zero import ZeroShards, released_in, whole_parameters
+from .zero import ZeroShards, prefetches, released_in, whole_parameters
 from .zero_sync import ZeroGradSync
 from .zero_units import UnitGatherer
-
-
-@dataclass
-class StepStats:
-    """What one step did: peak live activations per stage (micro-batches, and bytes with
-    config.set_memory_stats), wall time, optional timeline."""
-
-    max_live_activations: Dict[int, int] = field(default_factory=dict)
-    max_live_bytes: Dict[int, int] = field(default_factory=dict)
-    seconds: float = 0.0
-    compile_seconds: Dict[int, float] = field(default_factory=dict)   # NOTE: Compiled stages
-    events: List[Tuple[str, float, float]] = field(default_factory=list)
-
-
-@dataclass
-class _StepValues:
-    """What one step's instructions hand each other: the actors, each (stage, micro-batch)'s
-    inputs and received gradients, what each compute produced, build()'s results, and values
-    being received in pieces ([tensor, elements to come])."""
-
-    recv_actors: Dict[int, "RecvActor"]
-    send_actors: Dict[int, "SendActor"]
-    stats: StepStats
-    values: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = field(default_factory=dict)
-    grads: Dict[Tuple[int, int], List[Tuple[str, torch.Tensor]]] = field(default_factory=lambda: defaultdict(list))
-    produced: Dict[Tuple[int, int, str], Dict[str, torch.Tensor]] = field(default_factory=dict)
-    results: Dict[str, List[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
-    assembling: Dict[tuple, list] = field(default_factory=dict)
-    # the pre-pass's (NOTE: Whole-batch sums): values received per (stage, micro-batch), running sums per stage
-    pre_received: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = field(default_factory=lambda: defaultdict(dict))
-    pre_sums: Dict[int, list] = field(default_factory=dict)
 
 
 def range_names(instructions) -> List[Optional[str]]:
@@ -100,7 +68,7 @@ def range_names(instructions) -> List[Optional[str]]:
 _NO_RANGE = nullcontext()
 
 
-class Runtime:
+class Runtime(OptimizerRunner):
     """Runs one rank's plan, one call of `step` per training (or inference) step.
 
     The rank holds one executor per stage (model chunk) its plan computes. A value between
@@ -141,9 +109,9 @@ class Runtime:
                           else ZeroGradSync.for_shards(plan, list(programs.values()), self.zero, masters))
         self.output_sums = OutputSums()   # build()'s partial_sum results, once a step
         # the user's post-accumulate-grad hooks, called once a step (NOTE: Post-accumulate-grad hooks)
-        self.grad_hooks = UserGradHooks(_local_parameters(programs.values()), self._not_whole(programs))
+        self.grad_hooks = UserGradHooks(local_parameters(programs.values()), self._not_whole(programs))
         # whose .grad a step starts without (NOTE: The graph owns .grad), each once
-        self.owned = list({id(p): p for p in _local_parameters(programs.values()).values()}.values())
+        self.owned = list({id(p): p for p in local_parameters(programs.values()).values()}.values())
         # NOTE: Gradients freed at the next step. On a CPU, the gradients optimizer.zero_grad()
         # lets go of after a step are kept until the next step starts, where an eager loop's
         # zero_grad() frees them: freed at the end of the step, they (~4 bytes a parameter, 12.6
@@ -157,7 +125,7 @@ class Runtime:
         # ZeRO stage 3's gathers, each launched before the compute ahead of it (NOTE: ZeRO stage 3)
         self.warned_whole = False
         self.not_gathered = self._gathered_elsewhere()
-        self.prefetch = _prefetches(plan.instructions) if self.zero is not None and self.zero.stage == 3 else {}
+        self.prefetch = prefetches(plan.instructions) if self.zero is not None and self.zero.stage == 3 else {}
         if compile_stages:
             self.compiled = compile_stages_of(self.executors, plan)
         # ... or, gathered per unit, the gathers and releases inside its computes (NOTE: ZeRO units)
@@ -195,7 +163,7 @@ class Runtime:
         programs = [ex.program for ex in self.executors.values()]
         state = {id(t): t for prog in programs for t in list(prog.module.parameters()) + list(prog.module.buffers())}
         # every tensor whose .grad the backward may write: parameters, and set_param_dtype's masters
-        holders = list(_local_parameters(programs).values()) + list(self._grad_holders().values()) \
+        holders = list(local_parameters(programs).values()) + list(self._grad_holders().values()) \
             if self.plan.training else []
         return StepGraph(self.stream, list(state.values()), list({id(h): h for h in holders}.values()),
                          list(self.executors.values()))
@@ -257,7 +225,7 @@ class Runtime:
 
     def _gathered_elsewhere(self) -> List[torch.nn.Parameter]:
         """This rank's parameters that its plan's own ZeRO gathers do not cover."""
-        params = _local_parameters([ex.program for ex in self.executors.values()])
+        params = local_parameters([ex.program for ex in self.executors.values()])
         mine = {id(s.param) for s in self.zero.by_name.values()} \
             if self.zero is not None and self.zero.stage == 3 else set()   # by object: a tie has two names
         return list({id(p): p for p in params.values() if id(p) not in mine}.values())
@@ -275,7 +243,7 @@ class Runtime:
             out.update({n: "ZeRO shards its gradient over the data-parallel ranks" for n in self.zero.by_name})
         if self.masters is not None:
             out.update({n: "set_param_dtype keeps its gradient in a float32 master, not in .grad"
-                        for n in _local_parameters(programs.values())})
+                        for n in local_parameters(programs.values())})
         return out
 
     def _actors(self):
@@ -323,7 +291,7 @@ class Runtime:
         recv_actors, send_actors = self._actors()
         for actor in recv_actors.values():
             actor.pump()
-        step = _StepValues(recv_actors, send_actors, stats)
+        step = StepValues(recv_actors, send_actors, stats)
         if self.plan.training and self.optimizer is not None:
             self._own_grads()
         if self.grad_scaler is not None and self.plan.training:  # NOTE: Loss scaling (graphc/amp.py)
@@ -356,14 +324,14 @@ class Runtime:
         stats.seconds = time.perf_counter() - start
         return dict(step.results), stats
 
-    def _computes(self, user_inputs, step: "_StepValues", n: int) -> Dict[str, List[torch.Tensor]]:
+    def _computes(self, user_inputs, step: "StepValues", n: int) -> Dict[str, List[torch.Tensor]]:
         """The plan's first n instructions, all compute: what a CUDA graph captures."""
         step.values = self._microbatches(user_inputs)
         for i in range(n):
             self._execute(i, step, False)
         return dict(step.results)
 
-    def _execute(self, i: int, step: "_StepValues", profiling: bool) -> None:
+    def _execute(self, i: int, step: "StepValues", profiling: bool) -> None:
         """Runs instruction i of the plan."""
         ins, range_name = self.plan.instructions[i], self.range_names[i]
         t0 = time.perf_counter() if self.trace else 0.0
@@ -381,7 +349,7 @@ class Runtime:
     # Each instruction kind's run entry, named by its class (`runs`, graphc/plan/instructions.py):
     # Runtime._run_<runs>(instruction, step). A new kind adds its entry here.
 
-    def _run_recv(self, ins: Recv, step: "_StepValues") -> None:
+    def _run_recv(self, ins: Recv, step: "StepValues") -> None:
         got = _assemble(ins, step.recv_actors[ins.peer].take(ins), step.assembling)
         if ins.direction == ACT:
             step.values[(ins.stage, ins.microbatch)].update(got)
@@ -390,18 +358,18 @@ class Runtime:
         else:
             step.grads[(ins.stage, ins.microbatch)].extend(got.items())
 
-    def _run_send(self, ins: Send, step: "_StepValues") -> None:
+    def _run_send(self, ins: Send, step: "StepValues") -> None:
         step.send_actors[ins.peer].post(ins, step.produced[(ins.stage, ins.microbatch, ins.direction)])
 
-    def _run_pre_pass(self, ins: PrePass, step: "_StepValues") -> None:
+    def _run_pre_pass(self, ins: PrePass, step: "StepValues") -> None:
         self.pre_passes.run(ins, step)
 
-    def _run_overlap(self, ins: OverlapFB, step: "_StepValues") -> None:
+    def _run_overlap(self, ins: OverlapFB, step: "StepValues") -> None:
         """On one stream: the forward, then the backward."""
         self._run_forward(ins.forward, step)
         self._run_backward(ins.backward, step)
 
-    def _run_forward(self, ins: Forward, step: "_StepValues") -> None:
+    def _run_forward(self, ins: Forward, step: "StepValues") -> None:
         s, mb = ins.stage, ins.microbatch
         ex = self.executors[s]
         with ex.computing(ACT, mb):   # its unit gathers and releases (NOTE: ZeRO units)
@@ -414,18 +382,18 @@ class Runtime:
         for b, names in self.local_acts[s]:
             step.values[(b, mb)].update({n: outs[n] for n in names})
 
-    def _run_backward(self, ins: Backward, step: "_StepValues") -> None:
+    def _run_backward(self, ins: Backward, step: "StepValues") -> None:
         self._backward(ins, step, self.executors[ins.stage].backward)
 
-    def _run_backward_input(self, ins: BackwardInput, step: "_StepValues") -> None:
+    def _run_backward_input(self, ins: BackwardInput, step: "StepValues") -> None:
         self._backward(ins, step, self.executors[ins.stage].backward_input)
 
-    def _run_backward_weight(self, ins: BackwardWeight, step: "_StepValues") -> None:
+    def _run_backward_weight(self, ins: BackwardWeight, step: "StepValues") -> None:
         ex = self.executors[ins.stage]
         with ex.computing(ins.letter, ins.microbatch):   # it reads the units again (NOTE: ZeRO units)
             ex.backward_weight(ins.microbatch)
 
-    def _backward(self, ins, step: "_StepValues", run) -> None:
+    def _backward(self, ins, step: "StepValues", run) -> None:
         """A whole backward or its input half: `run` on the gradients received for it."""
         s, mb = ins.stage, ins.microbatch
         with self.executors[s].computing(ins.letter, mb):   # B or I (NOTE: ZeRO units)
@@ -435,141 +403,28 @@ class Runtime:
         for a, names in self.local_grads[s]:
             step.grads[(a, mb)].extend((n, got[n]) for n in names)
 
-    def _run_optimizer_step(self, ins: OptimizerStep, step: "_StepValues") -> None:
+    def _run_optimizer_step(self, ins: OptimizerStep, step: "StepValues") -> None:
         for actor in step.send_actors.values():
             actor.drain()
         self.grad_hooks.run()  # gradients are final: where eager's hooks have run
         self._optimizer_step()
 
-    def _run_clip_grad_norm(self, ins: ClipGradNorm, step: "_StepValues") -> None:
+    def _run_clip_grad_norm(self, ins: ClipGradNorm, step: "StepValues") -> None:
         self.grad_hooks.run()
         self._unscale()
         self._clip_grad_norm(ins)
 
-    def _run_inside_compute(self, ins, step: "_StepValues") -> None:
+    def _run_inside_compute(self, ins, step: "StepValues") -> None:
         """A conversion or a unit event: run inside the compute listed before (NOTE: ZeRO units)."""
 
-    def _run_all_gather(self, ins: AllGather, step: "_StepValues") -> None:
+    def _run_all_gather(self, ins: AllGather, step: "StepValues") -> None:
         self.zero.gather(ins)
 
-    def _run_release(self, ins: ReleaseParams, step: "_StepValues") -> None:
+    def _run_release(self, ins: ReleaseParams, step: "StepValues") -> None:
         self.zero.release(ins)
 
-    def _run_output_sum(self, ins: OutputAllReduce, step: "_StepValues") -> None:
+    def _run_output_sum(self, ins: OutputAllReduce, step: "StepValues") -> None:
         self.output_sums.launch(ins, step.results)   # finished when the step ends
 
-    def _run_grad_sync(self, ins: AllReduce, step: "_StepValues") -> None:
+    def _run_grad_sync(self, ins: AllReduce, step: "StepValues") -> None:
         self.grad_sync.wait(ins)
-
-    def _clip_grad_norm(self, ins: ClipGradNorm) -> None:
-        """clip_grad_norm_ over the whole model: this rank's share of the squared norm, summed
-        over every training rank, then every local gradient scaled (see insert_grad_clip)."""
-        params = self._grad_holders()
-        grads = [g for g in (params[n].grad for n in ins.params) if g is not None]
-        dtype = getattr(torch, ins.tensors[0].dtype)
-        sq = torch.zeros((), dtype=dtype, device=self.device)
-        if grads:
-            sq = torch.stack([torch.linalg.vector_norm(g, 2).to(dtype) for g in grads]).square().sum()
-        norm = all_reduce_sum(sq, (ins.ranks,)).sqrt()
-        coef = (ins.max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch: no host sync
-        for p in {id(p): p for p in params.values()}.values():  # a tie held twice: scaled once
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
-
-    def _grad_holders(self) -> Dict[str, torch.nn.Parameter]:
-        """This rank's parameters by name, whose .grad the optimizer steps on: a ZeRO
-        parameter's shard in its place (See NOTE: ZeRO)."""
-        params = _local_parameters([ex.program for ex in self.executors.values()])
-        if self.masters is not None:  # a bf16 parameter's gradient is its master's
-            params = {n: self.masters.master_of(p) for n, p in params.items()}
-        if self.zero is not None:
-            params.update({n: s.shard for n, s in self.zero.by_name.items()})
-        return params
-
-    def _own_grads(self) -> None:
-        """NOTE: The graph owns .grad. With an optimizer, a step starts from no gradients, as
-        an eager loop's zero_grad() before backward: a .grad left by code outside the graph
-        (an eager sanity backward, a gradient-norm diagnostic between calls) would otherwise
-        be added into this step's. Without an optimizer, gradients accumulate over calls as
-        eager's backward() does, for the user to read and clear. (The last step's gradients,
-        kept since its zero_grad on a CPU, are let go here: NOTE: Gradients freed at the next
-        step.)"""
-        self.kept_grads = []
-        masters = self.masters.masters() if self.masters is not None else []
-        for p in self.owned + masters:
-            p.grad = None
-
-    def _unscale(self) -> None:
-        """NOTE: Loss scaling. This rank's gradients times 1/scale, and whether any rank or
-        stage found inf/NaN (one MAX all-reduce over the world); once per step."""
-        if self.grad_scaler is None or self.found_inf is not None:
-            return
-        inv = self.grad_scaler.inverse()
-        # on the rank's device: NCCL reduces a GPU tensor; a CPU one (a rank without gradients)
-        # would go to gloo while the others' go to NCCL, and the MAX would never meet
-        found = torch.zeros((), dtype=torch.float32, device=self.device)
-        params = self._grad_holders()
-        for p in {id(p): p for p in params.values()}.values():
-            if p.grad is not None:
-                p.grad.mul_(inv.to(p.grad.dtype))
-                found = torch.maximum(found, (~torch.isfinite(p.grad)).any().float())
-        everyone = world.multi()
-        if everyone is not None:
-            everyone.all_reduce(found, op="max")
-        self.found_inf = bool(found)
-
-    def _optimizer_step(self) -> None:
-        if self.optimizer is None:
-            return
-        if self.grad_scaler is not None:
-            self._unscale()
-            if not self.found_inf:
-                self._step()
-            self.grad_scaler.update(self.found_inf)
-        else:
-            self._step()
-        if self.device.type == "cpu":   # NOTE: Gradients freed at the next step
-            self.kept_grads = [p.grad for group in self.optimizer.param_groups for p in group["params"]]
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-
-
-    def _step(self) -> None:
-        """optimizer.step(); under ZeRO bucket by bucket, each ALL_GATHER launched as soon as
-        its rows are stepped (See NOTE: ZeRO step overlap in zero.py)."""
-        if self.zero is None:
-            self.optimizer.step()
-        else:
-            self.zero.step(self.optimizer, self.zero.after_step)
-        if self.masters is not None:   # the parameters: the stepped masters, rounded (ZeRO's rows: gathered)
-            self.masters.copy_back()
-
-
-def _prefetches(instructions) -> Dict[int, List[AllGather]]:
-    """Position -> the ZeRO stage-3 ALL_GATHERs to launch just before the instruction there:
-    each before the compute that precedes it (the step's first: at the step's start, beside
-    the receives it waits for), unless a RELEASE of its parameters lies between (then where it
-    stands). See NOTE: ZeRO stage 3 in zero.py."""
-    out: Dict[int, List[AllGather]] = defaultdict(list)
-    last_compute, released_since = 0, set()
-    for i, ins in enumerate(instructions):   # by run entry: a unit event runs inside its compute
-        if ins.runs in COMPUTE_RUNS:
-            last_compute, released_since = i, set()
-        elif ins.runs == ReleaseParams.runs:
-            released_since |= {t.name for t in ins.tensors}
-        elif ins.runs == AllGather.runs and not released_since & {t.name for t in ins.tensors}:
-            out[last_compute].append(ins)
-        elif ins.runs == OptimizerStep.runs:
-            break
-    return dict(out)
-
-
-def _local_parameters(programs) -> Dict[str, torch.nn.Parameter]:
-    """Every parameter of this rank's stage programs by name (names are the user's: two chunks
-    holding a parameter hold the same object)."""
-    out: Dict[str, torch.nn.Parameter] = {}
-    for prog in programs:
-        for name, p in prog.module.named_parameters(remove_duplicate=False):
-            out.setdefault(name, p)
-    return out

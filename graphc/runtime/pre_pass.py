@@ -27,7 +27,7 @@ class PrePasses:
             for s, ex in executors.items() if ex.program.prologue is not None and ex.program.prologue.in_plan}
 
     def run(self, ins: PrePass, step) -> None:
-        """`step`: the runtime's _StepValues (values, produced, pre_received, pre_sums)."""
+        """`step`: the runtime's StepValues (runtime/step_values.py: values, produced, pre_received, pre_sums)."""
         s, mb = ins.stage, ins.microbatch
         ex = self.executors[s]
         pro = ex.program.prologue

@@ -111,121 +111,23 @@ same order as the replicated set_param_dtype run: equal to it bit for bit at 2 r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-import math
-from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Tuple
+from collections import defaultdict
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ..errors import GraphcError
-from ..plan.instructions import AllGather, OptimizerStep, ReduceScatter, ReleaseParams
+from ..plan.instructions import COMPUTE_RUNS, AllGather, OptimizerStep, ReduceScatter, ReleaseParams
 from ..plan.plan import ZERO_NOTE
 from ..sbp.layout import chunk_range
-from .zero_packed import gather_rows, in_place, launch_into, launch_rows, reduce_scatter
+from .zero_packed import in_place, launch_into, launch_rows, reduce_scatter
 from .zero_rows import ReducedRows, in_place_group, launch_broadcast_rows, row_grad
+from .zero_shard import Shard
+from .zero_whole import any_held, held, hold_seen, released_in, whole_parameters
 
-
-@dataclass
-class Shard:
-    """One sharded parameter on this rank: the whole (replicated) parameter, its group and this
-    rank's rows, and the shard parameter the optimizer holds (a view of those rows)."""
-
-    name: str
-    param: torch.nn.Parameter
-    ranks: Tuple[int, ...]
-    start: int                  # this rank's first row
-    rows: int                   # this rank's rows (0 on a rank past the last chunk)
-    chunk: int                  # the largest chunk's rows: every rank's part is padded to it
-    shard: torch.nn.Parameter
-    owns: bool = False          # stage 3: the shard owns its rows; the whole storage is freed between uses
-    # set_param_dtype: the parameter's float32 master, whose rows the shard owns (its whole
-    # storage freed; only its .grad is whole); gathers round the rows into the parameter
-    # (See NOTE: ZeRO with master parameters)
-    master: Optional[torch.nn.Parameter] = None
-
-    @property
-    def row_numel(self) -> int:
-        return math.prod(self.param.shape[1:])   # from the shape: at stage 3 the storage may be freed
-
-    @property
-    def part_numel(self) -> int:
-        return self.chunk * self.row_numel
-
-    def view_rows(self) -> torch.Tensor:
-        """This rank's rows: the shard's own at stage 3 or with a master, else a view of the
-        parameter's."""
-        if self.owns or self.master is not None:
-            return self.shard.data
-        return self.param.data[self.start:self.start + self.rows]
-
-    @property
-    def released(self) -> bool:
-        return self.owns and self.param.data.untyped_storage().nbytes() == 0
-
-    def release(self) -> None:
-        """Stage 3: frees the whole parameter's storage (See NOTE: ZeRO stage 3)."""
-        self.param.data.untyped_storage().resize_(0)
-
-    def materialize(self) -> None:
-        """Stage 3: the whole parameter's storage back (values undefined until unpacked)."""
-        if self.released:
-            self.param.data.untyped_storage().resize_(self.param.numel() * self.param.element_size())
-
-    def materialize_master(self) -> None:
-        """set_param_dtype: the whole master's storage back (values undefined until unpacked)."""
-        m = self.master.data
-        m.untyped_storage().resize_(m.numel() * m.element_size())
-
-    @torch.no_grad()
-    def keep_master_rows(self) -> None:
-        """set_param_dtype: this rank's rows of the (whole) master into the shard, the
-        parameter its master rounded, and the master's storage freed again."""
-        m = self.master.data
-        self.shard.data.copy_(m[self.start:self.start + self.rows])
-        if not self.released:    # (stage 3: a freed parameter is the next gather's rounding)
-            self.param.data.copy_(m)
-        m.untyped_storage().resize_(0)
-
-    def keep_rows(self) -> None:
-        """Stage 3: this rank's rows of the (whole) parameter into its shard."""
-        self.shard.data.copy_(self.param.data[self.start:self.start + self.rows])
-
-    def refresh(self) -> None:
-        """The shard views the parameter's current storage (a load or a device move may have
-        replaced it); the optimizer's state stays keyed by the same shard parameter."""
-        if self.owns or self.master is not None:
-            return
-        rows = self.view_rows()
-        if self.shard.data.data_ptr() != rows.data_ptr() or self.shard.device != rows.device:
-            self.shard.data = rows
-
-    def pack(self, full: torch.Tensor, parts: torch.Tensor) -> None:
-        """`full` (the parameter's shape) into `parts` ([d, part_numel]): rank k's rows at row
-        k, padded with zeros."""
-        d, c = parts.shape[0], self.chunk
-        rows = full.reshape(full.shape[0], -1)
-        whole = rows.shape[0] // c if c else 0     # ranks holding c rows
-        if whole:
-            parts[:whole].copy_(rows[:whole * c].reshape(whole, -1))
-        if whole < d:
-            rest = rows[whole * c:].reshape(-1)
-            parts[whole, :rest.numel()].copy_(rest)
-            parts[whole, rest.numel():].zero_()
-            parts[whole + 1:].zero_()
-
-    def unpack(self, parts: torch.Tensor, into: Optional[torch.Tensor] = None) -> None:
-        """Every rank's rows from `parts` ([d, part_numel]) into the parameter (or `into`, of
-        its shape)."""
-        into = self.param if into is None else into
-        rows = into.data.reshape(into.shape[0], -1)
-        c = self.chunk
-        whole = rows.shape[0] // c if c else 0
-        if whole:
-            rows[:whole * c].copy_(parts[:whole].reshape(whole * c, -1))
-        if whole * c < rows.shape[0]:
-            rest = rows[whole * c:]
-            rest.copy_(parts[whole, :rest.numel()].view_as(rest))
+# what other modules import from here: ZeroShards and prefetches, and the names that lived here
+# before a shard (zero_shard.py) and the whole-parameter block (zero_whole.py) had files of their own
+__all__ = ["Shard", "ZeroShards", "any_held", "released_in", "whole_parameters", "prefetches"]
 
 
 class ZeroShards:
@@ -271,9 +173,9 @@ class ZeroShards:
                 s = Shard(spec.name, p, ranks, start, rows, -(-n // len(ranks)), shard,
                           owns=stage == 3, master=master)
                 shards[spec.name] = s
-                if stage == 3 and _held(p) is None:
+                if stage == 3 and held(p) is None:
                     p._graphc_zero3 = s
-                    _hold_seen()
+                    hold_seen()
                 if master is not None:
                     masters.hold_rows(master)
                     p._graphc_zero_master = s
@@ -463,76 +365,6 @@ class ZeroShards:
             self.by_name[t.name].release()
 
 
-_ANY_HELD = False   # whether this process has held any parameter as stage-3 rows
-
-
-def _hold_seen() -> None:
-    global _ANY_HELD
-    _ANY_HELD = True
-
-
-def any_held() -> bool:
-    """Whether this process has held any parameter as stage-3 rows (nothing to look at if not)."""
-    return _ANY_HELD
-
-
-def _held(p: torch.nn.Parameter) -> Optional[Shard]:
-    """The Shard of a parameter ZeRO stage 3 holds (the first executable's: every executable
-    of a graph shards a parameter alike); None for any other."""
-    return getattr(p, "_graphc_zero3", None)
-
-
-def released_in(params) -> List[torch.nn.Parameter]:
-    """Those of `params` that ZeRO stage 3 holds as shards now (their whole storage freed).
-    Asked every step: nothing to look at until some parameter is held (_ANY_HELD)."""
-    if not _ANY_HELD:
-        return []
-    return [p for p in params if _held(p) is not None and _held(p).released]
-
-
-@contextmanager
-def whole_parameters(params) -> Iterator[None]:
-    """Collective over each parameter's data-parallel group: within the block the stage-3
-    parameters among `params` are whole, and so are the float32 masters ZeRO holds as rows
-    (set_param_dtype); after it, the rows written are kept in the shards, each such parameter
-    is its master rounded again, and what was freed is freed again (See NOTE: ZeRO stage 3,
-    NOTE: ZeRO with master parameters). Every rank of a group gathers the same parameters in
-    the same order (by name)."""
-    params = list(params)
-    chosen = _by_group(_held(p) for p in params)
-    freed = [s for s in chosen if s.released]
-    for s in freed:
-        s.materialize()
-        gather_rows(s, s.param)
-    rows_only = _by_group(_master_rows(p) for p in params)
-    for s in rows_only:
-        s.materialize_master()
-        gather_rows(s, s.master)
-    try:
-        yield
-    finally:
-        for s in rows_only:      # (stage 3: before its parameter is freed again)
-            s.keep_master_rows()
-        for s in chosen:
-            # (a plan run inside the block may have released it itself; a master's rows are
-            # kept from the master, not from their rounding)
-            if not s.released and s.master is None:
-                s.keep_rows()
-        for s in freed:
-            s.release()
-
-
-def _by_group(shards) -> List[Shard]:
-    """The distinct shards among `shards` (None skipped), in the order every rank gathers."""
-    chosen = list({id(s): s for s in shards if s is not None}.values())
-    return sorted(chosen, key=lambda s: (s.ranks, s.name))
-
-
-def _master_rows(p: torch.nn.Parameter) -> Optional[Shard]:
-    """The Shard of a parameter whose float32 master ZeRO holds as rows (set_param_dtype)."""
-    return getattr(p, "_graphc_zero_master", None)
-
-
 def _shard_parameter(name: str, p: torch.nn.Parameter, master: Optional[torch.nn.Parameter],
                      start: int, rows: int, stage: int) -> torch.nn.Parameter:
     """The parameter the optimizer steps for `p`: a view of its rows (stages 1, 2), a copy of
@@ -584,3 +416,22 @@ def _made_shards(optimizer) -> Dict[int, torch.nn.Parameter]:
         made = {}
         optimizer._graphc_zero_shards = made
     return made
+
+
+def prefetches(instructions) -> Dict[int, List[AllGather]]:
+    """Position -> the ZeRO stage-3 ALL_GATHERs to launch just before the instruction there:
+    each before the compute that precedes it (the step's first: at the step's start, beside
+    the receives it waits for), unless a RELEASE of its parameters lies between (then where it
+    stands). See NOTE: ZeRO stage 3 in zero.py."""
+    out: Dict[int, List[AllGather]] = defaultdict(list)
+    last_compute, released_since = 0, set()
+    for i, ins in enumerate(instructions):   # by run entry: a unit event runs inside its compute
+        if ins.runs in COMPUTE_RUNS:
+            last_compute, released_since = i, set()
+        elif ins.runs == ReleaseParams.runs:
+            released_since |= {t.name for t in ins.tensors}
+        elif ins.runs == AllGather.runs and not released_since & {t.name for t in ins.tensors}:
+            out[last_compute].append(ins)
+        elif ins.runs == OptimizerStep.runs:
+            break
+    return dict(out)

@@ -19,7 +19,7 @@ Mixtral's experts, as transformers 5 offers them (`experts_implementation`):
 
 GPT-2 runs with its default activation "gelu_new" (`torch.pow(x, 3.0)`), which crashed the
 tracer until isinstance stopped going through the proxy's __class__ (NOTE: isinstance while
-tracing, graphc/passes/trace_build.py).
+tracing, graphc/passes/traced_calls.py).
 """
 
 import pytest

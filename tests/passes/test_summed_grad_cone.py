@@ -1,5 +1,5 @@
 """A whole parameter read through whole ops, then by sharded ones (See NOTE: Whole values with
-a summed gradient, passes/infer_sbp.py): T5's relative position bias, a table looked up,
+a summed gradient, passes/summed_grad_cone.py): T5's relative position bias, a table looked up,
 permuted and sliced to each rank's heads. Its gradient is partial_sum, all-reduced once a
 step with the parameters', where each slice all-gathered its gradient every micro-batch.
 Equal to eager on the whole batch in the local world (float64, 1e-10) on tensor 2 and

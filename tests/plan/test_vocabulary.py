@@ -58,14 +58,15 @@ def test_every_class_names_its_run_entry():
 
 def test_every_collective_names_what_it_joins():
     """Verification pairs a collective with its group's by what its class `joins`: every such
-    entry has a signature and a difference in plan/verify.py, and exactly the kinds whose
+    entry has a signature and a difference in plan/verify_collectives.py, and exactly the kinds whose
     every member issues them together join something (a unit release, which runs inside its
     compute like a unit gather, joins nothing)."""
-    from graphc.plan import verify
+    from graphc.plan import verify, verify_collectives
     joined = {cls.__name__ for cls in INSTRUCTIONS if cls.joins}
     assert joined == {"Collective", "AllReduce", "TieAllReduce", "ClipGradNorm", "OutputAllReduce",
                       "ReduceScatter", "AllGather", "UnitGather"}
     for cls in INSTRUCTIONS:
-        assert cls.joins in ("", *verify._SIGNATURES) and (not cls.joins or cls.joins in verify._DIFFERENCES)
+        assert cls.joins in ("", *verify_collectives._SIGNATURES) and (
+            not cls.joins or cls.joins in verify_collectives._DIFFERENCES)
     assert verify.signature(SAMPLES[8])[0] == "collective"
     assert verify.signature(SAMPLES[11]) == ("ClipGradNorm", (0, 1), SAMPLES[11].tensors, 0.5)

@@ -114,8 +114,8 @@ def _elsewhere_refused(p: torch.nn.Parameter, func) -> GraphcError:
         what = "." + getattr(getattr(func, "__self__", None), "__name__", "attribute")
     return GraphcError(
         f"{_user_line()}: reads the parameter '{name}' ({what}) between graph calls, but {why}, so "
-        "what this rank's model holds is not the trained parameter (See NOTE: Parameters held "
-        "elsewhere). Fix: read the whole model with graph.full_state_dict() (collective: every rank "
+        "what this rank's model holds is not the trained parameter "
+        "(See NOTE: Parameters held elsewhere). Fix: read the whole model with graph.full_state_dict() (collective: every rank "
         "calls it), compute it inside a graph (a validation loss: a forward-only Graph of the same "
         "model on the same stages), or update it in place (p.mul_(...), which every rank may run).")
 

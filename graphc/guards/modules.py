@@ -2,6 +2,8 @@
 each name, the hook tables, which parameters train (NOTE: Guards)."""
 from __future__ import annotations
 
+import re
+
 import operator
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -136,8 +138,8 @@ class ReadLog:
 
     def note(self, obj: Any, name: str, value: Any, prefix: Optional[str] = None) -> None:
         key = (id(obj), name)
-        if key in self.reads or isinstance(value, torch._subclasses.FakeTensor):
-            return
+        if key in self.reads or isinstance(value, torch._subclasses.FakeTensor) or _FX_CONSTANT.fullmatch(name):
+            return   # (fx's tensor constants on the root are its bookkeeping, taken off after a trace)
         base = self.names.get(id(obj), "?") if prefix is None else prefix
         where = f"{base}.{name}" if base else name
         # a tensor, module or function compares by identity whatever its state: the guard
@@ -153,6 +155,7 @@ class ReadLog:
 
 
 _ACTIVE: List[ReadLog] = []
+_FX_CONSTANT = re.compile(r"_tensor_constant\d+")   # what fx names the tensor constants it keeps on the root
 
 
 def _recording_getattribute(self, name: str):

@@ -53,10 +53,11 @@ def check_batch_sizes(whole: fx.GraphModule, gm: fx.GraphModule, num_microbatche
         return
     pairs = list(zip(whole.graph.nodes, gm.graph.nodes))
     twin = {a: b for a, b in pairs}
+    made = _made_nodes(whole)
     for a, b in pairs:
         if a.op in ("call_function", "call_method", "call_module"):
             _check_number(a, b, num_microbatches)
-            _check_made_tensors(whole, gm, a, twin, num_microbatches)
+            _check_made_tensors(whole, gm, a, twin, made, num_microbatches)
     _return_whole_constants(whole, gm)
 
 
@@ -123,7 +124,7 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _check_made_tensors(whole: fx.GraphModule, gm: fx.GraphModule, a: fx.Node, twin, m: int) -> None:
+def _check_made_tensors(whole: fx.GraphModule, gm: fx.GraphModule, a: fx.Node, twin, made: set, m: int) -> None:
     """The tensors made without the batch that `a` lines up with its rows (by broadcasting,
     as an elementwise op does): each micro-batch's must be its part of the whole batch's."""
     rows = a.meta.get(META_ROWS)
@@ -136,7 +137,7 @@ def _check_made_tensors(whole: fx.GraphModule, gm: fx.GraphModule, a: fx.Node, t
             continue
         shape = tuple(x.meta[META_TENSOR].shape)
         d = row_dim - (ndim - len(shape))
-        if d < 0 or shape[d] <= 1 or not _made(x):
+        if d < 0 or shape[d] <= 1 or x not in made:
             continue
         whole_value, micro_value = _computed(whole, x), _computed(gm, twin[x])
         if whole_value is None or micro_value is None:
@@ -150,25 +151,27 @@ def _check_made_tensors(whole: fx.GraphModule, gm: fx.GraphModule, a: fx.Node, t
                 "first rows' values (`torch.arange(x.shape[0])` as row weights). " + _FIX)
 
 
-def _made(x: fx.Node) -> bool:
-    """Is x computed from factories, constants and numbers alone (no input, parameter, buffer
-    or module; no random draw)?"""
-    for n in ancestors([x]):
-        if n.op in ("placeholder", "call_module", "output"):
-            return False
-        if n.op == "get_attr" and not n.target.startswith("_tensor_constant"):
-            return False
+def _made_nodes(gm: fx.GraphModule) -> set:
+    """The nodes computed from factories, constants and numbers alone (no input, parameter,
+    buffer or module; no random draw), in one pass over the graph."""
+    made: set = set()
+    for n in gm.graph.nodes:
         name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-        if name in RANDOM_FUNCTIONS or name in RANDOM_METHODS:
-            return False
-    return True
+        if n.op in ("placeholder", "call_module", "output") or name in RANDOM_FUNCTIONS or name in RANDOM_METHODS:
+            continue
+        if n.op == "get_attr" and not n.target.startswith("_tensor_constant"):
+            continue
+        if all(i in made for i in n.all_input_nodes):
+            made.add(n)
+    return made
 
 
 def _computed(owner: fx.GraphModule, x: fx.Node) -> Optional[torch.Tensor]:
     meta = x.meta.get(META_TENSOR)
     if meta is not None and _numel(meta.shape) > _COMPUTED_MAX:
         return None
-    nodes: List[fx.Node] = [n for n in owner.graph.nodes if n in ancestors([x])]
+    needed = ancestors([x])
+    nodes: List[fx.Node] = [n for n in owner.graph.nodes if n in needed]
     try:
         value = copy_subgraph(owner, nodes, [], [x])()[0]
     except Exception:   # noqa: BLE001 - a piece that does not run alone is not judged here

@@ -39,6 +39,16 @@ _SHAPE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "e
 _SHAPE_FUNCTIONS = frozenset({torch.is_floating_point, torch.is_complex, torch.numel})
 
 
+# methods that hand a tensor's values to Python: while tracing there are none, and a plan
+# would keep one trace's numbers for every step
+_HOST_READS = frozenset({"tolist", "numpy"})
+_HOST_READ = ("build() reads a traced tensor's values into Python (.{what}()) at {where}: build() is "
+              "traced once into a static plan, which has no values while tracing and would keep no "
+              "Python value per step. Fix: keep it a tensor (torch ops: torch.where for a choice, "
+              "a tensor of weights instead of a list), or return it from build() and read it after "
+              "the call.")
+
+
 def cpu_fake(mode: FakeTensorMode, t: torch.Tensor, memo: Dict[int, tuple]) -> torch.Tensor:
     """The fake a trace uses for real tensor t: on the CPU, whatever device t is on.
 
@@ -68,6 +78,8 @@ class ShapeProxy(fx.Proxy):
     def __getattr__(self, k: str):
         if k in _SHAPE_ATTRS or k in _SHAPE_METHODS:
             return getattr(self.tracer.fake_of(self), k)
+        if k in _HOST_READS:   # the values into Python: a trace has none (a static plan reads none)
+            raise GraphcError(_HOST_READ.format(what=k, where=deepest_user_frame(None, traceback.extract_stack())))
         if k == "grad":   # a traced value's gradient: none while tracing (See refuse_grad_read)
             raise refuse_grad_read(str(self.node.target if self.node.op == "get_attr" else self.node.name),
                                    deepest_user_frame(None, traceback.extract_stack()))

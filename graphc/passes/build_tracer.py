@@ -24,6 +24,7 @@ from .traced_hooks import check_backward_hooks, has_forward_hooks, run_forward_h
 from .traced_tensors import IN_PLACE_OPERATORS, refuse_grad_read, refuse_parameter_write, writes_in_place
 from .traced_writes import in_place_twin, write_in_place, write_item
 from .unsupported_modules import check_runnable_module, check_traceable_module
+from .verify_graph import host_sync_refused
 from .user_lines import GRAPHC_DIR, TORCH_DIR, caller_line, deepest_user_frame
 
 FAKE = "graphc_fake"  # node.meta key for the value while tracing; removed when tracing ends
@@ -39,14 +40,13 @@ _SHAPE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "e
 _SHAPE_FUNCTIONS = frozenset({torch.is_floating_point, torch.is_complex, torch.numel})
 
 
-# methods that hand a tensor's values to Python: while tracing there are none, and a plan
-# would keep one trace's numbers for every step
-_HOST_READS = frozenset({"tolist", "numpy"})
-_HOST_READ = ("build() reads a traced tensor's values into Python (.{what}()) at {where}: build() is "
-              "traced once into a static plan, which has no values while tracing and would keep no "
-              "Python value per step. Fix: keep it a tensor (torch ops: torch.where for a choice, "
-              "a tensor of weights instead of a list), or return it from build() and read it after "
-              "the call.")
+def _calling_line() -> str:
+    """The user's line calling now, as node_line writes a node's ('File ..., line n, in f: code')."""
+    frames = [f for f in traceback.extract_stack() if not f.filename.startswith((TORCH_DIR, GRAPHC_DIR))]
+    if not frames:
+        return "build()"
+    f = frames[-1]
+    return f'File "{f.filename}", line {f.lineno}, in {f.name}: {f.line}'
 
 
 def cpu_fake(mode: FakeTensorMode, t: torch.Tensor, memo: Dict[int, tuple]) -> torch.Tensor:
@@ -78,8 +78,8 @@ class ShapeProxy(fx.Proxy):
     def __getattr__(self, k: str):
         if k in _SHAPE_ATTRS or k in _SHAPE_METHODS:
             return getattr(self.tracer.fake_of(self), k)
-        if k in _HOST_READS:   # the values into Python: a trace has none (a static plan reads none)
-            raise GraphcError(_HOST_READ.format(what=k, where=deepest_user_frame(None, traceback.extract_stack())))
+        if k in ("tolist", "numpy"):   # values into Python, often used at once (len(x.tolist()))
+            raise host_sync_refused(k, _calling_line())
         if k == "grad":   # a traced value's gradient: none while tracing (See refuse_grad_read)
             raise refuse_grad_read(str(self.node.target if self.node.op == "get_attr" else self.node.name),
                                    deepest_user_frame(None, traceback.extract_stack()))

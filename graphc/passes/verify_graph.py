@@ -16,15 +16,21 @@ from .user_lines import node_line
 _HOST_SYNC = {"item", "tolist", "numpy", "cpu_numpy"}
 
 
+def host_sync_refused(method: str, where: str) -> GraphcError:
+    """A tensor's values asked for in build() (`.item()`, `.tolist()`, `.numpy()`): refused
+    after the trace here, or while tracing where the value is used at once (build_tracer)."""
+    return GraphcError(
+        f"build() calls .{method}() at {where}; inside build() tensors are symbolic, so their values "
+        f"are not known while the graph is compiled. Fix: return the tensor from build() and call "
+        f".to_local().{method}() on the result.")
+
+
 def verify_traced(gm: fx.GraphModule) -> None:
     """Checked right after tracing: host syncs and backward() use."""
     backwards = [n for n in gm.graph.nodes if is_backward(n)]
     for node in gm.graph.nodes:
         if node.op == "call_method" and node.target in _HOST_SYNC:
-            raise GraphcError(
-                f"build() calls .{node.target}() at {node_line(node)}; inside build() tensors are "
-                f"symbolic, so their values are not known while the graph is compiled. Fix: return "
-                f"the tensor from build() and call .to_local().{node.target}() on the result.")
+            raise host_sync_refused(node.target, node_line(node))
     if len(backwards) > 1:
         raise GraphcError(
             f"build() calls backward() {len(backwards)} times (at {node_line(backwards[1])}); "

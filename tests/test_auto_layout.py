@@ -6,6 +6,7 @@ on a loaded layout in the local world (every rank passing the whole batch), equa
 PyTorch on the whole batch in float64 at 1e-10."""
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 import graphc
 from graphc.auto import Layout, apply_layout
 from graphc.auto.layout import batch_layouts, input_stages, layer_list, megatron_pairs, with_layers
-from graphc.auto.search import search
+from graphc.auto.search import enumerate_layouts, model_facts, search
 from graphc.errors import GraphcError
 from graphc.runtime.local_world import LocalWorld
 from helpers import assert_close
@@ -91,29 +92,54 @@ def test_stages_of_places_as_the_whole_compile_does():
     assert sorted(set(stage.values())) == [0, 3]
 
 
-def test_search_returns_a_layout_that_fits_and_the_same_each_time():
-    graph = _graph()
-    spec = graph._compile_spec()
-    x, y = _batches(1)[0]
-    # the two best estimates compiled and simulated (top=3 cost 40 s of the default run at load 7;
-    # the winner is the same, and best-of-tried is still a choice between two)
-    runs = [search(spec, [x, y], 4, [True, True], graph._optimizer, "h100", budget_s=60, top=2,
-                   progress=False) for _ in range(2)]
-    assert runs[0].best.layout == runs[1].best.layout
-    best = runs[0].best
-    assert best.fits and best.step is not None and best.layout.world == 4
-    assert len(runs[0].tried) == 2 and best.step == min(c.step for c in runs[0].tried if c.fits)
-    report = runs[0].report()
-    assert best.layout.describe() in report and "**winner**" in report
-
-
 def test_a_model_that_fits_nothing_is_refused_with_the_memory_that_would_do():
     graph = _graph()
     spec = graph._compile_spec()
     x, y = _batches(1)[0]
-    with pytest.raises(GraphcError, match=r"no layout on 4 ranks fits 0.00 GiB per rank \(the smallest "
-                                          r"estimate is .* GiB\)\. Fix: more ranks"):
+    with pytest.raises(GraphcError, match=r"no layout on 4 ranks fits 0.00 GiB per rank \(the least estimated, "
+                                          r".*, needs .* GiB by the memory model\)\. Fix: more ranks") as err:
         search(spec, [x, y], 4, [True, True], graph._optimizer, "h100", memory=1024, progress=False)
+    # the memory it names is enough for that layout by the memory model
+    named = float(str(err.value).split("--memory ")[1].split(")")[0]) * 2 ** 30
+    layout = str(err.value).split("the least estimated, ")[1].split(", needs")[0]
+    lay = next(l for l in enumerate_layouts(model_facts(spec, [x, y], graph._optimizer, "h100"), 4, spec.root)
+               if l.describe() == layout)
+    assert max(_memory_model_peaks(spec, [x, y], graph._optimizer, lay)) <= named
+
+
+def _memory_model_peaks(spec, inputs, optimizer, layout):
+    """Every rank's peak by the memory model (what graphc plan reports), compiled afresh."""
+    from graphc.compiler import compile as compile_graph
+    from graphc.tools.costs import device_costs
+    from graphc.tools.simulate import memory_peak, model_inputs
+    laid = batch_layouts(layout, inputs, [True, True], input_stages(spec, inputs, layout))
+    compiled = compile_graph(apply_layout(spec, layout), inputs, layout.world, laid)
+    model, costs = model_inputs(compiled, optimizer), device_costs(compiled, "h100")
+    return [memory_peak(p, model.params[p.rank], costs, batch=model.batch.get(p.rank, 0)).peak
+            for p in compiled.plans]
+
+
+def test_search_returns_a_layout_that_fits_by_the_memory_model_the_same_each_time():
+    """At 300,000 bytes a rank the estimates of pp1 dp4 and pp2 dp2 fit and the memory model's
+    peaks do not: each compile teaches the search its kind's ratio, the rest of that kind is
+    skipped, the pipeline is tried next with checkpointing (NOTE: Memory check of the search),
+    and what it returns fits by the memory model, the same layout each time."""
+    graph = _graph()
+    spec = graph._compile_spec()
+    x, y = _batches(1)[0]
+    capacity = 300_000
+    runs = [search(spec, [x, y], 4, [True, True], graph._optimizer, "h100", memory=capacity,
+                   budget_s=None, top=4, progress=False) for _ in range(2)]
+    assert runs[0].best.layout == runs[1].best.layout
+    result, best = runs[0], runs[0].best
+    assert [c.fits for c in result.tried] == [False, False, True, True]
+    assert result.tried[2].layout == replace(result.tried[1].layout, checkpointing="always")   # its twin
+    assert best.step == min(c.step for c in result.tried if c.fits) and best.layout.world == 4
+    assert result.skipped and all(c.note.startswith("skipped") for c in result.skipped)
+    assert max(_memory_model_peaks(spec, [x, y], graph._optimizer, best.layout)) <= capacity
+    report = result.report()
+    assert best.layout.describe() in report and "**winner**" in report
+    assert "skipped, predicted not to fit" in report
 
 
 LOADED = {

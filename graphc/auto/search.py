@@ -14,15 +14,19 @@ The search runs in two rounds, both deterministic (every rank of a job finds the
   2. Compile the best `top` estimates that fit for N ranks (apply_layout), run the
      simulator on the device preset (every rank's plan, every collective) and the memory
      model (NOTE: Peak memory model) on each: the winner is the fastest whose every rank
-     fits. Its plans are verified by the compile like any plan.
-A budget in seconds bounds round 2 (each compile costs ~1 s on a small model); a progress
+     fits. Its plans are verified by the compile like any plan. Each compile corrects the
+     memory estimates of its kind, and a candidate then predicted not to fit is skipped
+     (NOTE: Memory check of the search in fit.py).
+A budget in seconds bounds round 2 once a compiled layout fits (each compile costs ~1 s on a
+small model, ~7 s for 64 ranks of a Llama-3-8B); a progress
 line goes to stderr per candidate. A model that fits no candidate is refused, naming the
-smallest memory the estimates found enough.
+memory the memory model finds its least-estimated layout needs.
 
 NOTE: Auto estimate
 With F the forward seconds of one micro-batch on one stage (the one-rank forward over data
 x micro-batches x stages, and over tensor degree where the layers have pairs), u = 3F (4F
-checkpointed) a stage's forward and backward, and W = chunks x u a rank's work per
+checkpointed: the recompute, once per micro-batch, as the simulator charges it, NOTE:
+Recompute cost) a stage's forward and backward, and W = chunks x u a rank's work per
 micro-batch: GPipe and 1F1B take m W + (p - 1) W, interleaved 1F1B m W + (p - 1) u, ZB-V
 m W + (p - 1) u / 2; data parallelism adds half a ring all-reduce of the rank's gradients
 (the other half overlaps the backward), tensor parallelism four ring all-reduces per layer
@@ -34,21 +38,31 @@ where a node's ranks share C cores the step is at least the world's summed work 
 (NOTE: Shared cores in graphc/tools/shared_cores.py), a hand-off per wait included (every
 member of a collective but the last to join, and about one receive a micro-batch on a
 pipeline's rank): on 8 local-world ranks of a small model, the layout that does the least
-work and waits least wins, not the one with the shortest path.
+work and waits least wins, not the one with the shortest path. The activations of a micro-batch
+on a stage are the one-rank bytes over data x micro-batches x stages, and under tensor degree t
+x (TP_UNSPLIT + (1 - TP_UNSPLIT) / t): what lies outside the Megatron pairs stays whole.
 """
 from __future__ import annotations
 
 import copy
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence, Tuple
 
 from ..errors import GraphcError
+from .fit import MemoryCheck, least_memory
 from .layout import (Layout, apply_layout, batch_layouts, batched_inputs, input_stages, layer_list,
                      megatron_pairs, with_layers)
 
 SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
+# the share of a transformer layer's activations that tensor parallelism leaves whole (norms,
+# residuals, dropout masks outside the pairs): 10 of the 34 sbh bytes per layer of Korthikanti
+# et al., "Reducing Activation Recomputation in Large Transformer Models" (2022), without
+# sequence parallelism; graphc's memory model found 0.66 of tp1's bytes per layer at tp2 on
+# Llama-3-8B (this gives 0.65)
+TP_UNSPLIT = 10 / 34
 
 
 @dataclass
@@ -101,6 +115,7 @@ class AutoResult:
     seconds: float = 0.0
     device: str = "h100"
     memory: int = 0
+    skipped: List[Candidate] = field(default_factory=list)  # predicted not to fit (NOTE: Memory check of the search)
 
     def report(self) -> str:
         """auto.md: the winner, the candidates simulated, and what did not fit."""
@@ -121,6 +136,10 @@ class AutoResult:
             runner = min(won, key=lambda c: c.step)
             lines += ["", f"The winner's simulated step is {runner.step / self.best.step:.2f}x faster "
                       f"than the runner-up ({runner.layout.describe()})."]
+        if self.skipped:
+            lines += ["", f"{len(self.skipped)} candidates were skipped, predicted not to fit by the memory "
+                      "model's ratio to the estimate for their kind (NOTE: Memory check of the search), e.g.:"]
+            lines += [f"- {c.layout.describe()}: {c.note}" for c in self.skipped[:5]]
         if self.unfit:
             lines += ["", f"{len(self.unfit)} candidates were estimated not to fit, e.g.:"]
             for c in sorted(self.unfit, key=lambda c: c.est_step)[:5]:
@@ -135,7 +154,9 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
     rank (None: the device's memory) (See NOTE: Layout search).
 
     batched: per input, whether it is split over the data-parallel ranks (its dim 0 the batch).
-    budget_s: seconds for round 2; None: no bound but `top` (the same answer on any machine)."""
+    budget_s: seconds for round 2; None: no bound but `top` (the same answer on any machine).
+    top: layouts compiled; both bounds end the search once one fits by the memory model
+    (until then it goes on, skipping what the memory check predicts too big)."""
     from ..tools.costs import DEVICES
     if device not in DEVICES:
         raise GraphcError(f"graphc plan --auto: unknown device {device!r}; choose one of {sorted(DEVICES)}")
@@ -146,31 +167,75 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
     fitting = [c for c in candidates if c.est_memory <= capacity]
     unfit = [c for c in candidates if c.est_memory > capacity]
     if not fitting:
-        least = min(c.est_memory for c in candidates) if candidates else 0
-        raise GraphcError(f"{spec.name}: no layout on {nproc} ranks fits {capacity / 2**30:.2f} GiB per "
-                          f"rank (the smallest estimate is {least / 2**30:.2f} GiB). Fix: more ranks, a "
-                          f"device with more memory (--memory {least / 2**30 * 1.1:.1f}), or a smaller batch")
+        _refuse_unfit(spec, candidates, nproc, capacity, (example_inputs, batched, optimizer, device))
     fitting.sort(key=lambda c: (c.est_step, c.est_memory, c.layout.describe()))
     tried: List[Candidate] = []
+    skipped: List[Candidate] = []
+    check = MemoryCheck(capacity)     # NOTE: Memory check of the search
     best, best_compiled = None, None
     read_at: dict = {}        # stage cut -> the stage reading each input
-    for c in _diverse(fitting, top):
-        if tried and budget_s is not None and time.perf_counter() - t0 > budget_s:
+    pending = deque(_diverse(fitting))
+    twins = {c.layout: c for c in fitting if c.layout.checkpointing == "always"}
+    while pending:
+        c = pending.popleft()
+        if c in tried or c in skipped:
+            continue
+        # `top` and the budget end the search once a layout fits (NOTE: Memory check of the search)
+        if best is not None and len(tried) >= top:
+            break
+        if best is not None and budget_s is not None and time.perf_counter() - t0 > budget_s:
             _say(progress, f"graphc auto: budget of {budget_s:.0f} s spent after {len(tried)} candidates")
             break
+        if check.skips(c):
+            skipped.append(c)
+            continue
         compiled = _simulate(c, spec, example_inputs, nproc, batched, optimizer, device, capacity, read_at)
+        check.learn(c)
         tried.append(c)
         _say(progress, f"graphc auto: [{len(tried)}/{min(top, len(fitting))}] {c.layout.describe():<36} "
                        f"step {c.step * 1e3 if c.step is not None else float('nan'):8.3f} ms  "
                        f"peak {(c.peak or 0) / 2**20:9.1f} MiB  {c.note}")
         if c.fits and c.step is not None and (best is None or c.step < best.step):
             best, best_compiled = c, compiled
+        twin = _checkpointed_twin(c, twins, best)
+        if twin is not None:
+            pending.appendleft(twin)
     if best is None:
+        least, layout = least_memory(tried, skipped, check)
         raise GraphcError(f"{spec.name}: none of the {len(tried)} layouts compiled fits "
-                          f"{capacity / 2**30:.2f} GiB per rank by the memory model: "
-                          + "; ".join(f"{c.layout.describe()}: {c.note}" for c in tried[:4]))
+                          f"{capacity / 2**30:.2f} GiB per rank by the memory model ("
+                          + "; ".join(f"{c.layout.describe()}: {c.note}" for c in tried[:4])
+                          + f"); the least it found is {least / 2**30:.3g} GiB ({layout}). Fix: more ranks, "
+                          f"--memory {least / 2**30 * 1.05:.3g}, or a smaller batch")
     return AutoResult(best, best_compiled, tried, unfit, len(candidates), time.perf_counter() - t0,
-                      device, capacity)
+                      device, capacity, skipped)
+
+
+def _checkpointed_twin(c: Candidate, twins: dict, best: Optional[Candidate]) -> Optional[Candidate]:
+    """A compiled layout too big for the memory model but faster than the best so far is
+    tried next with checkpointing (what memory_fit advises first): it keeps only each stage's
+    inputs and costs one more forward per micro-batch (NOTE: Memory check of the search)."""
+    if c.fits or c.step is None or c.layout.checkpointing != "never" or c.layout.pp == 1:
+        return None     # pp1 holds one micro-batch at a time: its recompute holds as much
+    if best is not None and c.step >= best.step:    # the twin is slower than c
+        return None
+    return twins.get(replace(c.layout, checkpointing="always"))
+
+
+def _refuse_unfit(spec, candidates: List[Candidate], nproc: int, capacity: int, job: tuple) -> None:
+    """No estimate fits: the least estimate's layout compiled, and its memory model's peak named
+    (the estimate may be optimistic; NOTE: Memory check of the search)."""
+    if not candidates:
+        raise GraphcError(f"{spec.name}: no layout on {nproc} ranks: nothing divides the batch and the ranks")
+    least = min(candidates, key=lambda c: (c.est_memory, c.est_step))
+    inputs, batched, optimizer, device = job
+    _simulate(least, spec, inputs, nproc, batched, optimizer, device, capacity, {})
+    need = max(least.peak or 0, least.est_memory)
+    judge = "the memory model" if least.peak is not None else f"its estimate ({least.note})"
+    raise GraphcError(f"{spec.name}: no layout on {nproc} ranks fits {capacity / 2**30:.2f} GiB per "
+                      f"rank (the least estimated, {least.layout.describe()}, needs {need / 2**30:.3g} GiB "
+                      f"by {judge}). Fix: more ranks, a device with more memory (--memory "
+                      f"{need / 2**30 * 1.05:.3g}), or a smaller batch")
 
 
 def _say(progress: bool, line: str) -> None:
@@ -178,8 +243,8 @@ def _say(progress: bool, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _diverse(cands: List[Candidate], top: int) -> List[Candidate]:
-    """The `top` to compile: the best estimate of each (pp, tp, dp, schedule) first, best
+def _diverse(cands: List[Candidate]) -> List[Candidate]:
+    """The order to compile in: the best estimate of each (pp, tp, dp, schedule) first, best
     first, then the next best of any kind (the estimates rank kinds less surely than the
     settings within one)."""
     firsts, rest, kinds = [], [], set()
@@ -187,7 +252,7 @@ def _diverse(cands: List[Candidate], top: int) -> List[Candidate]:
         kind = (c.layout.pp, c.layout.tp, c.layout.dp, c.layout.schedule)
         (rest if kind in kinds else firsts).append(c)
         kinds.add(kind)
-    return (firsts + rest)[:top]
+    return firsts + rest
 
 
 def _simulate(c: Candidate, spec, inputs, nproc, batched, optimizer, device, capacity, read_at: dict):
@@ -308,7 +373,9 @@ def memory_estimate(lay: Layout, f: ModelFacts) -> int:
     params = whole / d if lay.zero == 3 else whole
     grads = whole / d if lay.zero >= 2 else whole
     optim = f.states * (whole / d if lay.zero >= 1 else whole)
-    per_mb = f.activation_bytes / (lay.dp * lay.microbatches * lay.stages * tp_split)
+    # tensor parallelism splits the activations inside the Megatron pairs only (NOTE: Auto estimate)
+    tp_share = TP_UNSPLIT + (1 - TP_UNSPLIT) / tp_split if tp_split > 1 else 1.0
+    per_mb = f.activation_bytes * tp_share / (lay.dp * lay.microbatches * lay.stages)
     if lay.pp == 1:
         inflight = 1                                  # accumulation: one micro-batch at a time
     else:

@@ -5,6 +5,8 @@ Every check is exact: a rank's busy time (the sum of its compute spans) with che
 minus without is the recomputed micro-batches times the stage's forward cost, on a device
 preset's modelled costs and on costs measured here; where one rank computes alone the step
 grows by that much too."""
+import functools
+
 import pytest
 import torch
 
@@ -20,7 +22,8 @@ from test_simulate import chain_plans
 M = 4
 
 
-def _compiled(checkpointing: str, schedule: str = "1f1b", stages: int = 2):
+@functools.lru_cache(maxsize=None)
+def _compiled(checkpointing: str, schedule: str = "zero_bubble", stages: int = 2):
     torch.manual_seed(0)
     graph = PipelineGraph(SkipNet(stages), None, accumulation=M, schedule=schedule)
     graph.add_optimizer(torch.optim.SGD(graph.model.parameters(), lr=0.1))
@@ -66,7 +69,7 @@ def test_dualpipev_pair_charges_its_backwards_recompute():
 def test_device_preset_charges_the_recompute_in_backward_input():
     """On h100's modelled costs, a zero-bubble schedule (split backward): the recompute is
     charged in each checkpointed micro-batch's backward-input half, once."""
-    plain, ckpt = _compiled("never", "zero_bubble"), _compiled("always", "zero_bubble")
+    plain, ckpt = _compiled("never"), _compiled("always")
     costs = device_costs(ckpt, "h100")
     assert costs.forward == device_costs(plain, "h100").forward   # the same programs' FLOPs
     got = {r: b - p for (r, b), p in zip(_busy(ckpt.plans, costs).items(), _busy(plain.plans, costs).values())}

@@ -13,7 +13,8 @@ the published recipes train (bf16 compute, fp32 master weights). Global batch: -
 sequences of --seq tokens (64 x 8192: torchtitan's llama3_8b.toml, batch 1 a rank on 64 ranks).
 
 1. The search, as `graphc plan --auto --device h100` runs it (budget 60 s, 8 candidates
-   compiled), timed, with this process's peak RSS after it.
+   compiled, both bounds ending it once a layout fits by the memory model), timed, with this
+   process's peak RSS after it.
 2. The wider search ("exhaustive" below, what it covers said exactly): the search space is
    enumerate_layouts' 1008 candidates (68 kinds: pipeline x tensor x data degree x schedule;
    within a kind micro-batches x ZeRO x checkpointing). Compiling all 1008 for 64 ranks takes
@@ -198,8 +199,8 @@ def main(argv=None):
                   if c.fits and c.step is not None), key=lambda c: c.step)
     best = fit[0]
     ratio = picked.step / best.step
-    # the simulator charges a checkpointed micro-batch's recomputed forward no time (its
-    # memory model does count it): among the layouts without checkpointing it is faithful
+    # the same comparison among the layouts without checkpointing (the simulator charges a
+    # checkpointed micro-batch's recomputed forward: NOTE: Recompute cost)
     plain = [c for c in fit if c.layout.checkpointing == "never"]
     ratio_plain = picked.step / plain[0].step if plain else float("nan")
     print(f"wider search: {len(wide)} compiled in {wide_s:.0f} s, best {best.layout.describe()} "
@@ -220,10 +221,10 @@ def main(argv=None):
              f"{len(fit)} fit by the memory model; best {best.layout.describe()}, {best.step * 1e3:.1f} ms",
              f"- **searched / best = {ratio:.3f}** (target <= 1.05)",
              f"- searched / best without checkpointing = {ratio_plain:.3f}"
-             + (f" (best {plain[0].layout.describe()}, {plain[0].step * 1e3:.1f} ms)" if plain else "")
-             + ": the simulator's step charges no time for a checkpointed micro-batch's recomputed "
-             "forward (its memory model counts it), so a checkpointed layout's step is the same "
-             "as without checkpointing and the best above may be one only by that gap", "",
+             + (f" (best {plain[0].layout.describe()}, {plain[0].step * 1e3:.1f} ms)" if plain else ""),
+             f"- the search compiled {len(result.tried)}, skipped {len(result.skipped)} predicted not to fit "
+             f"(NOTE: Memory check of the search); {sum(not c.fits for c in result.tried)} of those compiled "
+             "did not fit by the memory model", "",
              "| rank | layout | simulated step ms | peak GiB (rank) |", "|---|---|---|---|"]
     for i, c in enumerate(fit[:10]):
         mark = " (searched)" if c.layout == picked.layout else ""

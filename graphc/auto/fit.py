@@ -3,22 +3,24 @@
 NOTE: Memory check of the search
 The estimate (search.memory_estimate) is a formula over one compile on one rank; the memory
 model (NOTE: Peak memory model) walks every rank's plan and is what `graphc plan` reports,
-so it is the judge: a layout the search returns fits by it (search.py keeps only compiled
-candidates whose every rank's peak fits). Where the estimate is optimistic, compiling a
-candidate that then does not fit wastes the search's budget, so each compile also teaches
-the search: the memory model's peak over the estimate, highest per kind of layout
-(`Kind`: whether it pipelines, the tensor degree and checkpointing, which shape the
-estimate's formula; the degrees of pipeline and data, the schedule, micro-batches and ZeRO
-change its terms; on Llama-3-8B over 64 h100 the ratio of tp1 pipelines was 1.15-1.26 from
-pp2 to pp16, of tp2 ones 1.9, of pp1 tp2 1.5), scales the estimates of that kind's later candidates, and one scaled above the
-capacity is skipped without compiling (listed in auto.md). A kind not compiled yet keeps its
-estimate. A compiled pipeline that does not fit but simulates faster than the best so far has
-its checkpointed twin (the same layout with checkpointing "always", when its estimate fits)
-compiled next (pp1 holds one micro-batch at a time, and its recompute as much): checkpointing
-is the memory model's first advice (memory_fit.py), it keeps
-only each stage's inputs, and its recompute costs one forward per micro-batch (NOTE:
-Recompute cost), so the twin is often the fastest layout that fits. When nothing fits, the refusal names the least memory the memory model found
-enough for a compiled layout (or the estimate's least, scaled, when none was compiled).
+so it is the judge: the search returns only a compiled layout whose every rank fits by it.
+Where the estimate is optimistic, a compiled candidate that does not fit wastes the
+search's budget, so each compile also teaches the search:
+  * the memory model's peak over the estimate, highest per `Kind` (whether it pipelines, the
+    tensor degree, checkpointing: what shapes the estimate's formula; the degrees, schedule,
+    micro-batches and ZeRO only change its terms) scales the estimates of that kind's later
+    candidates, and one scaled above the capacity is skipped without compiling (listed in
+    auto.md); a kind not compiled yet keeps its estimate. On Llama-3-8B over 64 h100 the
+    ratios were 1.15-1.26 for tp1 pipelines (pp2 to pp16), 1.5 for pp1 tp2, 1.9 for tp2
+    pipelines (before TP_UNSPLIT);
+  * a compiled pipeline that does not fit but simulates faster than the best so far has its
+    checkpointed twin (the same layout with checkpointing "always", where its estimate fits)
+    compiled next while nothing fits, else after the best estimate of every kind:
+    checkpointing is the memory model's first advice (memory_fit.py), keeps only each
+    stage's inputs and costs one forward per micro-batch (NOTE: Recompute cost). Not for
+    pp1, which holds one micro-batch at a time, and its recompute as much.
+`top` and the budget end the search only once a layout fits. When nothing fits, the refusal
+names the least memory the memory model found for a compiled layout.
 """
 from __future__ import annotations
 

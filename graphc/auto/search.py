@@ -174,10 +174,12 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
     check = MemoryCheck(capacity)     # NOTE: Memory check of the search
     best, best_compiled = None, None
     read_at: dict = {}        # stage cut -> the stage reading each input
-    pending = deque(_diverse(fitting))
+    # the order: the best estimate of each kind, then checkpointed twins, then the rest
+    firsts, rest = _diverse(fitting)
+    queues = (deque(firsts), deque(), deque(rest))
     twins = {c.layout: c for c in fitting if c.layout.checkpointing == "always"}
-    while pending:
-        c = pending.popleft()
+    while any(queues):
+        c = next(q for q in queues if q).popleft()
         if c in tried or c in skipped:
             continue
         # `top` and the budget end the search once a layout fits (NOTE: Memory check of the search)
@@ -198,8 +200,8 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
         if c.fits and c.step is not None and (best is None or c.step < best.step):
             best, best_compiled = c, compiled
         twin = _checkpointed_twin(c, twins, best)
-        if twin is not None:
-            pending.appendleft(twin)
+        if twin is not None:    # next while nothing fits, else after every kind's best
+            (queues[0].appendleft if best is None else queues[1].append)(twin)
     if best is None:
         least, layout = least_memory(tried, skipped, check)
         raise GraphcError(f"{spec.name}: none of the {len(tried)} layouts compiled fits "
@@ -243,16 +245,16 @@ def _say(progress: bool, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _diverse(cands: List[Candidate]) -> List[Candidate]:
-    """The order to compile in: the best estimate of each (pp, tp, dp, schedule) first, best
-    first, then the next best of any kind (the estimates rank kinds less surely than the
-    settings within one)."""
+def _diverse(cands: List[Candidate]) -> Tuple[List[Candidate], List[Candidate]]:
+    """The order to compile in: the best estimate of each (pp, tp, dp, schedule), best first,
+    then the next best of any kind (the estimates rank kinds less surely than the settings
+    within one)."""
     firsts, rest, kinds = [], [], set()
     for c in cands:
         kind = (c.layout.pp, c.layout.tp, c.layout.dp, c.layout.schedule)
         (rest if kind in kinds else firsts).append(c)
         kinds.add(kind)
-    return firsts + rest
+    return firsts, rest
 
 
 def _simulate(c: Candidate, spec, inputs, nproc, batched, optimizer, device, capacity, read_at: dict):

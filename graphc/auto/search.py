@@ -17,20 +17,25 @@ The search runs in two rounds, both deterministic (every rank of a job finds the
      fits. Its plans are verified by the compile like any plan. Each compile corrects the
      memory estimates of its kind, and a candidate then predicted not to fit is skipped
      (NOTE: Memory check of the search in fit.py).
-A budget in seconds bounds round 2 once a compiled layout fits (each compile costs ~1 s on a
-small model, ~7 s for 64 ranks of a Llama-3-8B); a progress
-line goes to stderr per candidate. A model that fits no candidate is refused, naming the
+A budget in seconds bounds the search once a compiled layout fits: no compile starts that
+would end past it, by the longest compile so far (each costs ~1 s on a small model, 7-20 s
+for 64 ranks of a Llama-3-8B on the shared 2-core machine); a progress line goes to stderr
+per candidate. A model that fits no candidate is refused, naming the
 memory the memory model finds its least-estimated layout needs.
 
 NOTE: Auto estimate
 With F the forward seconds of one micro-batch on one stage (the one-rank forward over data
 x micro-batches x stages, and over tensor degree where the layers have pairs), u = 3F (4F
 checkpointed: the recompute, once per micro-batch, as the simulator charges it, NOTE:
-Recompute cost) a stage's forward and backward, and W = chunks x u a rank's work per
-micro-batch: GPipe and 1F1B take m W + (p - 1) W, interleaved 1F1B m W + (p - 1) u, ZB-V
+Recompute cost) a stage's forward and backward, and W the busiest rank's work per micro-batch
+(chunks x u on even stages; stages cut by layers put the ends, the forward outside the layer
+list, a language model's head, on the last stage: W counts its chunks' share of the layers
+plus the ends, whose share `ends_share` takes from the Linear weights' elements): GPipe and 1F1B take m W + (p - 1) W, interleaved 1F1B m W + (p - 1) u, ZB-V
 m W + (p - 1) u / 2; data parallelism adds half a ring all-reduce of the rank's gradients
 (the other half overlaps the backward), tensor parallelism four ring all-reduces per layer
-and micro-batch of one activation (the saved bytes of a layer over 8). On CPU presets F
+and micro-batch of one activation (the saved bytes of a layer over 8); a ring over a group that
+spans more ranks than a node holds (data: dp x tp consecutive ranks) runs at the network's
+bandwidth. On CPU presets F
 adds the host time of the stage's share of the model's ops (not cut by data or tensor
 degree, nor by micro-batches: each op is dispatched whatever its size), u the runtime's
 time per compute instruction and per transfer, each collective its host time per member;
@@ -88,6 +93,9 @@ class ModelFacts:
     cores: float = 0.0
     node_ranks: int = 0         # ranks a node holds (the preset's gpus_per_node)
     handoff_s: float = 0.0      # per wait where ranks share cores (NOTE: Shared cores)
+    net_bytes_per_s: float = 0.0    # between nodes (0: the link above everywhere)
+    net_latency_s: float = 0.0
+    ends_share: float = 0.0     # of the forward outside the layer list (NOTE: Auto estimate)
 
 
 @dataclass
@@ -173,6 +181,7 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
     skipped: List[Candidate] = []
     check = MemoryCheck(capacity)     # NOTE: Memory check of the search
     best, best_compiled = None, None
+    longest = 0.0             # the longest compile so far
     read_at: dict = {}        # stage cut -> the stage reading each input
     # the order: the best estimate of each kind, then checkpointed twins, then the rest
     firsts, rest = _diverse(fitting)
@@ -185,13 +194,16 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
         # `top` and the budget end the search once a layout fits (NOTE: Memory check of the search)
         if best is not None and len(tried) >= top:
             break
-        if best is not None and budget_s is not None and time.perf_counter() - t0 > budget_s:
+        # nor starts a compile that would end past it (the longest so far: compiles' times vary)
+        if best is not None and budget_s is not None and time.perf_counter() - t0 + longest > budget_s:
             _say(progress, f"graphc auto: budget of {budget_s:.0f} s spent after {len(tried)} candidates")
             break
         if check.skips(c):
             skipped.append(c)
             continue
+        started = time.perf_counter()
         compiled = _simulate(c, spec, example_inputs, nproc, batched, optimizer, device, capacity, read_at)
+        longest = max(longest, time.perf_counter() - started)
         check.learn(c)
         tried.append(c)
         _say(progress, f"graphc auto: [{len(tried)}/{min(top, len(fitting))}] {c.layout.describe():<36} "
@@ -308,7 +320,20 @@ def model_facts(spec, inputs, optimizer, device: str) -> ModelFacts:
                       sum(p.nbytes for p in params), states, len(layers), degrees, rows,
                       dev.link_gbps * 1e9, dev.latency_us * 1e-6, host, dev.instruction_us * 1e-6,
                       dev.collective_us * 1e-6, dev.p2p_us * 1e-6, dev.cores_per_node, dev.gpus_per_node,
-                      dev.handoff_us * 1e-6)
+                      dev.handoff_us * 1e-6, dev.net_gbps * 1e9, dev.net_latency_us * 1e-6,
+                      ends_share(spec.root))
+
+
+def ends_share(root) -> float:
+    """The share of a forward's matmul FLOPs outside the layer list (a language model's head),
+    by Linear weights: each costs 2 x rows x its elements (NOTE: Auto estimate)."""
+    import torch.nn as nn
+    name, layers = layer_list(root)
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    linear = [m for m in root.modules() if isinstance(m, nn.Linear)]
+    total = sum(m.weight.numel() for m in linear)
+    ends = sum(m.weight.numel() for m in linear if id(m) not in inside)
+    return ends / total if total and layers else 0.0
 
 
 def enumerate_layouts(facts: ModelFacts, nproc: int, root) -> List[Layout]:
@@ -336,36 +361,52 @@ def estimate(lay: Layout, f: ModelFacts) -> Tuple[float, int]:
     """(step seconds, bytes per rank) on paper (See NOTE: Auto estimate)."""
     tp_split = lay.tp if lay.tp in f.tp_degrees else 1
     m, p = lay.microbatches, lay.pp
-    F = f.forward_s / (lay.dp * m * lay.stages * tp_split) + f.forward_host_s / lay.stages
+    whole = f.forward_s / (lay.dp * m * tp_split)        # one micro-batch's forward, all stages
+    F = whole / lay.stages + f.forward_host_s / lay.stages
+    # the busiest rank: its chunks' share of the layers, and the ends (the head, on the last stage)
+    F_rank = whole * ((1 - f.ends_share) * lay.chunks / lay.stages + f.ends_share) \
+        + f.forward_host_s * lay.chunks / lay.stages if p > 1 else lay.chunks * F
     computes = 3 if lay.schedule == "zbv" else 2          # F, B (ZB-V: F, I, W) per micro-batch
-    u = (4 if lay.checkpointing == "always" else 3) * F + computes * f.instruction_s
+    times = 4 if lay.checkpointing == "always" else 3
+    u = times * F + computes * f.instruction_s
     waits = 0.0   # a rank's waits per step where ranks share cores (NOTE: Shared cores)
     if p > 1:     # a send and a receive each way per stage boundary and micro-batch
         u += 4 * f.p2p_s
         waits += m * lay.chunks    # about one a micro-batch: a gradient not yet sent back
-    W = lay.chunks * u
+    W = times * F_rank + lay.chunks * (u - times * F)
     bubble = {"interleaved_1f1b": (p - 1) * u, "zbv": (p - 1) * u / 2}.get(lay.schedule, (p - 1) * W)
     step = m * W + (bubble if p > 1 else 0)
     if p > 1:
         step += 2 * (m + p - 1) * lay.chunks * f.latency_s
     collectives = []      # seconds of a rank's collectives, host time included
     grads = f.param_bytes / (p * tp_split)
-    if lay.dp > 1:
-        ring = 2 * (lay.dp - 1) / lay.dp * grads / f.link_bytes_per_s + 2 * (lay.dp - 1) * f.latency_s
+    if lay.dp > 1:   # a data group spans dp x tp consecutive ranks (Layout.ranks)
+        bandwidth, latency = _group_link(f, lay.dp * tp_split)
+        ring = 2 * (lay.dp - 1) / lay.dp * grads / bandwidth + 2 * (lay.dp - 1) * latency
         calls = 1 if lay.zero == 0 else 2 + (2 * f.layers / p * m if lay.zero == 3 else 0)
         collectives.append(ring / 2 * (1.5 if lay.zero == 3 else 1.0) + calls * f.collective_s)
         waits += calls * (lay.dp - 1) / lay.dp      # every member but the last to join waits
     if tp_split > 1:
         msg = f.activation_bytes / max(f.layers, 1) / (lay.dp * m) / 8
-        one = 2 * (tp_split - 1) / tp_split * msg / f.link_bytes_per_s + 2 * (tp_split - 1) * f.latency_s
+        bandwidth, latency = _group_link(f, tp_split)
+        one = 2 * (tp_split - 1) / tp_split * msg / bandwidth + 2 * (tp_split - 1) * latency
         collectives.append(4 * (f.layers / p) * m * (one + f.collective_s))
         waits += 4 * (f.layers / p) * m * (tp_split - 1) / tp_split
     for seconds in collectives:
         step += seconds
     if f.cores:   # a node's ranks share its cores: at least their summed work (NOTE: Shared cores)
         ranks = min(lay.world, f.node_ranks) if f.node_ranks else lay.world
-        step = max(step, ranks * (m * W + sum(collectives) + waits * f.handoff_s) / f.cores)
+        work = m * lay.chunks * u       # an average rank's: the ranks' sum over them
+        step = max(step, ranks * (work + sum(collectives) + waits * f.handoff_s) / f.cores)
     return step, memory_estimate(lay, f)
+
+
+def _group_link(f: ModelFacts, span: int) -> Tuple[float, float]:
+    """(bandwidth, latency) of a ring over a group whose ranks span `span` consecutive ranks:
+    the network's once it leaves a node, as the simulator's collectives (CostModel.collective)."""
+    if f.net_bytes_per_s and f.node_ranks and span > f.node_ranks:
+        return f.net_bytes_per_s, f.net_latency_s
+    return f.link_bytes_per_s, f.latency_s
 
 
 def memory_estimate(lay: Layout, f: ModelFacts) -> int:

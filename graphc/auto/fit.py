@@ -18,7 +18,9 @@ search's budget, so each compile also teaches the search:
     compiled next while nothing fits, else after the best estimate of every kind:
     checkpointing is the memory model's first advice (memory_fit.py), keeps only each
     stage's inputs and costs one forward per micro-batch (NOTE: Recompute cost). Not for
-    pp1, which holds one micro-batch at a time, and its recompute as much.
+    pp1, which holds one micro-batch at a time, and its recompute as much. The twin is scored
+    on its sibling's plans with the other `checkpointing` (the only field checkpointing
+    changes in them: no compile), and compiled only if it wins.
 `top` and the budget end the search only once a layout fits. When nothing fits, the refusal
 names the least memory the memory model found for a compiled layout.
 """

@@ -187,6 +187,7 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
     firsts, rest = _diverse(fitting)
     queues = (deque(firsts), deque(), deque(rest))
     twins = {c.layout: c for c in fitting if c.layout.checkpointing == "always"}
+    siblings: dict = {}       # a queued twin's layout -> its sibling's CompiledGraph
     while any(queues):
         c = next(q for q in queues if q).popleft()
         if c in tried or c in skipped:
@@ -202,8 +203,13 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
             skipped.append(c)
             continue
         started = time.perf_counter()
-        compiled = _simulate(c, spec, example_inputs, nproc, batched, optimizer, device, capacity, read_at)
-        longest = max(longest, time.perf_counter() - started)
+        if c.layout in siblings:     # scored on its sibling's plans; compiled if it wins
+            sibling = siblings.pop(c.layout)
+            judge(c, sibling, _checkpointed(sibling.plans, c.layout), optimizer, device, capacity)
+            compiled = None
+        else:
+            compiled = _simulate(c, spec, example_inputs, nproc, batched, optimizer, device, capacity, read_at)
+            longest = max(longest, time.perf_counter() - started)
         check.learn(c)
         tried.append(c)
         _say(progress, f"graphc auto: [{len(tried)}/{min(top, len(fitting))}] {c.layout.describe():<36} "
@@ -211,9 +217,10 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
                        f"peak {(c.peak or 0) / 2**20:9.1f} MiB  {c.note}")
         if c.fits and c.step is not None and (best is None or c.step < best.step):
             best, best_compiled = c, compiled
-        twin = _checkpointed_twin(c, twins, best)
+        twin = _checkpointed_twin(c, twins, best) if isinstance(getattr(compiled, "plans", None), list) else None
         if twin is not None:    # next while nothing fits, else after every kind's best
             (queues[0].appendleft if best is None else queues[1].append)(twin)
+            siblings[twin.layout] = compiled
     if best is None:
         least, layout = least_memory(tried, skipped, check)
         raise GraphcError(f"{spec.name}: none of the {len(tried)} layouts compiled fits "
@@ -221,6 +228,8 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
                           + "; ".join(f"{c.layout.describe()}: {c.note}" for c in tried[:4])
                           + f"); the least it found is {least / 2**30:.3g} GiB ({layout}). Fix: more ranks, "
                           f"--memory {least / 2**30 * 1.05:.3g}, or a smaller batch")
+    if best_compiled is None:     # a twin won: its own compile, for its plans and their checks
+        best_compiled = _simulate(best, spec, example_inputs, nproc, batched, optimizer, device, capacity, read_at)
     return AutoResult(best, best_compiled, tried, unfit, len(candidates), time.perf_counter() - t0,
                       device, capacity, skipped)
 
@@ -234,6 +243,13 @@ def _checkpointed_twin(c: Candidate, twins: dict, best: Optional[Candidate]) -> 
     if best is not None and c.step >= best.step:    # the twin is slower than c
         return None
     return twins.get(replace(c.layout, checkpointing="always"))
+
+
+def _checkpointed(plans: list, layout: Layout) -> list:
+    """A layout's plans with another checkpointing: the only field of the plans it changes
+    (the runtime reads it for which micro-batches to recompute; benchmarks/auto_paper.py checks
+    that a twin's own compile gives the same instructions)."""
+    return [replace(p, checkpointing=layout.checkpointing) for p in plans]
 
 
 def _refuse_unfit(spec, candidates: List[Candidate], nproc: int, capacity: int, job: tuple) -> None:
@@ -272,8 +288,6 @@ def _diverse(cands: List[Candidate]) -> Tuple[List[Candidate], List[Candidate]]:
 def _simulate(c: Candidate, spec, inputs, nproc, batched, optimizer, device, capacity, read_at: dict):
     """Round 2 for one candidate: compile, simulate, memory model; fills step / peak / note."""
     from ..compiler import compile as compile_graph
-    from ..tools.costs import device_costs
-    from ..tools.simulate import model_inputs, simulate
     import warnings
     try:
         with warnings.catch_warnings():
@@ -283,12 +297,20 @@ def _simulate(c: Candidate, spec, inputs, nproc, batched, optimizer, device, cap
     except GraphcError as exc:
         c.note = f"refused: {str(exc).splitlines()[0][:120]}"
         return None
-    result = simulate(compiled.plans, device_costs(compiled, device), model=model_inputs(compiled, optimizer))
+    judge(c, compiled, compiled.plans, optimizer, device, capacity)
+    return compiled
+
+
+def judge(c: Candidate, compiled, plans, optimizer, device: str, capacity: int) -> None:
+    """The simulator's step and the memory model's peak of `plans` (those of `compiled`, or
+    its plans with another checkpointing: benchmarks/auto_paper.py); fills step / peak / note."""
+    from ..tools.costs import device_costs
+    from ..tools.simulate import model_inputs, simulate
+    result = simulate(plans, device_costs(compiled, device), model=model_inputs(compiled, optimizer))
     worst = max((r for r in result.ranks if r.memory is not None), key=lambda r: r.memory.peak)
     c.step, c.peak, c.peak_rank = result.step_time, worst.memory.peak, worst.rank
     if c.peak > capacity:
         c.note = f"does not fit: rank {worst.rank} needs {c.peak / 2**20:.1f} MiB"
-    return compiled
 
 
 def _stages_read(spec, inputs, layout: Layout, known: dict):

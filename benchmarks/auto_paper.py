@@ -19,9 +19,8 @@ sequences of --seq tokens (64 x 8192: torchtitan's llama3_8b.toml, batch 1 a ran
    enumerate_layouts' 1008 candidates (68 kinds: pipeline x tensor x data degree x schedule;
    within a kind micro-batches x ZeRO x checkpointing). Compiling all 1008 for 64 ranks takes
    ~6 s each here (~1.7 h on 2 cores), so by default it covers
-     a. every kind: its best-estimated setting without checkpointing, the same setting with
-        checkpointing, and its best-estimated setting with checkpointing (the estimate's
-        memory is optimistic, so both are tried), then
+     a. every kind, in the order of its best estimate: its best-estimated setting without
+        checkpointing and the same setting with checkpointing, then
      b. every setting of the --leaders kinds (default 3) fastest in (a) that fit.
    A layout and its twin that differs only in checkpointing are scored from one compile
    (their plans differ only in the `checkpointing` field the simulator and the memory model
@@ -147,7 +146,7 @@ def score_all(layouts: List[Layout], workers: int, setup: tuple, facts) -> List[
     groups: dict = {}
     for lay in layouts:
         groups.setdefault(replace(lay, checkpointing="never"), []).append(lay)
-    groups = [tuple(sorted(g, key=lambda l: l.checkpointing != "never")) for g in groups.values()]
+    groups = [tuple(sorted(set(g), key=lambda l: l.checkpointing != "never")) for g in groups.values()]
     out = []
     with multiprocessing.get_context("spawn").Pool(workers, _setup, setup) as pool:
         for group, results in zip(groups, pool.imap(_score, groups)):
@@ -168,13 +167,12 @@ def wide_layouts(every: List[Layout], facts, leaders: int, full: bool, workers: 
     kinds = {}
     for lay in every:
         kinds.setdefault((lay.pp, lay.tp, lay.dp, lay.schedule), []).append(lay)
-    first = []
-    for lays in kinds.values():
+    first = []      # the kinds in the order of their best estimates: the likeliest best first
+    for lays in sorted(kinds.values(), key=lambda lays: min(estimate(l, facts)[0] for l in lays)):
         plain = min((l for l in lays if l.checkpointing == "never"), key=lambda l: estimate(l, facts)[0])
-        ckpt = min((l for l in lays if l.checkpointing == "always"), key=lambda l: estimate(l, facts)[0])
-        first += [l for l in (plain, replace(plain, checkpointing="always"), ckpt) if l in lays and l not in first]
-    print(f"wider search (a): {len(first)} layouts, the best estimate of each kind without checkpointing, "
-          "the same with it, and the best estimate with it", flush=True)
+        first += [plain] + [l for l in lays if l == replace(plain, checkpointing="always")]
+    print(f"wider search (a): {len(first)} layouts, the best estimate of each kind without checkpointing "
+          "and the same with it", flush=True)
     done = score_all(first, workers, setup, facts)
     fit = sorted((c for c in done if c.fits and c.step is not None), key=lambda c: c.step)
     lead = []
@@ -253,9 +251,8 @@ def main(argv=None):
              f"simulated step {picked.step * 1e3:.1f} ms",
              f"- wider search: {len(wide)} of the {len(every)} candidates compiled for {NPROC} ranks and simulated "
              + ("(all of them)" if args.full else
-                f"(every kind's best estimate without checkpointing, the same with it, its best estimate with "
-                f"it, then every setting of the {args.leaders} fastest kinds; twins differing only in "
-                "checkpointing from one compile)") + f" in {wide_s:.0f} s with {args.workers} workers; "
+                f"(every kind's best estimate without checkpointing and the same with it, then every setting "
+                f"of the {args.leaders} fastest kinds; twins differing only in checkpointing from one compile)") + f" in {wide_s:.0f} s with {args.workers} workers; "
              f"{len(fit)} fit by the memory model; best {best.layout.describe()}, {best.step * 1e3:.1f} ms",
              f"- **searched / best = {ratio:.3f}** (target <= 1.05)",
              f"- searched / best without checkpointing = {ratio_plain:.3f}"

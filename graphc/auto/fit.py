@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+from ..errors import GraphcError
+
 Kind = Tuple[bool, int, str]       # (pipelined, tensor degree, checkpointing)
 
 
@@ -63,6 +65,16 @@ class MemoryCheck:
         candidate.note = (f"skipped: about {predicted / 2**20:.1f} MiB (its estimate x {self.ratio[kind]:.2f}, "
                           f"the memory model's ratio for {'pipelines' if piped else 'pp1'} tp{tp} ckpt {ckpt})")
         return True
+
+
+def refuse_none_fit(name: str, tried: List, skipped: List, check: MemoryCheck) -> None:
+    """Nothing compiled fits by the memory model: the error names the least memory it found."""
+    least, layout = least_memory(tried, skipped, check)
+    raise GraphcError(f"{name}: none of the {len(tried)} layouts compiled fits {check.capacity / 2**30:.2f} "
+                      f"GiB per rank by the memory model ("
+                      + "; ".join(f"{c.layout.describe()}: {c.note}" for c in tried[:4])
+                      + f"); the least it found is {least / 2**30:.3g} GiB ({layout}). Fix: more ranks, "
+                      f"--memory {least / 2**30 * 1.05:.3g}, or a smaller batch")
 
 
 def least_memory(tried: List, unfit: List, check: MemoryCheck) -> Tuple[int, Optional[str]]:

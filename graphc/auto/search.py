@@ -52,14 +52,14 @@ from __future__ import annotations
 import copy
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence, Tuple
 
 from ..errors import GraphcError
-from .fit import MemoryCheck, least_memory
+from .fit import MemoryCheck, refuse_none_fit
 from .layout import (Layout, apply_layout, batch_layouts, batched_inputs, input_stages, layer_list,
                      megatron_pairs, with_layers)
+from .order import CompileOrder, checkpointed
 
 SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
 # the share of a transformer layer's activations that tensor parallelism leaves whole (norms,
@@ -183,32 +183,21 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
     best, best_compiled = None, None
     longest = 0.0             # the longest compile so far
     read_at: dict = {}        # stage cut -> the stage reading each input
-    # the order: the best estimate of each kind, then checkpointed twins, then the rest
-    firsts, rest = _diverse(fitting)
-    queues = (deque(firsts), deque(), deque(rest))
-    twins = {c.layout: c for c in fitting if c.layout.checkpointing == "always"}
-    siblings: dict = {}       # a queued twin's layout -> its sibling's CompiledGraph
-    while any(queues):
-        c = next(q for q in queues if q).popleft()
-        if c in tried or c in skipped:
-            continue
-        # `top` and the budget end the search once a layout fits (NOTE: Memory check of the search)
-        if best is not None and len(tried) >= top:
-            break
-        # nor starts a compile that would end past it (the longest so far: compiles' times vary)
-        if best is not None and budget_s is not None and time.perf_counter() - t0 + longest > budget_s:
-            _say(progress, f"graphc auto: budget of {budget_s:.0f} s spent after {len(tried)} candidates")
+    job = (spec, example_inputs, nproc, batched, optimizer, device, capacity, read_at)
+    order = CompileOrder(fitting)
+    for c in order:
+        # `top` and the budget end the search once a layout fits, and no compile starts that
+        # would end past the budget (by the longest so far: compiles' times vary)
+        if best is not None and (len(tried) >= top or budget_s is not None and
+                                 time.perf_counter() - t0 + longest > budget_s):
+            _say(progress, f"graphc auto: {len(tried)} candidates compiled in {time.perf_counter() - t0:.0f} s")
             break
         if check.skips(c):
             skipped.append(c)
             continue
         started = time.perf_counter()
-        if c.layout in siblings:     # scored on its sibling's plans; compiled if it wins
-            sibling = siblings.pop(c.layout)
-            judge(c, sibling, _checkpointed(sibling.plans, c.layout), optimizer, device, capacity)
-            compiled = None
-        else:
-            compiled = _simulate(c, spec, example_inputs, nproc, batched, optimizer, device, capacity, read_at)
+        compiled = _score(c, order.sibling(c), job)
+        if compiled is not None:
             longest = max(longest, time.perf_counter() - started)
         check.learn(c)
         tried.append(c)
@@ -217,39 +206,23 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
                        f"peak {(c.peak or 0) / 2**20:9.1f} MiB  {c.note}")
         if c.fits and c.step is not None and (best is None or c.step < best.step):
             best, best_compiled = c, compiled
-        twin = _checkpointed_twin(c, twins, best) if isinstance(getattr(compiled, "plans", None), list) else None
-        if twin is not None:    # next while nothing fits, else after every kind's best
-            (queues[0].appendleft if best is None else queues[1].append)(twin)
-            siblings[twin.layout] = compiled
+        order.after(c, compiled, best)
     if best is None:
-        least, layout = least_memory(tried, skipped, check)
-        raise GraphcError(f"{spec.name}: none of the {len(tried)} layouts compiled fits "
-                          f"{capacity / 2**30:.2f} GiB per rank by the memory model ("
-                          + "; ".join(f"{c.layout.describe()}: {c.note}" for c in tried[:4])
-                          + f"); the least it found is {least / 2**30:.3g} GiB ({layout}). Fix: more ranks, "
-                          f"--memory {least / 2**30 * 1.05:.3g}, or a smaller batch")
+        refuse_none_fit(spec.name, tried, skipped, check)
     if best_compiled is None:     # a twin won: its own compile, for its plans and their checks
-        best_compiled = _simulate(best, spec, example_inputs, nproc, batched, optimizer, device, capacity, read_at)
+        best_compiled = _simulate(best, *job)
     return AutoResult(best, best_compiled, tried, unfit, len(candidates), time.perf_counter() - t0,
                       device, capacity, skipped)
 
 
-def _checkpointed_twin(c: Candidate, twins: dict, best: Optional[Candidate]) -> Optional[Candidate]:
-    """A compiled layout too big for the memory model but faster than the best so far is
-    tried next with checkpointing (what memory_fit advises first): it keeps only each stage's
-    inputs and costs one more forward per micro-batch (NOTE: Memory check of the search)."""
-    if c.fits or c.step is None or c.layout.checkpointing != "never" or c.layout.pp == 1:
-        return None     # pp1 holds one micro-batch at a time: its recompute holds as much
-    if best is not None and c.step >= best.step:    # the twin is slower than c
-        return None
-    return twins.get(replace(c.layout, checkpointing="always"))
-
-
-def _checkpointed(plans: list, layout: Layout) -> list:
-    """A layout's plans with another checkpointing: the only field of the plans it changes
-    (the runtime reads it for which micro-batches to recompute; benchmarks/auto_paper.py checks
-    that a twin's own compile gives the same instructions)."""
-    return [replace(p, checkpointing=layout.checkpointing) for p in plans]
+def _score(c: Candidate, sibling, job: tuple):
+    """Round 2 for one candidate; returns its CompiledGraph (None: a twin, scored on its
+    sibling's plans with its own checkpointing: NOTE: Memory check of the search)."""
+    if sibling is None:
+        return _simulate(c, *job)
+    optimizer, device, capacity = job[4:7]
+    judge(c, sibling, checkpointed(sibling.plans, c.layout), optimizer, device, capacity)
+    return None
 
 
 def _refuse_unfit(spec, candidates: List[Candidate], nproc: int, capacity: int, job: tuple) -> None:
@@ -261,28 +234,16 @@ def _refuse_unfit(spec, candidates: List[Candidate], nproc: int, capacity: int, 
     inputs, batched, optimizer, device = job
     _simulate(least, spec, inputs, nproc, batched, optimizer, device, capacity, {})
     need = max(least.peak or 0, least.est_memory)
-    judge = "the memory model" if least.peak is not None else f"its estimate ({least.note})"
+    by = "the memory model" if least.peak is not None else f"its estimate ({least.note})"
     raise GraphcError(f"{spec.name}: no layout on {nproc} ranks fits {capacity / 2**30:.2f} GiB per "
                       f"rank (the least estimated, {least.layout.describe()}, needs {need / 2**30:.3g} GiB "
-                      f"by {judge}). Fix: more ranks, a device with more memory (--memory "
+                      f"by {by}). Fix: more ranks, a device with more memory (--memory "
                       f"{need / 2**30 * 1.05:.3g}), or a smaller batch")
 
 
 def _say(progress: bool, line: str) -> None:
     if progress:
         print(line, file=sys.stderr, flush=True)
-
-
-def _diverse(cands: List[Candidate]) -> Tuple[List[Candidate], List[Candidate]]:
-    """The order to compile in: the best estimate of each (pp, tp, dp, schedule), best first,
-    then the next best of any kind (the estimates rank kinds less surely than the settings
-    within one)."""
-    firsts, rest, kinds = [], [], set()
-    for c in cands:
-        kind = (c.layout.pp, c.layout.tp, c.layout.dp, c.layout.schedule)
-        (rest if kind in kinds else firsts).append(c)
-        kinds.add(kind)
-    return firsts, rest
 
 
 def _simulate(c: Candidate, spec, inputs, nproc, batched, optimizer, device, capacity, read_at: dict):

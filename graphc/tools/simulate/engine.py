@@ -80,6 +80,8 @@ class _Simulation:
         self.links: Dict[Tuple[int, int], _Link] = {}      # (src, dst)
         self.groups: Dict[Tuple[int, ...], _Group] = {}    # sorted ranks
         self.ops, self.shown = {}, {}
+        # each rank's checkpointed micro-batches, charged their forward again (NOTE: Recompute cost)
+        self._recomputed = {r: p.recomputed_microbatches for r, p in self.plans.items()}
         for r, plan in self.plans.items():
             self.ops[r], self.shown[r] = self._lower(r, plan)
         # each step begins with the rank's Prologues, outside its plan (NOTE: Prologue costs)
@@ -143,7 +145,8 @@ class _Simulation:
             return COLLECTIVE, self.groups[group], costs.collective(ins)
         if kind == "optimizer":
             return OPTIMIZER, costs.compute(ins, rank) * self.stretch
-        return COMPUTE, costs.compute(ins, rank) * self.stretch
+        # a checkpointed micro-batch's backward runs its forward again (NOTE: Recompute cost)
+        return COMPUTE, costs.compute(ins, rank, self._recomputed[rank]) * self.stretch
 
     def _nbytes(self, ins) -> int:
         """A transfer's bytes (its TensorSpecs are usually shared by many instructions)."""

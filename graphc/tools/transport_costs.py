@@ -62,6 +62,7 @@ def transport_kind(transport: str = "auto") -> str:
 
 
 WAITS_S = (0.0, 2e-4, 5e-4, 1e-3, 2e-3, 4e-3)   # receiver waits at which the delay is measured
+RECEIVER_COMPUTES_S = 2e-3    # what both ranks compute before a measured wait (NOTE: Waits in context)
 
 
 def measure_transport(transport: str = "auto", nbytes: int = 1 << 15, repeats: int = 30,
@@ -70,11 +71,13 @@ def measure_transport(transport: str = "auto", nbytes: int = 1 << 15, repeats: i
 
     Per message size (16 bytes and `nbytes`): the sender's isend() time, the receiver's
     wait() time when the data is already there (its copy out), fitted as fixed + per byte;
-    then, with the receiver waiting, how long after isend() returned it sees the data, for
-    waits of WAITS_S: the delay at the shortest wait is the latency, the growth over it the
-    polling delay (both processes read one clock, CLOCK_MONOTONIC). Then gloo's blocking
-    all-reduce of 8 bytes and of `reduce_bytes` (the largest gradient bucket), fitted as
-    the link of a 2-rank ring (NOTE: Calibrated collectives).
+    then, with the receiver waiting after compute while the sender computes on (NOTE: Waits
+    in context), how long after isend() returned it sees the data, for waits of WAITS_S:
+    the delay at the shortest wait is the latency, the growth over it the polling delay
+    (both processes read one clock, CLOCK_MONOTONIC). Then gloo's blocking all-reduce of
+    8 bytes and of `reduce_bytes` (the largest gradient bucket), fitted as the link of a
+    2-rank ring (NOTE: Calibrated collectives), and of 8 bytes after compute (NOTE:
+    Collectives in context).
     """
     import subprocess
     import sys
@@ -162,13 +165,17 @@ def _transport_worker(rank: int, kind: str, nbytes: int, repeats: int, threads: 
         sent, got = both
         delays = []
         t = torch.randn(nbytes // 4)
+        work = _Work()
         for wait in WAITS_S:
             d = []
             for _ in range(repeats + 1):
                 w = recv(t) if rank == 1 else None
                 dist.barrier()
+                # in context (NOTE: Waits in context): both ranks compute, then the sender
+                # computes on while the receiver waits
+                work.compute(RECEIVER_COMPUTES_S)
                 if rank == 0:
-                    time.sleep(wait)
+                    work.compute(wait)
                     w = send(t)
                     stamp = time.perf_counter()
                     w.wait()
@@ -198,6 +205,20 @@ def _transport_worker(rank: int, kind: str, nbytes: int, repeats: int, threads: 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+# NOTE: Waits in context
+# A pipeline's receiver waits after its own compute while its sender computes: on a host
+# whose cores are shared by more runnable threads than cores, the waiting rank, which polls
+# and then sleeps (runtime/shm.py), gives its core away, and a thread that has just computed
+# gets it back only when the scheduler's turn comes, which a receiver measured fresh from a
+# barrier, beside a sender that slept, does not see. measure_transport therefore measures
+# the receiver's delay as a step meets it: after a barrier both ranks compute
+# RECEIVER_COMPUTES_S (a compute instruction's order of size), then the sender computes the
+# wait's length more before it sends. At load 5-7 on the 2-core build machine the delay at
+# the shortest wait went from 0.18 ms (fresh, sender asleep) to 0.97 ms (in context); on a
+# quiet machine the two agree. The engine charges it where a receive waits (latency and
+# CostModel.noticed), as before.
 
 
 # NOTE: Calibrated collectives
@@ -265,36 +286,43 @@ COMPUTE_GAPS_S = (5e-4, 2e-3, 8e-3, 3.2e-2)
 def _collective_skew(repeats: int) -> List[Tuple[float, float]]:
     """(median compute seconds, median extra seconds of an 8-byte all-reduce after it) per
     gap of COMPUTE_GAPS_S, the slower rank's (See NOTE: Collectives in context); both ranks call it."""
-    a, b, t = torch.randn(96, 96), torch.randn(96, 96), torch.zeros(2)
-    per_mm = _seconds_per_matmul(a, b)
-    back_to_back = _all_reduce_after(t, a, b, 0, repeats)[1]
+    work, t = _Work(), torch.zeros(2)
+    back_to_back = _all_reduce_after(t, work, 0.0, repeats)[1]
     points = []
     for gap in COMPUTE_GAPS_S:
-        computed, reduced = _all_reduce_after(t, a, b, max(1, round(gap / per_mm)), repeats)
+        computed, reduced = _all_reduce_after(t, work, gap, repeats)
         points.append((computed, max(0.0, reduced - back_to_back)))
     both = [None, None]
     dist.all_gather_object(both, points)
     return [(max(c0, c1), max(e0, e1)) for (c0, e0), (c1, e1) in zip(*both)]
 
 
-def _seconds_per_matmul(a, b) -> float:
-    d = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(50):
-            torch.mm(a, b)
-        d.append((time.perf_counter() - t0) / 50)
-    return statistics.median(d)
+class _Work:
+    """A fixed amount of compute (small matmuls on one thread) that takes about the given
+    seconds on an idle core: preempted, it takes longer, as a rank's compute does."""
+
+    def __init__(self):
+        self.a, self.b = torch.randn(96, 96), torch.randn(96, 96)
+        d = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(50):
+                torch.mm(self.a, self.b)
+            d.append((time.perf_counter() - t0) / 50)
+        self.per_matmul = min(d)
+
+    def compute(self, seconds: float) -> None:
+        for _ in range(round(seconds / self.per_matmul)):
+            torch.mm(self.a, self.b)
 
 
-def _all_reduce_after(t, a, b, matmuls: int, repeats: int) -> Tuple[float, float]:
-    """(median seconds of `matmuls` matmuls, median seconds of the all-reduce after them)."""
+def _all_reduce_after(t, work: _Work, seconds: float, repeats: int) -> Tuple[float, float]:
+    """(median seconds `work` of `seconds` took, median seconds of the all-reduce after it)."""
     computed, reduced = [], []
     dist.barrier()
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        for _ in range(matmuls):
-            torch.mm(a, b)
+        work.compute(seconds)
         t1 = time.perf_counter()
         dist.all_reduce(t)
         reduced.append(time.perf_counter() - t1)

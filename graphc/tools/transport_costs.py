@@ -216,9 +216,9 @@ def _transport_worker(rank: int, kind: str, nbytes: int, repeats: int, threads: 
 # the receiver's delay as a step meets it: after a barrier both ranks compute
 # RECEIVER_COMPUTES_S (a compute instruction's order of size), then the sender computes the
 # wait's length more before it sends. At load 5-7 on the 2-core build machine the delay at
-# the shortest wait went from 0.18 ms (fresh, sender asleep) to 0.97 ms (in context); on a
-# quiet machine the two agree. The engine charges it where a receive waits (latency and
-# CostModel.noticed), as before.
+# the shortest wait went from 0.18 ms (fresh, sender asleep) to 0.97 ms (in context), as
+# traces of the 2-rank pipeline showed each waiting receive taking milliseconds at that load.
+# The engine charges it where a receive waits (latency and CostModel.noticed), as before.
 
 
 # NOTE: Calibrated collectives

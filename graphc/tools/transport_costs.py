@@ -275,7 +275,7 @@ def link_through(sizes: Sequence[int], seconds: Sequence[float]) -> Tuple[float,
 # measure_transport measures that drift where the model is used: both processes compute the
 # same fixed work for gaps of COMPUTE_GAPS_S, then all-reduce 8 bytes; the median extra over
 # the back-to-back all-reduce, at the median measured compute, is a point of
-# CostModel.collective_skew. The simulator adds skew(c) to each collective, c the most
+# CostModel.collective_skew (made non-decreasing: `monotone`). The simulator adds skew(c) to each collective, c the most
 # compute any member did since its previous collective (CostModel.skew: interpolated, in
 # proportion beyond the last point), and to the first Prologue all-reduce of a step (NOTE:
 # Prologue costs). The drift is the machine's at the time of measuring, as the concurrent
@@ -294,7 +294,23 @@ def _collective_skew(repeats: int) -> List[Tuple[float, float]]:
         points.append((computed, max(0.0, reduced - back_to_back)))
     both = [None, None]
     dist.all_gather_object(both, points)
-    return [(max(c0, c1), max(e0, e1)) for (c0, e0), (c1, e1) in zip(*both)]
+    return monotone([(max(c0, c1), max(e0, e1)) for (c0, e0), (c1, e1) in zip(*both)])
+
+
+def monotone(points: Sequence[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """The least-squares non-decreasing fit of (x, y) points sorted by x (pool adjacent
+    violators): more compute before a collective drifts its members at least as far apart,
+    so a smaller extra measured after a longer gap is noise, averaged with its neighbour
+    (See NOTE: Collectives in context)."""
+    blocks: List[List[float]] = []     # [sum of y, count] per pooled run
+    for _, y in points:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    ys = [total / count for total, count in blocks for _ in range(count)]
+    return [(x, y) for (x, _), y in zip(points, ys)]
 
 
 class _Work:

@@ -69,3 +69,11 @@ def test_the_first_prologue_all_reduce_pays_the_drift_since_the_last_collective(
     costs = replace(CostModel.uniform(1), collective_skew=SKEW, prologue={0: pro})
     assert costs.step_start_syncs(0, [0]) == 2
     assert simulate(_tensor_parallel(1), costs, steps=4).step_time == pytest.approx(1.5 + 0.25 + 0.125)
+
+
+def test_the_measured_curve_is_made_non_decreasing():
+    """A smaller extra after a longer gap is noise: pooled with its neighbour, in place."""
+    from graphc.tools.transport_costs import monotone
+    assert monotone([(1, 0.5), (2, 5.8), (8, 3.0), (32, 7.0)]) == [(1, 0.5), (2, 4.4), (8, 4.4), (32, 7.0)]
+    assert monotone([(1, 0.1), (2, 0.2)]) == [(1, 0.1), (2, 0.2)]
+    assert monotone([(1, 3.0), (2, 2.0), (3, 1.0)]) == [(1, 2.0), (2, 2.0), (3, 2.0)]

@@ -186,13 +186,15 @@ class _Simulation:
         total = n * self.steps
         pc, clock = self.pc[rank], self.clock[rank]
         starts, ends, freed = self.starts[rank], self.ends[rank], []
+        track = self.skew is not None      # compute since the last collective, for its drift
         while pc < total:
             index = pc % n
             op = ops[index]
             code = op[0]
             if code == COMPUTE:
                 end = clock + op[1]
-                self.computed[rank] += op[1]
+                if track:
+                    self.computed[rank] += op[1]
             elif code == SEND:
                 end = clock + op[1]
                 freed += self._post_send(rank, op, end)
@@ -209,10 +211,11 @@ class _Simulation:
                 end = self._folded_collective_end(rank, op, pc, n, clock, freed)
             else:
                 end = self._drained(rank, clock) + op[1]
-                self.computed[rank] += op[1]
+                if track:
+                    self.computed[rank] += op[1]
             if end is None:
                 break
-            if code == COLLECTIVE or code == QCOLLECTIVE:
+            if track and (code == COLLECTIVE or code == QCOLLECTIVE):
                 self.computed[rank] = 0.0
             starts.append(clock)
             ends.append(end)

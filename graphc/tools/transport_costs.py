@@ -62,7 +62,6 @@ def transport_kind(transport: str = "auto") -> str:
 
 
 WAITS_S = (0.0, 2e-4, 5e-4, 1e-3, 2e-3, 4e-3)   # receiver waits at which the delay is measured
-RECEIVER_COMPUTES_S = 2e-3    # what both ranks compute before a measured wait (NOTE: Waits in context)
 
 
 def measure_transport(transport: str = "auto", nbytes: int = 1 << 15, repeats: int = 30,
@@ -71,10 +70,9 @@ def measure_transport(transport: str = "auto", nbytes: int = 1 << 15, repeats: i
 
     Per message size (16 bytes and `nbytes`): the sender's isend() time, the receiver's
     wait() time when the data is already there (its copy out), fitted as fixed + per byte;
-    then, with the receiver waiting after compute while the sender computes on (NOTE: Waits
-    in context), how long after isend() returned it sees the data, for waits of WAITS_S:
-    the delay at the shortest wait is the latency, the growth over it the polling delay
-    (both processes read one clock, CLOCK_MONOTONIC). Then gloo's blocking all-reduce of
+    then, with the receiver waiting, how long after isend() returned it sees the data, for
+    waits of WAITS_S: the delay at the shortest wait is the latency, the growth over it the
+    polling delay (both processes read one clock, CLOCK_MONOTONIC). Then gloo's blocking all-reduce of
     8 bytes and of `reduce_bytes` (the largest gradient bucket), fitted as the link of a
     2-rank ring (NOTE: Calibrated collectives), and of 8 bytes after compute (NOTE:
     Collectives in context).
@@ -165,17 +163,13 @@ def _transport_worker(rank: int, kind: str, nbytes: int, repeats: int, threads: 
         sent, got = both
         delays = []
         t = torch.randn(nbytes // 4)
-        work = _Work()
         for wait in WAITS_S:
             d = []
             for _ in range(repeats + 1):
                 w = recv(t) if rank == 1 else None
                 dist.barrier()
-                # in context (NOTE: Waits in context): both ranks compute, then the sender
-                # computes on while the receiver waits
-                work.compute(RECEIVER_COMPUTES_S)
                 if rank == 0:
-                    work.compute(wait)
+                    time.sleep(wait)
                     w = send(t)
                     stamp = time.perf_counter()
                     w.wait()
@@ -205,20 +199,6 @@ def _transport_worker(rank: int, kind: str, nbytes: int, repeats: int, threads: 
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-# NOTE: Waits in context
-# A pipeline's receiver waits after its own compute while its sender computes: on a host
-# whose cores are shared by more runnable threads than cores, the waiting rank, which polls
-# and then sleeps (runtime/shm.py), gives its core away, and a thread that has just computed
-# gets it back only when the scheduler's turn comes, which a receiver measured fresh from a
-# barrier, beside a sender that slept, does not see. measure_transport therefore measures
-# the receiver's delay as a step meets it: after a barrier both ranks compute
-# RECEIVER_COMPUTES_S (a compute instruction's order of size), then the sender computes the
-# wait's length more before it sends. At load 5-7 on the 2-core build machine the delay at
-# the shortest wait went from 0.18 ms (fresh, sender asleep) to 0.97 ms (in context), as
-# traces of the 2-rank pipeline showed each waiting receive taking milliseconds at that load.
-# The engine charges it where a receive waits (latency and CostModel.noticed), as before.
 
 
 # NOTE: Calibrated collectives

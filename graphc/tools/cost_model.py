@@ -32,6 +32,17 @@ from .ring_overlap import overlaps, ring_step_seconds
 RECOMPUTING_RUNS = frozenset({"backward", "backward_input"})
 
 
+def _interpolated(points: List[Tuple[float, float]], x: float, beyond: float) -> float:
+    """y at x > 0 on the line through (x, y) points sorted by x (from (0, 0) before the
+    first; `beyond` after the last)."""
+    if x <= points[0][0]:
+        return points[0][1] * x / points[0][0] if points[0][0] > 0 else points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return beyond
+
+
 @dataclass(frozen=True)
 class PrologueCost:
     """One stage's Prologue (plan/program.py) per step, which runs before the plan's first
@@ -94,6 +105,9 @@ class CostModel:
     # stage -> seconds of a checkpointed micro-batch's recomputed forward where it is not the
     # stage's `forward` (NOTE: Recompute cost); stages missing here: their `forward`
     recompute: Dict[int, float] = field(default_factory=dict)
+    # (seconds of compute since the members last synchronised, extra seconds a collective then
+    # takes): their drift apart, measured in context (NOTE: Collectives in context); empty: none
+    collective_skew: List[Tuple[float, float]] = field(default_factory=list)
 
     @staticmethod
     def uniform(num_stages: int, forward: float = 1.0, backward: float = 2.0) -> "CostModel":
@@ -158,6 +172,15 @@ class CostModel:
                 total += self._scalar_sum(tuple(group), nbytes)
         return total
 
+    def step_start_syncs(self, rank: int, stages: Sequence[int]) -> int:
+        """How many all-reduces over more than one rank `rank`'s Prologues run each step."""
+        count = 0
+        for s in stages:
+            pro = self.prologue.get(s)
+            for groups, _ in (pro.reduces if pro is not None else ()):
+                count += len(next((g for g in groups if rank in g), groups[0])) > 1
+        return count
+
     def _scalar_sum(self, group: Tuple[int, ...], nbytes: int) -> float:
         n = len(group)
         if n < 2:
@@ -184,12 +207,18 @@ class CostModel:
         pts = self.poll_delay
         if waited <= 0 or not pts:
             return 0.0
-        if waited <= pts[0][0]:
-            return pts[0][1] * waited / pts[0][0] if pts[0][0] > 0 else pts[0][1]
-        for (w0, d0), (w1, d1) in zip(pts, pts[1:]):
-            if waited <= w1:
-                return d0 + (d1 - d0) * (waited - w0) / (w1 - w0)
-        return pts[-1][1]
+        return _interpolated(pts, waited, pts[-1][1])
+
+    def skew(self, computed: float) -> float:
+        """Extra seconds of a collective whose members each computed up to `computed` seconds
+        since they last synchronised (See NOTE: Collectives in context): interpolated between
+        the measured points, in proportion to the last one beyond it."""
+        pts = self.collective_skew
+        if computed <= 0 or not pts:
+            return 0.0
+        last_compute, last_extra = pts[-1]
+        beyond = last_extra * computed / last_compute if last_compute > 0 else last_extra
+        return _interpolated(pts, computed, beyond)
 
     def collective(self, ins) -> float:
         """Seconds of a gradient bucket, tie or clip all-reduce, or a boxing collective, from

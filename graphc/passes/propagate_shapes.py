@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -34,12 +34,12 @@ from .trace_build import microbatch_shape
 
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
-                     num_microbatches: int) -> fx.GraphModule:
+                     num_microbatches: int, fake_mode: Optional[FakeTensorMode] = None) -> fx.GraphModule:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         raise GraphcError(f"{type(gm).__name__}.build() takes {len(placeholders)} inputs "
                           f"({', '.join(p.name for p in placeholders)}), found {len(example_inputs)}")
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake_mode is None else fake_mode  # NOTE: One fake mode per compile
     env = {}
     fakes = _Fakes(gm, mode)
     with mode:

@@ -38,13 +38,30 @@ _SHAPE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "e
 _SHAPE_FUNCTIONS = frozenset({torch.is_floating_point, torch.is_complex, torch.numel})
 
 
-def cpu_fake(mode: FakeTensorMode, t: torch.Tensor, memo: Dict[int, tuple]) -> torch.Tensor:
+class CompileFakes:
+    """One compile's FakeTensorMode and the fakes of the parameters it made, kept for the
+    compile (NOTE: One fake mode per compile)."""
+
+    def __init__(self):
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.parameters: Dict[int, tuple] = {}   # id(parameter) -> (parameter, its fake)
+
+
+def cpu_fake(mode: FakeTensorMode, t: torch.Tensor, memo: Dict[int, tuple],
+             parameters: Optional[Dict[int, tuple]] = None) -> torch.Tensor:
     """The fake a trace uses for real tensor t: on the CPU, whatever device t is on.
 
     build() is traced on CPU stand-ins of its inputs (NOTE: CUDA placement,
     runtime/device.py), so a model already on its GPU (or on the meta device) must be traced
     on CPU fakes of its parameters and buffers too, or every op mixing the two fails. The
-    same real tensor (a tied weight) gives the same fake (`memo`, as from_tensor's own)."""
+    same real tensor (a tied weight) gives the same fake (`memo`, as from_tensor's own).
+    `parameters`: a compile's fakes of parameters, made once for all its passes (NOTE: One
+    fake mode per compile)."""
+    if parameters is not None and isinstance(t, torch.nn.Parameter) and not isinstance(t, FakeTensor):
+        found = parameters.get(id(t))
+        if found is None:
+            found = parameters[id(t)] = (t, cpu_fake(mode, t, memo))
+        return found[1]
     if t.device.type == "cpu" or isinstance(t, FakeTensor):
         return mode.from_tensor(t, static_shapes=True)
     found = memo.get(id(t))
@@ -131,14 +148,15 @@ _TRACED_THROUGH = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer
 class BuildTracer(fx.Tracer):
     """fx.Tracer that runs every op on fake tensors as it records it (see module docstring)."""
 
-    def __init__(self, root: torch.nn.Module, fake_mode: Optional[FakeTensorMode] = None):
+    def __init__(self, root: torch.nn.Module, fakes: Optional[CompileFakes] = None):
         super().__init__()
         # the user's frames per node, recorded by create_node (NOTE: Recorded user lines)
         self.record_stack_traces = False
         self.proxy_buffer_attributes = True  # buffers updated in forward are recorded, not run once
         self.trace_root = root
-        # a compile's one mode (NOTE: One fake mode per compile), else the trace's own
-        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake_mode is None else fake_mode
+        # a compile's one mode and parameters' fakes (NOTE: One fake mode per compile), else its own
+        fakes = CompileFakes() if fakes is None else fakes
+        self.fake_mode, self.fake_parameters = fakes.mode, fakes.parameters
         self.stand_ins: Dict[int, tuple] = {}   # cpu_fake's memo: id(real) -> (real, its fake)
         self.examples: List[Any] = []
         self.examples_used: List[fx.Node] = []
@@ -229,7 +247,7 @@ class BuildTracer(fx.Tracer):
     def fake_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """The fake of a real tensor; the same real tensor (a tied weight) gives the same fake."""
         with self.untraced():
-            return cpu_fake(self.fake_mode, t, self.stand_ins)
+            return cpu_fake(self.fake_mode, t, self.stand_ins, self.fake_parameters)
 
     @contextlib.contextmanager
     def untraced(self):

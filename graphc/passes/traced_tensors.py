@@ -26,7 +26,6 @@ any way stay writable in place, as buffers reached as attributes are.
 from __future__ import annotations
 
 import operator
-import traceback
 from contextlib import contextmanager
 from typing import Dict, Optional, Tuple
 
@@ -36,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import GraphcError
 from ..ops.random_ops import RANDOM_METHODS
-from .user_lines import deepest_user_frame
+from .user_lines import deepest_user_frame, live_frames
 
 # Python's operators on a tensor, recorded as the operator (fx's own form for a proxy)
 _OPERATORS = {
@@ -256,7 +255,7 @@ def _record(func, name: str, args, kwargs):
 
 
 def _user_line() -> str:
-    return deepest_user_frame(None, traceback.extract_stack())
+    return deepest_user_frame(None, live_frames())
 
 
 def _proxies(tree):

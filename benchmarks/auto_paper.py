@@ -13,14 +13,19 @@ the published recipes train (bf16 compute, fp32 master weights). Global batch: -
 sequences of --seq tokens (64 x 8192: torchtitan's llama3_8b.toml, batch 1 a rank on 64 ranks).
 
 1. The search, as `graphc plan --auto --device h100` runs it (budget 60 s, 8 candidates
-   compiled), timed, with this process's peak RSS after it.
+   compiled, both bounds ending it once a layout fits by the memory model), timed, with this
+   process's peak RSS after it.
 2. The wider search ("exhaustive" below, what it covers said exactly): the search space is
    enumerate_layouts' 1008 candidates (68 kinds: pipeline x tensor x data degree x schedule;
    within a kind micro-batches x ZeRO x checkpointing). Compiling all 1008 for 64 ranks takes
    ~6 s each here (~1.7 h on 2 cores), so by default it covers
-     a. every kind: its best-estimated setting without checkpointing and its best with it
-        (136 compiles; the estimate's memory is optimistic, so both are tried), then
-     b. every setting of the --leaders kinds (default 3) fastest in (a) that fit;
+     a. every kind, in the order of its best estimate: its best-estimated setting without
+        checkpointing and the same setting with checkpointing, then
+     b. every setting of the --leaders kinds (default 3) fastest in (a) that fit.
+   A layout and its twin that differs only in checkpointing are scored from one compile
+   (their plans differ only in the `checkpointing` field the simulator and the memory model
+   read; each worker compiles its first twin too and checks every rank's instructions
+   are the same);
    `--full` compiles every candidate instead. The searched layout is compared with the best
    that fits by the memory model among all those compiled (the search's own 8 included).
 3. The published layouts, compiled and simulated the same way:
@@ -41,13 +46,14 @@ import os
 import resource
 import subprocess
 import time
-from typing import List
+from dataclasses import replace
+from typing import List, Tuple
 
 import torch
 
 import graphc
 from graphc.auto.layout import Layout, batched_inputs, with_layers
-from graphc.auto.search import (Candidate, _simulate, enumerate_layouts, estimate, model_facts,
+from graphc.auto.search import (Candidate, _simulate, enumerate_layouts, estimate, judge, model_facts,
                                 search)
 from graphc.tools.costs import DEVICES
 
@@ -96,11 +102,36 @@ def _setup(seq: int, batch: int, capacity: int) -> None:
                 optimizer=graph._optimizer, capacity=capacity, read_at={})
 
 
-def _score(lay: Layout):
+def _score(group: Tuple[Layout, ...]):
+    """Each layout of `group` (settings that differ only in checkpointing) from one compile of
+    the first: checkpointing changes only the plans' `checkpointing` field, which the simulator
+    (NOTE: Recompute cost) and the memory model read; each worker checks that on the first
+    group it scores by compiling the twins too and comparing every rank's instructions."""
     j = _JOB
-    c = Candidate(lay, 0.0, 0)
-    _simulate(c, j["spec"], j["inputs"], NPROC, j["batched"], j["optimizer"], DEVICE, j["capacity"], j["read_at"])
-    return c.step, c.peak, c.peak_rank, c.note
+    first = Candidate(group[0], 0.0, 0)
+    compiled = _simulate(first, j["spec"], j["inputs"], NPROC, j["batched"], j["optimizer"], DEVICE,
+                         j["capacity"], j["read_at"])
+    out = [first]
+    for lay in group[1:]:
+        c = Candidate(lay, 0.0, 0)
+        if compiled is None or not j.setdefault("checked", False):
+            own = _simulate(c, j["spec"], j["inputs"], NPROC, j["batched"], j["optimizer"], DEVICE,
+                            j["capacity"], j["read_at"])
+            if compiled is not None and own is not None:
+                _same_instructions(compiled, own, lay)
+                j["checked"] = True
+        else:
+            plans = [replace(p, checkpointing=lay.checkpointing) for p in compiled.plans]
+            judge(c, compiled, plans, j["optimizer"], DEVICE, j["capacity"])
+        out.append(c)
+    return [(c.step, c.peak, c.peak_rank, c.note) for c in out]
+
+
+def _same_instructions(compiled, twin, lay: Layout) -> None:
+    for a, b in zip(compiled.plans, twin.plans):
+        if [str(i) for i in a.instructions] != [str(i) for i in b.instructions]:
+            raise SystemExit(f"{lay.describe()}: rank {a.rank}'s plan differs from its twin's beyond "
+                             "checkpointing; score every layout by its own compile")
 
 
 def make_inputs(seq: int, batch: int) -> list:
@@ -109,16 +140,23 @@ def make_inputs(seq: int, batch: int) -> list:
 
 
 def score_all(layouts: List[Layout], workers: int, setup: tuple, facts) -> List[Candidate]:
+    """Every layout compiled for 64 ranks (twins differing only in checkpointing from one
+    compile: _score), simulated and memory-checked, in `workers` processes."""
     t0 = time.perf_counter()
+    groups: dict = {}
+    for lay in layouts:
+        groups.setdefault(replace(lay, checkpointing="never"), []).append(lay)
+    groups = [tuple(sorted(set(g), key=lambda l: l.checkpointing != "never")) for g in groups.values()]
     out = []
     with multiprocessing.get_context("spawn").Pool(workers, _setup, setup) as pool:
-        for i, (lay, got) in enumerate(zip(layouts, pool.imap(_score, layouts))):
-            c = Candidate(lay, *estimate(lay, facts))
-            c.step, c.peak, c.peak_rank, c.note = got
-            out.append(c)
-            print(f"  [{i + 1}/{len(layouts)} {time.perf_counter() - t0:5.0f} s] {lay.describe():<40} "
-                  f"{(c.step or float('nan')) * 1e3:9.1f} ms  {(c.peak or 0) / 2**30:6.1f} GiB  {c.note[:50]}",
-                  flush=True)
+        for group, results in zip(groups, pool.imap(_score, groups)):
+            for lay, got in zip(group, results):
+                c = Candidate(lay, *estimate(lay, facts))
+                c.step, c.peak, c.peak_rank, c.note = got
+                out.append(c)
+                print(f"  [{len(out)}/{len(layouts)} {time.perf_counter() - t0:5.0f} s] {lay.describe():<40} "
+                      f"{(c.step or float('nan')) * 1e3:9.1f} ms  {(c.peak or 0) / 2**30:6.1f} GiB  {c.note[:50]}",
+                      flush=True)
     return out
 
 
@@ -129,14 +167,12 @@ def wide_layouts(every: List[Layout], facts, leaders: int, full: bool, workers: 
     kinds = {}
     for lay in every:
         kinds.setdefault((lay.pp, lay.tp, lay.dp, lay.schedule), []).append(lay)
-    first = []
-    for lays in kinds.values():
-        for ckpt in ("never", "always"):
-            mine = [l for l in lays if l.checkpointing == ckpt]
-            if mine:
-                first.append(min(mine, key=lambda l: estimate(l, facts)[0]))
-    print(f"wider search (a): {len(first)} layouts, the best estimate of each kind with and without checkpointing",
-          flush=True)
+    first = []      # the kinds in the order of their best estimates: the likeliest best first
+    for lays in sorted(kinds.values(), key=lambda lays: min(estimate(l, facts)[0] for l in lays)):
+        plain = min((l for l in lays if l.checkpointing == "never"), key=lambda l: estimate(l, facts)[0])
+        first += [plain] + [l for l in lays if l == replace(plain, checkpointing="always")]
+    print(f"wider search (a): {len(first)} layouts, the best estimate of each kind without checkpointing "
+          "and the same with it", flush=True)
     done = score_all(first, workers, setup, facts)
     fit = sorted((c for c in done if c.fits and c.step is not None), key=lambda c: c.step)
     lead = []
@@ -198,8 +234,8 @@ def main(argv=None):
                   if c.fits and c.step is not None), key=lambda c: c.step)
     best = fit[0]
     ratio = picked.step / best.step
-    # the simulator charges a checkpointed micro-batch's recomputed forward no time (its
-    # memory model does count it): among the layouts without checkpointing it is faithful
+    # the same comparison among the layouts without checkpointing (the simulator charges a
+    # checkpointed micro-batch's recomputed forward: NOTE: Recompute cost)
     plain = [c for c in fit if c.layout.checkpointing == "never"]
     ratio_plain = picked.step / plain[0].step if plain else float("nan")
     print(f"wider search: {len(wide)} compiled in {wide_s:.0f} s, best {best.layout.describe()} "
@@ -215,15 +251,15 @@ def main(argv=None):
              f"simulated step {picked.step * 1e3:.1f} ms",
              f"- wider search: {len(wide)} of the {len(every)} candidates compiled for {NPROC} ranks and simulated "
              + ("(all of them)" if args.full else
-                f"(every kind's best estimate with and without checkpointing, then every setting of the "
-                f"{args.leaders} fastest kinds)") + f" in {wide_s:.0f} s with {args.workers} workers; "
+                f"(every kind's best estimate without checkpointing and the same with it, then every setting "
+                f"of the {args.leaders} fastest kinds; twins differing only in checkpointing from one compile)") + f" in {wide_s:.0f} s with {args.workers} workers; "
              f"{len(fit)} fit by the memory model; best {best.layout.describe()}, {best.step * 1e3:.1f} ms",
              f"- **searched / best = {ratio:.3f}** (target <= 1.05)",
              f"- searched / best without checkpointing = {ratio_plain:.3f}"
-             + (f" (best {plain[0].layout.describe()}, {plain[0].step * 1e3:.1f} ms)" if plain else "")
-             + ": the simulator's step charges no time for a checkpointed micro-batch's recomputed "
-             "forward (its memory model counts it), so a checkpointed layout's step is the same "
-             "as without checkpointing and the best above may be one only by that gap", "",
+             + (f" (best {plain[0].layout.describe()}, {plain[0].step * 1e3:.1f} ms)" if plain else ""),
+             f"- the search compiled {len(result.tried)}, skipped {len(result.skipped)} predicted not to fit "
+             f"(NOTE: Memory check of the search); {sum(not c.fits for c in result.tried)} of those compiled "
+             "did not fit by the memory model", "",
              "| rank | layout | simulated step ms | peak GiB (rank) |", "|---|---|---|---|"]
     for i, c in enumerate(fit[:10]):
         mark = " (searched)" if c.layout == picked.layout else ""

@@ -121,11 +121,14 @@ def transport_of(compiled):
     return measure_transport("auto", max(sizes, default=4), reduce_bytes=max(buckets, default=1 << 20))
 
 
-def predict(compiled, optimizer, transport, concurrent: bool) -> float:
+def predict(compiled, optimizer, transport, concurrent: bool):
+    """(the predicted step, the same without the collectives' drift: NOTE: Collectives in context)."""
+    from dataclasses import replace
     from graphc.tools.costs import measure_costs
     from graphc.tools.simulate import simulate
     costs = transport.apply(measure_costs(compiled, optimizer, repeats=REPLAYS, concurrent=concurrent))
-    return simulate(compiled.plans, costs, steps=STEADY, cores=os.cpu_count()).step_time
+    return tuple(simulate(compiled.plans, c, steps=STEADY, cores=os.cpu_count()).step_time
+                 for c in (costs, replace(costs, collective_skew=[])))
 
 
 def _rank(rank: int, port: int, layout: str, steps: int, out) -> None:
@@ -171,11 +174,12 @@ def main(argv=None) -> None:
         rows = []
         for _ in range(args.repeat):   # alternated, so both sides see the same load
             load = os.getloadavg()[0]
-            alone = predict(compiled, optimizer, transport, concurrent=False) if args.alone else float("nan")
-            together = predict(compiled, optimizer, transport, concurrent=True)
+            alone = predict(compiled, optimizer, transport, concurrent=False)[0] if args.alone else float("nan")
+            together, undrifted = predict(compiled, optimizer, transport, concurrent=True)
             median, fastest = measure(layout, args.steps)
             rows.append((alone / median, together / median, together / fastest))
-            print(f"{layout:8s} predicted alone {alone * 1e3:7.2f} together {together * 1e3:7.2f} | "
+            print(f"{layout:8s} predicted alone {alone * 1e3:7.2f} together {together * 1e3:7.2f} "
+                  f"(without drift {undrifted * 1e3:7.2f}) | "
                   f"measured median {median * 1e3:7.2f} fastest {fastest * 1e3:7.2f} | "
                   f"alone/median {alone / median:4.2f} together/median {together / median:4.2f} "
                   f"together/fastest {together / fastest:4.2f} | load {load:.1f} -> {os.getloadavg()[0]:.1f}",

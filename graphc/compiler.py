@@ -32,6 +32,7 @@ from .history import PassRecord, record
 from .log import get_logger
 from .meta import META_GRAD_PARTIAL, META_SBP, META_STAGE, META_TENSOR, is_backward
 from .passes.annotate_stages import annotate_stages
+from .passes.build_tracer import CompileFakes
 from .passes.check_layout import check_layout
 from .passes.check_row_groups import check_row_groups
 from .passes.collect_placed_stages import collect_placed_stages
@@ -98,6 +99,16 @@ def debug_level() -> int:
 SLOW_PASS_SECONDS = 1.0  # a pass slower than this is reported at a terminal, whatever GRAPHC_DEBUG
 
 
+# NOTE: One fake mode per compile
+# build() is traced on fake tensors, and propagate_shapes runs the graph on them again (each
+# twice with accumulation: the whole batch, then a micro-batch). A fake of a parameter costs
+# about a millisecond to make (torch's meta description of the real tensor), and a leaf
+# module's call makes one of each of its parameters. One compile's traces and propagations
+# therefore share one FakeTensorMode and one fake per parameter (CompileFakes,
+# passes/build_tracer.py), kept for the compile (the mode's own memo holds fakes only while
+# something else does). Only shapes, dtypes and requires_grad are read off them, and build()
+# cannot write a parameter (NOTE: Tensors outside the trace); buffers, which build() may
+# update in place, are faked anew by every pass, as before.
 @dataclass
 class _Compilation:
     """One compile() under way: its history and, at GRAPHC_DEBUG=5, the annotation checks
@@ -105,6 +116,8 @@ class _Compilation:
 
     history: List[PassRecord] = field(default_factory=list)
     verifier: MetaVerifier = field(default_factory=MetaVerifier)
+    # the fakes of every trace and shape propagation of this compile (NOTE: One fake mode per compile)
+    fakes: CompileFakes = field(default_factory=CompileFakes)
     described: bool = True   # each step's result kept as text (NOTE: History of a rank's compile)
     whole: Optional[fx.GraphModule] = None   # build() traced for the whole batch (accumulation > 1)
 
@@ -149,12 +162,13 @@ def _declare_and_trace(run: _Compilation, spec, example_inputs, world_size: int,
     batched = None
     if m > 1:  # inputs whose dim 0 is the batch size are split (NOTE: Batch split) ...
         whole = _step(run, "trace_build (whole batch)", trace_build, spec.root, example_inputs, 1,
-                      None, spec.name, spec.source_file, traced_autocast(stages, spec.amp_dtype))
+                      None, spec.name, spec.source_file, traced_autocast(stages, spec.amp_dtype), run.fakes)
         run.whole_ops = op_sequence(whole)
         split = _step(run, "split_inputs", split_inputs, input_names(whole), example_inputs,
                       spec.whole_inputs, spec.name)
         # ... which the data flow on build() for the whole batch confirms, or refuses
-        whole = _step(run, "propagate_shapes (whole batch)", propagate_shapes, whole, example_inputs, 1)
+        whole = _step(run, "propagate_shapes (whole batch)", propagate_shapes, whole, example_inputs, 1,
+                      run.fakes)
         whole = _step(run, "find_batch_dims (whole batch)", find_batch_dims, whole, m, False, split)
         run.whole = whole   # the batch size's uses are compared with the plan's (check_batch_sizes)
         batched = split
@@ -162,7 +176,7 @@ def _declare_and_trace(run: _Compilation, spec, example_inputs, world_size: int,
         _step(run, "check_row_groups", check_row_groups, input_names(whole), batched, input_layouts, m)
     # the graph every later pass annotates, traced for one micro-batch's shapes
     gm = _step(run, "trace_build", trace_build, spec.root, example_inputs, m, batched,
-               spec.name, spec.source_file, traced_autocast(stages, spec.amp_dtype))
+               spec.name, spec.source_file, traced_autocast(stages, spec.amp_dtype), run.fakes)
     if m > 1 and run.whole_ops != op_sequence(gm):
         run.traces_differ = (run.whole_ops, op_sequence(gm))
     return stages, stage_of_module, declared, gm
@@ -248,7 +262,7 @@ def compile(spec, example_inputs: Sequence[torch.Tensor], world_size: int,
     # ** place: a stage for every node, then its per-micro-batch shape and batch rows
     gm, stages = _place(run, spec, gm, stages, stage_of_module, input_layouts, world_size, training)
     # per-micro-batch shapes, so every transfer's buffer is known before running
-    gm = _step(run, "propagate_shapes", propagate_shapes, gm, example_inputs, m)
+    gm = _step(run, "propagate_shapes", propagate_shapes, gm, example_inputs, m, run.fakes)
     # where each value holds the batch's rows (outputs merge over micro-batches by it)
     gm = _step(run, "find_batch_dims", find_batch_dims, gm, m, False)
     if m > 1:  # the batch's size read where the micro-batch's would mean something else: refused

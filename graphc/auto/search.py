@@ -9,32 +9,19 @@ The search runs in two rounds, both deterministic (every rank of a job finds the
      1F1B, and with 2 stages per rank interleaved 1F1B and ZB-V), the micro-batches (p, 2p,
      4p; 1, 2, 4 without a pipeline), ZeRO 0-3 with data parallelism, checkpointing off or
      on. The step is the schedule's textbook makespan over the compute plus the gradient
-     all-reduce and tensor parallelism's all-reduces (NOTE: Auto estimate); the memory is
+     all-reduce and tensor parallelism's all-reduces (NOTE: Auto estimate in estimate.py); the memory is
      the model state as ZeRO lays it out plus the activations of the micro-batches in flight.
   2. Compile the best `top` estimates that fit for N ranks (apply_layout), run the
      simulator on the device preset (every rank's plan, every collective) and the memory
      model (NOTE: Peak memory model) on each: the winner is the fastest whose every rank
-     fits. Its plans are verified by the compile like any plan.
-A budget in seconds bounds round 2 (each compile costs ~1 s on a small model); a progress
-line goes to stderr per candidate. A model that fits no candidate is refused, naming the
-smallest memory the estimates found enough.
-
-NOTE: Auto estimate
-With F the forward seconds of one micro-batch on one stage (the one-rank forward over data
-x micro-batches x stages, and over tensor degree where the layers have pairs), u = 3F (4F
-checkpointed) a stage's forward and backward, and W = chunks x u a rank's work per
-micro-batch: GPipe and 1F1B take m W + (p - 1) W, interleaved 1F1B m W + (p - 1) u, ZB-V
-m W + (p - 1) u / 2; data parallelism adds half a ring all-reduce of the rank's gradients
-(the other half overlaps the backward), tensor parallelism four ring all-reduces per layer
-and micro-batch of one activation (the saved bytes of a layer over 8). On CPU presets F
-adds the host time of the stage's share of the model's ops (not cut by data or tensor
-degree, nor by micro-batches: each op is dispatched whatever its size), u the runtime's
-time per compute instruction and per transfer, each collective its host time per member;
-where a node's ranks share C cores the step is at least the world's summed work over C
-(NOTE: Shared cores in graphc/tools/shared_cores.py), a hand-off per wait included (every
-member of a collective but the last to join, and about one receive a micro-batch on a
-pipeline's rank): on 8 local-world ranks of a small model, the layout that does the least
-work and waits least wins, not the one with the shortest path.
+     fits. Its plans are verified by the compile like any plan. Each compile corrects the
+     memory estimates of its kind, and a candidate then predicted not to fit is skipped
+     (NOTE: Memory check of the search in fit.py).
+A budget in seconds bounds the search once a compiled layout fits: no compile starts that
+would end past it, by the longest compile so far (each costs ~1 s on a small model, 7-20 s
+for 64 ranks of a Llama-3-8B on the shared 2-core machine); a progress line goes to stderr
+per candidate. A model that fits no candidate is refused, naming the
+memory the memory model finds its least-estimated layout needs.
 """
 from __future__ import annotations
 
@@ -42,38 +29,16 @@ import copy
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 from ..errors import GraphcError
+from .estimate import ModelFacts, ends_share, estimate
+from .fit import MemoryCheck, refuse_none_fit
 from .layout import (Layout, apply_layout, batch_layouts, batched_inputs, input_stages, layer_list,
                      megatron_pairs, with_layers)
+from .order import CompileOrder, checkpointed
 
 SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv")
-
-
-@dataclass
-class ModelFacts:
-    """What the estimates read, from one compile on one rank."""
-
-    forward_s: float            # the whole batch's forward on the device, one rank
-    activation_bytes: int       # its saved activations
-    param_bytes: int
-    states: int                 # optimizer state tensors per parameter
-    layers: int
-    tp_degrees: Tuple[int, ...]   # tensor degrees whose Megatron pairs divide every layer
-    rows: int                   # the batch's rows
-    link_bytes_per_s: float
-    latency_s: float
-    # host time (CPU presets; 0 on accelerators, NOTE: Auto estimate): of the whole model's
-    # ops of one micro-batch's forward, per compute instruction, per collective member, per
-    # transfer, and the cores a node's ranks share (0: a device each)
-    forward_host_s: float = 0.0
-    instruction_s: float = 0.0
-    collective_s: float = 0.0
-    p2p_s: float = 0.0
-    cores: float = 0.0
-    node_ranks: int = 0         # ranks a node holds (the preset's gpus_per_node)
-    handoff_s: float = 0.0      # per wait where ranks share cores (NOTE: Shared cores)
 
 
 @dataclass
@@ -101,6 +66,7 @@ class AutoResult:
     seconds: float = 0.0
     device: str = "h100"
     memory: int = 0
+    skipped: List[Candidate] = field(default_factory=list)  # predicted not to fit (NOTE: Memory check of the search)
 
     def report(self) -> str:
         """auto.md: the winner, the candidates simulated, and what did not fit."""
@@ -121,6 +87,10 @@ class AutoResult:
             runner = min(won, key=lambda c: c.step)
             lines += ["", f"The winner's simulated step is {runner.step / self.best.step:.2f}x faster "
                       f"than the runner-up ({runner.layout.describe()})."]
+        if self.skipped:
+            lines += ["", f"{len(self.skipped)} candidates were skipped, predicted not to fit by the memory "
+                      "model's ratio to the estimate for their kind (NOTE: Memory check of the search), e.g.:"]
+            lines += [f"- {c.layout.describe()}: {c.note}" for c in self.skipped[:5]]
         if self.unfit:
             lines += ["", f"{len(self.unfit)} candidates were estimated not to fit, e.g.:"]
             for c in sorted(self.unfit, key=lambda c: c.est_step)[:5]:
@@ -135,7 +105,9 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
     rank (None: the device's memory) (See NOTE: Layout search).
 
     batched: per input, whether it is split over the data-parallel ranks (its dim 0 the batch).
-    budget_s: seconds for round 2; None: no bound but `top` (the same answer on any machine)."""
+    budget_s: seconds for round 2; None: no bound but `top` (the same answer on any machine).
+    top: layouts compiled; both bounds end the search once one fits by the memory model
+    (until then it goes on, skipping what the memory check predicts too big)."""
     from ..tools.costs import DEVICES
     if device not in DEVICES:
         raise GraphcError(f"graphc plan --auto: unknown device {device!r}; choose one of {sorted(DEVICES)}")
@@ -146,31 +118,70 @@ def search(spec, example_inputs: Sequence, nproc: int, batched: Sequence[bool],
     fitting = [c for c in candidates if c.est_memory <= capacity]
     unfit = [c for c in candidates if c.est_memory > capacity]
     if not fitting:
-        least = min(c.est_memory for c in candidates) if candidates else 0
-        raise GraphcError(f"{spec.name}: no layout on {nproc} ranks fits {capacity / 2**30:.2f} GiB per "
-                          f"rank (the smallest estimate is {least / 2**30:.2f} GiB). Fix: more ranks, a "
-                          f"device with more memory (--memory {least / 2**30 * 1.1:.1f}), or a smaller batch")
+        _refuse_unfit(spec, candidates, nproc, capacity, (example_inputs, batched, optimizer, device))
     fitting.sort(key=lambda c: (c.est_step, c.est_memory, c.layout.describe()))
     tried: List[Candidate] = []
+    skipped: List[Candidate] = []
+    check = MemoryCheck(capacity)     # NOTE: Memory check of the search
     best, best_compiled = None, None
+    longest = 0.0             # the longest compile so far
     read_at: dict = {}        # stage cut -> the stage reading each input
-    for c in _diverse(fitting, top):
-        if tried and budget_s is not None and time.perf_counter() - t0 > budget_s:
-            _say(progress, f"graphc auto: budget of {budget_s:.0f} s spent after {len(tried)} candidates")
+    job = (spec, example_inputs, nproc, batched, optimizer, device, capacity, read_at)
+    order = CompileOrder(fitting)
+    for c in order:
+        # `top` and the budget end the search once a layout fits, and no compile starts that
+        # would end past the budget (by the longest so far: compiles' times vary)
+        if best is not None and (len(tried) >= top or budget_s is not None and
+                                 time.perf_counter() - t0 + longest > budget_s):
+            _say(progress, f"graphc auto: {len(tried)} candidates compiled in {time.perf_counter() - t0:.0f} s")
             break
-        compiled = _simulate(c, spec, example_inputs, nproc, batched, optimizer, device, capacity, read_at)
+        if check.skips(c):
+            skipped.append(c)
+            continue
+        started = time.perf_counter()
+        compiled = _score(c, order.sibling(c), job)
+        if compiled is not None:
+            longest = max(longest, time.perf_counter() - started)
+        check.learn(c)
         tried.append(c)
         _say(progress, f"graphc auto: [{len(tried)}/{min(top, len(fitting))}] {c.layout.describe():<36} "
                        f"step {c.step * 1e3 if c.step is not None else float('nan'):8.3f} ms  "
                        f"peak {(c.peak or 0) / 2**20:9.1f} MiB  {c.note}")
         if c.fits and c.step is not None and (best is None or c.step < best.step):
             best, best_compiled = c, compiled
+        order.after(c, compiled, best)
     if best is None:
-        raise GraphcError(f"{spec.name}: none of the {len(tried)} layouts compiled fits "
-                          f"{capacity / 2**30:.2f} GiB per rank by the memory model: "
-                          + "; ".join(f"{c.layout.describe()}: {c.note}" for c in tried[:4]))
+        refuse_none_fit(spec.name, tried, skipped, check)
+    if best_compiled is None:     # a twin won: its own compile, for its plans and their checks
+        best_compiled = _simulate(best, *job)
     return AutoResult(best, best_compiled, tried, unfit, len(candidates), time.perf_counter() - t0,
-                      device, capacity)
+                      device, capacity, skipped)
+
+
+def _score(c: Candidate, sibling, job: tuple):
+    """Round 2 for one candidate; returns its CompiledGraph (None: a twin, scored on its
+    sibling's plans with its own checkpointing: NOTE: Memory check of the search)."""
+    if sibling is None:
+        return _simulate(c, *job)
+    optimizer, device, capacity = job[4:7]
+    judge(c, sibling, checkpointed(sibling.plans, c.layout), optimizer, device, capacity)
+    return None
+
+
+def _refuse_unfit(spec, candidates: List[Candidate], nproc: int, capacity: int, job: tuple) -> None:
+    """No estimate fits: the least estimate's layout compiled, and its memory model's peak named
+    (the estimate may be optimistic; NOTE: Memory check of the search)."""
+    if not candidates:
+        raise GraphcError(f"{spec.name}: no layout on {nproc} ranks: nothing divides the batch and the ranks")
+    least = min(candidates, key=lambda c: (c.est_memory, c.est_step))
+    inputs, batched, optimizer, device = job
+    _simulate(least, spec, inputs, nproc, batched, optimizer, device, capacity, {})
+    need = max(least.peak or 0, least.est_memory)
+    by = "the memory model" if least.peak is not None else f"its estimate ({least.note})"
+    raise GraphcError(f"{spec.name}: no layout on {nproc} ranks fits {capacity / 2**30:.2f} GiB per "
+                      f"rank (the least estimated, {least.layout.describe()}, needs {need / 2**30:.3g} GiB "
+                      f"by {by}). Fix: more ranks, a device with more memory (--memory "
+                      f"{need / 2**30 * 1.05:.3g}), or a smaller batch")
 
 
 def _say(progress: bool, line: str) -> None:
@@ -178,23 +189,9 @@ def _say(progress: bool, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _diverse(cands: List[Candidate], top: int) -> List[Candidate]:
-    """The `top` to compile: the best estimate of each (pp, tp, dp, schedule) first, best
-    first, then the next best of any kind (the estimates rank kinds less surely than the
-    settings within one)."""
-    firsts, rest, kinds = [], [], set()
-    for c in cands:
-        kind = (c.layout.pp, c.layout.tp, c.layout.dp, c.layout.schedule)
-        (rest if kind in kinds else firsts).append(c)
-        kinds.add(kind)
-    return (firsts + rest)[:top]
-
-
 def _simulate(c: Candidate, spec, inputs, nproc, batched, optimizer, device, capacity, read_at: dict):
     """Round 2 for one candidate: compile, simulate, memory model; fills step / peak / note."""
     from ..compiler import compile as compile_graph
-    from ..tools.costs import device_costs
-    from ..tools.simulate import model_inputs, simulate
     import warnings
     try:
         with warnings.catch_warnings():
@@ -204,12 +201,20 @@ def _simulate(c: Candidate, spec, inputs, nproc, batched, optimizer, device, cap
     except GraphcError as exc:
         c.note = f"refused: {str(exc).splitlines()[0][:120]}"
         return None
-    result = simulate(compiled.plans, device_costs(compiled, device), model=model_inputs(compiled, optimizer))
+    judge(c, compiled, compiled.plans, optimizer, device, capacity)
+    return compiled
+
+
+def judge(c: Candidate, compiled, plans, optimizer, device: str, capacity: int) -> None:
+    """The simulator's step and the memory model's peak of `plans` (those of `compiled`, or
+    its plans with another checkpointing: benchmarks/auto_paper.py); fills step / peak / note."""
+    from ..tools.costs import device_costs
+    from ..tools.simulate import model_inputs, simulate
+    result = simulate(plans, device_costs(compiled, device), model=model_inputs(compiled, optimizer))
     worst = max((r for r in result.ranks if r.memory is not None), key=lambda r: r.memory.peak)
     c.step, c.peak, c.peak_rank = result.step_time, worst.memory.peak, worst.rank
     if c.peak > capacity:
         c.note = f"does not fit: rank {worst.rank} needs {c.peak / 2**20:.1f} MiB"
-    return compiled
 
 
 def _stages_read(spec, inputs, layout: Layout, known: dict):
@@ -241,7 +246,8 @@ def model_facts(spec, inputs, optimizer, device: str) -> ModelFacts:
                       sum(p.nbytes for p in params), states, len(layers), degrees, rows,
                       dev.link_gbps * 1e9, dev.latency_us * 1e-6, host, dev.instruction_us * 1e-6,
                       dev.collective_us * 1e-6, dev.p2p_us * 1e-6, dev.cores_per_node, dev.gpus_per_node,
-                      dev.handoff_us * 1e-6)
+                      dev.handoff_us * 1e-6, dev.net_gbps * 1e9, dev.net_latency_us * 1e-6,
+                      ends_share(spec.root))
 
 
 def enumerate_layouts(facts: ModelFacts, nproc: int, root) -> List[Layout]:
@@ -263,61 +269,6 @@ def enumerate_layouts(facts: ModelFacts, nproc: int, root) -> List[Layout]:
                         for ckpt in ("never", "always"):
                             out.append(with_layers(Layout(pp, tp, dp, schedule, m, zero, ckpt), root))
     return out
-
-
-def estimate(lay: Layout, f: ModelFacts) -> Tuple[float, int]:
-    """(step seconds, bytes per rank) on paper (See NOTE: Auto estimate)."""
-    tp_split = lay.tp if lay.tp in f.tp_degrees else 1
-    m, p = lay.microbatches, lay.pp
-    F = f.forward_s / (lay.dp * m * lay.stages * tp_split) + f.forward_host_s / lay.stages
-    computes = 3 if lay.schedule == "zbv" else 2          # F, B (ZB-V: F, I, W) per micro-batch
-    u = (4 if lay.checkpointing == "always" else 3) * F + computes * f.instruction_s
-    waits = 0.0   # a rank's waits per step where ranks share cores (NOTE: Shared cores)
-    if p > 1:     # a send and a receive each way per stage boundary and micro-batch
-        u += 4 * f.p2p_s
-        waits += m * lay.chunks    # about one a micro-batch: a gradient not yet sent back
-    W = lay.chunks * u
-    bubble = {"interleaved_1f1b": (p - 1) * u, "zbv": (p - 1) * u / 2}.get(lay.schedule, (p - 1) * W)
-    step = m * W + (bubble if p > 1 else 0)
-    if p > 1:
-        step += 2 * (m + p - 1) * lay.chunks * f.latency_s
-    collectives = []      # seconds of a rank's collectives, host time included
-    grads = f.param_bytes / (p * tp_split)
-    if lay.dp > 1:
-        ring = 2 * (lay.dp - 1) / lay.dp * grads / f.link_bytes_per_s + 2 * (lay.dp - 1) * f.latency_s
-        calls = 1 if lay.zero == 0 else 2 + (2 * f.layers / p * m if lay.zero == 3 else 0)
-        collectives.append(ring / 2 * (1.5 if lay.zero == 3 else 1.0) + calls * f.collective_s)
-        waits += calls * (lay.dp - 1) / lay.dp      # every member but the last to join waits
-    if tp_split > 1:
-        msg = f.activation_bytes / max(f.layers, 1) / (lay.dp * m) / 8
-        one = 2 * (tp_split - 1) / tp_split * msg / f.link_bytes_per_s + 2 * (tp_split - 1) * f.latency_s
-        collectives.append(4 * (f.layers / p) * m * (one + f.collective_s))
-        waits += 4 * (f.layers / p) * m * (tp_split - 1) / tp_split
-    for seconds in collectives:
-        step += seconds
-    if f.cores:   # a node's ranks share its cores: at least their summed work (NOTE: Shared cores)
-        ranks = min(lay.world, f.node_ranks) if f.node_ranks else lay.world
-        step = max(step, ranks * (m * W + sum(collectives) + waits * f.handoff_s) / f.cores)
-    return step, memory_estimate(lay, f)
-
-
-def memory_estimate(lay: Layout, f: ModelFacts) -> int:
-    tp_split = lay.tp if lay.tp in f.tp_degrees else 1
-    whole = f.param_bytes / (lay.pp * tp_split)
-    d = lay.dp
-    params = whole / d if lay.zero == 3 else whole
-    grads = whole / d if lay.zero >= 2 else whole
-    optim = f.states * (whole / d if lay.zero >= 1 else whole)
-    per_mb = f.activation_bytes / (lay.dp * lay.microbatches * lay.stages * tp_split)
-    if lay.pp == 1:
-        inflight = 1                                  # accumulation: one micro-batch at a time
-    else:
-        inflight = lay.microbatches if lay.schedule == "gpipe" else min(lay.pp, lay.microbatches)
-    held = per_mb * lay.chunks * inflight
-    if lay.checkpointing == "always":
-        held = per_mb * lay.chunks + inflight * per_mb / max(f.layers / lay.stages, 1) / 4
-    transient = whole if lay.zero == 3 else 0         # a stage gathered whole at stage 3
-    return int(params + grads + optim + held + transient)
 
 
 def _divisors(n: int) -> List[int]:

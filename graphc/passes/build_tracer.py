@@ -7,8 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import os
-import traceback
+import sys
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -25,7 +24,7 @@ from .traced_tensors import IN_PLACE_OPERATORS, refuse_grad_read, refuse_paramet
 from .traced_writes import in_place_twin, write_in_place, write_item
 from .unsupported_modules import check_runnable_module, check_traceable_module
 from .verify_graph import host_sync_refused
-from .user_lines import GRAPHC_DIR, TORCH_DIR, caller_line, deepest_user_frame
+from .user_lines import GRAPHC_DIR, TORCH_DIR, caller_line, deepest_user_frame, live_frames, user_stack_trace
 
 FAKE = "graphc_fake"  # node.meta key for the value while tracing; removed when tracing ends
 
@@ -42,20 +41,37 @@ _SHAPE_FUNCTIONS = frozenset({torch.is_floating_point, torch.is_complex, torch.n
 
 def _calling_line() -> str:
     """The user's line calling now, as node_line writes a node's ('File ..., line n, in f: code')."""
-    frames = [f for f in traceback.extract_stack() if not f.filename.startswith((TORCH_DIR, GRAPHC_DIR))]
+    frames = [f for f in live_frames(sys._getframe(1)) if not f.filename.startswith((TORCH_DIR, GRAPHC_DIR))]
     if not frames:
         return "build()"
     f = frames[-1]
     return f'File "{f.filename}", line {f.lineno}, in {f.name}: {f.line}'
 
 
-def cpu_fake(mode: FakeTensorMode, t: torch.Tensor, memo: Dict[int, tuple]) -> torch.Tensor:
+class CompileFakes:
+    """One compile's FakeTensorMode and the fakes of the parameters it made, kept for the
+    compile (NOTE: One fake mode per compile)."""
+
+    def __init__(self):
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.parameters: Dict[int, tuple] = {}   # id(parameter) -> (parameter, its fake)
+
+
+def cpu_fake(mode: FakeTensorMode, t: torch.Tensor, memo: Dict[int, tuple],
+             parameters: Optional[Dict[int, tuple]] = None) -> torch.Tensor:
     """The fake a trace uses for real tensor t: on the CPU, whatever device t is on.
 
     build() is traced on CPU stand-ins of its inputs (NOTE: CUDA placement,
     runtime/device.py), so a model already on its GPU (or on the meta device) must be traced
     on CPU fakes of its parameters and buffers too, or every op mixing the two fails. The
-    same real tensor (a tied weight) gives the same fake (`memo`, as from_tensor's own)."""
+    same real tensor (a tied weight) gives the same fake (`memo`, as from_tensor's own).
+    `parameters`: a compile's fakes of parameters, made once for all its passes (NOTE: One
+    fake mode per compile)."""
+    if parameters is not None and isinstance(t, torch.nn.Parameter) and not isinstance(t, FakeTensor):
+        found = parameters.get(id(t))
+        if found is None:
+            found = parameters[id(t)] = (t, cpu_fake(mode, t, memo))
+        return found[1]
     if t.device.type == "cpu" or isinstance(t, FakeTensor):
         return mode.from_tensor(t, static_shapes=True)
     found = memo.get(id(t))
@@ -82,7 +98,7 @@ class ShapeProxy(fx.Proxy):
             raise host_sync_refused(k, _calling_line())
         if k == "grad":   # a traced value's gradient: none while tracing (See refuse_grad_read)
             raise refuse_grad_read(str(self.node.target if self.node.op == "get_attr" else self.node.name),
-                                   deepest_user_frame(None, traceback.extract_stack()))
+                                   deepest_user_frame(None, live_frames()))
         fields = _result_fields(self.node.meta.get(FAKE))
         if k in fields:  # torch.topk(x, k).values: the named result's field, as getitem
             return self[fields.index(k)]
@@ -91,7 +107,7 @@ class ShapeProxy(fx.Proxy):
         return super().__getattr__(k)
 
     def _write(self, method: str, *args, **kwargs) -> "ShapeProxy":
-        where = deepest_user_frame(self.tracer.source_file, traceback.extract_stack())
+        where = deepest_user_frame(self.tracer.source_file, live_frames())
         return write_in_place(self.tracer, self, method, where, *args, **kwargs)
 
     @classmethod
@@ -101,7 +117,7 @@ class ShapeProxy(fx.Proxy):
         return super().__torch_function__(orig_method, types, args, kwargs)
 
     def __setitem__(self, index, value) -> None:  # NOTE: Item writes (traced_writes.py)
-        write_item(self.tracer, self, index, value, deepest_user_frame(None, traceback.extract_stack()))
+        write_item(self.tracer, self, index, value, deepest_user_frame(None, live_frames()))
 
     def __len__(self) -> int:
         return len(self.tracer.fake_of(self))
@@ -147,12 +163,15 @@ _TRACED_THROUGH = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer
 class BuildTracer(fx.Tracer):
     """fx.Tracer that runs every op on fake tensors as it records it (see module docstring)."""
 
-    def __init__(self, root: torch.nn.Module):
+    def __init__(self, root: torch.nn.Module, fakes: Optional[CompileFakes] = None):
         super().__init__()
-        self.record_stack_traces = True
+        # the user's frames per node, recorded by create_node (NOTE: Recorded user lines)
+        self.record_stack_traces = False
         self.proxy_buffer_attributes = True  # buffers updated in forward are recorded, not run once
         self.trace_root = root
-        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        # a compile's one mode and parameters' fakes (NOTE: One fake mode per compile), else its own
+        fakes = CompileFakes() if fakes is None else fakes
+        self.fake_mode, self.fake_parameters = fakes.mode, fakes.parameters
         self.stand_ins: Dict[int, tuple] = {}   # cpu_fake's memo: id(real) -> (real, its fake)
         self.examples: List[Any] = []
         self.examples_used: List[fx.Node] = []
@@ -243,7 +262,7 @@ class BuildTracer(fx.Tracer):
     def fake_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """The fake of a real tensor; the same real tensor (a tied weight) gives the same fake."""
         with self.untraced():
-            return cpu_fake(self.fake_mode, t, self.stand_ins)
+            return cpu_fake(self.fake_mode, t, self.stand_ins, self.fake_parameters)
 
     @contextlib.contextmanager
     def untraced(self):
@@ -267,6 +286,14 @@ class BuildTracer(fx.Tracer):
                 f"could not compute its value while tracing: {why}. Fix: check the op's inputs "
                 "(shapes, dtypes) at that line.")
         return node.meta[FAKE]
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if not node.stack_trace:   # fx's record_stack_traces, cheaper (NOTE: Recorded user lines)
+            trace = user_stack_trace(sys._getframe(1))
+            if trace:
+                node.stack_trace = trace
+        return node
 
     def create_arg(self, a):
         if type(a) is ShapeProxy:  # before fx's Tensor and Parameter cases (NOTE: isinstance while tracing)
@@ -316,7 +343,7 @@ class BuildTracer(fx.Tracer):
                     self.trace_root.get_parameter(written.target)
             except AttributeError:
                 return
-            where = deepest_user_frame(None, traceback.extract_stack())
+            where = deepest_user_frame(None, live_frames())
             raise refuse_parameter_write(written.target, op, where)
 
     def _run_fake(self, kind, target, args, kwargs):
@@ -363,18 +390,6 @@ class BuildTracer(fx.Tracer):
         finally:
             self.running_fake = False
 
-    # -- where errors point -----------------------------------------------------------
-    def _filter_traceback_frames(self, summary: traceback.StackSummary) -> traceback.StackSummary:
-        """The user's frames from build() down, so errors can point at the user's line.
-
-        fx's own filter keeps frames from the first `forward` on, which drops build() itself.
-        """
-        starts = [i for i, f in enumerate(summary) if f.filename.startswith(TORCH_DIR + "fx" + os.sep)
-                  and f.name == "trace"]
-        frames = summary[starts[-1] + 1:] if starts else summary
-        return traceback.StackSummary.from_list(
-            [f for f in frames if not f.filename.startswith((TORCH_DIR, GRAPHC_DIR))])
-
 
 def run_module_on_fakes(module: torch.nn.Module, args, kwargs, fake):
     """A leaf module's output on fakes of its own parameters and buffers: its state is untouched.
@@ -397,7 +412,7 @@ def _data_dependent_shape(node: fx.Node, e: Exception) -> str:
     """Why an op whose result's shape depends on the data (nonzero, torch.where(cond),
     masked_select, unique, x[bool_mask]) cannot be in a plan, and the static forms."""
     op = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    where = deepest_user_frame(None, traceback.extract_stack())
+    where = deepest_user_frame(None, live_frames())
     return (f"build() calls '{op}' at {where}: the shape of its result depends on the values in "
             f"the tensors ({str(e).strip()}), and graphc compiles one static plan for every step. "
             "Fix: keep shapes static: torch.where(mask, x, 0) or masked_fill instead of x[mask], "

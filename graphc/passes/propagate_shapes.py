@@ -21,27 +21,27 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import GraphcError
 from ..meta import META_AUTOCAST, META_BATCHED, META_GRAD_ENABLED, META_TENSOR, TensorMeta, is_backward
-from .build_tracer import cpu_fake, run_module_on_fakes
+from .build_tracer import CompileFakes, cpu_fake, run_module_on_fakes
 from .trace_build import microbatch_shape
 
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
-                     num_microbatches: int) -> fx.GraphModule:
+                     num_microbatches: int, fakes: Optional[CompileFakes] = None) -> fx.GraphModule:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         raise GraphcError(f"{type(gm).__name__}.build() takes {len(placeholders)} inputs "
                           f"({', '.join(p.name for p in placeholders)}), found {len(example_inputs)}")
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = _Fakes(gm, CompileFakes() if fakes is None else fakes)   # NOTE: One fake mode per compile
+    mode = fakes.mode
     env = {}
-    fakes = _Fakes(gm, mode)
     with mode:
         for node, value in zip(placeholders, example_inputs):
             env[node] = _microbatch_fake(node, value, num_microbatches)
@@ -83,13 +83,13 @@ def _microbatch_fake(node, value: torch.Tensor, m: int):
 class _Fakes:
     """Fakes of the graph's parameters and buffers (one per real tensor, so ties stay tied)."""
 
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode):
-        self.gm, self.mode = gm, mode
+    def __init__(self, gm: fx.GraphModule, compile_fakes: CompileFakes):
+        self.gm, self.mode, self.parameters = gm, compile_fakes.mode, compile_fakes.parameters
         self.stand_ins: dict = {}   # cpu_fake's memo
 
     def of(self, value):
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
-            return cpu_fake(self.mode, value, self.stand_ins)   # on the CPU (NOTE: CUDA placement)
+            return cpu_fake(self.mode, value, self.stand_ins, self.parameters)   # on the CPU (NOTE: CUDA placement)
         return value
 
     def attr(self, target: str):

@@ -48,15 +48,17 @@ from .user_lines import node_line, traceback_line
 
 def trace_build(root: torch.nn.Module, example_inputs: Sequence[torch.Tensor], num_microbatches: int = 1,
                 batched: Optional[Sequence[bool]] = None, graph_name: str = "Graph",
-                source_file: Optional[str] = None, autocast: Optional[tuple] = None) -> fx.GraphModule:
+                source_file: Optional[str] = None, autocast: Optional[tuple] = None,
+                fakes=None) -> fx.GraphModule:
     """Traces build() (root's forward) for one micro-batch of `example_inputs` (their global shapes).
 
     batched: per input, whether it is split into micro-batches along dim 0 (default: every
     input with a dim). graph_name and source_file (the Graph's class name and the file that
     defines it) name the user's code in error messages. autocast: (device type, dtype) that
     build() runs under as a whole (config.enable_amp), as if written `with torch.autocast(...)`.
+    fakes: the compile's CompileFakes to trace with (NOTE: One fake mode per compile); default new ones.
     """
-    tracer = BuildTracer(root)
+    tracer = BuildTracer(root, fakes)
     tracer.source_file = source_file
     batched = [t.dim() >= 1 for t in example_inputs] if batched is None else list(batched)
     names = _input_names(root, len(example_inputs))

@@ -16,14 +16,13 @@ bookkeeping on the root (fx's `_tensor_constant0`) is not a user's write.
 """
 from __future__ import annotations
 
-import traceback
 from typing import Any, Optional
 
 import torch.fx as fx
 
 from ..errors import GraphcError
 from ..guards import MISSING, class_value, current_log, fingerprint
-from .user_lines import deepest_user_frame
+from .user_lines import deepest_user_frame, live_frames
 
 
 def check_attribute_write(tracer, module, name: str, value: Any) -> None:
@@ -34,7 +33,7 @@ def check_attribute_write(tracer, module, name: str, value: Any) -> None:
         return  # a module made during the step (its __init__), not the user's state
     owner, where = _owner(tracer, module, name)
     if module is tracer.trace_root and isinstance(value, fx.Proxy):
-        line = deepest_user_frame(None, traceback.extract_stack())
+        line = deepest_user_frame(None, live_frames())
         raise GraphcError(
             f"build() stores a traced tensor in '{where}' at {line}: it would hold a symbol of "
             "the trace, not each step's value (eager sets it on every call). Fix: return it from "
@@ -45,7 +44,7 @@ def check_attribute_write(tracer, module, name: str, value: Any) -> None:
     log = current_log()
     if log is not None and (id(owner), name) not in log.reads:
         return  # set without being read: the same state after every call
-    line = deepest_user_frame(None, traceback.extract_stack())
+    line = deepest_user_frame(None, live_frames())
     raise GraphcError(
         f"build() changes the Python attribute '{where}' from {_short(old)} to {_short(value)} at "
         f"{line}. build() is traced into a static graph (once per compile, twice with gradient "

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import operator
 import sys
-import traceback
 from contextlib import contextmanager
 from typing import Dict, Optional, Tuple
 
@@ -37,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import GraphcError
 from ..ops.random_ops import RANDOM_METHODS
-from .user_lines import TORCH_DIR, deepest_user_frame
+from .user_lines import TORCH_DIR, deepest_user_frame, live_frames
 
 # Python's operators on a tensor, recorded as the operator (fx's own form for a proxy)
 _OPERATORS = {
@@ -281,7 +280,7 @@ def _called_by_user() -> bool:
 
 
 def _user_line() -> str:
-    return deepest_user_frame(None, traceback.extract_stack())
+    return deepest_user_frame(None, live_frames())
 
 
 def _proxies(tree):

@@ -20,6 +20,7 @@ class AllReduce(Instruction):
     span_kind: ClassVar[str] = "collective"
     word: ClassVar[str] = "ALL_REDUCE"
     runs: ClassVar[str] = "grad_sync"         # waits for its bucket (runtime/collectives.py), ties and shards alike
+    holds: ClassVar[str] = "reduce"           # frees its gradients' partial sums (ties and clips alike)
     joins: ClassVar[str] = JOINS_TENSORS
     purpose: ClassVar[Optional[str]] = None   # told apart in JSON by "purpose"
     TEXT: ClassVar[re.Pattern] = re.compile(r"ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\]")
@@ -99,6 +100,7 @@ class OutputAllReduce(AllReduce):
 
     word: ClassVar[str] = "OUTPUT_ALL_REDUCE"
     runs: ClassVar[str] = "output_sum"
+    holds: ClassVar[str] = ""                 # a sum of outputs: nothing beyond its compute
     purpose: ClassVar[str] = "output"
     TEXT: ClassVar[re.Pattern] = re.compile(r"OUTPUT_ALL_REDUCE ranks=\[([\d, ]*)\] \[(.*)\]")
 
@@ -193,6 +195,7 @@ class ReduceScatter(_ShardCollective):
 
     op: ClassVar[str] = "reduce_scatter"
     word: ClassVar[str] = "REDUCE_SCATTER"
+    holds: ClassVar[str] = "scatter"
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,7 @@ class AllGather(_ShardCollective):
     op: ClassVar[str] = "all_gather"
     word: ClassVar[str] = "ALL_GATHER"
     runs: ClassVar[str] = "all_gather"
+    holds: ClassVar[str] = "gather"          # a unit's gather too
 
 
 @dataclass(frozen=True)
@@ -214,6 +218,7 @@ class ReleaseParams(Instruction):
     span_kind: ClassVar[str] = "release"
     word: ClassVar[str] = "RELEASE"
     runs: ClassVar[str] = "release"
+    holds: ClassVar[str] = "release"         # a unit's release too
     TEXT: ClassVar[re.Pattern] = re.compile(r"RELEASE \[(.*)\]")
     tensors: Tuple[TensorSpec, ...] = field(default=())
 

@@ -27,6 +27,7 @@ class Instruction:
     word: ClassVar[str] = ""                # what a count of it is headed by (tools/summary.py)
     runs: ClassVar[str] = ""                # its run entry: Runtime._run_<runs> (runtime/actors.py)
     joins: ClassVar[str] = ""               # a collective's group entry (JOINS_* above): plan/verify.py
+    holds: ClassVar[str] = ""               # its memory effect: Walk.<holds> (tools/simulate/memory_walk.py)
     TEXT: ClassVar[Optional[re.Pattern]] = None   # its printed form, for parse_instruction
 
     @property

@@ -204,6 +204,7 @@ class Send(_P2P):
     op: ClassVar[str] = "send"
     span_kind: ClassVar[str] = "send"
     runs: ClassVar[str] = "send"
+    holds: ClassVar[str] = "send"
     word: ClassVar[str] = "SEND"
     towards: ClassVar[str] = "to"
 
@@ -216,6 +217,7 @@ class Recv(_P2P):
     op: ClassVar[str] = "recv"
     span_kind: ClassVar[str] = "recv"
     runs: ClassVar[str] = "recv"
+    holds: ClassVar[str] = "recv"
     word: ClassVar[str] = "RECV"
     towards: ClassVar[str] = "from"
 
@@ -226,6 +228,7 @@ class OptimizerStep(Instruction):
     op: ClassVar[str] = "optimizer_step"
     span_kind: ClassVar[str] = "optimizer"
     runs: ClassVar[str] = "optimizer_step"
+    holds: ClassVar[str] = "optimizer_step"
     word: ClassVar[str] = "OPTIMIZER_STEP"
     TEXT: ClassVar[re.Pattern] = re.compile("OPTIMIZER_STEP")
 

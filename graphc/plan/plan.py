@@ -62,6 +62,13 @@ class ExecutionPlan:
     def local_stages(self) -> List[int]:
         return [s.stage_id for s in self.stages if self.rank in s.ranks]
 
+    @property
+    def recomputed_microbatches(self) -> frozenset:
+        """The micro-batches whose backward runs their forward again (checkpointed_microbatches)."""
+        if not self.training:
+            return frozenset()
+        return checkpointed_microbatches(self.checkpointing, self.num_microbatches)
+
     def __str__(self) -> str:
         """The header, the stages line and the notes (`# ...`), then one instruction a line."""
         return self.listing()

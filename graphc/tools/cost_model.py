@@ -8,14 +8,39 @@ to measure a transport, and neither needs the other for the record itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from ..plan.instructions import (AllGather, AllReduce, Backward, BackwardInput, BackwardWeight, Collective,
-                                 Forward, Instruction, OptimizerStep, OverlapFB, PrePass, ReduceScatter,
+                                 Forward, Instruction, OptimizerStep, PrePass, ReduceScatter,
                                  TensorSpec)
 from ..sbp.cost import moved_bytes
 from .network import Network, collective_seconds
 from .ring_overlap import overlaps, ring_step_seconds
+
+
+# NOTE: Recompute cost
+# A checkpointed micro-batch (ExecutionPlan.recomputed_microbatches) runs its forward again,
+# recording, where the runtime does it: at the start of its backward, or of its backward's
+# input half when the schedule splits it (StageExecutor._roots; compiled pieces recompute
+# inside that same backward). So the simulator charges the recompute once, in that
+# instruction (a DualPipeV OverlapFB through its backward part), at the stage's forward
+# seconds (CostModel.recompute_cost): a modelled forward counts the same FLOPs and bytes a
+# recording forward runs, and a measured one (measure_costs) was timed recording. Neither
+# cost already holds it: device_costs' backward is twice its forward, and measure_costs
+# replays a stage without checkpointing (its executor recomputes nothing), so nothing is
+# charged twice. The checkpointed forward itself is charged as any forward.
+RECOMPUTING_RUNS = frozenset({"backward", "backward_input"})
+
+
+def _interpolated(points: List[Tuple[float, float]], x: float, beyond: float) -> float:
+    """y at x > 0 on the line through (x, y) points sorted by x (from (0, 0) before the
+    first; `beyond` after the last)."""
+    if x <= points[0][0]:
+        return points[0][1] * x / points[0][0] if points[0][0] > 0 else points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return beyond
 
 
 @dataclass(frozen=True)
@@ -77,6 +102,12 @@ class CostModel:
     handoff: float = 0.0
     # stage -> its Prologue's cost per step (NOTE: Prologue costs); stages without one absent
     prologue: Dict[int, PrologueCost] = field(default_factory=dict)
+    # stage -> seconds of a checkpointed micro-batch's recomputed forward where it is not the
+    # stage's `forward` (NOTE: Recompute cost); stages missing here: their `forward`
+    recompute: Dict[int, float] = field(default_factory=dict)
+    # (seconds of compute since the members last synchronised, extra seconds a collective then
+    # takes): their drift apart, measured in context (NOTE: Collectives in context); empty: none
+    collective_skew: List[Tuple[float, float]] = field(default_factory=list)
 
     @staticmethod
     def uniform(num_stages: int, forward: float = 1.0, backward: float = 2.0) -> "CostModel":
@@ -84,11 +115,25 @@ class CostModel:
         return CostModel({s: forward for s in range(num_stages)},
                          {s: backward for s in range(num_stages)})
 
-    def compute(self, ins: Instruction, rank: int) -> float:
+    def compute(self, ins: Instruction, rank: int, recomputed: FrozenSet[int] = frozenset()) -> float:
         """Seconds of compute `ins` takes on `rank`, by the run entry its class names (`runs`,
-        plan/instructions.py): a kind whose entry has no cost here computes nothing."""
+        plan/instructions.py): a kind whose entry has no cost here computes nothing.
+
+        recomputed: the micro-batches whose forward the backward runs again (the plan's
+        `recomputed_microbatches`): their Backward or BackwardInput also costs that forward
+        (See NOTE: Recompute cost)."""
+        if ins.runs == "overlap":     # DualPipeV's pair: its forward, then its backward
+            return sum(self.compute(part, rank, recomputed) for part in ins.parts)
         cost = getattr(self, f"_cost_{ins.runs}", None)
-        return cost(ins, rank) if cost is not None else 0.0
+        seconds = cost(ins, rank) if cost is not None else 0.0
+        if ins.runs in RECOMPUTING_RUNS and ins.microbatch in recomputed:
+            seconds += self.recompute_cost(ins.stage)
+        return seconds
+
+    def recompute_cost(self, stage: int) -> float:
+        """Seconds of a checkpointed micro-batch's forward run again, recording, inside its
+        backward (See NOTE: Recompute cost)."""
+        return self.recompute.get(stage, self.forward.get(stage, 0.0))
 
     def _cost_forward(self, ins: Forward, rank: int) -> float:
         return self.forward.get(ins.stage, 0.0) + self.overhead
@@ -106,9 +151,6 @@ class CostModel:
 
     def _cost_backward_weight(self, ins: BackwardWeight, rank: int) -> float:
         return self._half(self.backward_weight, ins.stage) + self.overhead
-
-    def _cost_overlap(self, ins: OverlapFB, rank: int) -> float:
-        return self.compute(ins.forward, rank) + self.compute(ins.backward, rank)
 
     def _cost_optimizer_step(self, ins: OptimizerStep, rank: int) -> float:
         return self.optimizer.get(self.stage_of_rank.get(rank, -1), 0.0)
@@ -129,6 +171,15 @@ class CostModel:
                 group = next((g for g in groups if rank in g), groups[0])
                 total += self._scalar_sum(tuple(group), nbytes)
         return total
+
+    def step_start_syncs(self, rank: int, stages: Sequence[int]) -> int:
+        """How many all-reduces over more than one rank `rank`'s Prologues run each step."""
+        count = 0
+        for s in stages:
+            pro = self.prologue.get(s)
+            for groups, _ in (pro.reduces if pro is not None else ()):
+                count += len(next((g for g in groups if rank in g), groups[0])) > 1
+        return count
 
     def _scalar_sum(self, group: Tuple[int, ...], nbytes: int) -> float:
         n = len(group)
@@ -156,12 +207,18 @@ class CostModel:
         pts = self.poll_delay
         if waited <= 0 or not pts:
             return 0.0
-        if waited <= pts[0][0]:
-            return pts[0][1] * waited / pts[0][0] if pts[0][0] > 0 else pts[0][1]
-        for (w0, d0), (w1, d1) in zip(pts, pts[1:]):
-            if waited <= w1:
-                return d0 + (d1 - d0) * (waited - w0) / (w1 - w0)
-        return pts[-1][1]
+        return _interpolated(pts, waited, pts[-1][1])
+
+    def skew(self, computed: float) -> float:
+        """Extra seconds of a collective whose members each computed up to `computed` seconds
+        since they last synchronised (See NOTE: Collectives in context): interpolated between
+        the measured points, in proportion to the last one beyond it."""
+        pts = self.collective_skew
+        if computed <= 0 or not pts:
+            return 0.0
+        last_compute, last_extra = pts[-1]
+        beyond = last_extra * computed / last_compute if last_compute > 0 else last_extra
+        return _interpolated(pts, computed, beyond)
 
     def collective(self, ins) -> float:
         """Seconds of a gradient bucket, tie or clip all-reduce, or a boxing collective, from

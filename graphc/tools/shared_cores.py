@@ -36,6 +36,7 @@ def rank_work(plan: ExecutionPlan, costs: CostModel) -> float:
     """Seconds of host time one step of `plan` takes on its rank, its waits' hand-offs aside
     (See NOTE: Shared cores)."""
     total = costs.step_start(plan.rank, plan.local_stages) if costs.prologue else 0.0
+    recomputed = plan.recomputed_microbatches    # NOTE: Recompute cost
     for ins in plan.instructions:
         if ins.runs == "send":
             total += costs.send_cost(sum(t.nbytes for t in ins.tensors))
@@ -44,7 +45,7 @@ def rank_work(plan: ExecutionPlan, costs: CostModel) -> float:
         elif ins.joins:    # a collective (its class's group entry), as the engine charges it
             total += costs.collective(ins)
         else:
-            total += costs.compute(ins, plan.rank)
+            total += costs.compute(ins, plan.rank, recomputed)
     return total
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -34,6 +34,9 @@ class TransportCosts:
     # gloo's all-reduce between the two processes, as the link collective_seconds charges
     # (NOTE: Calibrated collectives): (bytes per second, seconds per ring step)
     collective_link: Optional[Tuple[float, float]] = None
+    # (seconds of compute before an all-reduce, extra seconds it then takes): NOTE:
+    # Collectives in context
+    collective_skew: List[Tuple[float, float]] = field(default_factory=list)
 
     def apply(self, costs: CostModel) -> CostModel:
         link = self.collective_link or costs.collective_link
@@ -41,6 +44,7 @@ class TransportCosts:
                        recv_overhead=self.recv_overhead, recv_per_byte=self.recv_per_byte,
                        latency=self.latency, bandwidth=float("inf"), poll_delay=self.poll_delay,
                        sends_complete_on_delivery=self.kind == "gloo", collective_link=link,
+                       collective_skew=self.collective_skew or costs.collective_skew,
                        source=costs.source + f", {self.kind} transport"
                        + (" and gloo all-reduce" if self.collective_link else "") + " measured")
 
@@ -68,9 +72,10 @@ def measure_transport(transport: str = "auto", nbytes: int = 1 << 15, repeats: i
     wait() time when the data is already there (its copy out), fitted as fixed + per byte;
     then, with the receiver waiting, how long after isend() returned it sees the data, for
     waits of WAITS_S: the delay at the shortest wait is the latency, the growth over it the
-    polling delay (both processes read one clock, CLOCK_MONOTONIC). Then gloo's blocking
-    all-reduce of 8 bytes and of `reduce_bytes` (the largest gradient bucket), fitted as
-    the link of a 2-rank ring (NOTE: Calibrated collectives).
+    polling delay (both processes read one clock, CLOCK_MONOTONIC). Then gloo's blocking all-reduce of
+    8 bytes and of `reduce_bytes` (the largest gradient bucket), fitted as the link of a
+    2-rank ring (NOTE: Calibrated collectives), and of 8 bytes after compute (NOTE:
+    Collectives in context).
     """
     import subprocess
     import sys
@@ -180,6 +185,7 @@ def _transport_worker(rank: int, kind: str, nbytes: int, repeats: int, threads: 
             d = d[1:]
             delays.append((statistics.median(x for x, _ in d), statistics.median(y for _, y in d)))
         link = _all_reduce_link(reduce_bytes, repeats)
+        skew = _collective_skew(repeats)
         if rank == 0:
             fit = lambda c: (max(0.0, c[16] - 16 * (c[nbytes] - c[16]) / (nbytes - 16)),  # noqa: E731
                              max(0.0, (c[nbytes] - c[16]) / (nbytes - 16)))
@@ -188,7 +194,7 @@ def _transport_worker(rank: int, kind: str, nbytes: int, repeats: int, threads: 
             (so, sb), (ro, rb) = fit(sent), fit(got)
             torch.save(dict(kind=kind, send_overhead=so, send_per_byte=sb, recv_overhead=ro,
                             recv_per_byte=rb, latency=latency, poll_delay=sorted(poll),
-                            collective_link=link),
+                            collective_link=link, collective_skew=skew),
                        os.path.join(outdir, "transport.pt"))
         dist.barrier()
     finally:
@@ -233,3 +239,88 @@ def link_through(sizes: Sequence[int], seconds: Sequence[float]) -> Tuple[float,
     per_byte = max(0.0, (t1 - t0) / (b1 - b0))
     bandwidth = 1.0 / per_byte if per_byte > 0 else float("inf")
     return bandwidth, max(0.0, (t0 - b0 * per_byte) / 2)
+
+
+# NOTE: Collectives in context
+# A blocking collective finishes when its last member joins, and the simulator has every
+# member of a symmetric layout (data or tensor parallel) join at once: their computes cost
+# the same. On a host whose cores are shared, the ranks' computes are preempted at random,
+# so they drift apart by the time they meet, and the early member, blocked, gives its core
+# away and must get it back once the last one joins: a collective issued after compute
+# costs more than the back-to-back ones NOTE: Calibrated collectives measures, the more the
+# longer the members computed since they last met (at load 3 on the 2-core build machine,
+# an 8-byte all-reduce took 0.25 ms back to back, 0.35 after 0.5 ms of compute on each
+# rank, 0.76 after 2 ms, 1.5 after 5 ms; traces of tensor 2 showed the first forward of a
+# step, 7 ms of compute after the last all-reduce, 2-3 ms longer than the others).
+# measure_transport measures that drift where the model is used: both processes compute the
+# same fixed work for gaps of COMPUTE_GAPS_S, then all-reduce 8 bytes; the median extra over
+# the back-to-back all-reduce, at the median measured compute, is a point of
+# CostModel.collective_skew (made non-decreasing: `monotone`). The simulator adds skew(c) to each collective, c the most
+# compute any member did since its previous collective (CostModel.skew: interpolated, in
+# proportion beyond the last point), and to the first Prologue all-reduce of a step (NOTE:
+# Prologue costs). The drift is the machine's at the time of measuring, as the concurrent
+# replay's compute is (NOTE: Concurrent replay): a quiet machine measures little.
+COMPUTE_GAPS_S = (5e-4, 2e-3, 8e-3, 3.2e-2)
+
+
+def _collective_skew(repeats: int) -> List[Tuple[float, float]]:
+    """(median compute seconds, median extra seconds of an 8-byte all-reduce after it) per
+    gap of COMPUTE_GAPS_S, the slower rank's (See NOTE: Collectives in context); both ranks call it."""
+    work, t = _Work(), torch.zeros(2)
+    back_to_back = _all_reduce_after(t, work, 0.0, repeats)[1]
+    points = []
+    for gap in COMPUTE_GAPS_S:
+        computed, reduced = _all_reduce_after(t, work, gap, repeats)
+        points.append((computed, max(0.0, reduced - back_to_back)))
+    both = [None, None]
+    dist.all_gather_object(both, points)
+    return monotone([(max(c0, c1), max(e0, e1)) for (c0, e0), (c1, e1) in zip(*both)])
+
+
+def monotone(points: Sequence[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """The least-squares non-decreasing fit of (x, y) points sorted by x (pool adjacent
+    violators): more compute before a collective drifts its members at least as far apart,
+    so a smaller extra measured after a longer gap is noise, averaged with its neighbour
+    (See NOTE: Collectives in context)."""
+    blocks: List[List[float]] = []     # [sum of y, count] per pooled run
+    for _, y in points:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    ys = [total / count for total, count in blocks for _ in range(count)]
+    return [(x, y) for (x, _), y in zip(points, ys)]
+
+
+class _Work:
+    """A fixed amount of compute (small matmuls on one thread) that takes about the given
+    seconds on an idle core: preempted, it takes longer, as a rank's compute does."""
+
+    def __init__(self):
+        self.a, self.b = torch.randn(96, 96), torch.randn(96, 96)
+        d = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(50):
+                torch.mm(self.a, self.b)
+            d.append((time.perf_counter() - t0) / 50)
+        self.per_matmul = min(d)
+
+    def compute(self, seconds: float) -> None:
+        for _ in range(round(seconds / self.per_matmul)):
+            torch.mm(self.a, self.b)
+
+
+def _all_reduce_after(t, work: _Work, seconds: float, repeats: int) -> Tuple[float, float]:
+    """(median seconds `work` of `seconds` took, median seconds of the all-reduce after it)."""
+    computed, reduced = [], []
+    dist.barrier()
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        work.compute(seconds)
+        t1 = time.perf_counter()
+        dist.all_reduce(t)
+        reduced.append(time.perf_counter() - t1)
+        computed.append(t1 - t0)
+    return statistics.median(computed[1:]), statistics.median(reduced[1:])

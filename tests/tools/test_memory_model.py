@@ -102,17 +102,20 @@ def test_pipeline_holds_the_schedules_micro_batches_in_flight():
 
 
 def test_memory_effects_are_read_by_kind_not_by_an_isinstance_order():
-    """The walk tells kinds apart through tables: compute parts by their run entry (as the
-    runtime dispatches), other kinds by class exactly (a unit gather gathers, a clip's
-    all-reduce frees gradients as a sum's does); every key is a registered instruction's."""
-    from graphc.plan.instructions import (INSTRUCTIONS, STAGE_COMPUTES, AllGather, ClipGradNorm,
-                                          ReduceScatter, UnitGather, UnitRelease, ReleaseParams)
-    from graphc.tools.simulate.memory_walk import COMPUTES, EFFECTS, Walk
-    assert set(EFFECTS) <= set(INSTRUCTIONS)
-    assert set(COMPUTES) == {cls.runs for cls in STAGE_COMPUTES}
-    assert EFFECTS[UnitGather] is EFFECTS[AllGather] is Walk.gather
-    assert EFFECTS[UnitRelease] is EFFECTS[ReleaseParams] is Walk.release
-    assert EFFECTS[ClipGradNorm] is Walk.reduce and EFFECTS[ReduceScatter] is Walk.scatter
+    """The walk tells kinds apart by what each kind names: compute parts by their run entry (as
+    the runtime dispatches), other kinds by their `holds`, a Walk method (a unit gather gathers
+    as AllGather does, a clip's all-reduce frees gradients as a sum's does). Every registered
+    kind's effect is the one this table gives it: those not listed hold nothing."""
+    from graphc.plan import instructions as kinds
+    from graphc.tools.simulate.memory_walk import COMPUTES, Walk
+    effects = {kinds.Recv: "recv", kinds.Send: "send", kinds.ReduceScatter: "scatter",
+               kinds.AllReduce: "reduce", kinds.TieAllReduce: "reduce",
+               kinds.ClipGradNorm: "reduce", kinds.OptimizerStep: "optimizer_step",
+               kinds.AllGather: "gather", kinds.UnitGather: "gather",
+               kinds.ReleaseParams: "release", kinds.UnitRelease: "release"}
+    assert {cls: cls.holds for cls in kinds.INSTRUCTIONS if cls.holds} == effects
+    assert all(callable(getattr(Walk, name)) for name in effects.values())
+    assert set(COMPUTES) == {cls.runs for cls in kinds.STAGE_COMPUTES}
 
 
 def test_fit_report_says_which_rank_which_instruction_by_how_much_and_what_to_change():

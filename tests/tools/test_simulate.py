@@ -183,6 +183,10 @@ def test_measure_transport_between_two_processes():
     assert not costs.sends_complete_on_delivery
     bandwidth, latency = tc.collective_link      # gloo's all-reduce, calibrated alongside
     assert bandwidth > 0 and latency >= 0 and costs.collective_link == tc.collective_link
+    # NOTE: Collectives in context: an all-reduce after each gap of compute, longer gaps later
+    computed = [c for c, _ in tc.collective_skew]
+    assert len(computed) == 4 and computed == sorted(computed) and costs.collective_skew == tc.collective_skew
+    assert min(extra for _, extra in tc.collective_skew) >= 0
 
 
 def test_the_collective_link_reproduces_the_measured_all_reduces():

@@ -14,7 +14,9 @@ Each rank issues its instructions in plan order, one at a time, as the runtime d
     `costs.noticed(wait)` late (a polling receiver backs off while it waits);
   * a collective (gradient bucket, tie or clip all-reduce, or a boxing conversion listed
     after its compute) starts when its last member issues it and takes
-    CostModel.collective (a ring or tree over the group's slowest link);
+    CostModel.collective (a ring or tree over the group's slowest link), plus the drift
+    its members' computes since their previous collective cost (CostModel.skew, measured in
+    context: NOTE: Collectives in context);
   * with `sends_complete_on_delivery` (gloo), the optimizer step and the end of a step
     wait until every send of the rank has been delivered (the runtime drains its sends);
   * each step begins with the Prologues of the rank's stages, which run outside the plan

@@ -39,10 +39,11 @@ class _Issue:
     """The k-th collective over one group: members arrived, the latest arrival, members done,
     and those waiting for the rest."""
 
-    __slots__ = ("issued", "latest", "done", "waiters")
+    __slots__ = ("issued", "latest", "done", "waiters", "computed")
 
     def __init__(self):
         self.issued, self.latest, self.done, self.waiters = 0, 0.0, 0, []
+        self.computed = 0.0     # the most compute a member did since its last collective
 
 
 class _Group:
@@ -80,12 +81,19 @@ class _Simulation:
         self.links: Dict[Tuple[int, int], _Link] = {}      # (src, dst)
         self.groups: Dict[Tuple[int, ...], _Group] = {}    # sorted ranks
         self.ops, self.shown = {}, {}
+        # each rank's checkpointed micro-batches, charged their forward again (NOTE: Recompute cost)
+        self._recomputed = {r: p.recomputed_microbatches for r, p in self.plans.items()}
         for r, plan in self.plans.items():
             self.ops[r], self.shown[r] = self._lower(r, plan)
         # each step begins with the rank's Prologues, outside its plan (NOTE: Prologue costs)
         self.step_start = {r: costs.step_start(r, p.local_stages) if costs.prologue else 0.0
                            for r, p in self.plans.items()}
         self.clock = dict(self.step_start)
+        # the Prologues' all-reduces: their members' drift is charged (NOTE: Collectives in context)
+        self.start_syncs = {r: costs.step_start_syncs(r, p.local_stages) if costs.prologue else 0
+                            for r, p in self.plans.items()}
+        self.skew = costs.skew if costs.collective_skew else None
+        self.computed = {r: 0.0 for r in self.plans}   # compute since the rank's last collective
         self.pc = {r: 0 for r in self.plans}       # position in the plan repeated `steps` times
         self.starts = {r: array("d") for r in self.plans}
         self.ends = {r: array("d") for r in self.plans}
@@ -143,7 +151,8 @@ class _Simulation:
             return COLLECTIVE, self.groups[group], costs.collective(ins)
         if kind == "optimizer":
             return OPTIMIZER, costs.compute(ins, rank) * self.stretch
-        return COMPUTE, costs.compute(ins, rank) * self.stretch
+        # a checkpointed micro-batch's backward runs its forward again (NOTE: Recompute cost)
+        return COMPUTE, costs.compute(ins, rank, self._recomputed[rank]) * self.stretch
 
     def _nbytes(self, ins) -> int:
         """A transfer's bytes (its TensorSpecs are usually shared by many instructions)."""
@@ -180,12 +189,15 @@ class _Simulation:
         total = n * self.steps
         pc, clock = self.pc[rank], self.clock[rank]
         starts, ends, freed = self.starts[rank], self.ends[rank], []
+        track = self.skew is not None      # compute since the last collective, for its drift
         while pc < total:
             index = pc % n
             op = ops[index]
             code = op[0]
             if code == COMPUTE:
                 end = clock + op[1]
+                if track:
+                    self.computed[rank] += op[1]
             elif code == SEND:
                 end = clock + op[1]
                 freed += self._post_send(rank, op, end)
@@ -202,8 +214,12 @@ class _Simulation:
                 end = self._folded_collective_end(rank, op, pc, n, clock, freed)
             else:
                 end = self._drained(rank, clock) + op[1]
+                if track:
+                    self.computed[rank] += op[1]
             if end is None:
                 break
+            if track and (code == COLLECTIVE or code == QCOLLECTIVE):
+                self.computed[rank] = 0.0
             starts.append(clock)
             ends.append(end)
             clock = end
@@ -211,9 +227,20 @@ class _Simulation:
             if index == n - 1:      # the runtime drains its sends before a step returns
                 clock = self._drained(rank, end)
                 self.step_end[rank].append(clock)
-                clock += self.step_start[rank]
+                clock += self.step_start[rank] + self._prologue_skew(rank)
         self.pc[rank], self.clock[rank] = pc, clock
         return freed
+
+    def _prologue_skew(self, rank: int) -> float:
+        """The drift the first of a step's Prologue all-reduces pays (the others follow it at
+        once; See NOTE: Collectives in context)."""
+        if not self.start_syncs[rank] or self.skew is None:
+            return 0.0
+        pro = sum(self.costs.prologue[s].seconds for s in self.plans[rank].local_stages
+                  if s in self.costs.prologue)
+        extra = self.skew(self.computed[rank] + pro)
+        self.computed[rank] = 0.0
+        return extra
 
     def _drained(self, rank: int, now: float) -> float:
         return max(now, self.delivered[rank]) if self.costs.sends_complete_on_delivery else now
@@ -249,6 +276,7 @@ class _Simulation:
         if entry.issued < group.size:      # this rank arrives (a woken rank had arrived before)
             entry.issued += 1
             entry.latest = max(entry.latest, now)
+            entry.computed = max(entry.computed, self.computed[rank])
             if entry.issued < group.size:
                 entry.waiters.append(rank)
                 return None
@@ -257,7 +285,7 @@ class _Simulation:
         entry.done += 1
         if entry.done == group.size:       # every member is through: forget it
             del group.open[k]
-        return entry.latest + cost
+        return entry.latest + cost + (self.skew(entry.computed) if self.skew is not None else 0.0)
 
     def _folded_collective_end(self, rank: int, op: tuple, pc: int, n: int, now: float,
                                freed: List[int]) -> Optional[float]:
@@ -278,7 +306,8 @@ class _Simulation:
                 return None
             if issued > latest:
                 latest = issued
-        return latest + op[2]
+        # symmetric members (NOTE: Symmetric ranks): this one's compute stands for theirs
+        return latest + op[2] + (self.skew(self.computed[rank]) if self.skew is not None else 0.0)
 
     def _stuck(self) -> None:
         waits = []

@@ -1,9 +1,9 @@
 """The walk of NOTE: Peak memory model (peak.py): what one rank holds, instruction by instruction.
 
-Each instruction kind's effect is one entry of `EFFECTS` (by class exactly: a unit gather
-gathers, a clip's all-reduce frees gradients as a sum's does) and each compute part's one of
-`COMPUTES` (by its run entry, `part.runs`, as the runtime dispatches); a kind in neither
-holds nothing beyond its compute. tests/tools/test_memory_model.py checks every key.
+Each instruction kind names its effect, the Walk method `holds` (plan/instruction_base.py: a
+unit gather gathers as AllGather does, a clip's all-reduce frees gradients as a sum's does, by
+inheritance) and each compute part's is one entry of `COMPUTES` (by its run entry, `part.runs`,
+as the runtime dispatches); a kind with neither holds nothing beyond its compute. tests/tools/test_memory_model.py checks every key.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from ...plan.instructions import (INSIDE_COMPUTE, AllGather, AllReduce, Backward, BackwardInput,
                                   BackwardWeight, ClipGradNorm, Forward, Instruction,
                                   OptimizerStep, Recv, ReduceScatter, ReleaseParams, Send,
-                                  TieAllReduce, UnitGather, UnitRelease)
+                                  TieAllReduce, UnitGather)
 from ...plan.plan import ExecutionPlan, checkpointed_microbatches
 from ..cost_model import CostModel
 from .memory import stage_input_bytes
@@ -113,9 +113,8 @@ class Walk:
                 if effect is not None:
                     effect(self, part)
                     self.recvs.consumed(part)
-            effect = EFFECTS.get(type(ins))
-            if effect is not None:
-                effect(self, ins)
+            if ins.holds:
+                getattr(self, ins.holds)(ins)
             for scatter in self.launches.get(i, ()):
                 self._launch_scatter(scatter)
             if ins.runs == INSIDE_COMPUTE:   # a unit's gather or release, inside its compute
@@ -168,6 +167,9 @@ class Walk:
             self.held.add("gradients", -self._grad_bytes(ins))
         if self.stage != 1 and not self.steps_per_unit:
             self.held.add("gradients", ins.padded_nbytes // len(ins.ranks))
+
+    def recv(self, ins: Recv) -> None:
+        self.recvs.take(ins)
 
     def scatter(self, ins: ReduceScatter) -> None:
         if ins not in self.scattering and ins not in self.launched:
@@ -300,14 +302,9 @@ def _stage_grad_bytes(plan: ExecutionPlan, params: Sequence[ParamSpec]) -> Dict[
     return {stages[0]: total} if stages else {}
 
 
-# What each compute part does, by its run entry; what each other kind does, by its class
+# What each compute part does, by its run entry; each other kind names its own: Walk.<holds>
 COMPUTES = {Forward.runs: Walk.forward, Backward.runs: Walk.backward,
             BackwardInput.runs: Walk.backward, BackwardWeight.runs: Walk.backward}
-EFFECTS = {Recv: lambda walk, ins: walk.recvs.take(ins), Send: Walk.send,
-           ReduceScatter: Walk.scatter, AllReduce: Walk.reduce, TieAllReduce: Walk.reduce,
-           ClipGradNorm: Walk.reduce, OptimizerStep: Walk.optimizer_step,
-           AllGather: Walk.gather, UnitGather: Walk.gather,
-           ReleaseParams: Walk.release, UnitRelease: Walk.release}
 
 
 def instruction_label(index: int, ins) -> str:

@@ -213,3 +213,66 @@ def test_hf_num_items_in_batch(layout, accumulation):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=LLAMA_LOSS_RTOL, atol=0)
     for k, v in want_state.items():
         assert_close(state[k], v, f"{layout}: {k}")
+
+
+def _mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+UNMERGED = {   # what build() computes -> the loss and what it returns first; why it is refused
+    "sum plus mean returned": (lambda out, y: (out.sum() + _mse(out, y), _mse(out, y)), "adds a sum"),
+    "perplexity returned": (lambda out, y: (torch.exp(_mse(out, y).detach()), _mse(out, y)), "'exp'"),
+    "max over the batch returned": (lambda out, y: (out.max(), _mse(out, y)), "'max"),
+    "sum plus mean as the loss": (lambda out, y: (_mse(out, y) + 0.01 * out.sum(),) * 2, "the loss at"),
+}
+
+
+class Returning(graphc.Graph):
+    def __init__(self, layout, compute, accumulation):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model, self.compute = Pair(), compute
+        declare(self, layout)
+        self.config.set_gradient_accumulation_steps(accumulation)
+        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=LR))
+
+    def build(self, x, y):
+        first, loss = self.compute(self.model(x), y)
+        loss.backward()
+        return first, loss
+
+
+@pytest.mark.parametrize("name", list(UNMERGED))
+def test_a_value_no_merge_of_micro_batches_gives_is_refused(name):
+    """Under accumulation, a returned value (or the loss) whose micro-batches' values merged are
+    not eager's on the whole batch is refused at the user's line (NOTE: Batch sums); before, it
+    was averaged: silently different even in one process."""
+    compute, why = UNMERGED[name]
+    x, y, _ = _regression(1)[0]
+    with pytest.raises(graphc.GraphcError, match=why) as err:
+        Returning("one", compute, accumulation=2)(x, y)
+    assert "test_reductions.py" in str(err.value) and "Fix:" in str(err.value)
+
+
+@pytest.mark.parametrize("layout", ["one", "dp2"])
+@pytest.mark.parametrize("name", list(UNMERGED))
+def test_without_accumulation_they_are_eager(layout, name):
+    """Without micro-batches the same programs are exact: data parallelism reduces over the
+    ranks by SBP (partial sums all-reduced before a nonlinear op), not by a merge."""
+    compute = UNMERGED[name][0]
+    batches = [(x, y) for x, y, _ in _regression()]
+
+    def step(model, x, y):
+        return compute(model(x), y)
+    torch.manual_seed(0)
+    model = Pair()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    want = []
+    for x, y in batches:
+        first, loss = step(model, x, y)
+        want.append(first.item())
+        opt.zero_grad(), loss.backward(), opt.step()
+    got, state = train(layout, lambda lay: Returning(lay, compute, accumulation=1), batches)
+    assert got == pytest.approx(want, abs=1e-10), (got, want)
+    for k, v in model.state_dict().items():
+        assert_close(state[k], v, f"{layout} {k}")

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import graphc
 from graphc.passes.trace_build import trace_build
-from layouts import Pair, assert_same, declare, every_layout, train
+from layouts import Pair, assert_same, declare, every_layout, fallbacks, train
 
 D_OUT = 4
 
@@ -404,3 +404,42 @@ def test_write_into_a_held_tensor_refused():
     x, _ = batches(1)[0]
     with pytest.raises(graphc.GraphcError, match=r"HELD.add_.*register_buffer"):
         Held(Pair())(x)
+
+
+class Detached(graphc.Graph):
+    """Returns a detached batch statistic first (what a user logs), then the loss."""
+
+    def __init__(self, layout):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = Pair()
+        declare(self, layout)
+        self.config.set_gradient_accumulation_steps(2)
+        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.1))
+
+    def build(self, x, y):
+        out = self.model(x)
+        loss = ((out - y) ** 2).mean()
+        loss.backward()
+        return out.detach().sum(), loss.detach(), loss
+
+
+@every_layout
+def test_detached_values_keep_their_layout(layout):
+    """`detach` has an SBP rule (a linear unary op): a detached split or partial value is not
+    gathered to run whole (the slow path infer_sbp warns of), and what it returns is eager's."""
+    torch.manual_seed(0)
+    model = Pair()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for x, y in batches():
+        out = model(x)
+        loss = ((out - y) ** 2).mean()
+        want.append(out.detach().sum().item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    graphs = []
+    got, _ = train(layout, Detached, batches(), graphs=graphs)   # the first scalar output
+    assert got == pytest.approx(want, abs=1e-10), (got, want)
+    assert fallbacks(graphs[0]) == []

@@ -12,7 +12,11 @@ from __future__ import annotations
 import operator
 from typing import Callable, Dict
 
+import torch
+import torch.fx as fx
 import torch.nn as nn
+
+from ..meta import META_TENSOR
 
 from .context import Ctx, op_name
 from .layers import (add_product, attention, class_loss, created, default, distance, einsum, embedding, like,
@@ -43,8 +47,8 @@ _NONLINEAR = ("relu", "gelu", "silu", "sigmoid", "tanh", "exp", "exp2", "log", "
               "floor_divide", "mod", "remainder", "fmod", "atan2", "float_power", "xlogy", "prelu",
               "rrelu", "silu", "logit", "sinh", "cosh", "asin", "acos", "atan", "tan", "addcmul",
               "addcdiv", "heaviside", "copysign", "polar",
-              "hardshrink", "softshrink", "sigmoid", "bool", "long", "int", "short", "byte", "char",
-              "glu")
+              "hardshrink", "softshrink", "sigmoid", "bool", "glu")
+_INTEGER_CASTS = ("long", "int", "short", "byte", "char")
 _LINEAR_REDUCE = {"sum": 1, "mean": 1, "nansum": 1, "nanmean": 1}
 _OTHER_REDUCE = {"prod": 1, "amax": 1, "amin": 1, "max": 1, "min": 1, "argmax": 1, "argmin": 1,
                  "logsumexp": 1, "std": 1, "var": 1, "median": 1, "nanmedian": 1, "mode": 1,
@@ -52,9 +56,20 @@ _OTHER_REDUCE = {"prod": 1, "amax": 1, "amin": 1, "max": 1, "min": 1, "argmax": 
                  "std_mean": 1, "var_mean": 1, "aminmax": 1}
 _TUPLE_REDUCE = ("std_mean", "var_mean", "aminmax", "mode")
 
+def integer_cast(ctx: Ctx):
+    """A cast to an integer type truncates a floating value (nonlinear: a mean's parts
+    truncated do not average to the mean truncated) but keeps an integer one (a count)."""
+    source = ctx.arg(0, "input")
+    meta = source.meta.get(META_TENSOR) if isinstance(source, fx.Node) else None
+    exact = meta is not None and not getattr(torch, meta.dtype).is_floating_point \
+        and not getattr(torch, meta.dtype).is_complex
+    return elementwise(exact)(ctx)
+
+
 RULES: Dict[str, Callable] = {}
 RULES.update({n: elementwise(True) for n in _LINEAR})
 RULES.update({n: elementwise(False) for n in _NONLINEAR})
+RULES.update({n: integer_cast for n in _INTEGER_CASTS})
 RULES.update({n: reduction(at, True) for n, at in _LINEAR_REDUCE.items()})
 RULES.update({n: reduction(at, False, n in _TUPLE_REDUCE) for n, at in _OTHER_REDUCE.items()})
 RULES["histc"] = reduction(9, True)   # counts every entry (it takes no dim): a batch sum

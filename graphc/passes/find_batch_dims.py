@@ -49,12 +49,15 @@ def find_batch_dims(gm: fx.GraphModule, num_microbatches: int, decide_inputs: bo
                      if is_backward(n)), None)
     roots = [backward.args[0]] if backward is not None else gm.graph.output_node().all_input_nodes
     used = ancestors(roots + _writes_into(gm, ancestors(roots)))  # not buffer updates
-    events = [e for e in events if e.node in used]
-    wholes = [e for e in events if isinstance(e, WholeSums)]
-    events = [e for e in events if isinstance(e, Coupling)]
+    wholes = [e for e in events if isinstance(e, WholeSums) and e.node in used]
+    loss_used = set(used)
+    if backward is not None and split is not None:   # what build() returns is merged too
+        used |= ancestors(gm.graph.output_node().all_input_nodes)   # (NOTE: Batch sums)
+    events = [e for e in events if isinstance(e, Coupling) and e.node in used]
     if split is not None:
         batch = syms.classes(chosen)
-        _confirm_split(gm, env, syms, events, batch, placeholders, split, num_microbatches)
+        _confirm_split(gm, env, syms, events, batch, placeholders, split, num_microbatches,
+                       loss_used if backward is not None else used)
     else:
         candidates = _candidates(env, syms, events, roots, training=backward is not None)
         mixed = {c for e in events for c in _classes(e, syms)}
@@ -69,12 +72,12 @@ def find_batch_dims(gm: fx.GraphModule, num_microbatches: int, decide_inputs: bo
             node.meta[META_BATCHED] = node.meta[META_ROWS].dim == 0
     if num_microbatches > 1:
         _mark_whole_sums(gm, env, syms, [e for e in wholes if _classes(e, syms) & batch], num_microbatches)
-    _mark_sums(gm)
+    _mark_sums(gm, num_microbatches)
     return gm
 
 
 def _confirm_split(gm, env, syms: Symbols, events: List[Coupling], batch: FrozenSet[int],
-                   placeholders, split: Sequence[bool], m: int) -> None:
+                   placeholders, split: Sequence[bool], m: int, loss_used: set) -> None:
     """NOTE: Batch split. The inputs split_inputs cuts are the batch's rows; the data flow
     must agree: no op may mix those rows (per micro-batch it would compute something else),
     and an input kept whole must not line up with them."""
@@ -84,7 +87,7 @@ def _confirm_split(gm, env, syms: Symbols, events: List[Coupling], batch: Frozen
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     mixing = sorted((e for e in events if _classes(e, syms) & batch), key=lambda e: order[e.node])
     if mixing:
-        raise _coupled(mixing[0], m, names)
+        raise _coupled(mixing[0], m, names, returned_only=mixing[0].node not in loss_used)
     for p, s in zip(placeholders, split):
         value = env.get(p)
         if not s and isinstance(value, Rows) and value.dims and value.dims[0] is not None \
@@ -247,9 +250,17 @@ def _meta(value, batch: FrozenSet[int], syms: Symbols) -> RowsMeta:
     return RowsMeta(dim, bool(syms.classes(value.reduced) & batch))
 
 
-def _coupled(e: Coupling, m: int, split: Optional[List[str]] = None) -> GraphcError:
+def _coupled(e: Coupling, m: int, split: Optional[List[str]] = None,
+             returned_only: bool = False) -> GraphcError:
     trace = e.node.meta.get("stack_trace", "").strip().splitlines()
     where = f"{trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else e.node.format_node()
+    if returned_only:   # only a value build() returns reads it (NOTE: Batch sums)
+        return GraphcError(
+            f"a value build() returns couples rows of the batch at {where} (node "
+            f"'{e.node.name}'): {e.why}. The inputs {split} are split into {m} micro-batches, and "
+            "the value each one computes, merged, is not what eager computes on the whole batch. "
+            "Fix: return the sum or mean itself and apply the op after the call (e.g. "
+            "torch.exp(loss) for a perplexity), or self.config.set_gradient_accumulation_steps(1).")
     if split is not None:
         return GraphcError(
             f"build() couples rows of the batch at {where} (node '{e.node.name}'): {e.why}. The "
@@ -277,25 +288,57 @@ def _coupled(e: Coupling, m: int, split: Optional[List[str]] = None) -> GraphcEr
 # the whole batch passed in, as transformers' `num_items_in_batch`) stays a sum. The loss
 # follows the same rule: a batch-sum loss (`loss.sum() / num_items_in_batch`) is the sum of
 # its micro-batches' parts, so each micro-batch's gradient counts whole, where a batch
-# mean's counts 1/m (StageProgram.loss_weight). A value mixing both kinds, or made by an op
-# not followed here, keeps the mean (as before).
+# mean's counts 1/m (StageProgram.loss_weight). Under accumulation, what no merge of the
+# micro-batches' values can give is refused at the user's line: a value adding a sum over the
+# batch to a mean over it (the loss or a returned value), a max or min over the batch's rows
+# returned, and (find_batch_dims) a returned value that puts a sum or mean over the batch
+# through a nonlinear op (torch.exp(loss) per micro-batch, averaged, is not exp of the
+# batch's loss). A value made by an op not followed here keeps the mean (as before).
 _SUMS = frozenset({"sum", "nansum", "count_nonzero"})
 _MEANS = frozenset({"mean", "nanmean"})
 _KEEPS = frozenset({"float", "double", "half", "bfloat16", "long", "int", "short", "to", "type", "type_as",
                     "detach", "clone", "neg", "contiguous", "squeeze", "unsqueeze", "view", "reshape",
                     "flatten", "getitem"})
 _SCALES = frozenset({"mul", "truediv", "div", "divide", "true_divide"})
+_EXTREMES = frozenset({"max", "min", "amax", "amin"})
 _LOSS_MODULES = (torch.nn.modules.loss._Loss,)
 
 
-def _mark_sums(gm: fx.GraphModule) -> None:
-    """Marks build()'s outputs and the loss that are batch sums (NOTE: Batch sums)."""
+def _mark_sums(gm: fx.GraphModule, m: int) -> None:
+    """Marks build()'s outputs and the loss that are batch sums (NOTE: Batch sums); with
+    m > 1 micro-batches, refuses those no merge of their parts gives."""
     backward = next((n for n in gm.graph.nodes if is_backward(n)), None)
     loss = [backward.args[0]] if backward is not None and isinstance(backward.args[0], fx.Node) else []
     for node in gm.graph.output_node().all_input_nodes + loss:
         meta = node.meta.get(META_ROWS)
-        if meta is not None and meta.dim is None and meta.reduced and _kind(gm, node) == "sum":
+        if meta is None or meta.dim is not None or not meta.reduced:
+            continue
+        kind = _kind(gm, node)
+        if kind == "sum":
             node.meta[META_ROWS] = RowsMeta(None, True, summed=True)
+        elif kind in _UNMERGED and m > 1:
+            raise _unmerged(node, kind, m, node in loss)
+
+
+_UNMERGED = {"mixed": ("adds a sum over the batch's rows to a mean over them: the micro-batches' "
+                       "parts of a sum add up and those of a mean average, and a mix is neither",
+                       "make both terms sums (divide by the whole batch's count) or both means, "
+                       "or return the two terms separately and combine them after the call"),
+             "extreme": ("is a max or min over the batch's rows, which the micro-batches' values "
+                         "averaged are not",
+                         "return the per-row values (e.g. out.amax(dim=1)) and reduce them after "
+                         "the call")}
+
+
+def _unmerged(node: fx.Node, kind: str, m: int, is_loss: bool) -> GraphcError:
+    trace = node.meta.get("stack_trace", "").strip().splitlines()
+    where = f"{trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else node.format_node()
+    what, fix = _UNMERGED[kind]
+    return GraphcError(
+        f"{'the loss' if is_loss else 'a value build() returns'} at {where} (node '{node.name}') "
+        f"{what}; with {m} gradient accumulation steps it would not be what eager computes on "
+        f"the whole batch (NOTE: Batch sums). Fix: {fix}; or "
+        "self.config.set_gradient_accumulation_steps(1).")
 
 
 def _name(node: fx.Node) -> str:
@@ -326,7 +369,11 @@ def _kind(gm: fx.GraphModule, node: fx.Node, depth: int = 0) -> Optional[str]:
         return _scaled_kind(gm, node, name, depth)
     if name in ("add", "sub", "iadd", "isub"):
         kinds = {_kind(gm, a, depth + 1) for a in node.args if _reduced(a)}
+        if "mixed" in kinds or {"sum", "mean"} <= kinds:
+            return "mixed"
         return kinds.pop() if len(kinds) == 1 else None
+    if name in _EXTREMES and rows is not None and rows.dim is not None:
+        return "extreme"
     return None
 
 

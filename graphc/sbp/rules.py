@@ -46,7 +46,7 @@ _register(linear, F.linear)
 _register(addmm, torch.addmm)
 _register(additive, operator.add, operator.sub, torch.add, torch.sub, "add", "sub")
 _register(multiplicative, operator.mul, operator.truediv, torch.mul, torch.div, "mul", "div")
-_register(linear_unary, operator.neg, torch.neg, "neg", "contiguous", "clone")
+_register(linear_unary, operator.neg, torch.neg, "neg", "contiguous", "clone", "detach", torch.detach)
 _register(elementwise, F.relu, torch.relu, "relu", F.gelu, F.silu, torch.tanh, "tanh",
           torch.sigmoid, "sigmoid", F.dropout, torch.exp, "exp", F.sigmoid, F.tanh)
 _register(softmax, F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax",

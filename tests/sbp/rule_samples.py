@@ -216,8 +216,8 @@ UNARY_FUNCTIONS = [F.relu, torch.relu, F.gelu, F.silu, torch.tanh, torch.sigmoid
                    torch.exp, F.sigmoid, F.tanh, torch.neg, operator.neg, torch.rsqrt, torch.sqrt,
                    torch.abs, F.relu6, F.leaky_relu, F.elu, F.hardtanh, F.hardswish, F.softplus,
                    F.mish, F.selu, F.celu, F.hardsigmoid, F.logsigmoid, F.softsign, F.tanhshrink,
-                   torch.logical_not, torch.zeros_like, torch.ones_like]
-UNARY_METHODS = ["relu", "tanh", "sigmoid", "exp", "neg", "contiguous", "clone", "logical_not",
+                   torch.logical_not, torch.zeros_like, torch.ones_like, torch.detach]
+UNARY_METHODS = ["relu", "tanh", "sigmoid", "exp", "neg", "contiguous", "clone", "detach", "logical_not",
                  "rsqrt", "sqrt", "abs", "float", "double"]
 BINARY = [operator.add, operator.sub, torch.add, torch.sub, "add", "sub", operator.mul,
           operator.truediv, torch.mul, torch.div, "mul", "div", operator.eq, operator.ne,

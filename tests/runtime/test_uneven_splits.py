@@ -147,7 +147,7 @@ def _run_config(rank, world, kind, size, rows, accumulation):
     for step in range(STEPS):
         x, y = _batch(kind, rows, step, size if kind == "vocab" else 7)
         losses.append(graph(*_feed(kind, x, y, where, rank)).to_local().item())
-    shards = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shards = {k: tuple(v.shape) for k, v in (*model.named_parameters(), *model.named_buffers())}
     return {"losses": losses, "state": graph.full_state_dict(), "shards": shards,
             "plan": str(graph.plan)}
 

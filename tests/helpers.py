@@ -224,3 +224,11 @@ def assert_close(got, want, what: str = "") -> None:
 # (sequence-first too, slow) and data parallel; CI runs the batch-first ones
 ATTENTION_LAYOUTS = [(True, "tensor"), pytest.param(False, "tensor", marks=pytest.mark.slow), (True, "data")]
 ATTENTION_LAYOUT_IDS = ["tensor2", "tensor2_sequence_first", "data2"]
+
+
+def local_model_state(graph):
+    """graph.state_dict()'s model entries (this rank's components), by the model's own names."""
+    state = graph.state_dict()
+    model = state.get("model", state)
+    return {k[len("model."):] if k.startswith("model.") else k: v.detach().clone()
+            for k, v in model.items() if isinstance(v, torch.Tensor)}

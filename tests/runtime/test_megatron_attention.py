@@ -16,7 +16,8 @@ from graphc import sbp
 from graphc.meta import META_SBP
 from graphc.plan.instructions import AllReduce, Collective
 from gpt_block_models import ATTENTION, BlockStack, TokenLossGraph, megatron, token_loss
-from helpers import assert_same_as_eager, compile_graph, eager_train, feed_split, graphc_train, run_world
+from helpers import (assert_same_as_eager, compile_graph, eager_train, feed_split, graphc_train,
+                     local_model_state, run_world)
 from models import OPTIMIZERS
 
 STEPS = 3
@@ -58,7 +59,7 @@ def _train(rank, world):
         losses, state = graphc_train(graph, _batches())
         syncs = [t.name for ins in graph.plan.instructions if type(ins) is AllReduce for t in ins.tensors]
         out[(fused, kind)] = {"losses": losses, "state": state, "synced": syncs,
-                              "local": {k: v.clone() for k, v in model.state_dict().items()}}
+                              "local": local_model_state(graph)}
     return out
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import graphc
 from dropout_models import DropNet, tensor_parallel
 from gpt_block_models import TokenLossGraph, token_loss
-from helpers import assert_same_as_eager, eager_train, run_world
+from helpers import assert_same_as_eager, eager_train, local_model_state, run_world
 
 pytestmark = pytest.mark.world  # every test here spawns ranks (tests/test_world_marker.py)
 
@@ -34,14 +34,6 @@ def _token_batches():
     return [(x, y)] * STEPS  # one batch: the loss falls despite dropout
 
 
-def _local_model_state(graph):
-    """graph.state_dict()'s model entries (this rank's components), by the model's own names."""
-    state = graph.state_dict()
-    model = state.get("model", state)
-    return {k[len("model."):] if k.startswith("model.") else k: v.detach().clone()
-            for k, v in model.items() if isinstance(v, torch.Tensor)}
-
-
 def _train_tp(rank, world):
     out = {}
     for p in (0.2, 0.0):
@@ -53,7 +45,7 @@ def _train_tp(rank, world):
         out[p] = {"losses": losses, "state": graph.full_state_dict(),
                   # this rank's local components (a rank's own model refuses reads of the
                   # parts it holds: NOTE: Parameters held elsewhere)
-                  "local": _local_model_state(graph)}
+                  "local": local_model_state(graph)}
     return out
 
 

@@ -59,7 +59,7 @@ def _train(rank, world):
         losses, state = graphc_train(graph, _batches())
         syncs = [t.name for ins in graph.plan.instructions if type(ins) is AllReduce for t in ins.tensors]
         out[(fused, kind)] = {"losses": losses, "state": state, "synced": syncs,
-                              "local": local_model_state(graph)}
+                              "local": local_model_state(model)}
     return out
 
 

@@ -45,7 +45,7 @@ def _train_tp(rank, world):
         out[p] = {"losses": losses, "state": graph.full_state_dict(),
                   # this rank's local components (a rank's own model refuses reads of the
                   # parts it holds: NOTE: Parameters held elsewhere)
-                  "local": local_model_state(graph)}
+                  "local": local_model_state(model)}
     return out
 
 

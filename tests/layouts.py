@@ -214,3 +214,21 @@ def replicated(graph) -> Dict[int, float]:
 
 def _compiled(graph):
     return graph.compiled if isinstance(graph, graphc.Graph) else graph
+
+
+class Computing(graphc.Graph):
+    """A Pair on a layout whose build() returns what `compute(out, y)` returns (out the Pair's
+    output), after the backward of its last value, the loss; SGD at lr 0.1."""
+
+    def __init__(self, layout: str, compute: Callable, accumulation: int = 2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model, self.compute = Pair(), compute
+        declare(self, layout)
+        self.config.set_gradient_accumulation_steps(accumulation)
+        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.1))
+
+    def build(self, x, y):
+        values = self.compute(self.model(x), y)
+        values[-1].backward()
+        return values

@@ -19,7 +19,7 @@ import graphc
 from graphc.compiler import compile as compile_graph
 from graphc.runtime.local_world import LocalWorld
 from helpers import assert_close
-from layouts import NPROC, Pair, assert_same, declare, every_layout, feed, train
+from layouts import NPROC, Computing, Pair, assert_same, declare, every_layout, feed, train
 
 B, STEPS, LR = 8, 2, 0.1
 
@@ -227,21 +227,6 @@ UNMERGED = {   # what build() computes -> the loss and what it returns first; wh
 }
 
 
-class Returning(graphc.Graph):
-    def __init__(self, layout, compute, accumulation):
-        super().__init__()
-        torch.manual_seed(0)
-        self.model, self.compute = Pair(), compute
-        declare(self, layout)
-        self.config.set_gradient_accumulation_steps(accumulation)
-        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=LR))
-
-    def build(self, x, y):
-        first, loss = self.compute(self.model(x), y)
-        loss.backward()
-        return first, loss
-
-
 @pytest.mark.parametrize("name", list(UNMERGED))
 def test_a_value_no_merge_of_micro_batches_gives_is_refused(name):
     """Under accumulation, a returned value (or the loss) whose micro-batches' values merged are
@@ -250,7 +235,7 @@ def test_a_value_no_merge_of_micro_batches_gives_is_refused(name):
     compute, why = UNMERGED[name]
     x, y, _ = _regression(1)[0]
     with pytest.raises(graphc.GraphcError, match=why) as err:
-        Returning("one", compute, accumulation=2)(x, y)
+        Computing("one", compute, accumulation=2)(x, y)
     assert "test_reductions.py" in str(err.value) and "Fix:" in str(err.value)
 
 
@@ -272,7 +257,7 @@ def test_without_accumulation_they_are_eager(layout, name):
         first, loss = step(model, x, y)
         want.append(first.item())
         opt.zero_grad(), loss.backward(), opt.step()
-    got, state = train(layout, lambda lay: Returning(lay, compute, accumulation=1), batches)
+    got, state = train(layout, lambda lay: Computing(lay, compute, accumulation=1), batches)
     assert got == pytest.approx(want, abs=1e-10), (got, want)
     for k, v in model.state_dict().items():
         assert_close(state[k], v, f"{layout} {k}")

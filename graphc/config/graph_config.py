@@ -9,6 +9,7 @@ import torch
 from ..errors import GraphcError
 from ..plan.plan import CHECKPOINT_MODES, DEFAULT_BUCKET_BYTES
 from ..runtime.options import RunOptions
+from .options import is_count
 from .parallel_options import ParallelOptions
 from .precision_options import PrecisionOptions
 
@@ -49,7 +50,7 @@ class GraphConfig(ParallelOptions, PrecisionOptions):
     def set_gradient_accumulation_steps(self, steps: int) -> None:
         """Splits each batch into `steps` micro-batches; the optimizer steps once per call."""
         self._check_open("set_gradient_accumulation_steps")
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        if not is_count(steps):
             raise GraphcError(f"gradient accumulation steps must be an int >= 1, found {steps!r}")
         self.gradient_accumulation_steps = steps
 
@@ -73,14 +74,14 @@ class GraphConfig(ParallelOptions, PrecisionOptions):
         self._check_open("set_trace")
         if not isinstance(path, str) or not path or path in ("0", "1"):
             raise GraphcError(f"set_trace needs a file path such as \"trace.json\", found {path!r}")
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        if not is_count(steps):
             raise GraphcError(f"set_trace: steps must be an int >= 1, found {steps!r}")
         self.trace_path, self.trace_steps = path, steps
 
     def set_gradient_bucket_size(self, nbytes: int) -> None:
         """Gradients of data-parallel parameters are all-reduced in buckets of about `nbytes`."""
         self._check_open("set_gradient_bucket_size")
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
+        if not is_count(nbytes):
             raise GraphcError(f"gradient bucket size must be an int number of bytes >= 1, found {nbytes!r}")
         self.gradient_bucket_bytes = nbytes
 
@@ -234,7 +235,7 @@ class GraphConfig(ParallelOptions, PrecisionOptions):
 
     def set_recv_window(self, n: int) -> None:
         """How many receives per peer the runtime posts ahead of the compute that needs them."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        if not is_count(n):
             raise GraphcError(f"recv window must be an int >= 1, found {n!r}")
         self.recv_window = n
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 from ..errors import GraphcError
 
 
+def is_count(value) -> bool:
+    """An int >= 1 (not a bool): what a number of steps, bytes or receives must be."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 class Options:
     """What each group of `graph.config`'s options (GraphConfig and its bases) reads of the
     Graph: whether it has compiled yet."""

@@ -6,7 +6,7 @@ from typing import Optional
 
 from ..errors import GraphcError
 from ..sbp.context_parallel import checked as checked_context_parallel
-from .options import Options
+from .options import Options, is_count
 
 
 class ParallelOptions(Options):
@@ -121,7 +121,7 @@ class ParallelOptions(Options):
         if stage not in (1, 2, 3) or isinstance(stage, bool):
             raise GraphcError(f"enable_zero: stage must be 1, 2 or 3, found {stage!r}. "
                               "Fix: self.config.enable_zero(True, stage=2).")
-        if not isinstance(shard_min_size, int) or isinstance(shard_min_size, bool) or shard_min_size < 1:
+        if not is_count(shard_min_size):
             raise GraphcError(f"enable_zero: shard_min_size must be an int >= 1 (elements), found "
                               f"{shard_min_size!r}. Fix: e.g. shard_min_size=1024.")
         if not isinstance(unit_bytes, int) or isinstance(unit_bytes, bool) or unit_bytes < 0:

@@ -50,14 +50,13 @@ def find_batch_dims(gm: fx.GraphModule, num_microbatches: int, decide_inputs: bo
     roots = [backward.args[0]] if backward is not None else gm.graph.output_node().all_input_nodes
     used = ancestors(roots + _writes_into(gm, ancestors(roots)))  # not buffer updates
     wholes = [e for e in events if isinstance(e, WholeSums) and e.node in used]
-    loss_used = set(used)
+    read_by_roots = set(used)
     if backward is not None and split is not None:   # what build() returns is merged too
         used |= ancestors(gm.graph.output_node().all_input_nodes)   # (NOTE: Batch sums)
     events = [e for e in events if isinstance(e, Coupling) and e.node in used]
     if split is not None:
         batch = syms.classes(chosen)
-        _confirm_split(gm, env, syms, events, batch, placeholders, split, num_microbatches,
-                       loss_used if backward is not None else used)
+        _confirm_split(gm, env, syms, events, batch, placeholders, split, num_microbatches, read_by_roots)
     else:
         candidates = _candidates(env, syms, events, roots, training=backward is not None)
         mixed = {c for e in events for c in _classes(e, syms)}
@@ -77,7 +76,7 @@ def find_batch_dims(gm: fx.GraphModule, num_microbatches: int, decide_inputs: bo
 
 
 def _confirm_split(gm, env, syms: Symbols, events: List[Coupling], batch: FrozenSet[int],
-                   placeholders, split: Sequence[bool], m: int, loss_used: set) -> None:
+                   placeholders, split: Sequence[bool], m: int, read_by_roots: set) -> None:
     """NOTE: Batch split. The inputs split_inputs cuts are the batch's rows; the data flow
     must agree: no op may mix those rows (per micro-batch it would compute something else),
     and an input kept whole must not line up with them."""
@@ -87,7 +86,7 @@ def _confirm_split(gm, env, syms: Symbols, events: List[Coupling], batch: Frozen
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     mixing = sorted((e for e in events if _classes(e, syms) & batch), key=lambda e: order[e.node])
     if mixing:
-        raise _coupled(mixing[0], m, names, returned_only=mixing[0].node not in loss_used)
+        raise _coupled(mixing[0], m, names, returned_only=mixing[0].node not in read_by_roots)
     for p, s in zip(placeholders, split):
         value = env.get(p)
         if not s and isinstance(value, Rows) and value.dims and value.dims[0] is not None \

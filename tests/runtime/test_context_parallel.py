@@ -38,14 +38,6 @@ BATCH, T, D_IN = 2, 8, 8
 P01 = graphc.placement("cpu", [0, 1])
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
-
-
 def _batches(batch=BATCH, t=T):
     g = torch.Generator().manual_seed(5)
     return [(torch.randn(batch, t, D_IN, generator=g), torch.randint(0, 5, (batch, t), generator=g))

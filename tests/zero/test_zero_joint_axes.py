@@ -36,14 +36,6 @@ ROWS_AND_POSITIONS = (sbp.split(0), sbp.split(1))
 T = 12
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
-
-
 def _batch(t: int = T, rows: int = 2):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (rows, t), generator=g)
